@@ -1,0 +1,285 @@
+"""Model and parallel-mapping configurations, read from Hugging Face ``config.json`` files.
+
+Field names follow the DeepSeek-V3 / Kimi-K2 config (``DeepseekV3Config``) and the
+EAGLE-3 drafter config (``LlamaForCausalLMEagle3``); see DESIGN.md, "Formats".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from splitspec.errors import CheckpointError, ConfigError
+
+TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+
+def _require(cfg: dict, key: str, where: str, kind=(int,)):
+    if key not in cfg:
+        raise CheckpointError(f"{where}: field '{key}' is missing")
+    v = cfg[key]
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise CheckpointError(f"{where}: field '{key}' = {v!r}, expected {' or '.join(k.__name__ for k in kind)}")
+    return v
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding with optional YaRN scaling (Peng et al. 2023, arXiv:2309.00071; DeepSeek-V3 form).
+
+    ``factor == 1`` means plain RoPE. ``interleaved`` = rotary dims stored as pairs (x0, x1), (x2, x3)…
+    (DeepSeek-V3 / Kimi-K2 checkpoints); otherwise half split (Llama).
+    """
+
+    theta: float
+    dim: int
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    interleaved: bool = True
+
+    @staticmethod
+    def from_hf(cfg: dict, dim: int, interleaved: bool, where: str) -> "RopeConfig":
+        theta = float(cfg.get("rope_theta", 10000.0))
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        kind = rs.get("type", rs.get("rope_type", "default")) if rs else "default"
+        if kind in (None, "default"):
+            return RopeConfig(theta=theta, dim=dim, interleaved=interleaved)
+        if kind != "yarn":
+            raise CheckpointError(f"{where}: rope_scaling type '{kind}' is not supported (expected 'yarn' or none)")
+        return RopeConfig(
+            theta=theta, dim=dim, factor=float(rs["factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+            mscale=float(rs.get("mscale") or 1.0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
+            interleaved=interleaved,
+        )
+
+    @staticmethod
+    def yarn_mscale(factor: float, mscale: float) -> float:
+        """YaRN attention temperature: 0.1·mscale·ln(factor) + 1 for factor > 1, else 1."""
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos/sin: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+        if self.factor <= 1:
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
+        return self.yarn_mscale(self.factor, 1.0)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A Kimi-K2 / DeepSeek-V3 target (architecture ``DeepseekV3ForCausalLM``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    n_group: int = 1
+    topk_group: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    model_type: str = "kimi_k2"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5 × mscale(factor, mscale_all_dim)² (DeepSeek-V3 MLA with YaRN)."""
+        s = self.qk_head_dim ** -0.5
+        if self.rope.factor > 1 and self.rope.mscale_all_dim:
+            s *= RopeConfig.yarn_mscale(self.rope.factor, self.rope.mscale_all_dim) ** 2
+        return s
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    @staticmethod
+    def from_hf(cfg: dict, where: str = "config.json") -> "TargetConfig":
+        """Parse a DeepSeek-V3-family ``config.json`` dict.
+
+        Raises:
+            CheckpointError: wrong ``model_type``, a missing field, or a router this engine does not run.
+        """
+        mt = cfg.get("model_type")
+        if mt not in TARGET_MODEL_TYPES:
+            raise CheckpointError(f"{where}: model_type '{mt}' is not a supported target (expected one of {', '.join(TARGET_MODEL_TYPES)})")
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise CheckpointError(f"{where}: router topk_method='{cfg.get('topk_method')}', scoring_func='{cfg.get('scoring_func')}'; expected noaux_tc with sigmoid scores")
+        ints = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "first_k_dense_replace", "num_attention_heads", "n_routed_experts", "num_experts_per_tok",
+                "n_shared_experts", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+        vals = {k: _require(cfg, k, where) for k in ints}
+        for k in ints:
+            if vals[k] <= 0 and k not in ("first_k_dense_replace", "n_shared_experts"):
+                raise CheckpointError(f"{where}: field '{k}' = {vals[k]}, expected a positive integer")
+        if cfg.get("num_key_value_heads", vals["num_attention_heads"]) != vals["num_attention_heads"]:
+            raise CheckpointError(f"{where}: num_key_value_heads must equal num_attention_heads for MLA")
+        return TargetConfig(
+            **vals,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope=RopeConfig.from_hf(cfg, vals["qk_rope_head_dim"], bool(cfg.get("rope_interleave", True)), where),
+            n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"), model_type=mt,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "TargetConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        return TargetConfig(**d)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """An EAGLE-3 drafter (``LlamaForCausalLMEagle3``: one Llama decoder layer over fused aux states).
+
+    ``aux_layer_ids`` are as published; ``aux_convention`` says how to read them:
+    ``"input"`` = input to target layer i (EAGLE, vLLM, SGLang), ``"output"`` = output of layer i
+    (TensorRT-LLM, SpecForge). :meth:`capture_points` normalises to the input-to-layer reading.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    aux_layer_ids: tuple[int, ...]
+    aux_convention: str | None = None
+
+    def capture_points(self) -> tuple[int, ...]:
+        """Aux ids as input-to-layer indices i ∈ [0, num_target_layers]; i = N is after the last block, before the final norm."""
+        if self.aux_convention not in ("input", "output"):
+            raise ConfigError("drafter aux_convention is unknown: declare it in eagle_config.aux_layer_id_convention "
+                              "or pass --aux-convention input|output")
+        shift = 1 if self.aux_convention == "output" else 0
+        return tuple(i + shift for i in self.aux_layer_ids)
+
+    @staticmethod
+    def from_hf(cfg: dict, where: str = "config.json", aux_convention: str | None = None) -> "DrafterConfig":
+        """Parse an EAGLE-3 drafter ``config.json`` dict.
+
+        Args:
+            aux_convention: overrides/declares the aux-id convention ("input" or "output").
+        Raises:
+            CheckpointError: wrong architecture or missing fields; conflicting conventions.
+        """
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle"):
+            raise CheckpointError(f"{where}: architectures[0] = '{arch}', expected 'LlamaForCausalLMEagle3'")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise CheckpointError(f"{where}: num_hidden_layers = {cfg.get('num_hidden_layers')}, expected 1 for an EAGLE-3 drafter")
+        hs = _require(cfg, "hidden_size", where)
+        heads = _require(cfg, "num_attention_heads", where)
+        eagle = cfg.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids = {ids!r}, expected three non-negative layer ids")
+        declared = eagle.get("aux_layer_id_convention")
+        if declared is not None and declared not in ("input", "output"):
+            raise CheckpointError(f"{where}: eagle_config.aux_layer_id_convention = {declared!r}, expected 'input' or 'output'")
+        if declared and aux_convention and declared != aux_convention:
+            raise ConfigError(f"{where}: declares aux_layer_id_convention '{declared}' but '{aux_convention}' was requested")
+        head_dim = int(cfg.get("head_dim") or hs // heads)
+        vocab = _require(cfg, "vocab_size", where)
+        return DrafterConfig(
+            hidden_size=hs, intermediate_size=_require(cfg, "intermediate_size", where), num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, vocab_size=vocab,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(cfg.get("target_hidden_size") or hs),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg, head_dim, interleaved=False, where=where),
+            aux_layer_ids=tuple(ids), aux_convention=declared or aux_convention,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "DrafterConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+        return DrafterConfig(**d)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How the target is split over ``tp_size`` ranks.
+
+    Attention heads, dense MLP, shared experts and the vocabulary are split ``tp_size`` ways.
+    Routed experts are split expert-parallel ``ep_size`` ways and expert-TP ``moe_tp_size`` ways,
+    with ``ep_size * moe_tp_size == tp_size`` (rank r holds expert group r // moe_tp_size and
+    intermediate slice r % moe_tp_size).
+    """
+
+    tp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    def ep_rank(self, rank: int) -> int:
+        return rank // self.moe_tp_size
+
+    def moe_tp_rank(self, rank: int) -> int:
+        return rank % self.moe_tp_size
+
+    def check(self, cfg: TargetConfig, where: str = "mapping") -> None:
+        """Raise ConfigError naming the field that ``tp_size``/``ep_size`` does not divide."""
+        tp, ep = self.tp_size, self.ep_size
+        if tp < 1 or ep < 1 or tp % ep:
+            raise ConfigError(f"{where}: tp_size={tp}, ep_size={ep}: need positive sizes with ep_size dividing tp_size")
+        checks = [("num_attention_heads", cfg.num_attention_heads, tp), ("vocab_size", cfg.vocab_size, tp),
+                  ("intermediate_size", cfg.intermediate_size, tp),
+                  ("moe_intermediate_size * n_shared_experts", cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), tp),
+                  ("n_routed_experts", cfg.n_routed_experts, ep),
+                  ("moe_intermediate_size", cfg.moe_intermediate_size, self.moe_tp_size)]
+        for name, value, by in checks:
+            if value % by:
+                raise ConfigError(f"{where}: {name} = {value} is not divisible by {by} (tp_size={tp}, ep_size={ep})")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"moe_tp_size": self.moe_tp_size}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Mapping":
+        return Mapping(tp_size=int(d["tp_size"]), ep_size=int(d.get("ep_size", 1)))

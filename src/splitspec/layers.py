@@ -1,0 +1,112 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary embeddings (with YaRN),
+gated SiLU MLP, and the tensor-parallel communicator.
+
+Shapes use T = tokens in a forward (all sequences concatenated), H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from splitspec.config import RopeConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x²) + eps) · weight, computed in float32.
+
+    x: [..., D]; weight: [D]. Returns x's dtype.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP with fused gate/up weights: w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ).
+
+    x: [T, H]; w13: [2·I, H] (gate rows first, then up); w2: [H, I]. Returns [T, H].
+    """
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class Rotary:
+    """Rotary position embedding (Su et al. 2021) with YaRN frequency scaling (arXiv:2309.00071).
+
+    YaRN as in DeepSeek-V3: frequencies between the correction dims for ``beta_fast``/``beta_slow``
+    rotations at ``original_max_position_embeddings`` are blended linearly between extrapolation
+    (θ_i) and interpolation (θ_i / factor); cos/sin are scaled by :attr:`RopeConfig.cos_sin_scale`.
+    """
+
+    def __init__(self, cfg: RopeConfig, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        d = cfg.dim
+        inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        if cfg.factor > 1:
+            def corr_dim(rot: float) -> float:
+                return d * math.log(cfg.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(cfg.theta))
+            low = max(math.floor(corr_dim(cfg.beta_fast)), 0)
+            high = min(math.ceil(corr_dim(cfg.beta_slow)), d - 1)
+            ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            inv_freq = inv_freq / cfg.factor * ramp + inv_freq * (1 - ramp)
+        self.inv_freq = inv_freq.to(device)
+        self.scale = cfg.cos_sin_scale
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 → (cos, sin), each [T, dim/2] float32."""
+        ang = positions.float()[:, None] * self.inv_freq[None, :]
+        return ang.cos() * self.scale, ang.sin() * self.scale
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [T, heads, dim] by per-token angles (cos/sin: [T, dim/2]).
+
+        Interleaved layout rotates pairs (x0, x1), (x2, x3)… and keeps the layout; half-split
+        rotates (x_i, x_{i+dim/2}).
+        """
+        c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        if self.cfg.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class TPComm:
+    """Collectives of one tensor-parallel group (``torch.distributed``; gloo on CPU, NCCL on GPU).
+
+    With ``size == 1`` every collective is the identity, so one code path serves TP1 and TP-N.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over ranks, in place; returns x."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's x along the last dim, in rank order: [..., D] → [..., size·D]."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's new queries over its cached keys.
+
+    q: [L, heads, Dk] at absolute positions q_pos [L]; k: [S, heads, Dk], v: [S, heads, Dv] for
+    positions 0..S-1. Key j is visible to a query at position p iff j ≤ p, so cache rows past a
+    query (stale rejected drafts) are never read. Returns [L, heads, Dv]; softmax in float32.
+    """
+    scores = torch.einsum("lhd,shd->hls", q.float(), k.float()) * scale
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]
+    scores.masked_fill_(mask[None], float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float()).to(q.dtype)

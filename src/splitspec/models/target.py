@@ -1,0 +1,154 @@
+"""The Kimi-K2 / DeepSeek-V3 target forward, one tensor-parallel rank of it.
+
+Architecture (DeepSeek-V3 technical report, arXiv:2412.19437; Kimi-K2 config):
+- Multi-head Latent Attention (MLA): q = W_qb·norm(W_qa·x); latent c_kv = norm(W_kva·x)[:kv_lora_rank]
+  plus one shared rope key k_pe; per-head keys/values are W_UK·c_kv and W_UV·c_kv. The runtime uses the
+  absorbed form (q·W_UK against the latent cache), so the KV cache holds kv_lora_rank + qk_rope_head_dim
+  values per token per layer (512 + 64 for Kimi-K2), not per-head K/V.
+- First ``first_k_dense_replace`` layers dense SwiGLU; then MoE: ``noaux_tc`` router (sigmoid scores;
+  ``e_score_correction_bias`` added for expert *selection only*; weights from unbiased scores,
+  normalised if ``norm_topk_prob``, × ``routed_scaling_factor``), routed experts plus shared experts.
+
+Tensor parallelism (Megatron-style): heads, dense/shared intermediate and vocabulary are split; the MLA
+down-projections and the router are replicated; routed experts are split expert-TP × expert-parallel
+(:class:`splitspec.config.Mapping`). Two all-reduces per layer (attention, MLP), one for the embedding,
+one all-gather for the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitspec.config import Mapping, TargetConfig
+from splitspec.layers import Rotary, TPComm, attend, gated_mlp, rms_norm
+from splitspec.models.batch import ForwardBatch
+
+
+def noaux_tc_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: TargetConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ``noaux_tc`` routing.
+
+    x: [T, H]; gate: [E, H]; bias: [E] float32. Returns (weights [T, top_k] float32, expert ids [T, top_k] int64).
+    The bias shifts scores for selection (and group selection) only; weights use the raw sigmoid scores.
+    """
+    scores = F.linear(x.float(), gate.float()).sigmoid()
+    choice = scores + bias.float()
+    if cfg.n_group > 1:
+        grouped = choice.view(x.shape[0], cfg.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, 1.0)
+        choice = grouped.masked_fill(keep[..., None] == 0, float("-inf")).view(x.shape[0], -1)
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, ids
+
+
+class TargetKVCache:
+    """MLA latent cache of one rank: per layer, c_kv [slots, max_seq, kv_lora_rank] and k_pe [slots, max_seq, rope dim].
+
+    Replicated on every TP rank (the latent is shared by all heads). Memory in bytes:
+    layers × slots × max_seq × (kv_lora_rank + qk_rope_head_dim) × dtype size.
+    """
+
+    def __init__(self, cfg: TargetConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device):
+        self.c_kv = torch.zeros(cfg.num_hidden_layers, slots, max_seq_len, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.k_pe = torch.zeros(cfg.num_hidden_layers, slots, max_seq_len, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.c_kv.nbytes + self.k_pe.nbytes
+
+
+class TargetModel:
+    """One rank of the target, holding its weights in the runtime layout written by ``splitspec.build``.
+
+    Args:
+        cfg: the target config.
+        mapping: the TP/EP mapping; ``comm`` must be this rank's group.
+        weights: runtime-layout tensors of this rank (see :func:`splitspec.build.target_runtime_layout`).
+    """
+
+    def __init__(self, cfg: TargetConfig, mapping: Mapping, rank: int, weights: dict[str, torch.Tensor], comm: TPComm):
+        self.cfg, self.mapping, self.rank, self.w, self.comm = cfg, mapping, rank, weights, comm
+        self.device = weights["embed_tokens"].device
+        self.rotary = Rotary(cfg.rope, self.device)
+        self.local_heads = cfg.num_attention_heads // mapping.tp_size
+        self.vocab_start = rank * (cfg.vocab_size // mapping.tp_size)
+        self.expert_start = mapping.ep_rank(rank) * (cfg.n_routed_experts // mapping.ep_size)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
+        table = self.w["embed_tokens"]
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < table.shape[0])
+        h = table[local.clamp(0, table.shape[0] - 1)] * inside[:, None].to(table.dtype)
+        return self.comm.all_reduce(h)
+
+    def attention(self, layer: int, x: torch.Tensor, batch: ForwardBatch, cache: TargetKVCache, cos, sin) -> torch.Tensor:
+        """MLA in absorbed form over the latent cache. x: [T, H] (normed) → [T, H] partial sum (before all-reduce)."""
+        c, p = self.cfg, f"layers.{layer}.attn."
+        w = self.w
+        qa, ckv, kpe = F.linear(x, w[p + "fused_qkv_a"]).split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        q = F.linear(rms_norm(qa, w[p + "q_a_layernorm"], c.rms_norm_eps), w[p + "q_b_proj"])
+        q = q.view(-1, self.local_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        q_pe = self.rotary.apply(q_pe, cos, sin)
+        ckv = rms_norm(ckv, w[p + "kv_a_layernorm"], c.rms_norm_eps)
+        kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w[p + "w_uk"])  # [T, h, kv_lora]
+        q_cat = torch.cat((q_lat, q_pe), -1)
+        out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
+        t = 0
+        for slot, start, n in batch.segments:
+            cache.c_kv[layer, slot, start:start + n] = ckv[t:t + n]
+            cache.k_pe[layer, slot, start:start + n] = kpe[t:t + n]
+            lat = cache.c_kv[layer, slot, :start + n]
+            k = torch.cat((lat, cache.k_pe[layer, slot, :start + n]), -1)[:, None, :].expand(-1, self.local_heads, -1)
+            v = lat[:, None, :].expand(-1, self.local_heads, -1)
+            out[t:t + n] = attend(q_cat[t:t + n], k, v, batch.positions[t:t + n], c.softmax_scale)
+            t += n
+        o = torch.einsum("thc,hvc->thv", out, w[p + "w_uv"]).reshape(x.shape[0], -1)
+        return F.linear(o, w[p + "o_proj"])
+
+    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum."""
+        p = f"layers.{layer}.mlp."
+        weights, ids = noaux_tc_route(x, self.w[p + "gate"], self.w[p + "e_score_correction_bias"], self.cfg)
+        w13, w2 = self.w[p + "experts.w13"], self.w[p + "experts.w2"]
+        y = gated_mlp(x, self.w[p + "shared.w13"], self.w[p + "shared.w2"]) if self.cfg.n_shared_experts else torch.zeros_like(x)
+        local = ids - self.expert_start
+        for e in torch.unique(local[(local >= 0) & (local < w13.shape[0])]).tolist():
+            tok, slot = torch.nonzero(local == e, as_tuple=True)
+            y.index_add_(0, tok, gated_mlp(x[tok], w13[e], w2[e]) * weights[tok, slot, None].to(x.dtype))
+        return y
+
+    def forward(self, batch: ForwardBatch, cache: TargetKVCache, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target over ``batch``, writing its tokens' latents into ``cache``.
+
+        Args:
+            capture: input-to-layer indices i ∈ [0, N] whose hidden states feed the drafter
+                (i = N: after the last block, before the final norm).
+        Returns:
+            logits [R, vocab_size] for ``batch.logits_rows`` (float32, full vocabulary on every rank), and
+            the captured states concatenated [T, len(capture)·H] (or None when capture is empty).
+        """
+        c = self.cfg
+        h = self.embed(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        captured = {}
+        for layer in range(c.num_hidden_layers):
+            if layer in capture:
+                captured[layer] = h
+            p = f"layers.{layer}."
+            h = h + self.comm.all_reduce(self.attention(layer, rms_norm(h, self.w[p + "input_layernorm"], c.rms_norm_eps), batch, cache, cos, sin))
+            x = rms_norm(h, self.w[p + "post_attention_layernorm"], c.rms_norm_eps)
+            mlp = self.moe(layer, x) if c.is_moe_layer(layer) else gated_mlp(x, self.w[p + "mlp.w13"], self.w[p + "mlp.w2"])
+            h = h + self.comm.all_reduce(mlp)
+        if c.num_hidden_layers in capture:
+            captured[c.num_hidden_layers] = h
+        aux = torch.cat([captured[i] for i in capture], -1) if capture else None
+        last = rms_norm(h[batch.logits_rows], self.w["norm"], c.rms_norm_eps)
+        logits = self.comm.all_gather_last(F.linear(last, self.w["lm_head"]).float())
+        return logits, aux

@@ -1,0 +1,44 @@
+"""Shared fixtures: the demo models, and engines built from them at any TP size (built once per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.build import build_engines
+from splitspec.convert import convert_pair
+from splitspec.demo import make_demo_models
+
+torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory) -> Path:
+    """The demo target + drafter + tokenizer (Hugging Face formats), generated once per test session."""
+    out = tmp_path_factory.mktemp("models") / "demo"
+    make_demo_models(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engines_for(demo_models, tmp_path_factory):
+    """``engines_for(tp, ep=1)`` → folder with ``target/`` (TP-tp) and ``drafter/`` engines, built once each."""
+    cache: dict[tuple[int, int], Path] = {}
+
+    def get(tp: int, ep: int = 1) -> Path:
+        if (tp, ep) not in cache:
+            root = tmp_path_factory.mktemp(f"tp{tp}ep{ep}")
+            convert_pair(demo_models / "target", demo_models / "drafter", root / "ckpt", tp_size=tp, ep_size=ep)
+            cache[(tp, ep)] = build_engines(root / "ckpt", root / "engines", max_batch_size=2, max_seq_len=256)
+        return cache[(tp, ep)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def built_engines(engines_for) -> Path:
+    """The default deployment: target TP2, drafter TP1."""
+    return engines_for(2)

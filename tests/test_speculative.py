@@ -1,0 +1,152 @@
+"""Lossless speculation and tensor parallelism: every TP size and every k give target-only greedy output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitspec.engine import TargetGroup
+from splitspec.models.batch import ForwardBatch
+from splitspec.runtime import SpeculativeEngine
+from splitspec.tokenizer import ChatTokenizer
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def tok(demo_models):
+    return ChatTokenizer.from_dir(demo_models / "target")
+
+
+@pytest.fixture(scope="module")
+def reference(engines_for, tok):
+    """Target-only greedy tokens and prompt logits from the TP1 engine."""
+    out = {}
+    with SpeculativeEngine.load(engines_for(1)) as eng:
+        for p in PROMPTS:
+            ids = tok.encode(p)
+            out[p] = eng.generate(ids, 24, num_draft_tokens=0).token_ids
+            out[p, "logits"] = eng.target.forward(ForwardBatch.build([(0, 0, ids)], "all"))[0]
+    return out
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 8)])
+def test_tp_engine_equals_tp1(engines_for, tok, reference, tp, ep):
+    """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on."""
+    with SpeculativeEngine.load(engines_for(tp, ep)) as eng:
+        assert len(eng.target.procs) == tp - 1
+        for p in PROMPTS:
+            ids = tok.encode(p)
+            with torch.inference_mode():
+                logits, _ = eng.target.forward(ForwardBatch.build([(0, 0, ids)], "all"))
+            assert (logits - reference[p, "logits"]).abs().max() < 1e-4
+            assert eng.generate(ids, 24, num_draft_tokens=3).token_ids == reference[p]
+        pids = [q.pid for q in eng.target.procs]
+    assert all(not _alive(pid) for pid in pids), "worker processes outlived close()"
+
+
+def _alive(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 6])
+def test_speculative_greedy_equals_target_only(built_engines, tok, reference, k):
+    with SpeculativeEngine.load(built_engines) as eng:
+        for p in PROMPTS:
+            res = eng.generate(tok.encode(p), 24, num_draft_tokens=k)
+            assert res.token_ids == reference[p]
+            assert 1.0 <= res.acceptance_length <= k + 1
+
+
+class OracleDrafter:
+    """Wraps the real drafter (so its KV cache and positions are exercised) but proposes the target's own
+    greedy continuation, corrupted with probability ``p_wrong``: acceptance lengths well above 1."""
+
+    def __init__(self, inner, continuation: list[int], offset: int, p_wrong: float, seed: int):
+        self.inner, self.cont, self.offset, self.p_wrong = inner, continuation, offset, p_wrong
+        self.rng = random.Random(seed)
+        self.last_pos = None
+
+    def fuse(self, aux):
+        return self.inner.fuse(aux)
+
+    def forward(self, batch, hidden, cache):
+        self.last_pos = int(batch.positions[-1])
+        return self.inner.forward(batch, hidden, cache)
+
+    def propose(self, logits):
+        idx = self.last_pos + 2 - self.offset  # drafter row j predicts token j + 2
+        right = self.cont[idx] if 0 <= idx < len(self.cont) else 0
+        return torch.tensor([right if self.rng.random() >= self.p_wrong else (right + 1) % 4096])
+
+
+@pytest.mark.parametrize("k,p_wrong", [(1, 0.2), (3, 0.2), (5, 0.1), (4, 0.0)])
+def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong):
+    """With drafts that are often right, accepted prefixes, bonus tokens and KV overwrite of rejected
+    positions still give exactly the target-only tokens; acceptance statistics add up."""
+    p = PROMPTS[1]
+    ids = tok.encode(p)
+    with SpeculativeEngine.load(built_engines) as eng:
+        eng.drafter.model = OracleDrafter(eng.drafter.model, reference[p], len(ids), p_wrong, seed=k)
+        res = eng.generate(ids, 24, num_draft_tokens=k)
+    assert res.token_ids == reference[p]
+    assert res.acceptance_length > 1.0 + (k > 1)
+    assert res.acceptance_length * res.num_cycles == pytest.approx(24 - 1)  # first token comes from prefill
+    # each cycle emits its accepted drafts plus one target token, unless max_tokens cut the last cycle short
+    assert sum(res.accepted_per_position) + res.num_cycles in (23, 24)
+    assert all(a >= b for a, b in zip(res.accepted_per_position, res.accepted_per_position[1:]))
+    if p_wrong == 0.0:
+        assert res.acceptance_length == pytest.approx(23 / -(-23 // (k + 1)))
+
+
+def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
+    """A stop token among accepted drafts ends output exactly there."""
+    p = PROMPTS[1]
+    ids, ref = tok.encode(p), reference[p]
+    stop = ref[9]
+    first = ref.index(stop)
+    with SpeculativeEngine.load(built_engines) as eng:
+        eng.drafter.model = OracleDrafter(eng.drafter.model, ref, len(ids), 0.0, seed=0)
+        res = eng.generate(ids, 24, num_draft_tokens=4, stop_token_ids={stop})
+        assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
+        capped = eng.generate(ids, 7, num_draft_tokens=4)
+        assert capped.token_ids == ref[:7] and capped.finish_reason == "length"
+
+
+def test_request_limits_are_checked(built_engines):
+    from splitspec.errors import ConfigError
+
+    with SpeculativeEngine.load(built_engines) as eng:
+        with pytest.raises(ConfigError, match="max_seq_len"):
+            eng.generate([1] * 200, 100, 4)
+        with pytest.raises(ConfigError, match="empty"):
+            eng.generate([], 10)
+        with pytest.raises(ConfigError, match="vocabulary"):
+            eng.generate([5000], 10)
+        with pytest.raises(ConfigError, match="num_draft_tokens"):
+            eng.generate([1, 2], 10, 99)
+        assert len(eng.generate([1, 2, 3], 5).token_ids) == 5  # still serving
+
+
+def test_target_group_reports_dead_worker(engines_for):
+    from splitspec.engine import EngineError
+
+    group = TargetGroup(engines_for(2) / "target")
+    try:
+        group.procs[0].kill()
+        group.procs[0].wait()
+        with pytest.raises(EngineError, match="rank 1"):
+            group.forward(ForwardBatch.build([(0, 0, [1, 2, 3])], "last"))
+    finally:
+        group.close()
