@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig
 from splitspec.demo import load_hf_reference_target
-from splitspec.engine import Drafter, TargetGroup
+from splitspec.engine import Group
 from splitspec.io import read_json
-from splitspec.models.batch import ForwardBatch
+from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime import SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
 
@@ -31,16 +31,27 @@ def hf_target(demo_models):
     return load_hf_reference_target(demo_models / "target")
 
 
+class TargetOnly:
+    """Direct target forwards through rank 0 of a TP1 group, each sequence number in its own cache region."""
+
+    def __init__(self, group):
+        self.group, self.runner = group, group.rank0
+
+    def forward(self, seqs, want, capture=()):
+        batch = ForwardBatch.build([(single_blocks(s, 256), start, toks) for s, start, toks in seqs], want)
+        return self.runner.target.forward(batch, self.runner.tcache, capture)
+
+
 @pytest.fixture(scope="module")
 def tp1_target(engines_for):
-    group = TargetGroup(engines_for(1) / "target")
-    yield group
+    group = Group(engines_for(1))
+    yield TargetOnly(group)
     group.close()
 
 
 def test_target_logits_match_transformers(tp1_target, hf_target, prompt_ids):
     with torch.inference_mode():
-        ours, _ = tp1_target.forward(ForwardBatch.build([(0, 0, prompt_ids)], "all"))
+        ours, _ = tp1_target.forward([(0, 0, prompt_ids)], "all")
         ref = hf_target(torch.tensor([prompt_ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()
     print(f"target logits max |ours - transformers| = {diff:.3e} over {len(prompt_ids)} positions × {ref.shape[-1]} (logit std {ref.std():.2f})")
@@ -53,8 +64,8 @@ def test_target_incremental_decode_matches_full_forward(tp1_target, hf_target, p
     """Prefill then one token at a time through the latent KV cache equals transformers' full forward."""
     split = len(prompt_ids) // 2
     with torch.inference_mode():
-        first, _ = tp1_target.forward(ForwardBatch.build([(1, 0, prompt_ids[:split])], "all"))
-        rest = [tp1_target.forward(ForwardBatch.build([(1, p, [prompt_ids[p]])], "last"))[0] for p in range(split, len(prompt_ids))]
+        first, _ = tp1_target.forward([(1, 0, prompt_ids[:split])], "all")
+        rest = [tp1_target.forward([(1, p, [prompt_ids[p]])], "last")[0] for p in range(split, len(prompt_ids))]
         ref = hf_target(torch.tensor([prompt_ids])).logits[0].float()
     ours = torch.cat([first] + rest)
     assert (ours - ref).abs().max().item() < LOGITS_ATOL
@@ -69,7 +80,7 @@ def test_aux_capture_matches_output_hidden_states(tp1_target, hf_target, prompt_
     points = dcfg.capture_points()
     assert points == ((0, 2, 3) if convention == "input" else (1, 3, 4))
     with torch.inference_mode():
-        _, aux = tp1_target.forward(ForwardBatch.build([(0, 0, prompt_ids)], "last"), points)
+        _, aux = tp1_target.forward([(0, 0, prompt_ids)], "last", points)
         hs = hf_target(torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states
     H = hf_target.config.hidden_size
     for j, i in enumerate(points):
@@ -81,7 +92,7 @@ def test_aux_capture_matches_output_hidden_states(tp1_target, hf_target, prompt_
 
 def test_target_greedy_matches_transformers_generate(engines_for, hf_target, prompt_ids):
     with SpeculativeEngine.load(engines_for(1)) as eng:
-        ours = eng.generate(prompt_ids, 16, num_draft_tokens=0).token_ids
+        ours = eng.generate(prompt_ids, 16, num_draft_tokens=0, stop_token_ids=set()).token_ids
     with torch.inference_mode():
         ref = hf_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, len(prompt_ids):].tolist()
     assert ours == ref
@@ -122,21 +133,24 @@ def _reference_eagle3(weights: dict, cfg: DrafterConfig, embed: torch.Tensor, au
 def test_drafter_matches_reference_and_cache_is_consistent(engines_for, demo_models):
     """Drafter logits equal a from-scratch EAGLE-3 forward; extending in two chunks through the KV cache
     equals one chunk; draft ids map to target ids by d2t offsets."""
-    drafter = Drafter(engines_for(1) / "drafter")
+    group = Group(engines_for(1))
+    drafter = group.rank0
     hf = load_file(str(demo_models / "drafter" / "model.safetensors"))
     embed = load_file(str(demo_models / "target" / "model-00001-of-00002.safetensors")).get("model.embed_tokens.weight")
     if embed is None:
         embed = load_file(str(demo_models / "target" / "model-00002-of-00002.safetensors"))["model.embed_tokens.weight"]
     g = torch.Generator().manual_seed(0)
     T = 12
-    aux = torch.randn(T, 3 * drafter.cfg.target_hidden_size, generator=g)
-    tokens = torch.randint(0, drafter.cfg.vocab_size, (T,), generator=g)
-    ref_logits, ref_h = _reference_eagle3(hf, drafter.cfg, embed.float(), aux, tokens)
-    m = drafter.model
+    aux = torch.randn(T, 3 * drafter.drafter.cfg.target_hidden_size, generator=g)
+    tokens = torch.randint(0, drafter.drafter.cfg.vocab_size, (T,), generator=g)
+    m, cache = drafter.drafter, drafter.dcache
+    group.close()
+    ref_logits, ref_h = _reference_eagle3(hf, m.cfg, embed.float(), aux, tokens)
+    b0, b1 = single_blocks(0, 256), single_blocks(1, 256)
     with torch.inference_mode():
-        logits, h = m.forward(ForwardBatch.build([(0, 0, tokens.tolist())], "all"), m.fuse(aux), drafter.cache)
-        a, _ = m.forward(ForwardBatch.build([(1, 0, tokens[:5].tolist())], "all"), m.fuse(aux[:5]), drafter.cache)
-        b, _ = m.forward(ForwardBatch.build([(1, 5, tokens[5:].tolist())], "all"), m.fuse(aux[5:]), drafter.cache)
+        logits, h = m.forward(ForwardBatch.build([(b0, 0, tokens.tolist())], "all"), m.fuse(aux), cache)
+        a, _ = m.forward(ForwardBatch.build([(b1, 0, tokens[:5].tolist())], "all"), m.fuse(aux[:5]), cache)
+        b, _ = m.forward(ForwardBatch.build([(b1, 5, tokens[5:].tolist())], "all"), m.fuse(aux[5:]), cache)
     print(f"drafter logits max diff vs reference: {(logits - ref_logits).abs().max():.2e}")
     assert (logits - ref_logits).abs().max() < 1e-4
     assert (h - ref_h).abs().max() < 1e-4

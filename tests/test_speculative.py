@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from splitspec.engine import TargetGroup
-from splitspec.models.batch import ForwardBatch
+from splitspec.engine import Group
+from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime import SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
 
@@ -27,23 +27,31 @@ def reference(engines_for, tok):
     with SpeculativeEngine.load(engines_for(1)) as eng:
         for p in PROMPTS:
             ids = tok.encode(p)
-            out[p] = eng.generate(ids, 24, num_draft_tokens=0).token_ids
-            out[p, "logits"] = eng.target.forward(ForwardBatch.build([(0, 0, ids)], "all"))[0]
+            out[p] = eng.generate(ids, 24, num_draft_tokens=0, stop_token_ids=set()).token_ids
+            out[p, "logits"] = _prompt_logits(eng, ids)
     return out
+
+
+def _prompt_logits(eng, ids):
+    """Logits of every prompt position through the whole group (a one-sequence prefill cycle)."""
+    from splitspec.engine import CyclePlan, SeqWork
+
+    blocks = single_blocks(0, 256)
+    with torch.inference_mode():
+        return torch.cat([eng.group.run(CyclePlan([SeqWork(0, blocks, "prefill", p, [ids[p]], final=True)])).logits
+                          for p in range(len(ids))])
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 8)])
 def test_tp_engine_equals_tp1(engines_for, tok, reference, tp, ep):
     """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on."""
     with SpeculativeEngine.load(engines_for(tp, ep)) as eng:
-        assert len(eng.target.procs) == tp - 1
+        assert len(eng.group.procs) == tp - 1
         for p in PROMPTS:
             ids = tok.encode(p)
-            with torch.inference_mode():
-                logits, _ = eng.target.forward(ForwardBatch.build([(0, 0, ids)], "all"))
-            assert (logits - reference[p, "logits"]).abs().max() < 1e-4
-            assert eng.generate(ids, 24, num_draft_tokens=3).token_ids == reference[p]
-        pids = [q.pid for q in eng.target.procs]
+            assert (_prompt_logits(eng, ids) - reference[p, "logits"]).abs().max() < 1e-4
+            assert eng.generate(ids, 24, num_draft_tokens=3, stop_token_ids=set()).token_ids == reference[p]
+        pids = [q.pid for q in eng.group.procs]
     assert all(not _alive(pid) for pid in pids), "worker processes outlived close()"
 
 
@@ -64,7 +72,7 @@ def _alive(pid: int) -> bool:
 def test_speculative_greedy_equals_target_only(built_engines, tok, reference, k):
     with SpeculativeEngine.load(built_engines) as eng:
         for p in PROMPTS:
-            res = eng.generate(tok.encode(p), 24, num_draft_tokens=k)
+            res = eng.generate(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set())
             assert res.token_ids == reference[p]
             assert 1.0 <= res.acceptance_length <= k + 1
 
@@ -78,8 +86,8 @@ class OracleDrafter:
         self.rng = random.Random(seed)
         self.last_pos = None
 
-    def fuse(self, aux):
-        return self.inner.fuse(aux)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
     def forward(self, batch, hidden, cache):
         self.last_pos = int(batch.positions[-1])
@@ -98,8 +106,8 @@ def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong
     p = PROMPTS[1]
     ids = tok.encode(p)
     with SpeculativeEngine.load(built_engines) as eng:
-        eng.drafter.model = OracleDrafter(eng.drafter.model, reference[p], len(ids), p_wrong, seed=k)
-        res = eng.generate(ids, 24, num_draft_tokens=k)
+        eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, reference[p], len(ids), p_wrong, seed=k)
+        res = eng.generate(ids, 24, num_draft_tokens=k, stop_token_ids=set())
     assert res.token_ids == reference[p]
     assert res.acceptance_length > 1.0 + (k > 1)
     assert res.acceptance_length * res.num_cycles == pytest.approx(24 - 1)  # first token comes from prefill
@@ -117,10 +125,10 @@ def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
     stop = ref[9]
     first = ref.index(stop)
     with SpeculativeEngine.load(built_engines) as eng:
-        eng.drafter.model = OracleDrafter(eng.drafter.model, ref, len(ids), 0.0, seed=0)
+        eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, ref, len(ids), 0.0, seed=0)
         res = eng.generate(ids, 24, num_draft_tokens=4, stop_token_ids={stop})
         assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
-        capped = eng.generate(ids, 7, num_draft_tokens=4)
+        capped = eng.generate(ids, 7, num_draft_tokens=4, stop_token_ids=set())
         assert capped.token_ids == ref[:7] and capped.finish_reason == "length"
 
 
@@ -136,17 +144,19 @@ def test_request_limits_are_checked(built_engines):
             eng.generate([5000], 10)
         with pytest.raises(ConfigError, match="num_draft_tokens"):
             eng.generate([1, 2], 10, 99)
-        assert len(eng.generate([1, 2, 3], 5).token_ids) == 5  # still serving
+        assert len(eng.generate([1, 2, 3], 5, stop_token_ids=set()).token_ids) == 5  # still serving
 
 
 def test_target_group_reports_dead_worker(engines_for):
     from splitspec.engine import EngineError
 
-    group = TargetGroup(engines_for(2) / "target")
+    from splitspec.engine import CyclePlan, SeqWork
+
+    group = Group(engines_for(2))
     try:
         group.procs[0].kill()
         group.procs[0].wait()
         with pytest.raises(EngineError, match="rank 1"):
-            group.forward(ForwardBatch.build([(0, 0, [1, 2, 3])], "last"))
+            group.run(CyclePlan([SeqWork(0, [0], "prefill", 0, [1, 2, 3])]))
     finally:
         group.close()

@@ -1,11 +1,18 @@
-"""Loading built engines and running the target's tensor-parallel group.
+"""Engines on their ranks: the target's tensor-parallel group and the drafter, driven by the leader.
 
 The leader (rank 0) lives in the caller's process (the Triton ``spec_decode`` model or the CLI) and
 starts ranks 1..N−1 as worker processes (``python -m splitspec.worker``). All ranks join one
-``torch.distributed`` group (gloo on CPU; NCCL for GPU tensors with gloo for the control plane),
-rendezvous through a ``TCPStore`` the leader opens on a free loopback port. The leader broadcasts
-each forward's inputs; every rank runs the same forward; only the leader decides tokens, so ranks
-can never diverge on near-tied logits.
+``torch.distributed`` group (gloo on CPU; NCCL for GPU tensors with a gloo group for the control plane),
+meeting at a ``TCPStore`` the leader opens on a free loopback port.
+
+Each cycle the leader broadcasts one :class:`CyclePlan`; every rank executes it with
+:meth:`RankRunner.execute`. Only the leader decides which tokens are accepted; the decision reaches the
+other ranks as the next plan (accepted counts and tokens), so ranks never diverge on near-tied logits.
+
+Draft placement: ``draft_tp=1`` — the drafter lives on the leader only (its own device, default target
+rank 0's), it drafts before the plan is sent, and workers only verify. ``draft_tp=N`` — the drafter is
+sharded over the target's group (the layout SGLang/vLLM/TensorRT-LLM use): every rank drafts with its
+shard, paying the group's collectives on every draft step.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,15 +30,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.errors import CheckpointError, SplitspecError
+from splitspec.errors import CheckpointError, ConfigError, SplitspecError
 from splitspec.io import read_json
+from splitspec.kv import BLOCK_SIZE
 from splitspec.layers import TPComm
 from splitspec.models.batch import ForwardBatch
-from splitspec.models.drafter import DrafterKVCache, DrafterModel
+from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
 
-OP_SHUTDOWN, OP_TARGET_FORWARD = 0, 1
-HEADER = 8  # int64 slots: op, T, segments, logits rows
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SPLITSPEC_COLLECTIVE_TIMEOUT_S", "300")))
 
 
@@ -53,96 +60,246 @@ def load_rank_weights(folder: Path, rank: int, device: str) -> dict[str, torch.T
     return load_file(str(path), device=device)
 
 
-class TargetRank:
-    """One rank of the target engine: its model shard and its KV cache."""
+@dataclass
+class SeqWork:
+    """One sequence's share of a cycle.
 
-    def __init__(self, folder: Path, rank: int, comm: TPComm, device: str = "cpu"):
-        meta = read_engine_meta(folder, "target")
+    kind 'prefill': ``tokens`` at positions start.. (a chunk of the prompt); ``final`` = last chunk.
+    kind 'decode': verify ``tokens`` = [last known token] (+ this cycle's drafts) at positions start..;
+    the drafter first extends rows extend_start.. with ``extend_tokens``, then takes k − 1 more steps.
+    ``keep_aux``: rows of the previous verify's aux states still valid (accepted + 1); None keeps all.
+    """
+
+    sid: int
+    blocks: list[int]
+    kind: str
+    start: int
+    tokens: list[int]
+    final: bool = True
+    k: int = 0
+    extend_start: int = 0
+    extend_tokens: list[int] = field(default_factory=list)
+    keep_aux: int | None = None
+
+
+@dataclass
+class CyclePlan:
+    """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending."""
+
+    work: list[SeqWork]
+    finished: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] | None = None
+    shutdown: bool = False
+
+
+@dataclass
+class CycleOutput:
+    """What the leader gets back: logits [R, V] (decode works: k+1 rows each; final prefill: 1 row),
+    the drafts used, and times in ms."""
+
+    logits: torch.Tensor
+    drafts: dict[int, list[int]]
+    draft_ms: float
+    verify_ms: float
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+class RankRunner:
+    """One rank: the target shard + its latent KV cache, and the drafter (shard) where it lives here.
+
+    Args:
+        engines_dir: folder with ``target/`` and ``drafter/`` engines.
+        rank, world: position in the target's group; ``comm`` its collectives.
+        draft_tp: 1 (drafter on the leader, at ``draft_device``) or world (sharded over the group).
+    """
+
+    def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, draft_tp: int,
+                 draft_device: str | None = None, kv_tokens: int | None = None):
+        engines_dir = Path(engines_dir)
+        meta = read_engine_meta(engines_dir / "target", "target")
         self.cfg = TargetConfig.from_dict(meta["config"])
         self.mapping = Mapping.from_dict(meta["mapping"])
         self.limits = meta["limits"]
-        weights = load_rank_weights(folder, rank, device)
-        self.model = TargetModel(self.cfg, self.mapping, rank, weights, comm)
-        dtype = weights["embed_tokens"].dtype
-        self.cache = TargetKVCache(self.cfg, self.limits["max_batch_size"], self.limits["max_seq_len"], dtype, device)
         self.device = device
+        weights = load_rank_weights(engines_dir / "target", rank, device)
+        self.dtype = weights["embed_tokens"].dtype
+        self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
+        self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
+        rows = self.kv_blocks * BLOCK_SIZE
+        self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
+        self.drafter = self.dcache = None
+        self.capture: tuple[int, ...] = ()
+        self.aux: dict[int, torch.Tensor] = {}
+        if draft_tp == world or rank == 0:
+            dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
+            dcfg = DrafterConfig.from_dict(dmeta["config"])
+            ddev = device if draft_tp > 1 else (draft_device or device)
+            dw = shard_drafter(load_rank_weights(engines_dir / "drafter", 0, ddev), dcfg, rank if draft_tp > 1 else 0, draft_tp)
+            self.drafter = DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm())
+            self.dcache = DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp)
+            self.capture = tuple(dmeta["capture_points"])
+            if any(p > self.cfg.num_hidden_layers for p in self.capture):
+                raise ConfigError(f"drafter capture points {self.capture} exceed the target's {self.cfg.num_hidden_layers} layers")
+        self.draft_tp = draft_tp
 
-    def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()):
-        return self.model.forward(batch, self.cache, capture)
+    def draft_phase(self, plan: CyclePlan) -> dict[int, list[int]]:
+        """Extend the drafter over last cycle's accepted tokens, then draft: k tokens per decode work."""
+        for w in plan.work:
+            if w.kind == "decode" and w.keep_aux is not None and w.sid in self.aux:
+                self.aux[w.sid] = self.aux[w.sid][: w.keep_aux]
+        ws = [w for w in plan.work if w.kind == "decode" and w.k > 0]
+        drafts: dict[int, list[int]] = {w.sid: [] for w in plan.work if w.kind == "decode"}
+        if not ws:
+            return drafts
+        m, dev = self.drafter, self.drafter.device
+        ext = ForwardBatch.build([(w.blocks, w.extend_start, w.extend_tokens) for w in ws], "last", dev)
+        hidden = m.fuse(torch.cat([self.aux[w.sid] for w in ws]).to(dev))
+        logits, h = m.forward(ext, hidden, self.dcache)
+        h = h[ext.logits_rows]
+        last = m.propose(logits).tolist()
+        for w, d in zip(ws, last):
+            drafts[w.sid].append(d)
+        for i in range(1, max(w.k for w in ws)):
+            active = [j for j, w in enumerate(ws) if w.k > i]
+            step = ForwardBatch.build([(ws[j].blocks, ws[j].start - 1 + i, [drafts[ws[j].sid][-1]]) for j in active], "last", dev)
+            logits, hs = m.forward(step, h[active], self.dcache)
+            h = h.clone()
+            h[active] = hs
+            for j, d in zip(active, m.propose(logits).tolist()):
+                drafts[ws[j].sid].append(d)
+        return drafts
+
+    def execute(self, plan: CyclePlan) -> CycleOutput:
+        """Run one cycle on this rank: draft (if the drafter is sharded here and drafts were not given),
+        then one target forward over every decode work's k+1 tokens and every prefill chunk."""
+        for sid in plan.finished:
+            self.aux.pop(sid, None)
+        t0 = time.perf_counter()
+        drafts = plan.drafts
+        if drafts is None:
+            drafts = self.draft_phase(plan) if (self.draft_tp > 1 and self.drafter is not None) else {}
+        _sync(self.device)
+        t1 = time.perf_counter()
+        seqs, wants = [], []
+        for w in plan.work:
+            if w.kind == "decode":
+                seqs.append((w.blocks, w.start, w.tokens + drafts.get(w.sid, [])))
+                wants.append("all")
+            else:
+                seqs.append((w.blocks, w.start, w.tokens))
+                wants.append("last" if w.final else "none")
+        batch = ForwardBatch.build(seqs, wants, self.device)
+        logits, aux = self.target.forward(batch, self.tcache, self.capture)
+        if aux is not None:
+            t = 0
+            for (_, _, toks), w in zip(seqs, plan.work):
+                rows = aux[t:t + len(toks)]
+                if w.kind == "decode":
+                    self.aux[w.sid] = rows
+                else:
+                    self.aux[w.sid] = torch.cat((self.aux[w.sid], rows)) if w.start > 0 and w.sid in self.aux else rows
+                t += len(toks)
+        _sync(self.device)
+        return CycleOutput(logits, drafts, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
 
 
-def _send_batch(batch: ForwardBatch, group) -> None:
-    hdr = torch.tensor([OP_TARGET_FORWARD, batch.input_ids.numel(), len(batch.segments), batch.logits_rows.numel()] + [0] * (HEADER - 4), dtype=torch.int64)
-    dist.broadcast(hdr, 0, group=group)
-    dist.broadcast(batch.input_ids.cpu(), 0, group=group)
-    dist.broadcast(batch.positions.cpu(), 0, group=group)
-    dist.broadcast(torch.tensor(batch.segments, dtype=torch.int64).view(-1, 3), 0, group=group)
-    dist.broadcast(batch.logits_rows.cpu(), 0, group=group)
+def kv_blocks_for(limits: dict, kv_tokens: int | None) -> int:
+    """KV blocks for a token budget (default: the engine's max_batch_size × max_seq_len)."""
+    tokens = kv_tokens or limits.get("kv_tokens") or limits["max_batch_size"] * limits["max_seq_len"]
+    if tokens < 1:
+        raise ConfigError(f"kv_tokens = {tokens}, expected a positive token budget")
+    return -(-int(tokens) // BLOCK_SIZE)
 
 
-def _recv_batch(group, device: str) -> ForwardBatch | None:
-    hdr = torch.empty(HEADER, dtype=torch.int64)
-    dist.broadcast(hdr, 0, group=group)
-    op, t, nseg, nrows = hdr[:4].tolist()
-    if op == OP_SHUTDOWN:
-        return None
-    ids, pos = torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64)
-    segs, rows = torch.empty(nseg, 3, dtype=torch.int64), torch.empty(nrows, dtype=torch.int64)
-    for x in (ids, pos, segs, rows):
-        dist.broadcast(x, 0, group=group)
-    return ForwardBatch(ids.to(device), pos.to(device), [tuple(s) for s in segs.tolist()], rows.to(device))
+def _threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
 
 
-def worker_loop(folder: Path, rank: int, world: int, store_port: int, device: str) -> None:
-    """Body of a worker rank: join the group, load the shard, run forwards until shutdown."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, draft_tp: int,
+                kv_tokens: int | None = None) -> None:
+    """Body of a worker rank: join the group, load its shards, execute plans until shutdown."""
+    torch.set_num_threads(_threads_per_rank(world))
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo") if device.startswith("cuda") else None
-    target = TargetRank(folder, rank, TPComm(rank, world), device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo") if cuda else None
+    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, draft_tp, kv_tokens=kv_tokens)
     store.set(f"ready/{rank}", "1")
     with torch.inference_mode():
-        while (batch := _recv_batch(control, device)) is not None:
-            target.forward(batch)
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, 0, group=control)
+            plan: CyclePlan = box[0]
+            if plan.shutdown:
+                break
+            runner.execute(plan)
     dist.destroy_process_group()
 
 
-class TargetGroup:
-    """The leader's handle on the target's TP group: rank 0 in this process, workers started here.
+class Group:
+    """The leader's handle on the target's TP group (rank 0 here, workers started here) and the drafter.
 
     Args:
-        folder: built target engine folder.
-        device_ids: GPU ids of ranks 0..N−1 (None: CPU).
+        engines_dir: folder with built ``target/`` and ``drafter/`` engines.
+        device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
+        draft_tp: 1 or the target's TP size. draft_device_id: GPU of a TP1 drafter (None: rank 0's).
     Raises:
-        EngineError: a worker fails to start or dies.
+        ConfigError: a placement the engines cannot take. EngineError: a worker fails to start or dies.
     """
 
-    def __init__(self, folder: Path, device_ids: list[int] | None = None, start_timeout_s: float = 300.0):
-        self.folder = Path(folder)
-        meta = read_engine_meta(self.folder, "target")
+    def __init__(self, engines_dir: Path, device_ids: list[int] | None = None, draft_tp: int = 1,
+                 draft_device_id: int | None = None, kv_tokens: int | None = None, start_timeout_s: float = 300.0):
+        self.engines_dir = Path(engines_dir)
+        meta = read_engine_meta(self.engines_dir / "target", "target")
         self.world = int(meta["mapping"]["tp_size"])
+        if draft_tp not in (1, self.world):
+            raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (split placement) or {self.world} (sharded over the target's TP group)")
         if device_ids and len(device_ids) != self.world:
-            raise EngineError(f"target engine {folder} is TP{self.world} but {len(device_ids)} target device ids were given")
+            raise ConfigError(f"target engine is TP{self.world} but {len(device_ids)} target device ids were given")
         self.devices = [f"cuda:{i}" for i in device_ids] if device_ids else ["cpu"] * self.world
+        draft_device = f"cuda:{draft_device_id}" if draft_device_id is not None else None
+        if draft_device and not device_ids:
+            raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
+        self.draft_tp = draft_tp
         self.procs: list[subprocess.Popen] = []
         self.control = None
+        self.closed = False
+        cuda = self.devices[0].startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(self.devices[0])
         if self.world > 1:
-            store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+            if dist.is_initialized():
+                raise EngineError("a torch.distributed group already exists in this process; one target group per process")
+            self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             for r in range(1, self.world):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "splitspec.worker", "--engine", str(self.folder), "--rank", str(r),
-                     "--world", str(self.world), "--store-port", str(store.port), "--device", self.devices[r]], env=env))
-            backend = "cpu:gloo,cuda:nccl" if self.devices[0].startswith("cuda") else "gloo"
-            if dist.is_initialized():
-                raise EngineError("a torch.distributed group already exists in this process; one target group per process")
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
-            dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
-            self.control = dist.new_group(backend="gloo") if self.devices[0].startswith("cuda") else None
-            self.store = store
-        self.rank0 = TargetRank(self.folder, 0, TPComm(0, self.world), self.devices[0])
-        deadline = time.monotonic() + start_timeout_s
+                    [sys.executable, "-m", "splitspec.worker", "--engines", str(self.engines_dir), "--rank", str(r),
+                     "--world", str(self.world), "--store-port", str(self.store.port), "--device", self.devices[r],
+                     "--draft-tp", str(draft_tp), "--kv-tokens", str(kv_tokens or 0)], env=env))
+            torch.set_num_threads(_threads_per_rank(self.world))
+            try:
+                dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=self.store, rank=0,
+                                        world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
+                self.control = dist.new_group(backend="gloo") if cuda else None
+            except BaseException:
+                self._kill()
+                raise
+        try:
+            self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], draft_tp, draft_device, kv_tokens)
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         for r in range(1, self.world):
             while True:
                 self.check_workers()
@@ -151,8 +308,7 @@ class TargetGroup:
                     break
                 except Exception:
                     if time.monotonic() > deadline:
-                        self.close()
-                        raise EngineError(f"target worker rank {r} did not become ready in {start_timeout_s:.0f} s")
+                        raise EngineError(f"target worker rank {r} did not become ready in {timeout_s:.0f} s") from None
 
     @property
     def cfg(self) -> TargetConfig:
@@ -168,42 +324,45 @@ class TargetGroup:
             if p.poll() is not None:
                 raise EngineError(f"target worker rank {r} (pid {p.pid}) exited with status {p.returncode}")
 
-    def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()):
-        """Broadcast ``batch`` to the workers and run rank 0's forward (see TargetModel.forward)."""
+    def run(self, plan: CyclePlan) -> CycleOutput:
+        """Execute one cycle on every rank and return rank 0's output."""
+        if self.closed:
+            raise EngineError("the engine is closed")
+        t0 = time.perf_counter()
+        if self.draft_tp == 1 and self.rank0.drafter is not None:
+            plan.drafts = self.rank0.draft_phase(plan)
+        draft_ms = (time.perf_counter() - t0) * 1e3
         if self.world > 1:
             self.check_workers()
-            _send_batch(batch, self.control)
-        return self.rank0.forward(batch, capture)
+            dist.broadcast_object_list([plan], 0, group=self.control)
+        out = self.rank0.execute(plan)
+        if self.draft_tp == 1:
+            out.draft_ms = draft_ms
+        return out
 
-    def close(self) -> None:
-        """Stop the workers (shutdown command, then terminate stragglers) and leave the group."""
-        if self.world > 1 and dist.is_initialized():
-            try:
-                self.check_workers()
-                dist.broadcast(torch.tensor([OP_SHUTDOWN] + [0] * (HEADER - 1), dtype=torch.int64), 0, group=self.control)
-            except Exception:
-                pass
-            for p in self.procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            dist.destroy_process_group()
+    def _kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        """Stop the workers (shutdown plan, then kill stragglers) and leave the group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.world > 1 and dist.is_initialized():
+            try:
+                self.check_workers()
+                dist.broadcast_object_list([CyclePlan(work=[], shutdown=True)], 0, group=self.control)
+                for p in self.procs:
+                    p.wait(timeout=10)
+            except Exception:
+                pass
+            self._kill()
+            dist.destroy_process_group()
+        self._kill()
         self.procs = []
-
-
-class Drafter:
-    """The TP1 drafter engine on its own device, with its KV cache."""
-
-    def __init__(self, folder: Path, device: str = "cpu"):
-        meta = read_engine_meta(folder, "drafter")
-        self.cfg = DrafterConfig.from_dict(meta["config"])
-        self.capture_points = tuple(meta["capture_points"])
-        self.limits = meta["limits"]
-        weights = load_rank_weights(folder, 0, device)
-        self.model = DrafterModel(self.cfg, weights)
-        self.cache = DrafterKVCache(self.cfg, self.limits["max_batch_size"], self.limits["max_seq_len"], weights["fc"].dtype, device)
-        self.device = device

@@ -26,7 +26,7 @@ def main(a: argparse.Namespace) -> None:
         print(a.prompt + tok.decode(res.token_ids))
         print(f"--\n{len(res.token_ids)} tokens in {dt * 1e3:.0f} ms ({len(res.token_ids) / dt:.1f} tok/s), "
               f"k={a.num_draft_tokens}, acceptance length {res.acceptance_length:.2f} over {res.num_cycles} cycles, "
-              f"accepted by position {res.accepted_per_position}, draft {res.draft_ms:.0f} ms, verify {res.verify_ms:.0f} ms")
+              f"accepted by position {res.accepted_per_position}, draft {res.stats.draft_ms:.0f} ms, verify {res.stats.verify_ms:.0f} ms")
         if a.check:
             ref = eng.generate(ids, a.max_tokens, 0, set(tok.stop_token_ids))
             if ref.token_ids != res.token_ids:

@@ -1,17 +1,21 @@
-"""Speculative decoding over the target group and the TP1 drafter (greedy, one sequence at a time).
+"""Continuous-batching speculative decoding over the target group and the EAGLE-3 drafter.
 
-A *cycle* (see DESIGN.md, "Speculation, in numbers"): the drafter extends over the tokens accepted
-last cycle and proposes k draft tokens; the target verifies k+1 positions in one forward; the longest
-prefix of drafts equal to the target's own greedy tokens is accepted, plus one target token. Greedy
-output is therefore token-for-token identical to target-only greedy decoding (Leviathan et al. 2023,
-arXiv:2211.17192; EAGLE-3, arXiv:2503.01840).
+A *cycle* (DESIGN.md, "Speculation, in numbers") runs one batched draft phase — the drafter extends over the
+tokens each sequence accepted last cycle, then takes k − 1 more steps — and one batched target forward that
+verifies every decoding sequence's k + 1 positions and prefills chunks of newly admitted prompts. Sequences
+join and leave between cycles. Acceptance is decided here, once, on the leader (:mod:`splitspec.sampling`):
+greedy output is token-for-token identical to target-only greedy decoding; sampled output has the target's
+distribution.
 
-Indexing: with n known tokens x_0..x_{n−1}, the target's KV cache and aux states cover positions
-0..n−2; drafter row j pairs aux(j) with token x_{j+1} at rotary position j.
+Indexing: with n known tokens x_0..x_{n−1}, the target's KV cache and aux states cover positions 0..n−2;
+drafter row j pairs aux(j) with token x_{j+1} at rotary position j and predicts x_{j+2}.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,75 +23,213 @@ from typing import Callable
 
 import torch
 
-from splitspec.engine import Drafter, TargetGroup
-from splitspec.errors import ConfigError
-from splitspec.models.batch import ForwardBatch
+from splitspec.engine import CyclePlan, EngineError, Group, SeqWork
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.kv import BlockAllocator
+from splitspec.sampling import SamplingParams, target_probs, verify, verify_synthetic
 
 
 @dataclass
-class GenerationResult:
-    """Outcome of one request.
+class Request:
+    """A generation request.
 
     Attributes:
-        token_ids: generated target ids (prompt excluded), stop token included if one ended it.
-        num_cycles: target verify forwards after prefill (decode steps when k = 0).
-        acceptance_length: tokens emitted per target verify forward (1.0 without speculation).
-        accepted_per_position: accepted_per_position[i] = cycles whose draft i+1 was accepted.
-        draft_ms, verify_ms, prefill_ms: wall time in the drafter / target verify / prefill.
-        finish_reason: "stop" (a stop token) or "length" (max_tokens).
+        prompt_ids: prompt token ids.
+        max_tokens: at most this many tokens are generated (≥ 1).
+        sampling: temperature / top-p / top-k / seed.
+        num_draft_tokens: draft tokens per cycle (k); None = the deployment's default; 0 = no speculation.
+        stop: stop strings (need a tokenizer); output ends right before the first one.
+        stop_token_ids: ids that end generation (they are emitted); None = the tokenizer's EOS / <|im_end|>.
     """
 
-    token_ids: list[int]
+    prompt_ids: list[int]
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] | None = None
+
+
+@dataclass
+class RequestStats:
+    """Per-request speculation statistics (counting only emitted tokens).
+
+    acceptance_length: emitted tokens per target verify forward (1.0 without speculation).
+    accepted_per_position[i]: cycles whose draft i+1 was accepted and emitted.
+    draft_ms / verify_ms: summed wall time of the cycles this request took part in.
+    ttft_ms: submit → first token; e2e_ms: submit → finish; queue_ms: submit → admission.
+    """
+
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
     num_cycles: int = 0
     acceptance_length: float = 1.0
     accepted_per_position: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    prefill_ms: float = 0.0
-    finish_reason: str = "length"
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    queue_ms: float = 0.0
+    synthetic: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / (self.e2e_ms / 1e3) if self.e2e_ms else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """One event of a request: tokens (and text, with a tokenizer) emitted in one cycle, or the end.
+
+    ``error`` is set (and ``finished`` True) when the request failed; ``stats`` is set when finished.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished request (see :meth:`SpeculativeEngine.generate`)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: RequestStats
+
+    # Shortcuts used by callers of the single-request API.
+    @property
+    def acceptance_length(self) -> float:
+        return self.stats.acceptance_length
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        return self.stats.accepted_per_position
+
+    @property
+    def num_cycles(self) -> int:
+        return self.stats.num_cycles
+
+
+@dataclass
+class CycleStats:
+    """One cycle: sequences decoding / prefilling, draft and verify time (ms), tokens emitted per decoding
+    sequence, accepted drafts by position, KV blocks used/total, queued requests."""
+
+    decode_seqs: int
+    prefill_tokens: int
+    draft_ms: float
+    verify_ms: float
+    emitted: list[int]
+    accepted_by_position: list[int]
+    kv_used_blocks: int
+    kv_total_blocks: int
+    queued: int
+
+
+class _Sequence:
+    def __init__(self, sid: int, req: Request, k: int, stops: set[int], detok):
+        self.id, self.req, self.k = sid, req, k
+        self.stops = stops
+        self.tokens = list(req.prompt_ids)
+        self.prefilled = 0
+        self.blocks: list[int] = []
+        self.output: list[int] = []
+        self.extend_start, self.keep_aux = 0, None
+        self.gen = torch.Generator()
+        if req.sampling.seed is not None:
+            self.gen.manual_seed(req.sampling.seed)
+        else:
+            self.gen.seed()
+        self.detok = detok
+        self.stats = RequestStats(num_prompt_tokens=len(req.prompt_ids), accepted_per_position=[0] * k)
+        self.t_submit = time.perf_counter()
+        self.emitted_in_cycles = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.cancelled = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.req.prompt_ids)
+
+    def need_tokens(self) -> int:
+        return len(self.req.prompt_ids) + self.req.max_tokens + self.k + 1
 
 
 class SpeculativeEngine:
-    """Target TP group + TP1 drafter, decoding with EAGLE-3 speculation.
+    """Continuous-batching EAGLE-3 speculation over a target TP group and a drafter (TP1 or TP-N).
 
-    Use :meth:`load`; call :meth:`close` to stop the target's worker processes.
+    Single-threaded core: :meth:`submit` (thread-safe) queues requests, :meth:`step` runs one cycle.
+    :meth:`generate` runs one request to completion; :class:`EngineLoop` runs cycles in a background thread.
+
+    Args (of :meth:`load`):
+        engines_dir: folder with ``target/`` and ``drafter/`` engines (``splitspec build``).
+        target_device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
+        draft_device_id: GPU of a TP1 drafter (None: target rank 0's device).
+        draft_tp: 1 (split placement, default) or N (drafter sharded over the target's group).
+        num_draft_tokens: default k per request (0 disables speculation).
+        kv_tokens: KV-cache token budget (default: engine max_batch_size × max_seq_len).
+        max_batch_size: sequences decoded at once (default: the engine's).
+        max_prefill_tokens: prompt tokens prefetched per cycle (chunked prefill bound).
+        tokenizer_dir: folder of tokenizer files for stop strings and text (default ``engines_dir/target``).
+        synthetic_acceptance: benchmark only — per-position acceptance probabilities; outputs are then
+            NOT the target's and every result is labelled ``synthetic``.
     """
 
-    def __init__(self, target: TargetGroup, drafter: Drafter, num_draft_tokens: int = 4):
-        self.target, self.drafter = target, drafter
+    def __init__(self, group: Group, num_draft_tokens: int = 4, max_batch_size: int | None = None,
+                 max_prefill_tokens: int = 512, tokenizer=None, synthetic_acceptance: list[float] | None = None):
+        self.group = group
+        limits = group.limits
+        self.max_seq_len, self.max_draft_len = limits["max_seq_len"], limits["max_draft_len"]
+        self.max_batch_size = max_batch_size or limits["max_batch_size"]
+        self.max_prefill_tokens = max_prefill_tokens
         self.num_draft_tokens = num_draft_tokens
-        self.max_seq_len = target.limits["max_seq_len"]
-        self.max_draft_len = target.limits["max_draft_len"]
-        n = target.cfg.num_hidden_layers
-        if any(p > n for p in drafter.capture_points):
-            raise ConfigError(f"drafter capture points {drafter.capture_points} exceed the target's {n} layers")
+        self._check_k(num_draft_tokens)
+        if num_draft_tokens and group.rank0.drafter is None:
+            raise ConfigError("speculation requested but no drafter is loaded")
+        self.tokenizer = tokenizer
+        self.synthetic = synthetic_acceptance
+        self.vocab_size = group.cfg.vocab_size
+        self.alloc = BlockAllocator(group.rank0.kv_blocks)
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.running: list[_Sequence] = []
+        self.seqs: dict[int, _Sequence] = {}
+        self._finished_ids: list[int] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable[[RequestOutput], None]] = {}
+        self.on_cycle: Callable[[CycleStats], None] | None = None
+        self.last_cycle: CycleStats | None = None
 
     @classmethod
     def load(cls, engines_dir: Path, target_device_ids: list[int] | None = None, draft_device_id: int | None = None,
-             draft_tp: int = 1, num_draft_tokens: int = 4) -> "SpeculativeEngine":
-        """Start the target group (``engines_dir/target``) and load the drafter (``engines_dir/drafter``).
-
-        Args:
-            target_device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
-            draft_device_id: GPU of the drafter (None: target rank 0's device).
-            draft_tp: drafter tensor-parallel size; only 1 is built by this version.
-        Raises:
-            ConfigError: unsupported placement. EngineError / CheckpointError: engines that do not load.
-        """
-        if draft_tp != 1:
-            raise ConfigError(f"draft_tp = {draft_tp}: this version runs the drafter at TP1 only")
+             draft_tp: int = 1, num_draft_tokens: int = 4, kv_tokens: int | None = None, max_batch_size: int | None = None,
+             max_prefill_tokens: int = 512, tokenizer_dir: Path | None = None,
+             synthetic_acceptance: list[float] | None = None) -> "SpeculativeEngine":
+        """Start the target group, load the drafter, and return the engine (see the class docstring)."""
         engines_dir = Path(engines_dir)
-        target = TargetGroup(engines_dir / "target", target_device_ids)
+        tok = None
+        tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
+        if (tdir / "tokenizer.json").exists():
+            from splitspec.tokenizer import ChatTokenizer
+
+            tok = ChatTokenizer.from_dir(tdir)
+        group = Group(engines_dir, target_device_ids, draft_tp, draft_device_id, kv_tokens)
         try:
-            device = f"cuda:{draft_device_id}" if draft_device_id is not None else target.devices[0]
-            drafter = Drafter(engines_dir / "drafter", device)
-            return cls(target, drafter, num_draft_tokens)
+            return cls(group, num_draft_tokens, max_batch_size, max_prefill_tokens, tok, synthetic_acceptance)
         except BaseException:
-            target.close()
+            group.close()
             raise
 
     def close(self) -> None:
-        self.target.close()
+        """Stop the target's worker processes. Idempotent."""
+        self.group.close()
 
     def __enter__(self):
         return self
@@ -95,100 +237,329 @@ class SpeculativeEngine:
     def __exit__(self, *exc):
         self.close()
 
-    def _check_request(self, prompt_ids: list[int], max_tokens: int, k: int) -> None:
-        vocab = self.target.cfg.vocab_size
-        if not prompt_ids:
-            raise ConfigError("prompt is empty: at least one token is needed")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ConfigError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens = {max_tokens}, expected ≥ 1")
+    # ---------------------------------------------------------------- requests
+
+    def _check_k(self, k: int) -> None:
         if not 0 <= k <= self.max_draft_len:
             raise ConfigError(f"num_draft_tokens = {k}, expected 0..{self.max_draft_len} (engine max_draft_len)")
-        need = len(prompt_ids) + max_tokens + k + 1
+
+    def check_request(self, req: Request) -> int:
+        """Validate a request against the engine's limits; return its k.
+
+        Raises:
+            ConfigError: empty or out-of-vocabulary prompt, bad max_tokens / sampling / k, stop strings
+                without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
+        """
+        k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
+        if not req.prompt_ids:
+            raise ConfigError("prompt is empty: at least one token is needed")
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            raise ConfigError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise ConfigError(f"max_tokens = {req.max_tokens}, expected an integer ≥ 1")
+        self._check_k(k)
+        if k and self.group.rank0.drafter is None:
+            raise ConfigError("num_draft_tokens > 0 but no drafter is loaded")
+        req.sampling.check()
+        if req.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer (none found beside the target engine)")
+        need = len(req.prompt_ids) + req.max_tokens + k + 1
         if need > self.max_seq_len:
-            raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) + draft length ({k}) + 1 = {need} "
-                              f"exceeds the engine's max_seq_len = {self.max_seq_len}")
+            raise ConfigError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) + draft length ({k}) + 1 "
+                              f"= {need} exceeds the engine's max_seq_len = {self.max_seq_len}")
+        if not BlockAllocator(self.alloc.num_blocks).can_allocate(need):
+            raise ConfigError(f"request needs {need} KV tokens but the whole KV budget is "
+                              f"{self.alloc.num_blocks * self.alloc.block_size} tokens: it can never fit")
+        return k
+
+    def submit(self, req: Request, callback: Callable[[RequestOutput], None] | None = None) -> int:
+        """Queue a request (thread-safe); return its id. ``callback`` gets every :class:`RequestOutput`.
+
+        Raises ConfigError at once for a request that can never be served; a request that merely does not
+        fit the free KV space now waits in the queue.
+        """
+        k = self.check_request(req)
+        stops = set(req.stop_token_ids) if req.stop_token_ids is not None else set(self.tokenizer.stop_token_ids if self.tokenizer else ())
+        detok = None
+        if self.tokenizer is not None:
+            from splitspec.detok import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
+        with self._lock:
+            seq = _Sequence(next(self._ids), req, k, stops, detok)
+            seq.stats.synthetic = self.synthetic is not None
+            self.seqs[seq.id] = seq
+            if callback is not None:
+                self._callbacks[seq.id] = callback
+            self.waiting.append(seq)
+        return seq.id
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request (thread-safe); its slot and KV are freed at the start of the next cycle."""
+        with self._lock:
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                seq.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running)
+
+    # ---------------------------------------------------------------- the cycle
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        seq.finish_reason = reason
+        now = time.perf_counter()
+        s = seq.stats
+        s.e2e_ms = (now - seq.t_submit) * 1e3
+        s.num_output_tokens = len(seq.output)
+        s.acceptance_length = seq.emitted_in_cycles / s.num_cycles if s.num_cycles else 1.0
+        if seq.blocks:
+            self.alloc.release(seq.blocks)
+            seq.blocks = []
+        if seq in self.running:
+            self.running.remove(seq)
+            self._finished_ids.append(seq.id)
+        self.seqs.pop(seq.id, None)
+        tail = seq.detok.add([], final=True) if (seq.detok and not error and reason != "stop_string") else ""
+        seq.text += tail
+        return RequestOutput(seq.id, [], tail, True, reason, s, error)
+
+    def _emit(self, seq: _Sequence, new: list[int], accepted: int | None) -> list[RequestOutput]:
+        """Append tokens up to a stop or max_tokens; returns the events (delta and/or finish)."""
+        take, reason = [], None
+        for t in new:
+            take.append(t)
+            if t in seq.stops:
+                reason = "stop"
+                break
+            if len(seq.output) + len(take) >= seq.req.max_tokens:
+                reason = "length"
+                break
+        text = ""
+        if seq.detok is not None:
+            text = seq.detok.add(take)
+            if seq.detok.stopped:
+                take = take[: seq.detok.tokens_to_stop - len(seq.output)]
+                reason = "stop_string"
+        seq.output += take
+        seq.text += text
+        if not seq.stats.ttft_ms and take:
+            seq.stats.ttft_ms = (time.perf_counter() - seq.t_submit) * 1e3
+        if accepted is not None:
+            seq.emitted_in_cycles += len(take)
+            for i in range(min(accepted, len(take))):
+                seq.stats.accepted_per_position[i] += 1
+        events = [RequestOutput(seq.id, take, text)] if take or text else []
+        if reason:
+            events.append(self._finish(seq, "stop" if reason == "stop_string" else reason))
+        return events
+
+    def _admit(self) -> None:
+        with self._lock:
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+            while self.waiting and len(self.running) < self.max_batch_size and self.alloc.can_allocate(self.waiting[0].need_tokens()):
+                seq = self.waiting.popleft()
+                seq.blocks = self.alloc.allocate(seq.need_tokens())
+                seq.stats.queue_ms = (time.perf_counter() - seq.t_submit) * 1e3
+                self.running.append(seq)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None,
-                 stop_token_ids: set[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Greedy generation with speculation; ``num_draft_tokens`` = 0 decodes target-only.
+    def step(self) -> list[RequestOutput]:
+        """Run one cycle over every active sequence; return (and send to callbacks) the events it produced.
 
-        Args:
-            prompt_ids: prompt token ids.
-            max_tokens: at most this many tokens are generated.
-            num_draft_tokens: draft tokens per cycle (k); None = the engine default.
-            stop_token_ids: generation ends after emitting one of these (it is included).
-            on_tokens: called with each cycle's newly emitted tokens (streaming).
         Raises:
-            ConfigError: an empty/out-of-vocabulary prompt, or a request longer than the engine's limits.
-            EngineError: a worker died.
+            EngineError: a worker died (the caller should fail the requests and stop).
         """
-        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        self._check_request(prompt_ids, max_tokens, k)
-        stops = stop_token_ids or set()
-        slot, dev = 0, self.target.devices[0]
-        capture = self.drafter.capture_points if k > 0 else ()
-        res = GenerationResult(token_ids=[], accepted_per_position=[0] * k)
+        events: list[RequestOutput] = []
+        for seq in [s for s in self.running if s.cancelled]:
+            events.append(self._finish(seq, "cancelled"))
+        with self._lock:
+            cancelled_waiting = [s for s in self.waiting if s.cancelled]
+        for seq in cancelled_waiting:
+            events.append(self._finish(seq, "cancelled"))
+        self._admit()
+        work, budget = [], self.max_prefill_tokens
+        for seq in self.running:
+            if seq.decoding:
+                n = len(seq.tokens)
+                work.append(SeqWork(seq.id, seq.blocks, "decode", n - 1, [seq.tokens[-1]], k=seq.k,
+                                    extend_start=seq.extend_start, extend_tokens=seq.tokens[seq.extend_start + 1:n],
+                                    keep_aux=seq.keep_aux))
+            elif budget > 0:
+                p = len(seq.req.prompt_ids)
+                chunk = min(p - seq.prefilled, budget)
+                budget -= chunk
+                work.append(SeqWork(seq.id, seq.blocks, "prefill", seq.prefilled,
+                                    seq.req.prompt_ids[seq.prefilled:seq.prefilled + chunk], final=seq.prefilled + chunk == p))
+        if work:
+            plan = CyclePlan(work, finished=self._finished_ids)
+            self._finished_ids = []
+            out = self.group.run(plan)
+            events += self._decide(work, out)
+        for e in events:
+            cb = self._callbacks.pop(e.request_id, None) if e.finished else self._callbacks.get(e.request_id)
+            if cb:
+                cb(e)
+        return events
 
-        t0 = time.perf_counter()
-        logits, aux = self.target.forward(ForwardBatch.build([(slot, 0, prompt_ids)], "last", dev), capture)
-        res.prefill_ms = (time.perf_counter() - t0) * 1e3
-        tokens = list(prompt_ids) + [int(logits[-1].argmax())]
-        emitted = [tokens[-1]]
-        extend_start = 0  # first drafter row still to extend
+    def _decide(self, work: list[SeqWork], out) -> list[RequestOutput]:
+        events, row = [], 0
+        emitted, accepted_pos, prefill_tokens = [], [0] * self.max_draft_len, 0
+        for w in work:
+            seq = self.seqs.get(w.sid)
+            if w.kind == "prefill":
+                prefill_tokens += len(w.tokens)
+                if seq is None:
+                    row += int(w.final)
+                    continue
+                seq.prefilled += len(w.tokens)
+                if not w.final:
+                    continue
+                logits = out.logits[row:row + 1]
+                row += 1
+                sp = seq.req.sampling
+                first = int(logits[0].argmax()) if sp.greedy else int(torch.multinomial(target_probs(logits.cpu(), sp)[0], 1, generator=seq.gen))
+                seq.tokens.append(first)
+                seq.extend_start, seq.keep_aux = 0, None
+                events += self._emit(seq, [first], None)
+                continue
+            drafts = out.drafts.get(w.sid, [])
+            logits = out.logits[row:row + len(drafts) + 1]
+            row += len(drafts) + 1
+            if seq is None:
+                continue
+            seq.stats.num_cycles += 1
+            seq.stats.draft_ms += out.draft_ms
+            seq.stats.verify_ms += out.verify_ms
+            if self.synthetic is not None and drafts:
+                a, new = verify_synthetic(logits, drafts, self.synthetic, seq.gen)
+            else:
+                a, new = verify(logits, drafts, seq.req.sampling, seq.gen)
+            n = len(seq.tokens)
+            seq.tokens += new
+            seq.extend_start, seq.keep_aux = n - 1, a + 1
+            before = seq.emitted_in_cycles
+            events += self._emit(seq, new, a)
+            emitted.append(seq.emitted_in_cycles - before)
+            for i in range(min(a, emitted[-1])):
+                accepted_pos[i] += 1
+        self.last_cycle = CycleStats(len(emitted), prefill_tokens, out.draft_ms, out.verify_ms, emitted, accepted_pos,
+                                     self.alloc.used, self.alloc.num_blocks, len(self.waiting))
+        if self.on_cycle:
+            self.on_cycle(self.last_cycle)
+        return events
 
-        def emit(new: list[int]) -> bool:
-            """Append tokens up to a stop or max_tokens; return True when generation is finished."""
-            for t in new:
-                res.token_ids.append(t)
-                if t in stops:
-                    res.finish_reason = "stop"
-                    return True
-                if len(res.token_ids) >= max_tokens:
-                    return True
-            return False
+    # ---------------------------------------------------------------- conveniences
 
-        done = emit(emitted)
-        if on_tokens:
-            on_tokens(list(res.token_ids))
-        emitted_in_cycles = 0
-        while not done:
-            n = len(tokens)
-            drafts: list[int] = []
-            if k > 0:
-                t0 = time.perf_counter()
-                model, cache = self.drafter.model, self.drafter.cache
-                ext = ForwardBatch.build([(slot, extend_start, tokens[extend_start + 1:n])], "last", self.drafter.device)
-                dlogits, dh = model.forward(ext, model.fuse(aux.to(self.drafter.device)), cache)
-                drafts.append(int(model.propose(dlogits)[-1]))
-                h = dh[-1:]
-                for i in range(1, k):
-                    step = ForwardBatch.build([(slot, n - 2 + i, [drafts[-1]])], "last", self.drafter.device)
-                    dlogits, h = model.forward(step, h, cache)
-                    drafts.append(int(model.propose(dlogits)[-1]))
-                res.draft_ms += (time.perf_counter() - t0) * 1e3
-            t0 = time.perf_counter()
-            logits, aux = self.target.forward(ForwardBatch.build([(slot, n - 1, [tokens[-1]] + drafts)], "all", dev), capture)
-            res.verify_ms += (time.perf_counter() - t0) * 1e3
-            target_tokens = logits.argmax(-1).tolist()
-            a = 0
-            while a < k and drafts[a] == target_tokens[a]:
-                a += 1
-            new = drafts[:a] + [target_tokens[a]]
-            res.num_cycles += 1
-            before = len(res.token_ids)
-            done = emit(new)
-            got = len(res.token_ids) - before
-            emitted_in_cycles += got
-            for i in range(min(a, got)):
-                res.accepted_per_position[i] += 1
-            tokens += new
-            if aux is not None:
-                aux = aux[: a + 1]
-            extend_start = n - 1
-            if on_tokens and got:
-                on_tokens(res.token_ids[before:])
-        res.acceptance_length = emitted_in_cycles / res.num_cycles if res.num_cycles else 1.0
-        return res
+    def run(self, requests: list[Request]) -> list[GenerationResult]:
+        """Submit all ``requests`` at once and run cycles until every one has finished (batch mode)."""
+        results: dict[int, GenerationResult] = {}
+        ids = []
+        for r in requests:
+            ids.append(self.submit(r))
+        pending = set(ids)
+        toks: dict[int, list[int]] = {i: [] for i in ids}
+        texts: dict[int, str] = {i: "" for i in ids}
+        while pending:
+            for e in self.step():
+                if e.request_id not in pending:
+                    continue
+                toks[e.request_id] += e.token_ids
+                texts[e.request_id] += e.text
+                if e.finished:
+                    pending.discard(e.request_id)
+                    results[e.request_id] = GenerationResult(toks[e.request_id], texts[e.request_id], e.finish_reason, e.stats)
+        return [results[i] for i in ids]
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None,
+                 stop_token_ids: set[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                 sampling: SamplingParams | None = None, stop: list[str] | None = None) -> GenerationResult:
+        """Run one request to completion (no background loop may be running).
+
+        ``stop_token_ids`` None means the tokenizer's EOS and <|im_end|>; pass ``set()`` for none.
+        Raises ConfigError for a request the engine cannot serve, EngineError if a worker dies.
+        """
+        req = Request(list(prompt_ids), max_tokens, sampling or SamplingParams(), num_draft_tokens, stop or [], stop_token_ids)
+        if on_tokens is None:
+            return self.run([req])[0]
+        rid = self.submit(req)
+        toks, text = [], ""
+        while True:
+            for e in self.step():
+                if e.request_id != rid:
+                    continue
+                toks += e.token_ids
+                text += e.text
+                if e.token_ids:
+                    on_tokens(e.token_ids)
+                if e.finished:
+                    return GenerationResult(toks, text, e.finish_reason, e.stats)
+
+
+class EngineLoop:
+    """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit` and :meth:`cancel` are
+    thread-safe. Callbacks run on the loop thread. If the engine fails (a worker died), every active and
+    queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
+    """
+
+    def __init__(self, engine: SpeculativeEngine):
+        self.engine = engine
+        self.healthy, self.error = True, None
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="splitspec-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, callback: Callable[[RequestOutput], None]) -> int:
+        """Queue ``req``; ``callback`` receives its events. Raises ConfigError / EngineError at once."""
+        if not self.healthy:
+            raise EngineError(f"engine is not ready: {self.error}")
+        with self._wake:
+            rid = self.engine.submit(req, callback)
+            self._wake.notify()
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            try:
+                self.engine.step()
+            except Exception as e:  # a dead worker or broken group: fail everything, stop serving
+                self.healthy, self.error = False, f"{type(e).__name__}: {e}"
+                self._fail_all(self.error)
+                return
+
+    def _fail_all(self, message: str) -> None:
+        eng = self.engine
+        with eng._lock:
+            seqs = list(eng.running) + list(eng.waiting)
+            eng.running, eng.waiting = [], collections.deque()
+        for seq in seqs:
+            cb = eng._callbacks.pop(seq.id, None)
+            if cb:
+                cb(RequestOutput(seq.id, [], "", True, "error", seq.stats, message))
+
+    def stop(self) -> None:
+        """Stop the loop thread (the engine stays open; call ``engine.close()``)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=30)

@@ -1,4 +1,5 @@
-"""Entry point of a target worker rank: ``python -m splitspec.worker --engine DIR --rank R --world N --store-port P``."""
+"""Entry point of a target worker rank:
+``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp N]``."""
 
 import argparse
 from pathlib import Path
@@ -8,13 +9,15 @@ from splitspec.engine import worker_loop
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--engine", required=True)
+    p.add_argument("--engines", required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--draft-tp", type=int, default=1)
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV token budget (0: the engine's default)")
     a = p.parse_args()
-    worker_loop(Path(a.engine), a.rank, a.world, a.store_port, a.device)
+    worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, a.draft_tp, a.kv_tokens or None)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitspec.kv import BLOCK_SIZE, slot_mapping
+
 
 @dataclass
 class ForwardBatch:
@@ -14,27 +16,37 @@ class ForwardBatch:
     Attributes:
         input_ids: [T] int64, the sequences' new tokens concatenated.
         positions: [T] int64, each token's absolute position in its sequence.
-        segments: list of (slot, start, length): sequence in KV-cache slot ``slot`` contributes
-            ``length`` consecutive tokens at positions start..start+length-1.
+        segments: (start, length) per sequence: ``length`` consecutive tokens at positions start.. .
+        slots: per sequence, [start + length] int64 cache rows of its positions 0..start+length−1.
         logits_rows: [R] int64, rows of the flat batch whose logits are wanted (others are skipped).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    segments: list[tuple[int, int, int]]
+    segments: list[tuple[int, int]]
+    slots: list[torch.Tensor]
     logits_rows: torch.Tensor
 
     @staticmethod
-    def build(seqs: list[tuple[int, int, list[int]]], want: str = "last", device="cpu") -> "ForwardBatch":
-        """seqs: (slot, start position, new token ids) per sequence. ``want``: 'last' (one row per
-        sequence) or 'all' (every row)."""
-        ids, pos, segs, rows, t = [], [], [], [], 0
-        for slot, start, toks in seqs:
+    def build(seqs: list[tuple[list[int], int, list[int]]], want: str | list[str] = "last", device="cpu",
+              block_size: int = BLOCK_SIZE) -> "ForwardBatch":
+        """seqs: (KV blocks, start position, new token ids) per sequence. ``want`` per sequence (or one for
+        all): 'last' (one logits row), 'all' (every row) or 'none'."""
+        wants = [want] * len(seqs) if isinstance(want, str) else want
+        ids, pos, segs, slots, rows, t = [], [], [], [], [], 0
+        for (blocks, start, toks), w in zip(seqs, wants):
             n = len(toks)
             ids += toks
             pos += range(start, start + n)
-            segs.append((slot, start, n))
-            rows += [t + n - 1] if want == "last" else list(range(t, t + n))
+            segs.append((start, n))
+            slots.append(slot_mapping(blocks, start + n, block_size, device))
+            rows += {"last": [t + n - 1], "all": list(range(t, t + n)), "none": []}[w]
             t += n
         as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return ForwardBatch(as_t(ids), as_t(pos), segs, as_t(rows))
+        return ForwardBatch(as_t(ids), as_t(pos), segs, slots, as_t(rows))
+
+
+def single_blocks(slot: int, max_seq_len: int, block_size: int = BLOCK_SIZE) -> list[int]:
+    """Blocks of a fixed region for sequence number ``slot`` (tests and one-off forwards)."""
+    per = -(-max_seq_len // block_size)
+    return list(range(slot * per, (slot + 1) * per))

@@ -18,15 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.config import DrafterConfig
-from splitspec.layers import Rotary, attend, gated_mlp, rms_norm
+from splitspec.layers import Rotary, TPComm, attend, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
 class DrafterKVCache:
-    """Per-head K/V cache of the drafter's single layer: k, v [slots, max_seq, kv_heads, head_dim]."""
+    """K/V cache of the drafter's single layer on one rank: k, v [rows, local kv heads, head_dim]
+    (rows = token budget, shared block layout with the target; see :mod:`splitspec.kv`)."""
 
-    def __init__(self, cfg: DrafterConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device):
-        shape = (slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
+    def __init__(self, cfg: DrafterConfig, rows: int, dtype: torch.dtype, device, tp_size: int = 1):
+        shape = (rows, cfg.num_key_value_heads // tp_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -35,17 +36,48 @@ class DrafterKVCache:
         return self.k.nbytes + self.v.nbytes
 
 
+def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Slice TP1 runtime-layout drafter weights for rank ``rank`` of ``size`` (Megatron-style).
+
+    q/k/v rows and o_proj columns by head; gate/up rows and down columns by intermediate; lm_head rows
+    by draft vocabulary (logits all-gathered). fc, norms, embedding and the vocabulary map are replicated.
+    Raises ConfigError if ``size`` does not divide the heads, intermediate size or draft vocabulary.
+    """
+    from splitspec.errors import ConfigError
+
+    if size == 1:
+        return w
+    for name, v in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
+        if v % size:
+            raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {size}")
+    nq, nkv, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+    part = lambda t, dim: t.chunk(size, dim)[rank]  # noqa: E731
+    q, k, v = w["qkv_proj"].split([nq, nkv, nkv])
+    gate, up = w["mlp.w13"].chunk(2)
+    out = dict(w)
+    out["qkv_proj"] = torch.cat([part(q, 0), part(k, 0), part(v, 0)])
+    out["o_proj"] = part(w["o_proj"], 1)
+    out["mlp.w13"] = torch.cat([part(gate, 0), part(up, 0)])
+    out["mlp.w2"] = part(w["mlp.w2"], 1)
+    out["lm_head"] = part(w["lm_head"], 0)
+    return {n: t.contiguous() for n, t in out.items()}
+
+
 class DrafterModel:
-    """An EAGLE-3 drafter at TP1, weights in the runtime layout written by ``splitspec.build``.
+    """An EAGLE-3 drafter (one rank of it when ``comm.size`` > 1: weights from :func:`shard_drafter`),
+    weights in the runtime layout written by ``splitspec.build``.
 
     ``draft_to_target`` [draft_vocab] int64 maps draft ids to target ids (from d2t offsets).
     """
 
-    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         self.cfg, self.w = cfg, weights
+        self.comm = comm or TPComm()
         self.device = weights["fc"].device
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
+        self.nq, self.nkv = cfg.num_attention_heads // self.comm.size, cfg.num_key_value_heads // self.comm.size
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3·target_hidden] (target states at the capture points) → [T, H]."""
@@ -63,7 +95,7 @@ class DrafterModel:
         c, w = self.cfg, self.w
         emb = w["embed_tokens"][batch.input_ids]
         a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
-        nq, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        nq, nkv, hd = self.nq, self.nkv, c.head_dim
         q, k, v = F.linear(a, w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q = self.rotary.apply(q.view(-1, nq, hd), cos, sin)
@@ -71,16 +103,16 @@ class DrafterModel:
         v = v.view(-1, nkv, hd)
         out = torch.empty_like(q)
         t = 0
-        for slot, start, n in batch.segments:
-            cache.k[slot, start:start + n] = k[t:t + n]
-            cache.v[slot, start:start + n] = v[t:t + n]
-            ks = cache.k[slot, :start + n].repeat_interleave(nq // nkv, dim=1)
-            vs = cache.v[slot, :start + n].repeat_interleave(nq // nkv, dim=1)
+        for (start, n), rows in zip(batch.segments, batch.slots):
+            cache.k[rows[start:]] = k[t:t + n]
+            cache.v[rows[start:]] = v[t:t + n]
+            ks = cache.k[rows].repeat_interleave(nq // nkv, dim=1)
+            vs = cache.v[rows].repeat_interleave(nq // nkv, dim=1)
             out[t:t + n] = attend(q[t:t + n], ks, vs, batch.positions[t:t + n], hd ** -0.5)
             t += n
-        h = hidden + F.linear(out.reshape(out.shape[0], -1), w["o_proj"])
-        h = h + gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"])
-        logits = F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float()
+        h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))
+        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
+        logits = self.comm.all_gather_last(F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float())
         return logits, h
 
     def propose(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Token selection at verify time: greedy, speculative (rejection) sampling, and synthetic acceptance.
+
+Speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318):
+draft token d_i proposed with probability q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i));
+on rejection the token is drawn from norm(max(0, p_i − q_i)); if all k drafts are accepted a bonus token is
+drawn from p_k. The emitted tokens are then distributed exactly as target-only sampling from p.
+Our drafter proposes greedily, so q_i is one-hot on d_i: accept with probability p_i(d_i), resample
+from p_i with d_i removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters.
+
+    temperature: 0 = greedy (token-for-token identical to target-only greedy decoding).
+    top_k: keep the k most likely tokens (0 = all). top_p: nucleus mass in (0, 1].
+    seed: seeds the request's generator (reproducible for a given deployment), None = random.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def check(self) -> None:
+        if not (self.temperature >= 0 and self.temperature <= 100):
+            raise ConfigError(f"temperature = {self.temperature}, expected 0 (greedy) to 100")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p = {self.top_p}, expected 0 < top_p ≤ 1")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k = {self.top_k}, expected ≥ 0 (0 = no limit)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Filtered sampling distribution: logits [R, V] → probabilities [R, V] float32 (temperature, top-k, top-p)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = x.softmax(-1)
+    if params.top_p < 1:
+        sp, idx = p.sort(-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= params.top_p  # keep the smallest prefix reaching top_p
+        p = p.masked_fill(drop.scatter(-1, idx, drop), 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None) -> tuple[int, list[int]]:
+    """Decide one sequence's cycle.
+
+    Args:
+        logits: [k+1, V] target logits at the verified positions.
+        drafts: the k draft tokens (target ids), proposed greedily.
+    Returns:
+        (number of drafts accepted a, emitted tokens = drafts[:a] + [one target token]).
+    """
+    k = len(drafts)
+    if params.greedy:
+        best = logits.argmax(-1).tolist()
+        a = 0
+        while a < k and drafts[a] == best[a]:
+            a += 1
+        return a, drafts[:a] + [best[a]]
+    p = target_probs(logits, params)
+    u = torch.rand(k, generator=gen, device="cpu") if k else None
+    for i, d in enumerate(drafts):
+        if u[i] < p[i, d]:
+            continue
+        residual = p[i].clone()
+        residual[d] = 0.0
+        return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
+    return k, drafts + [int(torch.multinomial(p[k], 1, generator=gen))]
+
+
+def verify_synthetic(logits: torch.Tensor, drafts: list[int], profile: list[float], gen: torch.Generator) -> tuple[int, list[int]]:
+    """Benchmark-only: accept draft i with conditional probability ``profile[i]`` regardless of its value.
+
+    Output tokens are NOT the target's; only the costs (cycle counts, KV use) are realistic.
+    """
+    a = 0
+    while a < len(drafts) and float(torch.rand(1, generator=gen)) < profile[min(a, len(profile) - 1)]:
+        a += 1
+    return a, drafts[:a] + [int(logits[a].argmax())]
