@@ -1,0 +1,180 @@
+"""Rendering the Triton model repository for a pair of built engines.
+
+The repository follows the TensorRT-LLM backend's layout: ``preprocessing`` (tokenise) →
+``spec_decode`` (decoupled; target + drafter engines, draft/verify loop) → ``postprocessing``
+(detokenise), chained by the ``ensemble`` model. Each model's ``config.pbtxt`` is rendered
+from the ``config.pbtxt.in`` template kept next to its code in the project's ``triton_repo/``
+(``string.Template`` placeholders such as ``${engines_dir}``). Rendering into another folder
+also copies the models' code there. Every file is written to a temporary name and renamed
+into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from string import Template
+
+from splitspec.errors import ConfigError
+
+#: Models of the repository, in pipeline order (the ensemble last).
+MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
+TEMPLATE_NAME = "config.pbtxt.in"
+#: Largest max_tokens a request may ask for.
+MAX_TOKENS_LIMIT = 4096
+
+
+def template_repo() -> Path:
+    """The project's ``triton_repo/`` folder holding the templates and model code.
+
+    Raises:
+        ConfigError: the folder is not there (splitspec installed without its source tree).
+    """
+    root = Path(__file__).resolve().parents[2] / "triton_repo"
+    if not (root / "ensemble" / TEMPLATE_NAME).is_file():
+        raise ConfigError(f"{root}: model repository templates not found (use an editable install of splitspec)")
+    return root
+
+
+def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _parse_ids(value: str, what: str) -> list[int]:
+    """Parse ``"0,1,2"`` (or ``""``) into GPU ids; ConfigError naming ``what`` otherwise."""
+    value = (value or "").strip()
+    if not value:
+        return []
+    ids = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ConfigError(f"{what} = {value!r}: expected comma-separated non-negative GPU ids, e.g. '0,1'")
+        ids.append(int(part))
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{what} = {value!r}: a GPU id appears twice")
+    return ids
+
+
+def _engine_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: engine description missing (build the engines first: 'make engines')")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _find_int(d: dict, *keys: str) -> int | None:
+    """First integer found under ``keys`` at the top level or in a nested ``mapping``/``limits`` dict."""
+    for where in (d, d.get("mapping") or {}, d.get("limits") or {}, d.get("build") or {}):
+        if not isinstance(where, dict):
+            continue
+        for k in keys:
+            v = where.get(k)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, target_device_ids: str = "",
+                draft_device_id: str = "", draft_tp: int = 1) -> Path:
+    """Write the model repository for the engines in ``engines_dir`` to ``out_dir``.
+
+    Args:
+        engines_dir: folder holding ``target/`` and ``drafter/`` (each with ``engine.json``;
+            the tokenizer files in ``target/``).
+        out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
+            folder also receives a copy of the models' code.
+        num_draft_tokens: default draft tokens per cycle (k ≥ 1).
+        target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
+        draft_device_id: GPU id of the TP1 drafter; empty: target rank 0's device.
+        draft_tp: drafter tensor-parallel size (1, or the target's TP size).
+    Returns:
+        ``out_dir`` resolved.
+    Raises:
+        ConfigError: an engine or tokenizer file is missing, or a parameter is invalid (the
+            message names it).
+    """
+    engines_dir = Path(engines_dir).resolve()
+    out_dir = Path(out_dir).resolve()
+    target = _engine_json(engines_dir / "target" / "engine.json")
+    drafter = _engine_json(engines_dir / "drafter" / "engine.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (engines_dir / "target" / f).is_file():
+            raise ConfigError(f"{engines_dir / 'target' / f}: tokenizer file missing from the target engine")
+
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens!r}: expected an integer >= 1")
+    max_draft = _find_int(drafter, "max_draft_len") or _find_int(target, "max_draft_len")
+    if max_draft is not None and num_draft_tokens > max_draft:
+        raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens} exceeds the engines' max_draft_len "
+                          f"{max_draft} ({engines_dir}); rebuild with a larger --max-draft-len")
+    tgt_ids = _parse_ids(target_device_ids, "target_device_ids")
+    drf_ids = _parse_ids(draft_device_id, "draft_device_id")
+    if len(drf_ids) > 1:
+        raise ConfigError(f"draft_device_id = {draft_device_id!r}: expected one GPU id (or empty)")
+    if drf_ids and not tgt_ids:
+        raise ConfigError(f"draft_device_id = {draft_device_id!r} needs target_device_ids too (empty means CPU)")
+    if isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1:
+        raise ConfigError(f"draft_tp = {draft_tp!r}: expected an integer >= 1")
+    tp = _find_int(target, "tp_size")
+    if tp is not None:
+        if tgt_ids and len(tgt_ids) != tp:
+            raise ConfigError(f"target_device_ids = {target_device_ids!r} lists {len(tgt_ids)} GPUs, but the "
+                              f"target engine has tp_size {tp} ({engines_dir / 'target' / 'engine.json'})")
+        if draft_tp not in (1, tp):
+            raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (own device) or the target's tp_size {tp}")
+    if draft_tp > 1 and drf_ids:
+        raise ConfigError("draft_device_id applies to a TP1 drafter only; with draft_tp > 1 the drafter "
+                          "runs on target_device_ids")
+
+    values = {
+        "engines_dir": str(engines_dir),
+        "tokenizer_dir": str(engines_dir / "target"),
+        "num_draft_tokens": str(num_draft_tokens),
+        "target_device_ids": ",".join(map(str, tgt_ids)),
+        "draft_device_id": ",".join(map(str, drf_ids)),
+        "draft_tp": str(draft_tp),
+        "max_tokens_limit": str(MAX_TOKENS_LIMIT),
+    }
+    for k, v in values.items():
+        if '"' in v or "\\" in v or "\n" in v:
+            raise ConfigError(f"{k} = {v!r}: quotes, backslashes and newlines cannot go into config.pbtxt")
+
+    src = template_repo()
+    in_place = src == out_dir
+    for model in MODELS:
+        tpl_path = src / model / TEMPLATE_NAME
+        try:
+            text = Template(tpl_path.read_text(encoding="utf-8")).substitute(values)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{tpl_path}: bad placeholder {e}") from None
+        if not in_place:
+            _copy_model_code(src / model, out_dir / model)
+        (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
+        _write_atomic(out_dir / model / "config.pbtxt", text.encode("utf-8"))
+    return out_dir
+
+
+def _copy_model_code(src: Path, dst: Path) -> None:
+    """Copy a model folder's files (code, not templates or caches) into ``dst``, each atomically."""
+    for f in src.rglob("*"):
+        if not f.is_file() or f.name == TEMPLATE_NAME or f.name == "config.pbtxt" or "__pycache__" in f.parts:
+            continue
+        _write_atomic(dst / f.relative_to(src), f.read_bytes(), mode=0o644)

@@ -1,0 +1,471 @@
+"""Running the Triton Inference Server bundled in ``nvidia-pytriton`` on our model repository.
+
+The ``nvidia-pytriton`` wheel ships ``tritonserver`` 2.51, the Python backend
+(``libtriton_python.so`` + ``triton_python_backend_utils.py``) and one Python backend stub per
+Python version. :func:`prepare_backend_dir` assembles a backend folder
+``<repo>/_backends/python/`` of symlinks to those files, with the stub that matches the Python
+running this process. :func:`server_env` makes the stub use this same interpreter (its ``bin``
+first on ``PATH``; the stub ignores ``PYTHONPATH``) and find the libraries bundled in
+``site-packages/nvidia_pytriton.libs``.
+
+:class:`TritonServer` starts ``tritonserver`` in its own process group, waits until
+``/v2/health/ready`` answers, and stops it (SIGINT, then SIGKILL of the whole group), so that
+the model's stubs and the tensor-parallel worker processes the ``spec_decode`` model starts
+never outlive it. :func:`serve_forever` is the ``splitspec serve`` command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from splitspec.client import ask_grpc, ask_http
+from splitspec.errors import ConfigError, SplitspecError
+
+#: Folder (under the model repository) holding the assembled backend folder(s) and server logs.
+BACKENDS_DIRNAME = "_backends"
+#: Models the repository serves, in load order (the ensemble last).
+MODEL_NAMES = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
+LOCALHOST = "127.0.0.1"
+#: Header for our one-off HTTP requests: a kept-alive idle connection delays server shutdown by
+#: the whole ``--exit-timeout-secs``.
+_CLOSE = {"Connection": "close"}
+
+
+# --------------------------------------------------------------------------------------------
+# The installed server
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Paths of the Triton files inside the installed ``pytriton`` package.
+
+    Attributes:
+        server_bin: the ``tritonserver`` executable.
+        backend_lib: ``libtriton_python.so`` (the Python backend).
+        backend_utils: ``triton_python_backend_utils.py``.
+        stub: ``triton_python_backend_stub`` built for this process's Python version.
+        libs_dir: ``site-packages/nvidia_pytriton.libs`` (bundled shared libraries).
+    """
+
+    server_bin: Path
+    backend_lib: Path
+    backend_utils: Path
+    stub: Path
+    libs_dir: Path
+
+
+def find_triton() -> TritonInstall:
+    """Locate ``tritonserver``, the Python backend and the matching stub in the ``pytriton`` package.
+
+    Raises:
+        SplitspecError: ``nvidia-pytriton`` is not installed, a file is missing, or there is no
+            stub for this Python version (the message lists the versions available).
+    """
+    try:
+        import pytriton  # noqa: PLC0415
+    except ImportError:
+        raise SplitspecError("the Python package 'pytriton' is missing: pip install nvidia-pytriton==0.7.0") from None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stubs = root / "python_backend_stubs"
+    inst = TritonInstall(
+        server_bin=root / "bin" / "tritonserver",
+        backend_lib=root / "backends" / "python" / "libtriton_python.so",
+        backend_utils=root / "backends" / "python" / "triton_python_backend_utils.py",
+        stub=stubs / ver / "triton_python_backend_stub",
+        libs_dir=root.parent.parent / "nvidia_pytriton.libs",
+    )
+    if not inst.stub.is_file():
+        have = sorted(p.name for p in stubs.iterdir()) if stubs.is_dir() else []
+        raise SplitspecError(f"{inst.stub}: no Python backend stub for Python {ver} in nvidia-pytriton "
+                             f"(available: {', '.join(have) or 'none'})")
+    for name in ("server_bin", "backend_lib", "backend_utils", "libs_dir"):
+        p = getattr(inst, name)
+        if not p.exists():
+            raise SplitspecError(f"{p}: missing from the installed nvidia-pytriton package ({name})")
+    return inst
+
+
+def _symlink_atomic(target: Path, link: Path) -> None:
+    """Make ``link`` a symlink to ``target``, replacing what is there in one rename."""
+    if link.is_symlink() and os.readlink(link) == str(target):
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def prepare_backend_dir(repo: Path, install: TritonInstall | None = None) -> Path:
+    """Assemble ``<repo>/_backends/python/`` (symlinks to the Python backend and matching stub).
+
+    Returns:
+        the backend directory to pass as ``--backend-directory`` (``<repo>/_backends``).
+    Raises:
+        SplitspecError: see :func:`find_triton`.
+    """
+    install = install or find_triton()
+    backends = Path(repo).resolve() / BACKENDS_DIRNAME
+    py = backends / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    _symlink_atomic(install.backend_lib, py / "libtriton_python.so")
+    _symlink_atomic(install.backend_utils, py / "triton_python_backend_utils.py")
+    _symlink_atomic(install.stub, py / "triton_python_backend_stub")
+    return backends
+
+
+def _libpython_dir() -> str | None:
+    """Folder holding this interpreter's ``libpythonX.Y.so.1.0``, when it has one (the stub links it)."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlib = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
+    if libdir and ldlib and ldlib.endswith((".so", ".so.1.0")) and (Path(libdir) / ldlib).exists():
+        return libdir
+    return None
+
+
+def server_env(install: TritonInstall | None = None, extra_lib_dirs: tuple[Path, ...] = (),
+               base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for ``tritonserver`` (and ``perf_analyzer``).
+
+    ``PATH`` starts with the folder of ``sys.executable``, so the Python backend stub runs this
+    interpreter with its site-packages (NumPy 1, torch, splitspec). ``LD_LIBRARY_PATH`` gets
+    ``extra_lib_dirs``, ``nvidia_pytriton.libs`` and this interpreter's libpython folder.
+    """
+    install = install or find_triton()
+    env = dict(os.environ if base is None else base)
+    bindir = str(Path(sys.executable).parent)  # not resolved: a venv's bin, not the base interpreter's
+    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir])
+    ld = [str(p) for p in extra_lib_dirs] + [str(install.libs_dir)]
+    if (libpy := _libpython_dir()) is not None:
+        ld.append(libpy)
+    ld += [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p not in ld]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
+    env.pop("PYTHONHOME", None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that are free right now (the OS picks them)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((LOCALHOST, 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    return free_ports(1)[0]
+
+
+def _check_port_free(port: int, what: str) -> None:
+    """Raise ConfigError naming ``what`` when ``port`` cannot be bound on 127.0.0.1."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"{what} = {port}: expected a TCP port in 1..65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as a server binds: a recently closed server's TIME_WAIT connections do not block the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOCALHOST, port))
+        except OSError as e:
+            raise ConfigError(f"{what} = {port}: port is in use on {LOCALHOST} ({e.strerror}); "
+                              f"stop the other server or pick another port") from None
+
+
+def check_repo(repo: Path) -> Path:
+    """Check that ``repo`` is a rendered model repository; return it resolved.
+
+    Raises:
+        ConfigError: the folder or a model's ``config.pbtxt`` is missing (run ``splitspec repo``).
+    """
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise ConfigError(f"{repo}: model repository folder not found (run 'make repo')")
+    for m in MODEL_NAMES:
+        cfg = repo / m / "config.pbtxt"
+        if not cfg.is_file():
+            raise ConfigError(f"{cfg}: missing; render the repository first ('splitspec repo' / 'make repo')")
+    return repo
+
+
+def _tail(path: Path, n_bytes: int = 6000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def _errors_in_log(path: Path, max_chars: int = 3000) -> str:
+    """The log's error lines (``E…`` records and ``error:`` lines, up to ``max_chars``), newest last."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hits = [ln for ln in lines if ln.startswith("error:") or (ln[:1] == "E" and ln[1:5].isdigit())]
+    # CUDA/NVML notices on CPU-only machines are errors in the log but not why a start failed
+    hits = [ln for ln in hits if "CUDA driver" not in ln and "CudaDriverHelper" not in ln]
+    return "\n".join(hits)[-max_chars:]
+
+
+def _start_failure(what: str, log_path: Path) -> str:
+    errors = _errors_in_log(log_path)
+    head = f"{what} (log {log_path})"
+    if errors:
+        head += f"\nerrors:\n{errors}"
+    return f"{head}\nlog tail:\n{_tail(log_path, 3000)}"
+
+
+class TritonServer:
+    """A ``tritonserver`` process serving a model repository on 127.0.0.1; a context manager.
+
+    Ports of 0 are replaced by free ones. The server runs in its own process group; its log
+    goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``).
+
+    Example::
+
+        with TritonServer(Path("triton_repo"), http_port=0, grpc_port=0, metrics_port=0) as srv:
+            requests.post(srv.generate_url, json={"text_input": "hi", "max_tokens": 8})
+
+    Args:
+        repo: the rendered model repository.
+        http_port, grpc_port, metrics_port: TCP ports (0: pick a free one).
+        log_path: where the server's stdout/stderr go.
+        startup_timeout_s: seconds to wait for ``/v2/health/ready`` (model loading included).
+        exit_timeout_s: tritonserver ``--exit-timeout-secs``: after SIGINT, how long it waits for
+            in-flight requests and open client connections before unloading the models.
+        stop_timeout_s: seconds to wait after SIGINT before SIGKILL (default: exit_timeout_s + 30).
+        log_verbose: tritonserver ``--log-verbose`` level.
+        extra_args: further tritonserver arguments.
+    """
+
+    def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
+                 log_path: Path | None = None, startup_timeout_s: float = 600.0, exit_timeout_s: int = 30,
+                 stop_timeout_s: float | None = None,
+                 log_verbose: int = 0, extra_args: tuple[str, ...] = ()):
+        self.repo = check_repo(repo)
+        picked = iter(free_ports(3))  # distinct, also from each other
+        self.http_port = http_port or next(picked)
+        self.grpc_port = grpc_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
+        default_log = self.repo / BACKENDS_DIRNAME / f"tritonserver.{self.http_port}.log"
+        self.log_path = Path(log_path) if log_path else default_log
+        self.startup_timeout_s = startup_timeout_s
+        self.exit_timeout_s = int(exit_timeout_s)
+        self.stop_timeout_s = stop_timeout_s if stop_timeout_s is not None else self.exit_timeout_s + 30.0
+        self.log_verbose = log_verbose
+        self.extra_args = tuple(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    # -- endpoints --------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        """``http://127.0.0.1:<http_port>``."""
+        return f"http://{LOCALHOST}:{self.http_port}"
+
+    @property
+    def generate_url(self) -> str:
+        """HTTP generate endpoint of the ensemble."""
+        return f"{self.http_url}/v2/models/ensemble/generate"
+
+    @property
+    def grpc_address(self) -> str:
+        """``127.0.0.1:<grpc_port>`` (tritonclient.grpc ``url``)."""
+        return f"{LOCALHOST}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus metrics endpoint."""
+        return f"http://{LOCALHOST}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of ``tritonserver`` (also its process group id), or None when not started."""
+        return self.proc.pid if self.proc else None
+
+    def command(self, backend_dir: Path, install: TritonInstall) -> list[str]:
+        """The tritonserver command line."""
+        return [
+            str(install.server_bin),
+            "--model-repository", str(self.repo),
+            "--backend-directory", str(backend_dir),
+            # explicit: load exactly our models (the repository also holds _backends/, not a model)
+            "--model-control-mode", "explicit", *[f"--load-model={m}" for m in MODEL_NAMES],
+            "--http-address", LOCALHOST, "--http-port", str(self.http_port),
+            "--grpc-address", LOCALHOST, "--grpc-port", str(self.grpc_port),
+            "--allow-metrics", "true", "--metrics-address", LOCALHOST, "--metrics-port", str(self.metrics_port),
+            "--strict-readiness", "true", "--exit-on-error", "true",
+            "--exit-timeout-secs", str(self.exit_timeout_s),
+            "--log-verbose", str(self.log_verbose),
+            *self.extra_args,
+        ]
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> "TritonServer":
+        """Start the server and wait until it is ready.
+
+        Raises:
+            ConfigError: a port is taken.
+            SplitspecError: the server exited or was not ready within ``startup_timeout_s``
+                (the message holds the tail of its log).
+        """
+        if self.proc is not None:
+            raise SplitspecError("TritonServer.start: already started")
+        for port, what in ((self.http_port, "http_port"), (self.grpc_port, "grpc_port"),
+                           (self.metrics_port, "metrics_port")):
+            _check_port_free(port, what)
+        install = find_triton()
+        backend_dir = prepare_backend_dir(self.repo, install)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command(backend_dir, install), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, env=server_env(install),
+                                         cwd=str(self.repo), start_new_session=True)
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        url = f"{self.http_url}/v2/health/ready"
+        with requests.Session() as s:
+            s.trust_env = False  # localhost only: never through a proxy
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise SplitspecError(_start_failure(f"tritonserver exited with status {code} while starting",
+                                                        self.log_path))
+                try:
+                    if s.get(url, timeout=2, headers=_CLOSE).status_code == 200:
+                        return
+                except requests.RequestException:
+                    pass
+                if time.monotonic() - t0 > self.startup_timeout_s:
+                    raise SplitspecError(_start_failure(f"tritonserver not ready after {self.startup_timeout_s:.0f} s",
+                                                        self.log_path))
+                time.sleep(0.25)
+
+    def is_running(self) -> bool:
+        """True while the server process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then after
+        ``stop_timeout_s`` SIGKILL; finally SIGKILL whatever is left in its process group.
+
+        Returns:
+            the server's exit status (None when it was never started). Safe to call twice.
+        """
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid
+        try:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pgid, signal.SIGKILL)
+                    self.proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: do not wait for a graceful unload
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        finally:
+            # stubs or workers that outlived the server (its process group keeps their id)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        return self.proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, n_bytes: int = 6000) -> str:
+        """The last ``n_bytes`` of the server log."""
+        return _tail(self.log_path, n_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# splitspec serve
+# --------------------------------------------------------------------------------------------
+
+
+def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                  ask: str | None = None, max_tokens: int = 64) -> None:
+    """Start tritonserver on ``repo`` and print its endpoints; serve until Ctrl-C.
+
+    With ``ask``, send that prompt over HTTP generate and over gRPC, print both answers and the
+    acceptance length, then stop the server and return (``make demo``).
+
+    Raises:
+        ConfigError: the repository is not rendered or a port is taken.
+        SplitspecError: the server failed to start (log tail included) or answered with an error.
+    """
+    srv = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
+    print(f"starting tritonserver on {srv.repo} (log {srv.log_path}) ...", flush=True)
+    try:
+        _serve(srv, ask, max_tokens)
+    except KeyboardInterrupt:
+        print("interrupted; tritonserver stopped", flush=True)
+
+
+def _serve(srv: TritonServer, ask: str | None, max_tokens: int) -> None:
+    with srv:
+        print(f"ready after {srv.startup_s:.1f} s", flush=True)
+        print(f"  HTTP generate : {srv.generate_url}", flush=True)
+        print(f"  gRPC          : {srv.grpc_address}  (model 'ensemble')", flush=True)
+        print(f"  metrics       : {srv.metrics_url}", flush=True)
+        if ask is not None:
+            t = time.monotonic()
+            h = ask_http(srv.generate_url, ask, max_tokens=max_tokens)
+            t_http = time.monotonic() - t
+            t = time.monotonic()
+            g = ask_grpc(srv.grpc_address, ask, max_tokens=max_tokens)
+            t_grpc = time.monotonic() - t
+            print(f"prompt: {ask!r}")
+            print(f"HTTP answer ({t_http * 1000:.0f} ms): {json.dumps(h['text_output'])}")
+            print(f"gRPC answer ({t_grpc * 1000:.0f} ms): {json.dumps(g['text_output'])}")
+            print(f"acceptance length: {float(h['acceptance_length']):.2f} tokens per target forward")
+            if h["text_output"] != g["text_output"]:
+                raise SplitspecError("HTTP and gRPC answers differ for the same greedy request")
+            return
+        print("serving; Ctrl-C stops the server", flush=True)
+        try:
+            while srv.is_running():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("\nstopping tritonserver ...", flush=True)
+            return
+        raise SplitspecError(f"tritonserver exited with status {srv.proc.returncode} "
+                             f"(log {srv.log_path}):\n{srv.log_tail()}")

@@ -1,0 +1,294 @@
+"""End-to-end: the rendered model repository served by a real tritonserver (HTTP, gRPC, perf_analyzer).
+
+One server (target TP2 + TP1 drafter on CPU) is started per module on free ports and shared by the
+tests; the last test stops it and checks that no process it started is left.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from splitspec.client import ask_grpc, ask_http
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.repo import render_repo
+from splitspec.server import TritonServer, find_triton, prepare_backend_dir
+
+PROMPT = "def fibonacci(n):"
+CHAT_PROMPT = "How do I read a file line by line in Python?"
+MAX_TOKENS = 24
+K = 4
+CLOSE = {"Connection": "close"}  # an idle kept-alive connection would delay server shutdown
+
+
+def _runtime_available() -> bool:
+    """True when splitspec.runtime defines SpeculativeEngine (an import error inside it propagates)."""
+    if importlib.util.find_spec("splitspec.runtime") is None:
+        return False
+    return hasattr(importlib.import_module("splitspec.runtime"), "SpeculativeEngine")
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every process below ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    cmd: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = {}, [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out[c] = cmd.get(c, "")
+            todo.append(c)
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is ``pgid`` (the server runs in its own group)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _post(url: str, **kw) -> requests.Response:
+    return requests.post(url, headers=CLOSE, timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(request) -> Path:
+    if not _runtime_available():
+        pytest.skip("splitspec.runtime.SpeculativeEngine is not available yet")
+    try:
+        return request.getfixturevalue("built_engines")
+    except pytest.FixtureLookupError:
+        pytest.skip("the built_engines fixture (tests/conftest.py) is not available yet")
+
+
+@pytest.fixture(scope="module")
+def repo(engines, tmp_path_factory) -> Path:
+    return render_repo(engines, tmp_path_factory.mktemp("triton") / "repo", num_draft_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
+    srv.start()
+    print(f"\ntritonserver ready after {srv.startup_s:.1f} s")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """In-process answers: SpeculativeEngine.generate + ChatTokenizer.decode."""
+    from splitspec.runtime import SpeculativeEngine
+    from splitspec.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(engines / "target")
+    chat_text = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True)
+    out = {"tok": tok}
+    with SpeculativeEngine.load(engines) as eng:
+        for key, text in (("raw", PROMPT), ("chat", chat_text)):
+            res = eng.generate(tok.encode(text), MAX_TOKENS, num_draft_tokens=K, stop_token_ids=set(tok.stop_token_ids))
+            out[key] = (tok.decode(res.token_ids, skip_special_tokens=True), res.acceptance_length)
+        res0 = eng.generate(tok.encode(PROMPT), MAX_TOKENS, num_draft_tokens=0, stop_token_ids=set(tok.stop_token_ids))
+        out["k0"] = tok.decode(res0.token_ids, skip_special_tokens=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a server
+# ---------------------------------------------------------------------------------------------
+
+
+def test_backend_folder_links_the_matching_stub(tmp_path):
+    inst = find_triton()
+    backends = prepare_backend_dir(tmp_path)
+    py = backends / "python"
+    assert (py / "triton_python_backend_stub").resolve() == inst.stub.resolve()
+    assert (py / "libtriton_python.so").resolve() == inst.backend_lib.resolve()
+    assert (py / "triton_python_backend_utils.py").is_file()
+    assert prepare_backend_dir(tmp_path) == backends  # idempotent
+
+
+def test_render_repo_names_missing_engine(tmp_path):
+    (tmp_path / "engines" / "target").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"target/engine\.json"):
+        render_repo(tmp_path / "engines", tmp_path / "repo", num_draft_tokens=4)
+    (tmp_path / "engines" / "target" / "engine.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"drafter/engine\.json"):
+        render_repo(tmp_path / "engines", tmp_path / "repo", num_draft_tokens=4)
+
+
+def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
+    """A model that cannot load: start() raises with the log tail, and no process is left."""
+    from splitspec.tokenizer import train_tokenizer
+
+    eng = tmp_path / "engines"
+    train_tokenizer(eng / "target", vocab_size=512, max_corpus_bytes=200_000)
+    for kind in ("target", "drafter"):
+        (eng / kind).mkdir(parents=True, exist_ok=True)
+        (eng / kind / "engine.json").write_text(json.dumps({"kind": kind, "mapping": {"tp_size": 1},
+                                                            "limits": {"max_draft_len": 8}}))
+    repo = render_repo(eng, tmp_path / "repo", num_draft_tokens=4)
+    (eng / "target" / "tokenizer.json").unlink()  # preprocessing, postprocessing and spec_decode now fail
+    srv = TritonServer(repo, startup_timeout_s=120)
+    with pytest.raises(SplitspecError, match="tokenizer.json"):
+        srv.start()
+    assert not srv.is_running()
+    assert not _group_members(srv.pid)
+
+
+def test_render_repo_rejects_bad_placement(engines, tmp_path):
+    with pytest.raises(ConfigError, match="target_device_ids"):
+        render_repo(engines, tmp_path / "r", num_draft_tokens=K, target_device_ids="0,x")
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        render_repo(engines, tmp_path / "r", num_draft_tokens=0)
+    with pytest.raises(ConfigError, match="max_draft_len"):
+        render_repo(engines, tmp_path / "r", num_draft_tokens=999)
+
+
+# ---------------------------------------------------------------------------------------------
+# Against one served repository
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+def test_ready(server):
+    r = requests.get(f"{server.http_url}/v2/health/ready", headers=CLOSE, timeout=10)
+    assert r.status_code == 200
+    for model in ("ensemble", "preprocessing", "spec_decode", "postprocessing"):
+        assert requests.get(f"{server.http_url}/v2/models/{model}/ready", headers=CLOSE, timeout=10).status_code == 200
+
+
+@pytest.mark.server
+def test_http_grpc_and_in_process_agree(server, reference):
+    text, acc = reference["raw"]
+    h = ask_http(server.generate_url, PROMPT, MAX_TOKENS)
+    g = ask_grpc(server.grpc_address, PROMPT, MAX_TOKENS)
+    assert h["text_output"] == g["text_output"] == text
+    assert float(h["acceptance_length"]) == pytest.approx(acc, rel=1e-6)
+    assert g["acceptance_length"] == pytest.approx(acc, rel=1e-6)
+    assert acc >= 1.0
+
+    chat_text, _ = reference["chat"]
+    assert ask_http(server.generate_url, CHAT_PROMPT, MAX_TOKENS, apply_chat_template=True)["text_output"] == chat_text
+    assert ask_grpc(server.grpc_address, CHAT_PROMPT, MAX_TOKENS, apply_chat_template=True)["text_output"] == chat_text
+    # greedy speculation is lossless: target-only decoding (k = 0) gives the same text
+    assert ask_http(server.generate_url, PROMPT, MAX_TOKENS, num_draft_tokens=0)["text_output"] == reference["k0"] == text
+    assert ask_http(server.generate_url, PROMPT, MAX_TOKENS, temperature=0.0, num_draft_tokens=2)["text_output"] == text
+
+
+@pytest.mark.server
+def test_values_survive_the_stub_round_trip(server, reference):
+    """int32 ids and UTF-8 strings through the Python stubs (NumPy 1/2 mismatch corrupts them silently)."""
+    tok = reference["tok"]
+    prompt = "naïve café — 日本語 " + PROMPT
+    r = _post(f"{server.http_url}/v2/models/preprocessing/infer",
+              json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [prompt]}]})
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o for o in r.json()["outputs"]}["input_ids"]
+    assert out["datatype"] == "INT32"
+    assert out["data"] == tok.encode(prompt)
+    assert len(set(out["data"])) > 4 and max(out["data"]) > 255
+
+    ids = tok.encode(prompt)
+    r = _post(f"{server.http_url}/v2/models/postprocessing/infer",
+              json={"inputs": [{"name": "output_ids", "shape": [len(ids)], "datatype": "INT32", "data": ids}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == [prompt]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("body,status,needle", [
+    ({"max_tokens": 8}, 400, "text_input"),
+    ({"text_input": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
+    ({"text_input": PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
+    ({"text_input": PROMPT, "max_tokens": 8, "temperature": 0.7}, 400, "temperature must be 0 (greedy)"),
+    ({"text_input": "", "max_tokens": 8}, 400, "text_input"),
+    ({"text_input": PROMPT, "max_tokens": 8, "num_draft_tokens": 999}, 400, "num_draft_tokens"),
+    ({"text_input": "x" * 20000, "max_tokens": 8}, 400, "max_seq_len"),
+    # Triton's own HTTP front end answers unparseable JSON with 500 (not 400); the body says why
+    ("{not json", 500, "JSON"),
+])
+def test_bad_request_gets_an_error_and_server_keeps_serving(server, reference, body, status, needle):
+    r = _post(server.generate_url, data=body) if isinstance(body, str) else _post(server.generate_url, json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]
+    assert ask_http(server.generate_url, PROMPT, MAX_TOKENS)["text_output"] == reference["raw"][0]
+
+
+@pytest.mark.server
+def test_grpc_bad_request_gets_an_error(server, reference):
+    with pytest.raises(SplitspecError, match=r"temperature must be 0 \(greedy\)"):
+        ask_grpc(server.grpc_address, PROMPT, 8, temperature=0.7)
+    assert ask_grpc(server.grpc_address, PROMPT, MAX_TOKENS)["text_output"] == reference["raw"][0]
+
+
+@pytest.mark.server
+def test_metrics_count_requests(server):
+    r = requests.get(server.metrics_url, headers=CLOSE, timeout=10)
+    assert r.status_code == 200
+    assert 'nv_inference_request_success{model="ensemble"' in r.text
+
+
+@pytest.mark.server
+def test_perf_analyzer_short_run(server, tmp_path, capsys):
+    from splitspec.perf import run_perf
+
+    t0 = time.monotonic()
+    csv = run_perf(server.repo, seconds=2.0, concurrency="1", out_dir=tmp_path / "perf", server=server)
+    assert time.monotonic() - t0 < 90
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("Concurrency,Inferences/Second")
+    assert len(lines) == 2 and float(lines[1].split(",")[1]) > 0
+    assert "Request concurrency: 1" in capsys.readouterr().out
+    assert json.loads((tmp_path / "perf" / "perf_input.json").read_text())["data"][0]["max_tokens"] == [32]
+
+
+@pytest.mark.server
+def test_stop_is_clean_and_leaves_no_process(server):
+    """Runs last: SIGINT unloads the models (spec_decode closes its engine) and every child exits."""
+    before = _descendants(server.pid)
+    stubs = [p for p, c in before.items() if "triton_python_backend_stub" in c]
+    workers = [p for p, c in before.items() if "splitspec.worker" in c]
+    assert len(stubs) == 3, before
+    assert len(workers) == 1, before  # the target is TP2: the leader in the stub + one worker
+    t0 = time.monotonic()
+    assert server.stop() == 0, server.log_tail()
+    assert time.monotonic() - t0 < 30
+    time.sleep(0.2)
+    left = [p for p in [server.pid, *before] if _alive(p)]
+    assert not left, {p: before.get(p) for p in left}
+    assert not _group_members(server.pid)
+    assert "successfully unloaded 'spec_decode'" in server.log_tail(20000)
+    assert not os.path.exists(f"/proc/{server.pid}")
