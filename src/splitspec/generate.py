@@ -1,34 +1,103 @@
-"""``splitspec generate``: speculative decoding from built engines in this process, with a lossless check."""
+"""``splitspec generate``: speculative decoding from built engines in this process.
+
+One prompt (``--prompt``) or many (``--prompts FILE``: JSON lines with a "prompt" field, or plain text,
+one prompt per line), kept ``--concurrency`` requests in flight (closed loop). Prints each completion
+with its statistics and an aggregate line; ``--check`` also decodes target-only and fails if any greedy
+output differs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
-from splitspec.errors import SplitspecError
-from splitspec.runtime import SpeculativeEngine
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.runtime import GenerationResult, Request, SpeculativeEngine
+from splitspec.sampling import SamplingParams
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a .jsonl file ({"prompt": ...} per line) or a text file (one per line, \\n escapes allowed)."""
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: prompt file not found") from None
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if ln.lstrip().startswith("{"):
+            try:
+                out.append(json.loads(ln)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+        else:
+            out.append(ln.encode().decode("unicode_escape"))
+    if not out:
+        raise ConfigError(f"{path}: no prompts")
+    return out
+
+
+def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency: int) -> tuple[list[GenerationResult], float]:
+    """Keep ``concurrency`` requests in flight until all are done; return results (in order) and wall seconds."""
+    results: dict[int, GenerationResult] = {}
+    order, acc = {}, {}
+    nxt = 0
+    t0 = time.perf_counter()
+
+    def fill():
+        nonlocal nxt
+        while nxt < len(requests) and len(acc) < concurrency:
+            rid = eng.submit(requests[nxt])
+            order[rid], acc[rid] = nxt, ([], "")
+            nxt += 1
+
+    fill()
+    while acc:
+        for e in eng.step():
+            if e.request_id not in acc:
+                continue
+            toks, text = acc[e.request_id]
+            acc[e.request_id] = (toks + e.token_ids, text + e.text)
+            if e.finished:
+                toks, text = acc.pop(e.request_id)
+                if e.error:
+                    raise SplitspecError(f"request {order[e.request_id]} failed: {e.error}")
+                results[order[e.request_id]] = GenerationResult(toks, text, e.finish_reason, e.stats)
+        fill()
+    return [results[i] for i in range(len(requests))], time.perf_counter() - t0
 
 
 def main(a: argparse.Namespace) -> None:
-    """Print the completion, acceptance length and timings; with ``--check`` also decode target-only
-    and raise if the tokens differ."""
     engines = Path(a.engines)
-    tok = ChatTokenizer.from_dir(engines / "target")
-    text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-    ids = tok.encode(text)
-    device_ids = [int(a.device.split(":")[1] if ":" in a.device else 0)] if a.device.startswith("cuda") else None
-    with SpeculativeEngine.load(engines, target_device_ids=device_ids) as eng:
-        t0 = time.perf_counter()
-        res = eng.generate(ids, a.max_tokens, a.num_draft_tokens, set(tok.stop_token_ids))
-        dt = time.perf_counter() - t0
-        print(a.prompt + tok.decode(res.token_ids))
-        print(f"--\n{len(res.token_ids)} tokens in {dt * 1e3:.0f} ms ({len(res.token_ids) / dt:.1f} tok/s), "
-              f"k={a.num_draft_tokens}, acceptance length {res.acceptance_length:.2f} over {res.num_cycles} cycles, "
-              f"accepted by position {res.accepted_per_position}, draft {res.stats.draft_ms:.0f} ms, verify {res.stats.verify_ms:.0f} ms")
+    prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
+    device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None
+    with SpeculativeEngine.load(engines, target_device_ids=device_ids, draft_tp=a.draft_tp,
+                                num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1)) as eng:
+        tok = eng.tokenizer
+        if tok is None:
+            raise ConfigError(f"{engines}/target: no tokenizer files beside the engine")
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p for p in prompts]
+        sp = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
+        reqs = [Request(tok.encode(t), a.max_tokens, sp, a.num_draft_tokens) for t in texts]
+        results, wall = run_closed_loop(eng, reqs, a.concurrency)
+        for p, r in zip(prompts, results):
+            s = r.stats
+            print(p + r.text if len(prompts) == 1 else f"--- {p[:60]!r} → {r.text[:200]!r}")
+            print(f"    {s.num_output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance length {s.acceptance_length:.2f} "
+                  f"over {s.num_cycles} cycles, accepted by position {s.accepted_per_position}, ttft {s.ttft_ms:.0f} ms, "
+                  f"finish {r.finish_reason}{' [SYNTHETIC]' if s.synthetic else ''}")
+        total = sum(r.stats.num_output_tokens for r in results)
+        cycles = sum(r.stats.num_cycles for r in results)
+        emitted = sum(r.stats.acceptance_length * r.stats.num_cycles for r in results)
+        print(f"== {len(results)} requests, concurrency {a.concurrency}, k={a.num_draft_tokens}, draft_tp={a.draft_tp}: "
+              f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
+              f"mean acceptance length {emitted / max(cycles, 1):.2f}")
         if a.check:
-            ref = eng.generate(ids, a.max_tokens, 0, set(tok.stop_token_ids))
-            if ref.token_ids != res.token_ids:
-                raise SplitspecError("speculative output differs from target-only greedy decoding")
+            if a.temperature > 0:
+                raise ConfigError("--check compares greedy outputs: use temperature 0")
+            ref, _ = run_closed_loop(eng, [Request(r.prompt_ids, r.max_tokens, sp, 0) for r in reqs], a.concurrency)
+            bad = [i for i, (x, y) in enumerate(zip(results, ref)) if x.token_ids != y.token_ids]
+            if bad:
+                raise SplitspecError(f"speculative output differs from target-only greedy decoding for prompts {bad}")
             print("check: identical to target-only greedy decoding")

@@ -1,0 +1,175 @@
+"""The serving runtime: continuous batching, chunked prefill, KV budget, both draft placements,
+speculative sampling's distribution, stop strings, synthetic acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from splitspec.engine import CyclePlan, SeqWork
+from splitspec.errors import ConfigError
+from splitspec.models.batch import single_blocks
+from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.sampling import SamplingParams, target_probs, verify
+from splitspec.tokenizer import ChatTokenizer
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self",
+    "x",
+    "# Copyright 2001 Python Software Foundation. All rights reserved.\n\"\"\"Utilities for path handling.\"\"\"\n\nimport os\n\ndef join(a, *p):",
+    "for i in range(10):\n    print(",
+    "while True:",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(demo_models):
+    return ChatTokenizer.from_dir(demo_models / "target")
+
+
+@pytest.fixture(scope="module")
+def reference(built_engines, tok):
+    """Per-sequence, target-only greedy outputs (TP2, k = 0, one request at a time)."""
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=0) as eng:
+        return {p: eng.generate(tok.encode(p), 20, stop_token_ids=set()).token_ids for p in PROMPTS}
+
+
+def _requests(tok, k, max_tokens=20):
+    return [Request(tok.encode(p), max_tokens, num_draft_tokens=k, stop_token_ids=set()) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("draft_tp", [1, 2])
+def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, reference, draft_tp):
+    """Requests of mixed prompt lengths join while others decode; long prompts are prefilled in chunks;
+    greedy output equals per-sequence target-only output for both draft placements."""
+    with SpeculativeEngine.load(built_engines, draft_tp=draft_tp, num_draft_tokens=3, max_batch_size=8,
+                                kv_tokens=2048, max_prefill_tokens=8) as eng:
+        reqs = _requests(tok, 3)
+        out = {}
+        ids = {eng.submit(r): p for r, p in zip(reqs[:3], PROMPTS[:3])}
+        for _ in range(4):
+            for e in eng.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+        assert any(out.values()), "first requests should be decoding before the others join"
+        ids |= {eng.submit(r): p for r, p in zip(reqs[3:], PROMPTS[3:])}
+        batch_sizes = []
+        while eng.has_work():
+            for e in eng.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            batch_sizes.append(eng.last_cycle.decode_seqs)
+        assert max(batch_sizes) >= 4
+        for rid, p in ids.items():
+            assert out[rid] == reference[p], p
+
+
+def test_kv_budget_queues_then_completes_and_impossible_request_errors(built_engines, tok, reference):
+    # each request reserves prompt + 20 + 3 + 1 tokens (≤ 80 → 5 blocks); 10 blocks fit two at a time
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=3, max_batch_size=8, kv_tokens=160) as eng:
+        with pytest.raises(ConfigError, match="can never fit"):
+            eng.submit(Request(tok.encode("x" * 10), 200, num_draft_tokens=3))
+        ids = {eng.submit(r): p for r, p in zip(_requests(tok, 3), PROMPTS)}
+        queued, out = [], {}
+        while eng.has_work():
+            for e in eng.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            queued.append(eng.num_queued)
+            assert eng.alloc.used <= eng.alloc.num_blocks
+        assert max(queued) >= 3, "requests should have waited for KV space"
+        assert eng.alloc.used == 0
+        for rid, p in ids.items():
+            assert out[rid] == reference[p]
+
+
+def test_cancel_frees_kv(built_engines, tok):
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=1024) as eng:
+        a = eng.submit(Request(tok.encode(PROMPTS[0]), 50, stop_token_ids=set()))
+        b = eng.submit(Request(tok.encode(PROMPTS[1]), 10, stop_token_ids=set()))
+        eng.step()
+        eng.step()
+        used = eng.alloc.used
+        eng.cancel(a)
+        events = eng.step()
+        assert any(e.request_id == a and e.finish_reason == "cancelled" for e in events)
+        assert eng.alloc.used < used and eng.num_active == 1
+        while eng.has_work():
+            eng.step()
+        assert eng.alloc.used == 0 and b not in eng.seqs
+
+
+def test_rejection_sampler_matches_target_distribution(built_engines, tok):
+    """Chi-square over ≥ 10,000 verify() outcomes each, on real target logits: the first emitted token has the
+    target's distribution p_0, and the token after an accepted draft has p_1 (context + draft)."""
+    ids = tok.encode(PROMPTS[1])
+    sp = SamplingParams(temperature=1.0, top_k=6)
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=0) as eng:
+        p_ctx = _logits(eng, ids)[-1:]
+        d1 = int(p_ctx.argmax())  # a likely draft, so it is often accepted
+        logits = _logits(eng, ids + [d1])[-2:]
+        d2 = int(logits[1].argmax())
+    logits = torch.cat((logits, _logits_after(built_engines, ids + [d1, d2])))
+    probs = target_probs(logits, sp)
+    gen = torch.Generator().manual_seed(0)
+    first, second = [], []
+    while len(second) < 10_000:  # the draft is accepted with probability p_0(d1)
+        a, new = verify(logits, [d1, d2], sp, gen)
+        first.append(new[0])
+        if a >= 1:
+            second.append(new[1])
+    for samples, p in ((first, probs[0]), (second, probs[1])):
+        support = p.nonzero().flatten().tolist()
+        counts = torch.bincount(torch.tensor(samples), minlength=p.numel())
+        assert counts.sum() == counts[support].sum(), "sampled outside the top-k support"
+        stat = chisquare(counts[support].numpy(), (p[support].double() / p[support].double().sum() * len(samples)).numpy())
+        print(f"chi-square over {len(samples)} samples, {len(support)} bins: p-value {stat.pvalue:.3f}")
+        assert len(samples) >= 10_000 and stat.pvalue > 1e-3
+
+
+def _logits(eng, ids):
+    blocks = single_blocks(0, 256)
+    with torch.inference_mode():
+        return torch.cat([eng.group.run(CyclePlan([SeqWork(0, blocks, "prefill", i, [t], final=True)])).logits for i, t in enumerate(ids)])
+
+
+def _logits_after(engines, ids):
+    with SpeculativeEngine.load(engines, num_draft_tokens=0) as eng:
+        return _logits(eng, ids)[-1:]
+
+
+def test_engine_sampling_first_token_distribution_and_seed(built_engines, tok):
+    """End to end through the engine: 3,000 sampled first tokens follow the target's distribution;
+    a seeded request is reproducible."""
+    ids = tok.encode(PROMPTS[0])
+    sp = SamplingParams(temperature=0.8, top_p=0.9)
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=2, max_batch_size=64, kv_tokens=64 * 48) as eng:
+        p = target_probs(_logits(eng, ids)[-1:], sp)[0]
+        res = eng.run([Request(ids, 1, SamplingParams(0.8, 0.9), stop_token_ids=set()) for _ in range(3000)])
+        counts = torch.bincount(torch.tensor([r.token_ids[0] for r in res]), minlength=p.numel())
+        support = p.nonzero().flatten()
+        assert counts.sum() == counts[support].sum()
+        stat = chisquare(counts[support].numpy(), (p[support].double() / p[support].double().sum() * 3000).numpy())
+        assert stat.pvalue > 1e-3
+        seeded = [eng.generate(ids, 12, sampling=SamplingParams(1.0, seed=7), stop_token_ids=set()).token_ids for _ in range(2)]
+        assert seeded[0] == seeded[1]
+
+
+def test_stop_string_stops_text_and_tokens(built_engines, tok, reference):
+    p = PROMPTS[1]
+    ref = reference[p]
+    full = tok.decode(ref)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=4) as eng:
+        res = eng.generate(tok.encode(p), 20, stop=[stop], stop_token_ids=set())
+    assert res.finish_reason == "stop"
+    assert res.text == full[: full.index(stop)]
+    assert stop in tok.decode(res.token_ids) and stop not in tok.decode(res.token_ids[:-1])
+    assert res.token_ids == ref[: len(res.token_ids)]
+
+
+def test_synthetic_acceptance_is_labelled_and_follows_profile(built_engines, tok):
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=3, synthetic_acceptance=[0.9, 0.8, 0.7]) as eng:
+        res = eng.generate(tok.encode(PROMPTS[0]), 120, stop_token_ids=set())
+    assert res.stats.synthetic
+    expected = 1 + 0.9 + 0.9 * 0.8 + 0.9 * 0.8 * 0.7
+    assert abs(res.acceptance_length - expected) < 0.6
