@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from splitspec.build import build_engines
@@ -110,3 +111,147 @@ def test_cli_prints_one_line_error(pair, capsys):
     rc = cli_main(["convert", "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--out", str(pair / "out"), "--tp", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "error: " in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- every published form (splitspec.fixtures)
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory):
+    from splitspec.fixtures import make_fixtures
+
+    return make_fixtures(tmp_path_factory.mktemp("forms") / "fixtures")
+
+
+@pytest.fixture()
+def copy_forms(forms, tmp_path):
+    """``copy_forms(target_form, drafter_form="drafter")`` → tmp_path with ``target/`` and ``drafter/`` copies."""
+
+    def get(target: str, drafter: str = "drafter"):
+        shutil.copytree(forms / target, tmp_path / "target")
+        shutil.copytree(forms / drafter, tmp_path / "drafter")
+        return tmp_path
+
+    return get
+
+
+def _edit_tensors(folder, edit):
+    """Apply ``edit(dict)`` to every shard of ``folder`` holding tensors it touches, keeping the index in step."""
+    index = folder / "model.safetensors.index.json"
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        before = set(tensors)
+        edit(tensors)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        if index.exists():
+            idx = json.loads(index.read_text())
+            for gone in before - set(tensors):
+                del idx["weight_map"][gone]
+            for new in set(tensors) - before:
+                idx["weight_map"][new] = shard.name
+            index.write_text(json.dumps(idx))
+
+
+def _convert_fails(root, exc, match, **kw):
+    with pytest.raises(exc, match=match):
+        convert_pair(root / "target", root / "drafter", root / "out", tp_size=kw.pop("tp_size", 1), progress=False, **kw)
+    _assert_nothing_written(root)
+
+
+def test_corrupt_header_and_truncated_data(copy_forms):
+    root = copy_forms("fp8")
+    shard = root / "target" / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    shard.write_bytes(bytes(data[:-100]))
+    _convert_fails(root, CheckpointError, r"model-00002-of-00002.safetensors: not a readable safetensors file \(header describes "
+                                          r"\d+ bytes of tensor data but the file holds \d+; the file is truncated")
+    data[8:12] = b"\xff\xfe{{"
+    shard.write_bytes(bytes(data))
+    _convert_fails(root, CheckpointError, "model-00002-of-00002.safetensors: not a readable safetensors file .header is not valid JSON")
+
+
+def test_wrong_dtype(copy_forms):
+    root = copy_forms("bf16")
+    name = "model.layers.0.input_layernorm.weight"
+    _edit_tensors(root / "target", lambda t: t.__setitem__(name, t[name].to(torch.int32)) if name in t else None)
+    _convert_fails(root, CheckpointError, f"tensor '{name}' has dtype torch.int32, expected torch.bfloat16 or")
+
+
+def test_fp8_missing_scale_and_scale_shape(copy_forms):
+    root = copy_forms("fp8")
+    name = "model.layers.1.mlp.experts.5.down_proj.weight_scale_inv"
+    _edit_tensors(root / "target", lambda t: t.pop(name, None))
+    _convert_fails(root, CheckpointError, "tensor 'model.layers.1.mlp.experts.5.down_proj.weight' is float8_e4m3fn but "
+                                          "'model.layers.1.mlp.experts.5.down_proj.weight_scale_inv' is missing")
+    shutil.rmtree(root / "target")
+    shutil.rmtree(root / "drafter")
+    root = copy_forms("fp8")
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"  # 224 × 320 → 2 × 3 tiles (ragged)
+    _edit_tensors(root / "target", lambda t: t.__setitem__(name, t[name][:1].clone()) if name in t else None)
+    _convert_fails(root, CheckpointError, rf"tensor '{name}' has shape \[1, 3\], expected \[2, 3\] \(one scale per 128×128 tile")
+
+
+def test_int4_weight_shape_disagrees_with_packed_size(copy_forms):
+    root = copy_forms("int4")
+    name = "model.layers.2.mlp.experts.1.gate_proj.weight_shape"
+    _edit_tensors(root / "target", lambda t: t.__setitem__(name, torch.tensor([256, 384], dtype=torch.int32)) if name in t else None)
+    _convert_fails(root, CheckpointError, r"tensor 'model.layers.2.mlp.experts.1.gate_proj.weight_shape' = \[256, 384\] disagrees with "
+                                          r"'model.layers.2.mlp.experts.1.gate_proj.weight_packed' of shape \[256, 40\]")
+
+
+def test_unknown_quant_method(copy_forms):
+    root = copy_forms("fp8")
+    _edit_json(root / "target" / "config.json", quantization_config={"quant_method": "awq", "bits": 4})
+    _convert_fails(root, CheckpointError, r"config.json: quantization_config.quant_method = 'awq' is not supported")
+    cfg = json.loads((root / "target" / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2"
+
+
+def test_k25_unknown_quant_method_names_text_config(copy_forms):
+    root = copy_forms("k25")
+    cfg = json.loads((root / "target" / "config.json").read_text())
+    cfg["text_config"]["quantization_config"]["quant_method"] = "gptq"
+    (root / "target" / "config.json").write_text(json.dumps(cfg))
+    _convert_fails(root, CheckpointError, r"config.json: text_config: quantization_config.quant_method = 'gptq'")
+
+
+def test_drafter_fc_width_not_three_target_hidden(copy_forms):
+    root = copy_forms("bf16")
+    _edit_tensors(root / "drafter", lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :640].clone()))
+    _convert_fails(root, CheckpointError, r"tensor 'fc.weight' has 640 input columns, expected 3 × target hidden size = 3 × 320 = 960")
+
+
+def test_aux_id_past_the_last_layer_input_convention(copy_forms):
+    root = copy_forms("bf16")
+    cfg = json.loads((root / "drafter" / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 4]  # 3 = after the last block is fine; 4 is not
+    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
+    _convert_fails(root, CheckpointError, r"contains 4, out of range for a 3-layer target under the 'input' convention \(largest valid id: 3\)")
+
+
+def test_d2t_outside_target_vocabulary(copy_forms):
+    root = copy_forms("bf16")
+
+    def edit(t):
+        t["d2t"] = t["d2t"].clone()
+        t["d2t"][-1] = 10_000
+        t.pop("t2d")
+
+    _edit_tensors(root / "drafter", edit)
+    _convert_fails(root, CheckpointError, r"tensor 'd2t' maps draft id 127 to target id 10127, outside the target vocabulary \[0, 512\)")
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(copy_forms):
+    from tokenizers import Tokenizer, models
+
+    root = copy_forms("bf16")
+    vocab = {f"t{i}": i for i in range(600)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(root / "target" / "tokenizer.json"))
+    _convert_fails(root, CheckpointError, r"tokenizer.json: the tokenizer has 600 token ids but config.json's vocab_size is 512")
+
+
+def test_int4_config_and_tensors_disagree(copy_forms):
+    root = copy_forms("int4")
+    _edit_json(root / "target" / "config.json", quantization_config={
+        **json.loads((root / "target" / "config.json").read_text())["quantization_config"], "ignore": ["lm_head"]})
+    _convert_fails(root, CheckpointError, r"tensor 'model.layers.0.self_attn.q_a_proj.weight_packed' is missing \(it holds "
+                                          r"'model.layers.0.self_attn.q_a_proj.weight' instead\): quantization_config quantises")

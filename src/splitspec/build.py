@@ -8,66 +8,136 @@ Runtime layout of a target rank (names used by :class:`splitspec.models.target.T
 ``attn.w_uv`` [h, v, kv_lora] (kv_b_proj split per head), ``attn.o_proj`` [H, h·v]; dense
 ``mlp.w13`` [2·I/N, H] / ``mlp.w2``; MoE ``mlp.gate`` [E, H] and ``mlp.e_score_correction_bias`` [E]
 (float32), stacked experts ``mlp.experts.w13`` [E_local, 2·I_e, H] / ``mlp.experts.w2`` [E_local, H, I_e],
-``mlp.shared.w13`` / ``mlp.shared.w2``. Drafter: ``qkv_proj`` fused, ``mlp.w13`` fused, ``draft_to_target``.
+``mlp.shared.w13`` / ``mlp.shared.w2``. Drafter: ``qkv_proj`` fused, ``mlp.w13`` fused, ``draft_to_target``,
+and, when its config asks for norms before ``fc``, ``fc_input_norm`` [3·target_hidden] (norm_before_fc)
+and/or ``fc_norm`` [3, target_hidden] (one per aux state).
 
-``engine.json`` records architecture, dtype, model config, mapping, limits (max batch size,
+FP8 engines (``dtype="fp8"``, from a converted FP8 block-scaled checkpoint): every linear weight above
+whose tiles survive the fusion stays float8_e4m3fn with a float32 ``<name>.scale_inv``
+[..., ceil(out/b0), ceil(in/b1)] beside it, and ``fp8.weight_block_size`` int64 [2] records the tile;
+activations and every other weight are bfloat16, the drafter too; ``w_uk``/``w_uv`` (einsum operands,
+not linears) are dequantised, as in other engines' absorbed-MLA FP8 paths. With a float ``dtype`` an FP8
+checkpoint is dequantised here (tile × scale in float32, then cast).
+
+``engine.json`` records architecture, dtype, weight format, model config, mapping, limits (max batch size,
 max sequence length, max draft length) and, for the drafter, its aux layer ids and convention.
+Weights are read and written one tensor at a time.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.convert import FORMAT, TOKENIZER_FILES
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.io import CheckpointReader, atomic_dir, read_json, save_tensors, write_json
+from splitspec.io import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
+from splitspec.layers import rms_norm
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUILD_DTYPES = (*DTYPES, "fp8")
+FP8_ACTIVATION_DTYPE = torch.bfloat16
 
 
-def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Runtime-layout tensors of one target rank from its converted shard (Hugging Face names)."""
+Fp8 = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, scale_inv or None)
+
+
+def _as_float(w: Fp8, block, dtype: torch.dtype) -> torch.Tensor:
+    return w[0].to(dtype) if w[1] is None else quant.dequantize_fp8(w[0], w[1], block, dtype)
+
+
+def _fuse_rows(parts: list[Fp8], block, dtype: torch.dtype, keep: bool) -> Fp8:
+    """Concatenate linear weights along rows: FP8 with scales when kept and tile-aligned, else float ``dtype``."""
+    if keep and all(s is not None for _, s in parts):
+        got = quant.cat_blocked(parts, block)
+        if got is not None:
+            return got
+    return torch.cat([_as_float(p, block, dtype) for p in parts]), None
+
+
+def _stack(items: list[Fp8], block, dtype: torch.dtype) -> Fp8:
+    if all(s is not None for _, s in items):
+        return torch.stack([w for w, _ in items]), torch.stack([s for _, s in items])
+    return torch.stack([_as_float(p, block, dtype) for p in items]), None
+
+
+def _emit(name: str, w: Fp8) -> Iterator[tuple[str, torch.Tensor]]:
+    yield name, w[0]
+    if w[1] is not None:
+        yield name + ".scale_inv", w[1]
+
+
+def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
+                               block: tuple[int, int] | None = None, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the runtime-layout tensors of one target rank from its converted shard (Hugging Face names).
+
+    Args:
+        dtype: float dtype of every non-FP8 weight (activations run in it).
+        block: the FP8 tile of the converted checkpoint (None: no FP8 weights).
+        keep_fp8: keep FP8 linears with their scales (fp8 engine) instead of dequantising to ``dtype``.
+    """
     heads = cfg.num_attention_heads // mapping.tp_size
+    keep = keep_fp8 and block is not None
     cast = lambda t: t.to(dtype)  # noqa: E731
-    out = {"embed_tokens": cast(src.get("model.embed_tokens.weight")), "lm_head": cast(src.get("lm_head.weight")),
-           "norm": cast(src.get("model.norm.weight"))}
+
+    def lin(module: str) -> Fp8:
+        s = src.get(module + ".weight_scale_inv") if module + ".weight_scale_inv" in src else None
+        return src.get(module + ".weight"), s
+
+    def fused(*modules: str) -> Fp8:
+        return _fuse_rows([lin(m) for m in modules], block, dtype, keep)
+
+    def single(module: str) -> Fp8:
+        return fused(module)
+
+    if keep:
+        yield quant.FP8_BLOCK_KEY, torch.tensor(block, dtype=torch.int64)
+    yield "embed_tokens", cast(src.get("model.embed_tokens.weight"))
+    yield "lm_head", cast(src.get("lm_head.weight"))
+    yield "norm", cast(src.get("model.norm.weight"))
     for layer in range(cfg.num_hidden_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
         a = p + "self_attn."
-        out[q + "input_layernorm"] = cast(src.get(p + "input_layernorm.weight"))
-        out[q + "post_attention_layernorm"] = cast(src.get(p + "post_attention_layernorm.weight"))
-        out[q + "attn.fused_qkv_a"] = cast(torch.cat((src.get(a + "q_a_proj.weight"), src.get(a + "kv_a_proj_with_mqa.weight"))))
-        out[q + "attn.q_a_layernorm"] = cast(src.get(a + "q_a_layernorm.weight"))
-        out[q + "attn.kv_a_layernorm"] = cast(src.get(a + "kv_a_layernorm.weight"))
-        out[q + "attn.q_b_proj"] = cast(src.get(a + "q_b_proj.weight"))
-        kv_b = src.get(a + "kv_b_proj.weight").view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        out[q + "attn.w_uk"] = cast(kv_b[:, : cfg.qk_nope_head_dim])
-        out[q + "attn.w_uv"] = cast(kv_b[:, cfg.qk_nope_head_dim:])
-        out[q + "attn.o_proj"] = cast(src.get(a + "o_proj.weight"))
+        yield q + "input_layernorm", cast(src.get(p + "input_layernorm.weight"))
+        yield q + "post_attention_layernorm", cast(src.get(p + "post_attention_layernorm.weight"))
+        yield from _emit(q + "attn.fused_qkv_a", fused(a + "q_a_proj", a + "kv_a_proj_with_mqa"))
+        yield q + "attn.q_a_layernorm", cast(src.get(a + "q_a_layernorm.weight"))
+        yield q + "attn.kv_a_layernorm", cast(src.get(a + "kv_a_layernorm.weight"))
+        yield from _emit(q + "attn.q_b_proj", single(a + "q_b_proj"))
+        kv_b = _as_float(lin(a + "kv_b_proj"), block, dtype).view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        yield q + "attn.w_uk", kv_b[:, : cfg.qk_nope_head_dim].contiguous()
+        yield q + "attn.w_uv", kv_b[:, cfg.qk_nope_head_dim:].contiguous()
+        yield from _emit(q + "attn.o_proj", single(a + "o_proj"))
         m = p + "mlp."
         if not cfg.is_moe_layer(layer):
-            out[q + "mlp.w13"] = cast(torch.cat((src.get(m + "gate_proj.weight"), src.get(m + "up_proj.weight"))))
-            out[q + "mlp.w2"] = cast(src.get(m + "down_proj.weight"))
+            yield from _emit(q + "mlp.w13", fused(m + "gate_proj", m + "up_proj"))
+            yield from _emit(q + "mlp.w2", single(m + "down_proj"))
             continue
-        out[q + "mlp.gate"] = src.get(m + "gate.weight").float()
-        out[q + "mlp.e_score_correction_bias"] = src.get(m + "gate.e_score_correction_bias").float()
+        yield q + "mlp.gate", src.get(m + "gate.weight").float()
+        yield q + "mlp.e_score_correction_bias", src.get(m + "gate.e_score_correction_bias").float()
         per = cfg.n_routed_experts // mapping.ep_size
         first = mapping.ep_rank(rank) * per
         experts = range(first, first + per)
-        out[q + "mlp.experts.w13"] = cast(torch.stack([torch.cat((src.get(f"{m}experts.{e}.gate_proj.weight"),
-                                                                  src.get(f"{m}experts.{e}.up_proj.weight"))) for e in experts]))
-        out[q + "mlp.experts.w2"] = cast(torch.stack([src.get(f"{m}experts.{e}.down_proj.weight") for e in experts]))
+        yield from _emit(q + "mlp.experts.w13", _stack([fused(f"{m}experts.{e}.gate_proj", f"{m}experts.{e}.up_proj") for e in experts], block, dtype))
+        yield from _emit(q + "mlp.experts.w2", _stack([single(f"{m}experts.{e}.down_proj") for e in experts], block, dtype))
         if cfg.n_shared_experts:
             s = m + "shared_experts."
-            out[q + "mlp.shared.w13"] = cast(torch.cat((src.get(s + "gate_proj.weight"), src.get(s + "up_proj.weight"))))
-            out[q + "mlp.shared.w2"] = cast(src.get(s + "down_proj.weight"))
-    return out
+            yield from _emit(q + "mlp.shared.w13", fused(s + "gate_proj", s + "up_proj"))
+            yield from _emit(q + "mlp.shared.w2", single(s + "down_proj"))
+
+
+def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
+                          block: tuple[int, int] | None = None, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Runtime-layout tensors of one target rank as a dict (see :func:`iter_target_runtime_layout`)."""
+    return dict(iter_target_runtime_layout(src, cfg, mapping, rank, dtype, block, keep_fp8))
 
 
 def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -82,7 +152,44 @@ def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype) -> dict[st
         "o_proj": cast(a + "o_proj.weight"),
         "mlp.w13": torch.cat((cast(m + "gate_proj.weight"), cast(m + "up_proj.weight"))), "mlp.w2": cast(m + "down_proj.weight"),
         "norm": cast("norm.weight"), "lm_head": cast("lm_head.weight"), "draft_to_target": src.get("draft_to_target"),
-    }
+    } | ({"fc_input_norm": cast("input_norm.weight")} if "input_norm.weight" in src else {}) \
+      | ({"fc_norm": torch.stack([cast(f"fc_norm.{i}.weight") for i in range(3)])} if "fc_norm.0.weight" in src else {})
+
+
+def reference_fuse(aux: torch.Tensor, w: dict[str, torch.Tensor], cfg: DrafterConfig) -> torch.Tensor:
+    """The drafter's fc over aux states [T, 3·target_hidden] with the norms its config asks for
+    (norm_before_fc: one RMSNorm over all 3·target_hidden; fc_norm: one per aux state; vLLM's order)."""
+    x = aux
+    if cfg.norm_before_fc:
+        x = rms_norm(x, w["fc_input_norm"], cfg.rms_norm_eps)
+    if cfg.fc_norm:
+        x = torch.cat([rms_norm(c, w["fc_norm"][i], cfg.rms_norm_eps) for i, c in enumerate(x.chunk(3, -1))], -1)
+    return F.linear(x.to(w["fc"].dtype), w["fc"])
+
+
+def check_drafter_engine_norms(cfg: DrafterConfig, w: dict[str, torch.Tensor]) -> None:
+    """Refuse to build a drafter whose config asks for norms before ``fc`` unless the engine's drafter forward
+    applies them: probed by comparing its ``fuse`` with :func:`reference_fuse` on random aux states.
+
+    Raises:
+        ConfigError: the engine would silently skip the norms.
+    """
+    if not (cfg.norm_before_fc or cfg.fc_norm):
+        return
+    from splitspec.models.drafter import DrafterModel
+
+    small = {k: w[k] for k in ("fc", "draft_to_target", "fc_input_norm", "fc_norm") if k in w}
+    aux = torch.randn(2, 3 * cfg.target_hidden_size, generator=torch.Generator().manual_seed(0)).to(w["fc"].dtype) * 3
+    want = reference_fuse(aux, small, cfg).float()
+    try:
+        got = DrafterModel(cfg, small).fuse(aux).float()
+    except KeyError:
+        got = None
+    if got is None or not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        which = " and ".join(k for k, on in (("norm_before_fc", cfg.norm_before_fc), ("fc_norm", cfg.fc_norm)) if on)
+        raise ConfigError(f"the drafter's config asks for {which} (RMSNorm of the aux states before fc), but this engine's "
+                          "drafter forward (splitspec.models.drafter.DrafterModel.fuse) does not apply it: building would "
+                          "silently change the drafter's outputs")
 
 
 def _read_checkpoint_config(folder: Path, kind: str) -> dict:
@@ -94,21 +201,25 @@ def _read_checkpoint_config(folder: Path, kind: str) -> dict:
 
 
 def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,
-                  max_seq_len: int = 1024, max_draft_len: int = 8) -> Path:
+                  max_seq_len: int = 1024, max_draft_len: int = 8, progress: bool = True) -> Path:
     """Build ``out/target`` and ``out/drafter`` engines from ``checkpoints`` (output of :func:`convert_pair`).
 
     Args:
-        dtype: weight/activation dtype of the engines ("float32", "bfloat16", "float16"); the router
-            and its correction bias stay float32.
+        dtype: weight/activation dtype of the engines ("float32", "bfloat16", "float16"), or "fp8":
+            keep an FP8 block-scaled checkpoint's linear weights in FP8 with their tile scales (computed
+            through :func:`splitspec.quant.linear`), everything else bfloat16. The router and its
+            correction bias stay float32.
         max_batch_size: sequences the KV caches hold at once (slots).
         max_seq_len: tokens per sequence (prompt + generated + draft), bounds the KV caches.
         max_draft_len: largest number of draft tokens per cycle a request may ask for.
+        progress: show a tqdm progress bar.
     Raises:
-        ConfigError: a limit out of range. CheckpointError: a missing or malformed shard.
+        ConfigError: a limit out of range; fp8 asked of a checkpoint without FP8 weights; a drafter
+            variant the engine would not run faithfully. CheckpointError: a missing or malformed shard.
     """
     checkpoints, out = Path(checkpoints), Path(out)
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype '{dtype}' is not supported (expected one of {', '.join(DTYPES)})")
+    if dtype not in BUILD_DTYPES:
+        raise ConfigError(f"dtype '{dtype}' is not supported (expected one of {', '.join(BUILD_DTYPES)})")
     for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("max_draft_len", max_draft_len)):
         if v < 1:
             raise ConfigError(f"{name} = {v}, expected a positive integer")
@@ -118,28 +229,47 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
     dcfg = DrafterConfig.from_dict(dmeta["config"])
     if max_seq_len > tcfg.max_position_embeddings:
         raise ConfigError(f"max_seq_len = {max_seq_len} exceeds the target's max_position_embeddings = {tcfg.max_position_embeddings}")
+    qmeta = tmeta.get("quantization") or {"method": "none"}
+    block = tuple(qmeta["weight_block_size"]) if qmeta.get("method") == "fp8" else None
+    keep_fp8 = dtype == "fp8"
+    if keep_fp8 and block is None:
+        raise ConfigError(f"dtype 'fp8' keeps an FP8 block-scaled checkpoint's weights, but {checkpoints / 'target'} holds "
+                          f"{qmeta.get('source', 'float weights')}; choose float32, bfloat16 or float16")
+    tdt = FP8_ACTIVATION_DTYPE if keep_fp8 else DTYPES[dtype]
+    weight_format = {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else str(tdt).removeprefix("torch."),
+                     "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": str(tdt).removeprefix("torch."),
+                     "source": qmeta.get("source")}
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
-    tdt = DTYPES[dtype]
     with atomic_dir(out) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()
-        for rank in tqdm(range(mapping.tp_size), desc="build target ranks", unit="rank"):
+        for rank in tqdm(range(mapping.tp_size), desc="build target ranks", unit="rank", disable=not progress):
             shard = checkpoints / "target" / f"rank{rank}.safetensors"
             if not shard.exists():
                 raise CheckpointError(f"{shard}: shard missing (mapping says tp_size={mapping.tp_size})")
             src = CheckpointReader.single(shard)
-            save_tensors(target_runtime_layout(src, tcfg, mapping, rank, tdt), tmp / "target" / f"rank{rank}.safetensors")
+            write_tensors(iter_target_runtime_layout(src, tcfg, mapping, rank, tdt, block, keep_fp8),
+                          tmp / "target" / f"rank{rank}.safetensors")
+            src.close()
         for f in TOKENIZER_FILES:
             if (checkpoints / "target" / f).exists():
                 shutil.copy2(checkpoints / "target" / f, tmp / "target" / f)
         write_json({"format": ENGINE_FORMAT, "kind": "target", "architecture": "DeepseekV3ForCausalLM", "dtype": dtype,
-                    "config": tcfg.to_dict(), "mapping": mapping.to_dict(), "limits": limits}, tmp / "target" / "engine.json")
-        save_tensors(drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt),
-                     tmp / "drafter" / "rank0.safetensors")
-        write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": "LlamaForCausalLMEagle3", "dtype": dtype,
+                    "quantization": weight_format, "config": tcfg.to_dict(), "mapping": mapping.to_dict(), "limits": limits},
+                   tmp / "target" / "engine.json")
+        dlayout = drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt)
+        check_drafter_engine_norms(dcfg, dlayout)
+        write_tensors(dlayout.items(), tmp / "drafter" / "rank0.safetensors")
+        del dlayout
+        write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": "LlamaForCausalLMEagle3",
+                    "dtype": dtype if not keep_fp8 else "bfloat16",
                     "config": dcfg.to_dict(), "mapping": {"tp_size": 1}, "limits": limits,
                     "aux_layer_ids": list(dcfg.aux_layer_ids), "aux_convention": dcfg.aux_convention,
-                    "capture_points": list(dcfg.capture_points()), "embedding": dmeta.get("embedding")},
+                    "aux_convention_source": dcfg.aux_convention_source, "capture_points": list(dcfg.capture_points()),
+                    "capture": dmeta.get("capture"), "embedding": dmeta.get("embedding"),
+                    "embedding_source": dmeta.get("embedding_source")},
                    tmp / "drafter" / "engine.json")
-    print(f"built engines → {out}/target (TP{mapping.tp_size}, {dtype}) and {out}/drafter (TP1, {dtype}); limits {limits}")
+    print(f"built engines → {out}/target (TP{mapping.tp_size}, {dtype}"
+          + (f": FP8 weights in {block[0]}×{block[1]} tiles, bf16 activations" if keep_fp8 else "")
+          + f") and {out}/drafter (TP1, {str(tdt).removeprefix('torch.')}); limits {limits}")
     return out

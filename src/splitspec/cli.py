@@ -24,7 +24,14 @@ def _cmd_demo_models(a: argparse.Namespace) -> None:
 def _cmd_convert(a: argparse.Namespace) -> None:
     from splitspec.convert import convert_pair
 
-    convert_pair(Path(a.target), Path(a.drafter), Path(a.out), tp_size=a.tp, aux_convention=a.aux_convention)
+    convert_pair(Path(a.target), Path(a.drafter), Path(a.out), tp_size=a.tp, ep_size=a.ep, aux_convention=a.aux_convention,
+                 drafter_embedding=a.drafter_embedding)
+
+
+def _cmd_inspect(a: argparse.Namespace) -> None:
+    from splitspec.inspect import main as inspect_main
+
+    inspect_main(Path(a.checkpoint), Path(a.target) if a.target else None, a.aux_convention)
 
 
 def _cmd_build(a: argparse.Namespace) -> None:
@@ -80,16 +87,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", required=True, help="Hugging Face EAGLE-3 drafter checkpoint folder")
     s.add_argument("--out", default="checkpoints/demo")
     s.add_argument("--tp", type=int, default=2, help="target tensor-parallel size")
+    s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
     s.add_argument("--aux-convention", choices=["input", "output"], default=None,
                    help="how the drafter's aux layer ids are read, when its config does not say: "
                         "'input' = input to layer i (EAGLE, vLLM, SGLang), 'output' = output of layer i "
                         "(TensorRT-LLM, SpecForge)")
+    s.add_argument("--drafter-embedding", choices=["target", "own"], default=None,
+                   help="when the drafter carries an embed_tokens that differs from the target's: use the target's or "
+                        "its own (default: its own, reported; an equal one or eagle_config.share_target_embedding uses the target's)")
     s.set_defaults(func=_cmd_convert)
+
+    s = sub.add_parser("inspect", help="describe a checkpoint (target, drafter, converted or engine) without converting it")
+    s.add_argument("checkpoint", help="checkpoint folder")
+    s.add_argument("--target", default=None, help="for a drafter: the target checkpoint, to resolve its aux layer ids")
+    s.add_argument("--aux-convention", choices=["input", "output"], default=None,
+                   help="for a drafter whose config does not say how to read its aux layer ids")
+    s.set_defaults(func=_cmd_inspect)
 
     s = sub.add_parser("build", help="turn converted checkpoints into runtime engines")
     s.add_argument("--checkpoints", default="checkpoints/demo")
     s.add_argument("--out", default="engines/demo")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"],
+                   help="engine dtype; fp8 keeps an FP8 block-scaled checkpoint's linear weights in FP8 (bf16 activations), "
+                        "a float dtype dequantises them")
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--max-seq-len", type=int, default=1024)
     s.add_argument("--max-draft-len", type=int, default=8)

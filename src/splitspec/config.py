@@ -11,7 +11,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 from splitspec.errors import CheckpointError, ConfigError
 
-TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
+TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")  # model_type of a kimi_k25 checkpoint's text_config
+
+# Keys that ModelOpt (NVIDIA TensorRT Model Optimizer) writes into an exported EAGLE-3 drafter's
+# ``eagle_config``. ModelOpt trains against TensorRT-LLM, which captures the *output* of target layer i
+# (its default ids are {1, N//2 - 1, N - 4}), so their presence marks the output-of-layer convention.
+MODELOPT_EAGLE_KEYS = ("use_input_layernorm_in_first_layer", "use_last_layernorm", "use_mtp_layernorm", "next_layer_regular")
 
 
 def _require(cfg: dict, key: str, where: str, kind=(int,)):
@@ -119,15 +125,38 @@ class TargetConfig:
         return layer >= self.first_k_dense_replace
 
     @staticmethod
+    def text_config(cfg: dict, where: str = "config.json") -> tuple[dict, str, bool]:
+        """The DeepSeek-V3 fields of a target config: (fields, where to name them, nested?).
+
+        ``kimi_k25`` checkpoints nest the text model under ``text_config`` (its own
+        ``quantization_config`` inside); ``kimi_k2`` / ``deepseek_v3`` keep the fields at the top.
+        Raises:
+            CheckpointError: an unknown ``model_type``, or a kimi_k25 config without a usable ``text_config``.
+        """
+        mt = cfg.get("model_type")
+        if mt not in TARGET_MODEL_TYPES:
+            raise CheckpointError(f"{where}: model_type '{mt}' is not a supported target (expected one of {', '.join(TARGET_MODEL_TYPES)})")
+        if mt != "kimi_k25":
+            return cfg, where, False
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(f"{where}: model_type 'kimi_k25' but field 'text_config' is {'missing' if text is None else repr(text)}")
+        tmt = text.get("model_type", "deepseek_v3")
+        if tmt not in TEXT_MODEL_TYPES:
+            raise CheckpointError(f"{where}: text_config.model_type '{tmt}' is not supported (expected one of {', '.join(TEXT_MODEL_TYPES)})")
+        return text, f"{where}: text_config", True
+
+    @staticmethod
     def from_hf(cfg: dict, where: str = "config.json") -> "TargetConfig":
-        """Parse a DeepSeek-V3-family ``config.json`` dict.
+        """Parse a DeepSeek-V3-family ``config.json`` dict (``kimi_k2``, ``deepseek_v3``, or ``kimi_k25`` with the
+        text model under ``text_config``).
 
         Raises:
             CheckpointError: wrong ``model_type``, a missing field, or a router this engine does not run.
         """
         mt = cfg.get("model_type")
-        if mt not in TARGET_MODEL_TYPES:
-            raise CheckpointError(f"{where}: model_type '{mt}' is not a supported target (expected one of {', '.join(TARGET_MODEL_TYPES)})")
+        top = cfg
+        cfg, where, _ = TargetConfig.text_config(cfg, where)
         if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
             raise CheckpointError(f"{where}: router topk_method='{cfg.get('topk_method')}', scoring_func='{cfg.get('scoring_func')}'; expected noaux_tc with sigmoid scores")
         ints = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -147,7 +176,8 @@ class TargetConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope=RopeConfig.from_hf(cfg, vals["qk_rope_head_dim"], bool(cfg.get("rope_interleave", True)), where),
             n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"), model_type=mt,
+            bos_token_id=cfg.get("bos_token_id", top.get("bos_token_id")),
+            eos_token_id=cfg.get("eos_token_id", top.get("eos_token_id")), model_type=mt,
         )
 
     def to_dict(self) -> dict:
@@ -167,6 +197,12 @@ class DrafterConfig:
     ``aux_layer_ids`` are as published; ``aux_convention`` says how to read them:
     ``"input"`` = input to target layer i (EAGLE, vLLM, SGLang), ``"output"`` = output of layer i
     (TensorRT-LLM, SpecForge). :meth:`capture_points` normalises to the input-to-layer reading.
+    ``aux_convention_source`` says where the convention came from (config, origin marker, command line).
+
+    ``norm_before_fc``: one RMSNorm over the concatenated aux states [3·target_hidden] before ``fc``
+    (tensor ``input_norm.weight``; the config key used by vLLM and TensorRT-LLM, at the top level or in
+    ``eagle_config``). ``fc_norm``: one RMSNorm per aux state [target_hidden] before ``fc`` (tensors
+    ``fc_norm.{0,1,2}.weight``; vLLM's key).
     """
 
     hidden_size: int
@@ -181,6 +217,9 @@ class DrafterConfig:
     rope: RopeConfig
     aux_layer_ids: tuple[int, ...]
     aux_convention: str | None = None
+    aux_convention_source: str | None = None
+    norm_before_fc: bool = False
+    fc_norm: bool = False
 
     def capture_points(self) -> tuple[int, ...]:
         """Aux ids as input-to-layer indices i ∈ [0, num_target_layers]; i = N is after the last block, before the final norm."""
@@ -194,10 +233,15 @@ class DrafterConfig:
     def from_hf(cfg: dict, where: str = "config.json", aux_convention: str | None = None) -> "DrafterConfig":
         """Parse an EAGLE-3 drafter ``config.json`` dict.
 
+        The aux-id convention comes from, in order: ``eagle_config.aux_layer_id_convention`` (declared);
+        ``aux_convention`` (the command line); a known origin marker (ModelOpt's export keys in
+        ``eagle_config`` → "output"). Otherwise it stays None and :meth:`capture_points` refuses to guess.
+
         Args:
-            aux_convention: overrides/declares the aux-id convention ("input" or "output").
+            aux_convention: declares the aux-id convention ("input" or "output") when the config does not.
         Raises:
-            CheckpointError: wrong architecture or missing fields; conflicting conventions.
+            CheckpointError: wrong architecture or missing fields; a drafter variant this engine does not run.
+            ConfigError: ``aux_convention`` contradicts the config's declaration.
         """
         arch = (cfg.get("architectures") or [None])[0]
         if arch not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle"):
@@ -207,7 +251,7 @@ class DrafterConfig:
         hs = _require(cfg, "hidden_size", where)
         heads = _require(cfg, "num_attention_heads", where)
         eagle = cfg.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
         if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids = {ids!r}, expected three non-negative layer ids")
         declared = eagle.get("aux_layer_id_convention")
@@ -215,6 +259,28 @@ class DrafterConfig:
             raise CheckpointError(f"{where}: eagle_config.aux_layer_id_convention = {declared!r}, expected 'input' or 'output'")
         if declared and aux_convention and declared != aux_convention:
             raise ConfigError(f"{where}: declares aux_layer_id_convention '{declared}' but '{aux_convention}' was requested")
+        if aux_convention is not None and aux_convention not in ("input", "output"):
+            raise ConfigError(f"aux convention {aux_convention!r}: expected 'input' or 'output'")
+        markers = [k for k in MODELOPT_EAGLE_KEYS if k in eagle]
+        inferred = "output" if markers else None
+        if declared:
+            convention, source = declared, "declared in eagle_config.aux_layer_id_convention"
+        elif aux_convention:
+            convention, source = aux_convention, "given on the command line"
+            if inferred and inferred != aux_convention:
+                source += f" (overrides '{inferred}', inferred from ModelOpt export keys eagle_config.{markers[0]})"
+        elif inferred:
+            convention = inferred
+            source = (f"inferred from its origin: ModelOpt/TensorRT-LLM export (eagle_config.{', '.join(markers)}); "
+                      "TensorRT-LLM captures layer outputs")
+        else:
+            convention, source = None, None
+        if eagle.get("use_aux_hidden_state") is False:
+            raise CheckpointError(f"{where}: eagle_config.use_aux_hidden_state = false: not an EAGLE-3 drafter over aux hidden states")
+        for key in ("norm_before_residual", "norm_output"):
+            if eagle.get(key, cfg.get(key)):
+                raise CheckpointError(f"{where}: {key} = true is a drafter variant this engine does not run "
+                                      "(residual/output taken after the norm)")
         head_dim = int(cfg.get("head_dim") or hs // heads)
         vocab = _require(cfg, "vocab_size", where)
         return DrafterConfig(
@@ -224,7 +290,9 @@ class DrafterConfig:
             target_hidden_size=int(cfg.get("target_hidden_size") or hs),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg, head_dim, interleaved=False, where=where),
-            aux_layer_ids=tuple(ids), aux_convention=declared or aux_convention,
+            aux_layer_ids=tuple(ids), aux_convention=convention, aux_convention_source=source,
+            norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+            fc_norm=bool(eagle.get("fc_norm", cfg.get("fc_norm", False))),
         )
 
     def to_dict(self) -> dict:
@@ -238,6 +306,20 @@ class DrafterConfig:
         d["rope"] = RopeConfig(**d["rope"])
         d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
         return DrafterConfig(**d)
+
+    def describe_capture(self, num_target_layers: int | None = None) -> str:
+        """One line per aux id: which target state feeds the drafter, e.g. ``30 → input to layer 31 (= output of layer 30)``."""
+        if self.aux_convention not in ("input", "output"):
+            return f"aux ids {list(self.aux_layer_ids)}: convention unknown (declare it or pass --aux-convention input|output)"
+        parts = []
+        for i, p in zip(self.aux_layer_ids, self.capture_points()):
+            if num_target_layers is not None and p == num_target_layers:
+                parts.append(f"{i} → after the last layer (output of layer {p - 1}), before the final norm")
+            elif p == 0:
+                parts.append(f"{i} → input to layer 0 (the embeddings)")
+            else:
+                parts.append(f"{i} → input to layer {p} (= output of layer {p - 1})")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)

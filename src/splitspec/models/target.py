@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
-from splitspec.layers import Rotary, TPComm, attend, gated_mlp, rms_norm
+from splitspec.layers import Rotary, TPComm, attend, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -74,6 +75,7 @@ class TargetModel:
     def __init__(self, cfg: TargetConfig, mapping: Mapping, rank: int, weights: dict[str, torch.Tensor], comm: TPComm):
         self.cfg, self.mapping, self.rank, self.w, self.comm = cfg, mapping, rank, weights, comm
         self.device = weights["embed_tokens"].device
+        self.fp8_block = quant.block_size_of(weights)  # FP8 tile when the engine keeps FP8 linears (``build --dtype fp8``), else None
         self.rotary = Rotary(cfg.rope, self.device)
         self.local_heads = cfg.num_attention_heads // mapping.tp_size
         self.vocab_start = rank * (cfg.vocab_size // mapping.tp_size)
@@ -91,8 +93,8 @@ class TargetModel:
         """MLA in absorbed form over the latent cache. x: [T, H] (normed) → [T, H] partial sum (before all-reduce)."""
         c, p = self.cfg, f"layers.{layer}.attn."
         w = self.w
-        qa, ckv, kpe = F.linear(x, w[p + "fused_qkv_a"]).split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        q = F.linear(rms_norm(qa, w[p + "q_a_layernorm"], c.rms_norm_eps), w[p + "q_b_proj"])
+        qa, ckv, kpe = self.linear(x, p + "fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        q = self.linear(rms_norm(qa, w[p + "q_a_layernorm"], c.rms_norm_eps), p + "q_b_proj")
         q = q.view(-1, self.local_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_pe = self.rotary.apply(q_pe, cos, sin)
@@ -111,18 +113,29 @@ class TargetModel:
             out[t:t + n] = attend(q_cat[t:t + n], k, v, batch.positions[t:t + n], c.softmax_scale)
             t += n
         o = torch.einsum("thc,hvc->thv", out, w[p + "w_uv"]).reshape(x.shape[0], -1)
-        return F.linear(o, w[p + "o_proj"])
+        return self.linear(o, p + "o_proj")
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x Wᵀ for runtime weight ``name``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
+        return quant.linear(x, self.w[name], self.w.get(name + ".scale_inv"), self.fp8_block)
+
+    def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """SwiGLU over ``prefix + "w13"`` / ``prefix + "w2"`` (dense or shared expert), float or FP8."""
+        w13, w2 = prefix + "w13", prefix + "w2"
+        return quant.gated_mlp(x, self.w[w13], self.w[w2], self.w.get(w13 + ".scale_inv"), self.w.get(w2 + ".scale_inv"), self.fp8_block)
 
     def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum."""
         p = f"layers.{layer}.mlp."
         weights, ids = noaux_tc_route(x, self.w[p + "gate"], self.w[p + "e_score_correction_bias"], self.cfg)
         w13, w2 = self.w[p + "experts.w13"], self.w[p + "experts.w2"]
-        y = gated_mlp(x, self.w[p + "shared.w13"], self.w[p + "shared.w2"]) if self.cfg.n_shared_experts else torch.zeros_like(x)
+        y = self.mlp(x, p + "shared.") if self.cfg.n_shared_experts else torch.zeros_like(x)
+        s13, s2 = self.w.get(p + "experts.w13.scale_inv"), self.w.get(p + "experts.w2.scale_inv")
         local = ids - self.expert_start
         for e in torch.unique(local[(local >= 0) & (local < w13.shape[0])]).tolist():
             tok, slot = torch.nonzero(local == e, as_tuple=True)
-            y.index_add_(0, tok, gated_mlp(x[tok], w13[e], w2[e]) * weights[tok, slot, None].to(x.dtype))
+            out = quant.gated_mlp(x[tok], w13[e], w2[e], None if s13 is None else s13[e], None if s2 is None else s2[e], self.fp8_block)
+            y.index_add_(0, tok, out * weights[tok, slot, None].to(x.dtype))
         return y
 
     def forward(self, batch: ForwardBatch, cache: TargetKVCache, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,7 +158,7 @@ class TargetModel:
             p = f"layers.{layer}."
             h = h + self.comm.all_reduce(self.attention(layer, rms_norm(h, self.w[p + "input_layernorm"], c.rms_norm_eps), batch, cache, cos, sin))
             x = rms_norm(h, self.w[p + "post_attention_layernorm"], c.rms_norm_eps)
-            mlp = self.moe(layer, x) if c.is_moe_layer(layer) else gated_mlp(x, self.w[p + "mlp.w13"], self.w[p + "mlp.w2"])
+            mlp = self.moe(layer, x) if c.is_moe_layer(layer) else self.mlp(x, p + "mlp.")
             h = h + self.comm.all_reduce(mlp)
         if c.num_hidden_layers in capture:
             captured[c.num_hidden_layers] = h

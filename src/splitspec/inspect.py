@@ -1,0 +1,177 @@
+"""``splitspec inspect CHECKPOINT``: say what a checkpoint is before anyone converts it.
+
+Reads ``config.json`` and the safetensors headers only (no tensor data): architecture, sizes,
+quantisation (and which linears it covers), tensor count and bytes per dtype and shard, the vision
+tensors a conversion would skip, the tokenizer's size; for an EAGLE-3 drafter its wiring: aux layer
+ids, their convention and where it came from, the target states they name, the draft vocabulary and
+its mapping, the embedding, and norms before ``fc``. Converted checkpoints and built engines are
+recognised by their ``format`` field and summarised.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from splitspec import quant
+from splitspec.config import MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
+from splitspec.convert import VISION_PREFIXES, tokenizer_vocab_size
+from splitspec.errors import CheckpointError
+from splitspec.io import CheckpointReader, read_json
+
+DRAFTER_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _tensor_lines(reader: CheckpointReader) -> list[str]:
+    names = reader.names()
+    by_dtype: Counter = Counter()
+    nbytes: Counter = Counter()
+    for n in names:
+        info = reader.info(n)
+        d = str(info.dtype).removeprefix("torch.")
+        by_dtype[d] += 1
+        nbytes[d] += info.nbytes
+    shards = reader.shard_sizes
+    total = sum(nbytes.values())
+    lines = [f"tensors: {len(names)} in {len(shards)} shard(s), {_mib(total)} of tensor data "
+             f"(largest shard {_mib(max(shards.values()))})",
+             "  by dtype: " + ", ".join(f"{d} {by_dtype[d]} ({_mib(nbytes[d])})" for d in sorted(by_dtype))]
+    return lines
+
+
+def _param_count(reader: CheckpointReader) -> int:
+    n = 0
+    for name in reader.names():
+        info = reader.info(name)
+        if name.endswith(("weight_scale_inv", "weight_scale", "weight_shape")) or name.startswith(VISION_PREFIXES):
+            continue
+        numel = info.nbytes // max(info.dtype.itemsize, 1)
+        n += numel * 8 if name.endswith("weight_packed") else numel
+    return n
+
+
+def inspect_target(folder: Path, raw: dict) -> list[str]:
+    where = str(folder / "config.json")
+    cfg = TargetConfig.from_hf(raw, where)
+    text, _, nested = TargetConfig.text_config(raw, where)
+    qc = text.get("quantization_config") or (raw.get("quantization_config") if nested else None)
+    scheme = quant.parse_quantization_config(qc, where)
+    reader = CheckpointReader(folder)
+    names = reader.names()
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    arch = (raw.get("architectures") or ["?"])[0]
+    lines = [f"{folder}: target checkpoint",
+             f"architecture: {arch} (model_type {raw.get('model_type')}"
+             + (f"; text model {text.get('model_type', 'deepseek_v3')} under text_config, tensors under language_model.)" if nested else ")"),
+             f"sizes: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - moe} dense, {moe} MoE), hidden {cfg.hidden_size}, "
+             f"vocab {cfg.vocab_size}, {cfg.num_attention_heads} heads (MLA: q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, "
+             f"nope {cfg.qk_nope_head_dim} / rope {cfg.qk_rope_head_dim} / v {cfg.v_head_dim})",
+             f"experts: {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, width {cfg.moe_intermediate_size}) + "
+             f"{cfg.n_shared_experts} shared; dense width {cfg.intermediate_size}; router noaux_tc, scaling {cfg.routed_scaling_factor}",
+             f"rope: theta {cfg.rope.theta:g}" + (f", YaRN factor {cfg.rope.factor:g} (original {cfg.rope.original_max_position_embeddings}, "
+                                                 f"beta_fast {cfg.rope.beta_fast:g})" if cfg.rope.factor > 1 else ""),
+             f"parameters: {_param_count(reader) / 1e6:.2f} M (text model; INT4 counted as unpacked values)",
+             f"quantisation: {scheme.describe()}"]
+    if scheme.method == "fp8":
+        fp8 = [n for n in names if n.endswith(".weight") and reader.info(n).dtype == quant.FP8_DTYPE]
+        scales = [n for n in names if n.endswith("weight_scale_inv")]
+        ragged = sum(1 for n in fp8 if any(d % b for d, b in zip(reader.info(n).shape, scheme.block)))
+        lines.append(f"  {len(fp8)} float8_e4m3fn weights ({ragged} with ragged last tiles), {len(scales)} weight_scale_inv tensors")
+    elif scheme.method == "int4":
+        packed = [n for n in names if n.endswith("weight_packed")]
+        routed = sum(1 for n in packed if ".experts." in n)
+        lines.append(f"  {len(packed)} packed linears ({routed} routed-expert), the rest kept as stored; ignore: {list(scheme.ignore)}")
+    lines += _tensor_lines(reader)
+    vision = [n for n in names if n.startswith(VISION_PREFIXES)]
+    if vision:
+        lines.append(f"vision: {len(vision)} tensors (vision_tower.*, mm_projector.*) — skipped by convert (text model only)")
+    tok = tokenizer_vocab_size(folder)
+    lines.append(f"tokenizer: {tok[1]}, {tok[0]} ids" + (" — MORE than vocab_size!" if tok[0] > cfg.vocab_size else "")
+                 if tok else "tokenizer: none in this folder")
+    return lines
+
+
+def inspect_drafter(folder: Path, raw: dict, target: Path | None, aux_convention: str | None) -> list[str]:
+    where = str(folder / "config.json")
+    cfg = DrafterConfig.from_hf(raw, where, aux_convention)
+    reader = CheckpointReader(folder)
+    eagle = raw.get("eagle_config") or {}
+    n_layers = None
+    if target is not None:
+        n_layers = TargetConfig.from_hf(read_json(Path(target) / "config.json"), str(Path(target) / "config.json")).num_hidden_layers
+    fc = reader.info("fc.weight").shape if "fc.weight" in reader else None
+    lines = [f"{folder}: EAGLE-3 drafter",
+             f"architecture: {(raw.get('architectures') or ['?'])[0]} (one decoder layer), hidden {cfg.hidden_size}, "
+             f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads × {cfg.head_dim}, intermediate {cfg.intermediate_size}",
+             f"fc: {list(fc) if fc else 'MISSING'} over 3 × target hidden {cfg.target_hidden_size}"
+             + ("" if not fc or fc[-1] == 3 * cfg.target_hidden_size else " — WIDTH DISAGREES")]
+    mapping = [x for x in ("d2t", "t2d") if x in reader]
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        lines.append(f"vocabulary: draft {cfg.draft_vocab_size} of {cfg.vocab_size} target ids, mapping: "
+                     + (" + ".join(mapping) if mapping else "NONE (d2t missing: convert will refuse)"))
+    else:
+        lines.append(f"vocabulary: the full {cfg.vocab_size} ids" + (f" ({' + '.join(mapping)} present)" if mapping else ""))
+    if cfg.aux_convention:
+        lines.append(f"aux layer ids {list(cfg.aux_layer_ids)}: {cfg.aux_convention}-of-layer convention ({cfg.aux_convention_source})")
+        lines.append("  target states: " + cfg.describe_capture(n_layers)
+                     + (f" (target has {n_layers} layers)" if n_layers else " (pass --target to check them against a target)"))
+        if n_layers is not None and max(cfg.capture_points()) > n_layers:
+            lines.append(f"  OUT OF RANGE for a {n_layers}-layer target")
+    else:
+        markers = [k for k in MODELOPT_EAGLE_KEYS if k in eagle]
+        lines.append(f"aux layer ids {list(cfg.aux_layer_ids)}: convention UNKNOWN (no eagle_config.aux_layer_id_convention"
+                     + (f", markers {markers}" if markers else ", no known origin marker")
+                     + "); input-of-layer would read them as inputs to layers "
+                     + f"{list(cfg.aux_layer_ids)}, output-of-layer as inputs to {[i + 1 for i in cfg.aux_layer_ids]}; "
+                     "convert needs --aux-convention input|output")
+    own = next((n for n in ("embed_tokens.weight", "model.embed_tokens.weight") if n in reader), None)
+    tied = bool(eagle.get("share_target_embedding", raw.get("share_target_embedding", False)))
+    lines.append(f"embedding: own '{own}' {list(reader.info(own).shape)}" + (" (declared tied to the target's)" if tied else
+                 " (convert compares it with the target's)") if own else "embedding: none (uses the target's)")
+    norms = [x for x, on in (("norm_before_fc (input_norm.weight)", cfg.norm_before_fc),
+                             ("fc_norm (fc_norm.{0,1,2}.weight)", cfg.fc_norm)) if on]
+    lines.append("norms before fc: " + (", ".join(norms) if norms else "none"))
+    lines += _tensor_lines(reader)
+    return lines
+
+
+def inspect_converted(folder: Path, meta: dict) -> list[str]:
+    kind = meta.get("kind")
+    lines = [f"{folder}: {meta.get('format')} ({kind})"]
+    if "mapping" in meta:
+        lines.append(f"mapping: {meta['mapping']}")
+    if "quantization" in meta:
+        lines.append(f"quantisation: {meta['quantization']}")
+    for k in ("capture", "aux_convention", "embedding", "limits", "dtype"):
+        if meta.get(k) is not None:
+            lines.append(f"{k}: {meta[k]}")
+    return lines
+
+
+def inspect_checkpoint(path: Path, target: Path | None = None, aux_convention: str | None = None) -> list[str]:
+    """Lines describing the checkpoint (or converted checkpoint / engine) at ``path``.
+
+    Raises:
+        CheckpointError: not a folder with a config this project reads.
+    """
+    path = Path(path)
+    for name in ("engine.json", "config.json"):
+        if (path / name).exists():
+            raw = read_json(path / name)
+            break
+    else:
+        raise CheckpointError(f"{path}: no config.json (or engine.json) — not a checkpoint folder")
+    if str(raw.get("format", "")).startswith("splitspec-"):
+        return inspect_converted(path, raw)
+    if (raw.get("architectures") or [None])[0] in DRAFTER_ARCHS:
+        return inspect_drafter(path, raw, target, aux_convention)
+    return inspect_target(path, raw)
+
+
+def main(path: Path, target: Path | None = None, aux_convention: str | None = None) -> None:
+    """Print :func:`inspect_checkpoint`'s lines."""
+    print("\n".join(inspect_checkpoint(path, target, aux_convention)))
