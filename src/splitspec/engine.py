@@ -53,7 +53,15 @@ def read_engine_meta(folder: Path, kind: str) -> dict:
     return meta
 
 
-def load_rank_weights(folder: Path, rank: int, device: str) -> dict[str, torch.Tensor]:
+def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = None, shapes: dict | None = None) -> dict[str, torch.Tensor]:
+    """Runtime-layout weights of one rank: ``rank{i}.safetensors``, or, for a synthetic engine
+    (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device``."""
+    synthetic = (meta or {}).get("weights", {}).get("synthetic")
+    if synthetic is not None:
+        from splitspec.synthetic import random_weights
+
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta["dtype"]]
+        return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank)
     path = Path(folder) / f"rank{rank}.safetensors"
     if not path.exists():
         raise CheckpointError(f"{path}: engine weights missing")
@@ -125,7 +133,9 @@ class RankRunner:
         self.mapping = Mapping.from_dict(meta["mapping"])
         self.limits = meta["limits"]
         self.device = device
-        weights = load_rank_weights(engines_dir / "target", rank, device)
+        from splitspec.synthetic import drafter_shapes, target_shapes
+
+        weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
@@ -138,7 +148,8 @@ class RankRunner:
             dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
             dcfg = DrafterConfig.from_dict(dmeta["config"])
             ddev = device if draft_tp > 1 else (draft_device or device)
-            dw = shard_drafter(load_rank_weights(engines_dir / "drafter", 0, ddev), dcfg, rank if draft_tp > 1 else 0, draft_tp)
+            dw = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
+            dw = shard_drafter(dw, dcfg, rank if draft_tp > 1 else 0, draft_tp)
             self.drafter = DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm())
             self.dcache = DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp)
             self.capture = tuple(dmeta["capture_points"])
