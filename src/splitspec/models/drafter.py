@@ -80,8 +80,18 @@ class DrafterModel:
         self.nq, self.nkv = cfg.num_attention_heads // self.comm.size, cfg.num_key_value_heads // self.comm.size
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [T, 3·target_hidden] (target states at the capture points) → [T, H]."""
-        return F.linear(aux.to(self.w["fc"].dtype), self.w["fc"])
+        """aux [T, 3·target_hidden] (target states at the capture points) → [T, H].
+
+        When the drafter's config asks for it, the aux states are RMS-normalised first: ``norm_before_fc``
+        (one norm over all 3·target_hidden, weight ``fc_input_norm``), then ``fc_norm`` (one norm per aux
+        state, weights ``fc_norm`` [3, target_hidden]) — vLLM's order.
+        """
+        c, w = self.cfg, self.w
+        if getattr(c, "norm_before_fc", False):
+            aux = rms_norm(aux, w["fc_input_norm"], c.rms_norm_eps)
+        if getattr(c, "fc_norm", False):
+            aux = torch.cat([rms_norm(part, w["fc_norm"][i], c.rms_norm_eps) for i, part in enumerate(aux.chunk(3, -1))], -1)
+        return F.linear(aux.to(w["fc"].dtype), w["fc"])
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: DrafterKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over ``batch``.
