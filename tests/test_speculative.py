@@ -84,27 +84,32 @@ class OracleDrafter:
     def __init__(self, inner, continuation: list[int], offset: int, p_wrong: float, seed: int):
         self.inner, self.cont, self.offset, self.p_wrong = inner, continuation, offset, p_wrong
         self.rng = random.Random(seed)
-        self.last_pos = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def forward(self, batch, hidden, cache):
-        self.last_pos = int(batch.positions[-1])
+        self.rows_pos = batch.positions[batch.logits_rows].tolist()
         return self.inner.forward(batch, hidden, cache)
 
     def propose(self, logits):
-        idx = self.last_pos + 2 - self.offset  # drafter row j predicts token j + 2
-        right = self.cont[idx] if 0 <= idx < len(self.cont) else 0
-        return torch.tensor([right if self.rng.random() >= self.p_wrong else (right + 1) % 4096])
+        out = []
+        for p in self.rows_pos:
+            idx = p + 2 - self.offset  # drafter row j predicts token j + 2
+            right = self.cont[idx] if 0 <= idx < len(self.cont) else 0
+            out.append(right if self.rng.random() >= self.p_wrong else (right + 1) % 4096)
+        return torch.tensor(out)
 
 
-@pytest.mark.parametrize("k,p_wrong", [(1, 0.2), (3, 0.2), (5, 0.1), (4, 0.0)])
-def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong):
+@pytest.mark.parametrize("k,p_wrong,padded", [(1, 0.2, False), (3, 0.2, False), (5, 0.1, False), (4, 0.0, False),
+                                               (3, 0.2, True), (4, 0.0, True)])
+def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong, padded, monkeypatch):
     """With drafts that are often right, accepted prefixes, bonus tokens and KV overwrite of rejected
-    positions still give exactly the target-only tokens; acceptance statistics add up."""
+    positions still give exactly the target-only tokens; acceptance statistics add up. ``padded``: steady
+    cycles run in the static-shape form the GPU path captures in CUDA graphs (here eager, on the CPU)."""
     p = PROMPTS[1]
     ids = tok.encode(p)
+    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
     with SpeculativeEngine.load(built_engines) as eng:
         eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, reference[p], len(ids), p_wrong, seed=k)
         res = eng.generate(ids, 24, num_draft_tokens=k, stop_token_ids=set())

@@ -34,7 +34,7 @@ from splitspec.errors import CheckpointError, ConfigError, SplitspecError
 from splitspec.io import read_json
 from splitspec.kv import BLOCK_SIZE
 from splitspec.layers import TPComm
-from splitspec.models.batch import ForwardBatch
+from splitspec.models.batch import ForwardBatch, padded
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
 
@@ -98,6 +98,7 @@ class CyclePlan:
     finished: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] | None = None
     shutdown: bool = False
+    padded_k: int | None = None  # set by the leader: a steady decode cycle run in the static-shape form
 
 
 @dataclass
@@ -109,6 +110,7 @@ class CycleOutput:
     drafts: dict[int, list[int]]
     draft_ms: float
     verify_ms: float
+    greedy: list[int] | None = None  # argmax of every logits row, fetched with the drafts in one copy
 
 
 def _sync(device: str) -> None:
@@ -139,7 +141,10 @@ class RankRunner:
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
-        rows = self.kv_blocks * BLOCK_SIZE
+        rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
+        self.scratch_row = self.kv_blocks * BLOCK_SIZE
+        self.window = -(-self.limits["max_seq_len"] // BLOCK_SIZE) * BLOCK_SIZE
+        self.graphs = GraphCache(device)
         self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
         self.drafter = self.dcache = None
         self.capture: tuple[int, ...] = ()
@@ -184,6 +189,90 @@ class RankRunner:
                 drafts[ws[j].sid].append(d)
         return drafts
 
+    def padded_k(self, plan: CyclePlan) -> int | None:
+        """k if ``plan`` is a steady decode cycle (every work decodes with the same k and, with a drafter, each
+        holds exactly the k+1 aux rows of its previous verify), else None. Decided by the leader."""
+        ws = plan.work
+        if not ws or any(w.kind != "decode" or w.k != ws[0].k for w in ws):
+            return None
+        k = ws[0].k
+        if k and (self.drafter is None or any(w.sid not in self.aux or self.aux[w.sid].shape[0] != k + 1 or w.keep_aux is None
+                                              for w in ws)):
+            return None
+        return k
+
+    def _padded(self, seqs, pad_to: int):
+        return padded(seqs, self.window, self.device, scratch_row=self.scratch_row, pad_to=pad_to)
+
+    def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
+        """Static-shape draft phase of a steady cycle: extend over k+1 (padded) rows, then k−1 steps.
+        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation."""
+        ws, k = plan.work, plan.padded_k
+        B, n = len(ws), k + 1
+        Bp = bucket(B)
+        m, dev = self.drafter, self.drafter.device
+        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp)
+        aux = torch.cat([self.aux[w.sid] for w in ws])
+        aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
+        last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)], device=dev)
+
+        def extend(ids, pos, table, rows, aux_in, last_rows):
+            logits, h = m.forward(ForwardBatch(ids, pos, [], [], last_rows, table, rows), m.fuse(aux_in), self.dcache)
+            return m.propose(logits), h[last_rows]
+
+        tok, h = self.graphs.run(("extend", Bp, n), extend, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last)
+        drafts = [tok.clone()]  # graph outputs are overwritten by the next replay
+        for i in range(1, k):
+            pos = torch.tensor([w.start - 1 + i for w in ws] + [0] * (Bp - B), device=dev)
+            rows = torch.gather(ext.table, 1, pos[:, None]).flatten()
+            rows[B:] = self.scratch_row
+
+            def step(ids, pos, table, rows, hidden):
+                logits, hn = m.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
+                                       hidden, self.dcache)
+                return m.propose(logits), hn
+
+            tok, h = self.graphs.run(("step", Bp), step, drafts[-1], pos, ext.table, rows, h)
+            drafts.append(tok.clone())
+        return torch.stack(drafts, 1) if k else torch.zeros(Bp, 0, dtype=torch.int64, device=dev)
+
+    def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Static-shape verify of a steady cycle: [last token] + k drafts per sequence. Returns logits [B·(k+1), V]
+        and keeps each sequence's k+1 aux rows for the next extend."""
+        ws, k = plan.work, plan.padded_k
+        B, n = len(ws), k + 1
+        Bp = bucket(B)
+        vb = self._padded([(w.blocks, w.start, [w.tokens[0]] * n) for w in ws], Bp)
+        ids = vb.input_ids.view(Bp, n).clone()
+        ids[:, 1:] = drafts.to(self.device)
+        ids[B:] = 0
+
+        def verify(ids, pos, table, rows):
+            return self.target.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
+                                       self.tcache, self.capture)
+
+        logits, aux = self.graphs.run(("verify", Bp, n), verify, ids.flatten(), vb.positions, vb.table, vb.write_rows)
+        if aux is not None:
+            for b, w in enumerate(ws):
+                self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()
+        return logits[: B * n], aux
+
+    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None) -> CycleOutput:
+        """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] comes from the
+        leader's TP1 drafter (None: draft here, the drafter being sharded over the group)."""
+        t0 = time.perf_counter()
+        k = plan.padded_k
+        if drafts is None:
+            drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        logits, _ = self.verify_padded(plan, drafts)
+        B, n = len(plan.work), k + 1
+        host = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device))).tolist()  # the one copy to the host
+        greedy, flat = host[: B * n], host[B * n:]
+        out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
+        return CycleOutput(logits, out_drafts, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, greedy)
+
     def execute(self, plan: CyclePlan) -> CycleOutput:
         """Run one cycle on this rank: draft (if the drafter is sharded here and drafts were not given),
         then one target forward over every decode work's k+1 tokens and every prefill chunk."""
@@ -226,6 +315,46 @@ def kv_blocks_for(limits: dict, kv_tokens: int | None) -> int:
     return -(-int(tokens) // BLOCK_SIZE)
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(batch: int) -> int:
+    """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows)."""
+    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= BATCH_BUCKETS[-1] else batch
+
+
+class GraphCache:
+    """CUDA graphs of static-shape functions, captured on first use per key (eager on CPU or when
+    ``SPLITSPEC_CUDA_GRAPHS=0``). Inputs are copied into the graph's static buffers before each replay;
+    outputs are the graph's static output tensors (valid until the next replay of the same key)."""
+
+    def __init__(self, device: str):
+        self.on = device.startswith("cuda") and os.environ.get("SPLITSPEC_CUDA_GRAPHS", "1") == "1"
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.on else None
+
+    def run(self, key, fn, *inputs):
+        if not self.on:
+            return fn(*inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = [x.clone() for x in inputs]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(*static)  # warm-up outside the graph (allocator, lazy init)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn(*static)
+            entry = self.graphs[key] = (graph, static, outputs)
+        graph, static, outputs = entry
+        for buf, x in zip(static, inputs):
+            buf.copy_(x, non_blocking=True)
+        graph.replay()
+        return outputs
+
+
 def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
@@ -249,7 +378,16 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
             plan: CyclePlan = box[0]
             if plan.shutdown:
                 break
-            runner.execute(plan)
+            if plan.padded_k is not None:
+                drafts = None
+                if draft_tp == 1 and plan.padded_k:
+                    drafts = torch.empty(bucket(len(plan.work)), plan.padded_k, dtype=torch.int64, device=device)
+                    dist.broadcast(drafts, 0)
+                for sid in plan.finished:
+                    runner.aux.pop(sid, None)
+                runner.execute_padded(plan, drafts)
+            else:
+                runner.execute(plan)
     dist.destroy_process_group()
 
 
@@ -278,6 +416,8 @@ class Group:
         if draft_device and not device_ids:
             raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
         self.draft_tp = draft_tp
+        # steady decode cycles in the static-shape form: always on GPU (CUDA graphs), opt-in on CPU
+        self.padded = bool(device_ids) or os.environ.get("SPLITSPEC_PADDED") == "1"
         self.procs: list[subprocess.Popen] = []
         self.control = None
         self.closed = False
@@ -339,14 +479,32 @@ class Group:
         """Execute one cycle on every rank and return rank 0's output."""
         if self.closed:
             raise EngineError("the engine is closed")
+        r0 = self.rank0
+        if self.padded:
+            for sid in plan.finished:
+                r0.aux.pop(sid, None)
+            plan.padded_k = r0.padded_k(plan)
+        if plan.padded_k is not None:
+            t0 = time.perf_counter()
+            drafts = r0.draft_padded(plan) if (self.draft_tp == 1 and plan.padded_k) else None
+            draft_ms = (time.perf_counter() - t0) * 1e3
+            if self.world > 1:
+                self.check_workers()
+                dist.broadcast_object_list([plan], 0, group=self.control)
+                if drafts is not None:
+                    dist.broadcast(drafts, 0)
+            out = r0.execute_padded(plan, drafts)
+            if self.draft_tp == 1:
+                out.draft_ms += draft_ms
+            return out
         t0 = time.perf_counter()
-        if self.draft_tp == 1 and self.rank0.drafter is not None:
-            plan.drafts = self.rank0.draft_phase(plan)
+        if self.draft_tp == 1 and r0.drafter is not None:
+            plan.drafts = r0.draft_phase(plan)
         draft_ms = (time.perf_counter() - t0) * 1e3
         if self.world > 1:
             self.check_workers()
             dist.broadcast_object_list([plan], 0, group=self.control)
-        out = self.rank0.execute(plan)
+        out = r0.execute(plan)
         if self.draft_tp == 1:
             out.draft_ms = draft_ms
         return out

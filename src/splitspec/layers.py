@@ -110,3 +110,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     mask = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]
     scores.masked_fill_(mask[None], float("-inf"))
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of B sequences with n new queries each over a padded key window (static shapes,
+    CUDA-graph friendly).
+
+    q: [B, n, heads, Dk] at positions q_pos [B, n]; k: [B, S, heads or 1, Dk], v: [B, S, heads or 1, Dv] hold
+    positions 0..S−1 of each sequence (rows past a sequence's end are masked, whatever they hold).
+    Returns [B, n, heads, Dv]; softmax in float32.
+    """
+    scores = torch.einsum("bnhd,bshd->bhns", q.float(), k.float().expand(-1, -1, q.shape[2], -1)) * scale
+    mask = torch.arange(k.shape[1], device=q.device)[None, None, :] > q_pos[:, :, None]
+    scores = scores.masked_fill(mask[:, None], float("-inf"))
+    out = torch.einsum("bhns,bshd->bnhd", scores.softmax(-1), v.float().expand(-1, -1, q.shape[2], -1))
+    return out.to(q.dtype)

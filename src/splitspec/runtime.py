@@ -434,6 +434,7 @@ class SpeculativeEngine:
                 continue
             drafts = out.drafts.get(w.sid, [])
             logits = out.logits[row:row + len(drafts) + 1]
+            best = out.greedy[row:row + len(drafts) + 1] if out.greedy is not None else None
             row += len(drafts) + 1
             if seq is None:
                 continue
@@ -443,7 +444,7 @@ class SpeculativeEngine:
             if self.synthetic is not None and drafts:
                 a, new = verify_synthetic(logits, drafts, self.synthetic, seq.gen)
             else:
-                a, new = verify(logits, drafts, seq.req.sampling, seq.gen)
+                a, new = verify(logits, drafts, seq.req.sampling, seq.gen, best)
             n = len(seq.tokens)
             seq.tokens += new
             seq.extend_start, seq.keep_aux = n - 1, a + 1

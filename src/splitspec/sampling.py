@@ -59,18 +59,20 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None) -> tuple[int, list[int]]:
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None,
+           best: list[int] | None = None) -> tuple[int, list[int]]:
     """Decide one sequence's cycle.
 
     Args:
         logits: [k+1, V] target logits at the verified positions.
         drafts: the k draft tokens (target ids), proposed greedily.
+        best: the rows' argmax when already on the host (saves a device-to-host copy).
     Returns:
         (number of drafts accepted a, emitted tokens = drafts[:a] + [one target token]).
     """
     k = len(drafts)
     if params.greedy:
-        best = logits.argmax(-1).tolist()
+        best = best if best is not None else logits.argmax(-1).tolist()
         a = 0
         while a < k and drafts[a] == best[a]:
             a += 1

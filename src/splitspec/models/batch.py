@@ -19,6 +19,9 @@ class ForwardBatch:
         segments: (start, length) per sequence: ``length`` consecutive tokens at positions start.. .
         slots: per sequence, [start + length] int64 cache rows of its positions 0..start+length−1.
         logits_rows: [R] int64, rows of the flat batch whose logits are wanted (others are skipped).
+        table, write_rows: the padded form (every sequence has the same number n of new tokens; see
+            :meth:`padded`): table [B, S] int64 cache rows of positions 0..S−1 per sequence, write_rows [B·n]
+            the rows the new tokens go to. Shapes then depend only on (B, n, S): CUDA-graph friendly.
     """
 
     input_ids: torch.Tensor
@@ -26,6 +29,8 @@ class ForwardBatch:
     segments: list[tuple[int, int]]
     slots: list[torch.Tensor]
     logits_rows: torch.Tensor
+    table: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(seqs: list[tuple[list[int], int, list[int]]], want: str | list[str] = "last", device="cpu",
@@ -44,6 +49,32 @@ class ForwardBatch:
             t += n
         as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_t(ids), as_t(pos), segs, slots, as_t(rows))
+
+
+def padded(seqs: list[tuple[list[int], int, list[int]]], window: int, device="cpu", block_size: int = BLOCK_SIZE,
+           scratch_row: int = 0, pad_to: int | None = None) -> ForwardBatch:
+    """Padded form of a batch whose sequences all bring n tokens: (blocks, start, tokens) per sequence.
+
+    ``window`` S: key positions visible per sequence (≥ every start + n). ``pad_to``: pad the batch with
+    dummy sequences (token 0 at position 0, writing ``scratch_row``) to this many sequences.
+    Logits are wanted for every row.
+    """
+    n = len(seqs[0][2])
+    B = pad_to or len(seqs)
+    ids = torch.zeros(B, n, dtype=torch.int64)
+    pos = torch.zeros(B, n, dtype=torch.int64)
+    table = torch.full((B, window), scratch_row, dtype=torch.int64)
+    for b, (blocks, start, toks) in enumerate(seqs):
+        if len(toks) != n or start + n > window:
+            raise ValueError(f"padded batch: sequence {b} brings {len(toks)} tokens at {start} (need {n}, window {window})")
+        ids[b] = torch.tensor(toks)
+        pos[b] = torch.arange(start, start + n)
+        rows = slot_mapping(blocks, min(window, len(blocks) * block_size), block_size)
+        table[b, :rows.numel()] = rows
+    write = torch.gather(table, 1, pos).flatten()
+    write[len(seqs) * n:] = scratch_row
+    return ForwardBatch(ids.flatten().to(device), pos.flatten().to(device), [], [], torch.arange(B * n, device=device),
+                        table.to(device), write.to(device))
 
 
 def single_blocks(slot: int, max_seq_len: int, block_size: int = BLOCK_SIZE) -> list[int]:

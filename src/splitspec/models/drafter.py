@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.config import DrafterConfig
-from splitspec.layers import Rotary, TPComm, attend, gated_mlp, rms_norm
+from splitspec.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -111,6 +111,22 @@ class DrafterModel:
         q = self.rotary.apply(q.view(-1, nq, hd), cos, sin)
         k = self.rotary.apply(k.view(-1, nkv, hd), cos, sin)
         v = v.view(-1, nkv, hd)
+        if batch.table is not None:  # padded form: static shapes
+            cache.k[batch.write_rows] = k
+            cache.v[batch.write_rows] = v
+            B, g = batch.table.shape[0], nq // nkv
+            ks = cache.k[batch.table].repeat_interleave(g, dim=2)
+            vs = cache.v[batch.table].repeat_interleave(g, dim=2)
+            out = attend_padded(q.view(B, -1, nq, hd), ks, vs, batch.positions.view(B, -1), hd ** -0.5).reshape(q.shape)
+        else:
+            out = self._attend_segments(q, k, v, batch, cache)
+        h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))
+        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
+        logits = self.comm.all_gather_last(F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float())
+        return logits, h
+
+    def _attend_segments(self, q, k, v, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
+        nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim
         out = torch.empty_like(q)
         t = 0
         for (start, n), rows in zip(batch.segments, batch.slots):
@@ -120,10 +136,7 @@ class DrafterModel:
             vs = cache.v[rows].repeat_interleave(nq // nkv, dim=1)
             out[t:t + n] = attend(q[t:t + n], ks, vs, batch.positions[t:t + n], hd ** -0.5)
             t += n
-        h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))
-        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
-        logits = self.comm.all_gather_last(F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float())
-        return logits, h
+        return out
 
     def propose(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""

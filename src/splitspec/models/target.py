@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
-from splitspec.layers import Rotary, TPComm, attend, rms_norm
+from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -44,6 +44,29 @@ def noaux_tc_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg:
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * cfg.routed_scaling_factor, ids
+
+
+def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Routed experts of this rank as two grouped GEMMs (``torch._grouped_mm``), with no host synchronisation.
+
+    x: [T, H]; local: [T, top_k] expert ids relative to this rank's first expert (outside [0, E_local) = another
+    rank's); weights: [T, top_k] float32; w13: [E_local, 2·I, H]; w2: [E_local, H, I]. Returns [T, H], the
+    weighted sum over this rank's chosen experts. (token, expert) pairs are sorted by expert; each group
+    multiplies only its own expert's weights, so only activated experts are read.
+    """
+    T, K = local.shape
+    E = w13.shape[0]
+    mine = (local >= 0) & (local < E)
+    flat = torch.where(mine, local, E).flatten()  # another rank's pairs sort last, past every group
+    order = flat.argsort(stable=True)
+    offs = torch.bincount(flat, minlength=E + 1)[:E].cumsum(0).to(torch.int32)
+    tok = order // K
+    h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    out = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
+    scale = torch.where(mine.flatten()[order], weights.flatten()[order], 0.0).to(x.dtype)[:, None]
+    out = torch.where(scale != 0, out * scale, 0.0)  # rows past the last group are undefined
+    return torch.zeros_like(x).index_add_(0, tok, out)
 
 
 class TargetKVCache:
@@ -102,6 +125,16 @@ class TargetModel:
         kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w[p + "w_uk"])  # [T, h, kv_lora]
         q_cat = torch.cat((q_lat, q_pe), -1)
+        if batch.table is not None:  # padded form: static shapes
+            cache.c_kv[layer, batch.write_rows] = ckv
+            cache.k_pe[layer, batch.write_rows] = kpe
+            B = batch.table.shape[0]
+            lat = cache.c_kv[layer][batch.table]  # [B, S, kv_lora]
+            k = torch.cat((lat, cache.k_pe[layer][batch.table]), -1)[:, :, None, :]
+            out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, lat[:, :, None, :],
+                                batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], self.local_heads, -1)
+            o = torch.einsum("thc,hvc->thv", out, w[p + "w_uv"]).reshape(x.shape[0], -1)
+            return self.linear(o, p + "o_proj")
         out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
         t = 0
         for (start, n), rows in zip(batch.segments, batch.slots):
@@ -132,6 +165,8 @@ class TargetModel:
         y = self.mlp(x, p + "shared.") if self.cfg.n_shared_experts else torch.zeros_like(x)
         s13, s2 = self.w.get(p + "experts.w13.scale_inv"), self.w.get(p + "experts.w2.scale_inv")
         local = ids - self.expert_start
+        if s13 is None:
+            return y + grouped_experts(x, local, weights, w13, w2)
         for e in torch.unique(local[(local >= 0) & (local < w13.shape[0])]).tolist():
             tok, slot = torch.nonzero(local == e, as_tuple=True)
             out = quant.gated_mlp(x[tok], w13[e], w2[e], None if s13 is None else s13[e], None if s2 is None else s2[e], self.fp8_block)
