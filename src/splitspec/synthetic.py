@@ -108,9 +108,21 @@ def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, devic
 
 
 def write_synthetic_engines(out: Path, num_layers: int, tp_size: int, ep_size: int = 1, dtype: str = "bfloat16",
-                            max_batch_size: int = 16, max_seq_len: int = 2048, max_draft_len: int = 8) -> Path:
-    """Write ``out/target/engine.json`` and ``out/drafter/engine.json`` for Kimi-shaped synthetic engines."""
+                            max_batch_size: int = 16, max_seq_len: int = 2048, max_draft_len: int = 8, tiny: bool = False) -> Path:
+    """Write ``out/target/engine.json`` and ``out/drafter/engine.json`` for Kimi-shaped synthetic engines
+    (``tiny``: the demo pair's shapes in float32 instead, for checking a benchmark on a CPU)."""
     tcfg, dcfg = kimi_k2_target(num_layers), kimi_k2_drafter(num_layers)
+    if tiny:
+        import dataclasses
+
+        tcfg = dataclasses.replace(tcfg, vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                                   num_attention_heads=8, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=96,
+                                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                   rope=dataclasses.replace(tcfg.rope, dim=16))
+        dcfg = dataclasses.replace(dcfg, hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=8,
+                                   head_dim=32, vocab_size=4096, draft_vocab_size=1024, target_hidden_size=256,
+                                   rope=dataclasses.replace(dcfg.rope, dim=32))
+        dtype = "float32"
     mapping = Mapping(tp_size, ep_size)
     mapping.check(tcfg, "synthetic Kimi-K2 target")
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
