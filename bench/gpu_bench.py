@@ -169,7 +169,8 @@ def distinct_experts() -> dict:
     return out
 
 
-def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False) -> dict:
+def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
+                 out: Path | None = None) -> dict:
     from splitspec.runtime import Request, SpeculativeEngine
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
 
@@ -206,6 +207,9 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
                            "acceptance_length": emitted / B, "synthetic_acceptance": True, "n": len(steady)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    RESULTS.setdefault("partial_rows", []).append(row)
+                    if out:
+                        save(out)
         del eng
         import gc
 
@@ -248,7 +252,7 @@ def main() -> None:
     for tp in [int(x) for x in a.tp.split(",") if int(x) <= ngpu]:
         for m in [int(x) for x in a.moe_layers.split(",")]:
             section(f"engine_tp{tp}_moe{m}", out)(engine_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run)
+                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out)
             torch.cuda.empty_cache()
     print("done", flush=True)
 
