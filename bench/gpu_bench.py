@@ -170,14 +170,16 @@ def distinct_experts() -> dict:
 
 
 def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
-                 out: Path | None = None) -> dict:
+                 out: Path | None = None, placements: list[int] | None = None) -> dict:
     from splitspec.runtime import Request, SpeculativeEngine
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
 
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
                                       max_batch_size=max(batches), max_seq_len=1024, tiny=dry_run)
     rows = []
-    for dtp in sorted({1, tp}):
+    for dtp in placements or sorted({1, tp}):
+        if dtp not in (1, tp):
+            continue
         t0 = time.time()
         with SpeculativeEngine.load(eng_dir, target_device_ids=None if dry_run else list(range(tp)), draft_tp=dtp, max_batch_size=max(batches),
                                     kv_tokens=max(batches) * 1024, synthetic_acceptance=KIMI_DRAFTER_PROFILE) as eng:
@@ -227,6 +229,8 @@ def main() -> None:
     ap.add_argument("-k", default="0,1,2,3,4,5")
     ap.add_argument("--cycles", type=int, default=12)
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--placements", default="1,N", help="draft_tp values to sweep: 1 and/or N (the target's TP size)")
+    ap.add_argument("--hang-dump-s", type=float, default=0, help="print every thread's stack if still running after this many s")
     ap.add_argument("--dry-run", action="store_true", help="CPU, demo-sized synthetic engines: checks the script, measures nothing useful")
     a = ap.parse_args()
     out = Path(a.out)
@@ -249,10 +253,15 @@ def main() -> None:
         section("allreduce", out)(allreduce)(ngpu)
     if "experts" not in skip:
         section("distinct_experts", out)(distinct_experts)()
+    if a.hang_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(a.hang_dump_s, exit=True)
     for tp in [int(x) for x in a.tp.split(",") if int(x) <= ngpu]:
+        placements = [tp if x == "N" else int(x) for x in a.placements.split(",")]
         for m in [int(x) for x in a.moe_layers.split(",")]:
             section(f"engine_tp{tp}_moe{m}", out)(engine_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out)
+                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out, placements)
             torch.cuda.empty_cache()
     print("done", flush=True)
 
