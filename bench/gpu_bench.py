@@ -242,7 +242,6 @@ def main() -> None:
     if a.dry_run:
         os.environ["SPLITSPEC_PADDED"] = "1"
         skip |= {"correctness", "bandwidth", "allreduce", "experts"}
-    skip = set(a.skip.split(","))
     save(out)
     tmp = Path(tempfile.mkdtemp())
     if "correctness" not in skip:
