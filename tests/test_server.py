@@ -193,8 +193,8 @@ def test_ready(server):
 @pytest.mark.server
 def test_http_grpc_and_in_process_agree(server, reference):
     text, acc = reference["raw"]
-    h = ask_http(server.generate_url, PROMPT, MAX_TOKENS)
-    g = ask_grpc(server.grpc_address, PROMPT, MAX_TOKENS)
+    h = ask_http(server.generate_url, PROMPT, MAX_TOKENS, return_stats=True)
+    g = ask_grpc(server.grpc_address, PROMPT, MAX_TOKENS, return_stats=True)
     assert h["text_output"] == g["text_output"] == text
     assert float(h["acceptance_length"]) == pytest.approx(acc, rel=1e-6)
     assert g["acceptance_length"] == pytest.approx(acc, rel=1e-6)
@@ -233,7 +233,9 @@ def test_values_survive_the_stub_round_trip(server, reference):
     ({"max_tokens": 8}, 400, "text_input"),
     ({"text_input": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
     ({"text_input": PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
-    ({"text_input": PROMPT, "max_tokens": 8, "temperature": 0.7}, 400, "temperature must be 0 (greedy)"),
+    ({"text_input": PROMPT, "max_tokens": 8, "temperature": -0.7}, 400, "temperature = -0.7"),
+    ({"text_input": PROMPT, "max_tokens": 8, "top_p": 1.5}, 400, "top_p = 1.5"),
+    ({"text_input": PROMPT, "max_tokens": 8, "bogus": 1}, 400, "unknown parameter 'bogus'"),
     ({"text_input": "", "max_tokens": 8}, 400, "text_input"),
     ({"text_input": PROMPT, "max_tokens": 8, "num_draft_tokens": 999}, 400, "num_draft_tokens"),
     ({"text_input": "x" * 20000, "max_tokens": 8}, 400, "max_seq_len"),
@@ -249,8 +251,8 @@ def test_bad_request_gets_an_error_and_server_keeps_serving(server, reference, b
 
 @pytest.mark.server
 def test_grpc_bad_request_gets_an_error(server, reference):
-    with pytest.raises(SplitspecError, match=r"temperature must be 0 \(greedy\)"):
-        ask_grpc(server.grpc_address, PROMPT, 8, temperature=0.7)
+    with pytest.raises(SplitspecError, match=r"temperature = -0\.7"):
+        ask_grpc(server.grpc_address, PROMPT, 8, temperature=-0.7)
     assert ask_grpc(server.grpc_address, PROMPT, MAX_TOKENS)["text_output"] == reference["raw"][0]
 
 

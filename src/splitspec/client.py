@@ -1,18 +1,26 @@
-"""Clients for the served ensemble: HTTP ``/v2/models/ensemble/generate`` and gRPC (tritonclient).
+"""Clients for the served ensemble: HTTP ``generate`` / ``generate_stream`` and gRPC streaming (tritonclient).
 
-The ensemble contains a decoupled model (``spec_decode``), so Triton treats the ensemble as
-decoupled: the unary gRPC ``ModelInfer`` call is refused ("doesn't support models with decoupled
-transaction policy") and gRPC requests go over the bidirectional stream instead
-(``start_stream`` / ``async_stream_infer``), reading responses until the one flagged final.
-HTTP ``generate`` accepts a decoupled model as long as it sends exactly one response, which
-``spec_decode`` does in this version.
+Request inputs follow the conventions of LLM deployments on Triton (:data:`INPUTS`): ``text_input``,
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stream``,
+``num_draft_tokens``, ``return_token_ids``, ``return_stats``, ``apply_chat_template``. Responses carry
+``text_output`` — with ``stream`` true, the text each engine cycle adds — and, when asked for,
+``output_ids`` and the speculation statistics (``acceptance_length``, ``accepted_per_position``,
+``num_output_tokens``, engine times in ms) in the final response, with its ``finish_reason``.
+
+The ensemble contains a decoupled model (``spec_decode``), so Triton treats it as decoupled: gRPC's
+unary ``ModelInfer`` is refused and requests go over the bidirectional stream
+(``start_stream`` / ``async_stream_infer``); HTTP ``generate`` needs exactly one response (``stream``
+false, the default), HTTP ``generate_stream`` (server-sent events) takes either.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import queue
+import sys
 import time
+from typing import Iterator
 
 import requests
 
@@ -22,6 +30,26 @@ from splitspec.errors import ConfigError, SplitspecError
 _CLOSE = {"Connection": "close"}
 #: Default server address per protocol (``splitspec serve`` defaults).
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
+#: The ensemble's inputs: name -> (numpy dtype name, Triton datatype, is a list).
+INPUTS = {
+    "text_input": ("object", "BYTES", False),
+    "max_tokens": ("int32", "INT32", False),
+    "temperature": ("float32", "FP32", False),
+    "top_p": ("float32", "FP32", False),
+    "top_k": ("int32", "INT32", False),
+    "seed": ("uint64", "UINT64", False),
+    "stop": ("object", "BYTES", True),
+    "stream": ("bool", "BOOL", False),
+    "num_draft_tokens": ("int32", "INT32", False),
+    "return_token_ids": ("bool", "BOOL", False),
+    "return_stats": ("bool", "BOOL", False),
+    "apply_chat_template": ("bool", "BOOL", False),
+}
+#: Outputs whose value is a list (the others are single values).
+LIST_OUTPUTS = ("output_ids", "accepted_per_position")
+#: Outputs of the ensemble.
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "acceptance_length", "accepted_per_position",
+           "num_input_tokens", "num_output_tokens", "queue_ms", "ttft_ms", "e2e_ms", "draft_ms", "verify_ms")
 
 
 def _http_base(url: str) -> str:
@@ -31,135 +59,235 @@ def _http_base(url: str) -> str:
     return url if url.startswith(("http://", "https://")) else f"http://{url}"
 
 
-def ask_http(generate_url: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0,
-             **params) -> dict:
-    """POST ``{"text_input": prompt, "max_tokens": max_tokens, **params}`` to a generate URL.
+def request_body(prompt: str, max_tokens: int, **params) -> dict:
+    """The JSON body of a generate request (``None`` values are left out)."""
+    return {"text_input": prompt, "max_tokens": max_tokens, **{k: v for k, v in params.items() if v is not None}}
 
-    Args:
-        generate_url: e.g. ``http://127.0.0.1:8000/v2/models/ensemble/generate``.
-        params: further ensemble inputs (``temperature``, ``num_draft_tokens``, ``apply_chat_template``).
-        timeout_s: seconds to wait for the answer.
-    Returns:
-        the JSON answer (``text_output``, ``acceptance_length``, ``model_name`` ...).
-    Raises:
-        SplitspecError: the server answered with an error (its message is included) or is unreachable.
-    """
-    body = {"text_input": prompt, "max_tokens": max_tokens, **params}
-    try:
-        with requests.Session() as s:
-            s.trust_env = False  # localhost: never through a proxy
-            r = s.post(generate_url, json=body, timeout=timeout_s, headers=_CLOSE)
-    except requests.RequestException as e:
-        raise SplitspecError(f"{generate_url}: request failed ({e})") from None
+
+def normalize(answer: dict) -> dict:
+    """Make list outputs lists: HTTP generate renders a one-element tensor as a bare value."""
+    for k in LIST_OUTPUTS:
+        if k in answer and not isinstance(answer[k], list):
+            answer[k] = [answer[k]]
+    return answer
+
+
+def merge(events) -> dict:
+    """Fold a stream's responses into one: ``text_output`` and ``output_ids`` concatenated, every
+    other output taken from the last response that carries it; ``num_responses`` counts the responses
+    that carried text or ids."""
+    out: dict = {"text_output": "", "num_responses": 0}
+    for ev in events:
+        if "text_output" in ev or "output_ids" in ev:
+            out["num_responses"] += 1
+        for k, v in ev.items():
+            if k == "text_output":
+                out[k] += v
+            elif k == "output_ids":
+                out.setdefault(k, []).extend(v)
+            else:
+                out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------
+
+
+def _raise_http(url: str, r: requests.Response) -> None:
     try:
         data = r.json()
     except ValueError:
         data = {"error": r.text}
-    if r.status_code != 200 or "error" in data:
-        msg = data.get("error", data) if isinstance(data, dict) else data
-        raise SplitspecError(f"{generate_url}: HTTP {r.status_code}: {msg}")
-    return data
+    msg = data.get("error", data) if isinstance(data, dict) else data
+    raise SplitspecError(f"{url}: HTTP {r.status_code}: {msg}")
 
 
-def ask_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0,
-             model: str = "ensemble", temperature: float | None = None,
-             num_draft_tokens: int | None = None, apply_chat_template: bool | None = None) -> dict:
-    """Send one request to ``model`` over a gRPC stream (tritonclient) and return its outputs.
+def ask_http(generate_url: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0, **params) -> dict:
+    """POST one (non-streaming) request to a ``generate`` URL and return its JSON answer.
 
     Args:
-        address: ``host:port`` of the gRPC endpoint.
-        timeout_s: seconds to wait for the final response.
+        generate_url: e.g. ``http://127.0.0.1:8000/v2/models/ensemble/generate``.
+        params: further inputs (see :data:`INPUTS`); ``None`` values are left out.
+        timeout_s: seconds to wait for the answer.
     Returns:
-        ``{"text_output": str, "acceptance_length": float}`` (from the last response holding data).
+        the JSON answer (``text_output``, ``finish_reason``, and what ``return_*`` asked for).
     Raises:
-        SplitspecError: the server answered with an error, is unreachable, or timed out.
+        SplitspecError: the server answered with an error (its message is included) or is unreachable.
+    """
+    try:
+        with requests.Session() as s:
+            s.trust_env = False  # localhost: never through a proxy
+            r = s.post(generate_url, json=request_body(prompt, max_tokens, **params), timeout=timeout_s, headers=_CLOSE)
+    except requests.RequestException as e:
+        raise SplitspecError(f"{generate_url}: request failed ({e})") from None
+    if r.status_code != 200:
+        _raise_http(generate_url, r)
+    data = r.json()
+    if "error" in data:
+        raise SplitspecError(f"{generate_url}: {data['error']}")
+    return normalize(data)
+
+
+def stream_http(generate_stream_url: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0,
+                **params) -> Iterator[dict]:
+    """POST a request to a ``generate_stream`` URL (``stream`` defaults to true) and yield each
+    server-sent event's JSON object as it arrives. Closing the generator early drops the connection,
+    which cancels the request on the server.
+
+    Args:
+        timeout_s: seconds to wait for the connection and between two events.
+    Raises:
+        SplitspecError: the server answered with an error (also in the middle of a stream) or is unreachable.
+    """
+    params.setdefault("stream", True)
+    s = requests.Session()
+    s.trust_env = False
+    try:
+        try:
+            r = s.post(generate_stream_url, json=request_body(prompt, max_tokens, **params), timeout=timeout_s,
+                       headers=_CLOSE, stream=True)
+        except requests.RequestException as e:
+            raise SplitspecError(f"{generate_stream_url}: request failed ({e})") from None
+        with r:
+            if r.status_code != 200:
+                _raise_http(generate_stream_url, r)
+            try:
+                for line in r.iter_lines(chunk_size=None, decode_unicode=False):
+                    if not line.startswith(b"data:"):
+                        continue
+                    ev = json.loads(line[5:].decode("utf-8"))
+                    if "error" in ev:
+                        raise SplitspecError(f"{generate_stream_url}: {ev['error']}")
+                    yield normalize(ev)
+            except requests.RequestException as e:
+                raise SplitspecError(f"{generate_stream_url}: stream broken ({e})") from None
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC
+# --------------------------------------------------------------------------------------------
+
+
+def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
+    """tritonclient.grpc ``InferInput`` list for a request (``None`` values are left out).
+
+    Raises:
+        ConfigError: an input name the ensemble does not have.
     """
     import numpy as np
     import tritonclient.grpc as grpcclient
+
+    out = []
+    for name, value in request_body(prompt, max_tokens, **params).items():
+        if name not in INPUTS:
+            raise ConfigError(f"{name}: not an input of the ensemble (inputs: {', '.join(INPUTS)})")
+        dtype, ttype, is_list = INPUTS[name]
+        values = list(value) if is_list else [value]
+        if dtype == "object":
+            values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+        arr = np.array(values, dtype=dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), ttype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def _result_dict(result) -> dict:
+    """A gRPC response's outputs as Python values (strings decoded, lists for list outputs)."""
+    out = {}
+    for o in result.get_response().outputs:
+        a = result.as_numpy(o.name)
+        if a is None:
+            continue
+        vals = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in a.reshape(-1)]
+        out[o.name] = vals if o.name in LIST_OUTPUTS else (vals[0] if vals else None)
+    return out
+
+
+def stream_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0,
+                model: str = "ensemble", **params) -> Iterator[dict]:
+    """Send one request over a gRPC stream (tritonclient) and yield each response's outputs until
+    the final one. ``stream`` defaults to true. Closing the generator early cancels the request.
+
+    Args:
+        address: ``host:port`` of the gRPC endpoint.
+        timeout_s: seconds to wait for the next response.
+    Raises:
+        SplitspecError: the server answered with an error, is unreachable, or timed out.
+    """
+    import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    def tensor(name, value, dtype, triton_type):
-        t = grpcclient.InferInput(name, [1], triton_type)
-        t.set_data_from_numpy(np.array([value], dtype=dtype))
-        return t
-
-    inputs = [tensor("text_input", prompt.encode("utf-8"), np.object_, "BYTES"),
-              tensor("max_tokens", max_tokens, np.int32, "INT32")]
-    if temperature is not None:
-        inputs.append(tensor("temperature", temperature, np.float32, "FP32"))
-    if num_draft_tokens is not None:
-        inputs.append(tensor("num_draft_tokens", num_draft_tokens, np.int32, "INT32"))
-    if apply_chat_template is not None:
-        inputs.append(tensor("apply_chat_template", bool(apply_chat_template), np.bool_, "BOOL"))
-    outputs = [grpcclient.InferRequestedOutput("text_output"), grpcclient.InferRequestedOutput("acceptance_length")]
-
+    params.setdefault("stream", True)
+    inputs = grpc_inputs(prompt, max_tokens, **params)
     answers: queue.Queue = queue.Queue()
-    answer: dict = {}
-    def stream_error() -> str | None:
-        """The error the stream callback reported, if any (tritonclient puts the detail there)."""
-        while not answers.empty():
-            _, error = answers.get_nowait()
-            if error is not None:
-                return error.message() if hasattr(error, "message") else str(error)
-        return None
+
+    def message(error) -> str:
+        return error.message() if hasattr(error, "message") else str(error)
 
     try:
         client = grpcclient.InferenceServerClient(address)
     except InferenceServerException as e:
         raise SplitspecError(f"grpc {address}: {e.message()}") from None
+    finished = False
     try:
-        live = client.is_server_live(client_timeout=min(10.0, timeout_s))
-    except InferenceServerException as e:
-        client.close()
-        raise SplitspecError(f"grpc {address}: cannot reach the server ({e.message()})") from None
-    if not live:
-        client.close()
-        raise SplitspecError(f"grpc {address}: the server is not live")
-    try:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)))
         try:
-            client.async_stream_infer(model, inputs, outputs=outputs, enable_empty_final_response=True)
+            client.start_stream(callback=lambda result, error: answers.put((result, error)))
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         except InferenceServerException as e:
-            raise SplitspecError(f"grpc {address}: {stream_error() or e.message()}") from None
-        deadline = time.monotonic() + timeout_s
+            raise SplitspecError(f"grpc {address}: cannot send the request ({e.message()})") from None
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SplitspecError(f"grpc {address}: no final response within {timeout_s:.0f} s")
             try:
-                result, error = answers.get(timeout=left)
+                result, error = answers.get(timeout=timeout_s)
             except queue.Empty:
-                continue
+                raise SplitspecError(f"grpc {address}: no response within {timeout_s:.0f} s") from None
             if error is not None:
-                msg = error.message() if hasattr(error, "message") else str(error)
-                raise SplitspecError(f"grpc {address}: {msg}")
-            text = result.as_numpy("text_output")
-            if text is not None:
-                out = text.reshape(-1)[0]
-                answer["text_output"] = out.decode("utf-8") if isinstance(out, bytes) else str(out)
-                answer["acceptance_length"] = float(result.as_numpy("acceptance_length").reshape(-1)[0])
-            params = result.get_response().parameters
-            if "triton_final_response" in params and params["triton_final_response"].bool_param:
-                break
-    except InferenceServerException as e:
-        raise SplitspecError(f"grpc {address}: {stream_error() or e.message()}") from None
+                finished = True
+                raise SplitspecError(f"grpc {address}: {message(error)}")
+            ev = _result_dict(result)
+            params_ = result.get_response().parameters
+            final = "triton_final_response" in params_ and params_["triton_final_response"].bool_param
+            if ev:
+                yield ev
+            if final:
+                finished = True
+                return
     finally:
         try:
-            client.stop_stream()
-        finally:
-            client.close()
-    if "text_output" not in answer:
-        raise SplitspecError(f"grpc {address}: the final response carried no text_output")
-    return answer
+            client.stop_stream(cancel_requests=not finished)
+        except Exception:
+            pass
+        client.close()
+
+
+def ask_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0,
+             model: str = "ensemble", **params) -> dict:
+    """One request over gRPC, its responses folded by :func:`merge` (``stream`` defaults to false).
+
+    Raises:
+        SplitspecError: the server answered with an error, is unreachable, or timed out.
+    """
+    params.setdefault("stream", False)
+    return merge(stream_grpc(address, prompt, max_tokens, timeout_s, model, **params))
+
+
+# --------------------------------------------------------------------------------------------
+# splitspec client
+# --------------------------------------------------------------------------------------------
 
 
 def main(args: argparse.Namespace) -> None:
-    """``splitspec client``: send ``args.prompt`` to a running server and print the answer.
+    """``splitspec client``: send ``args.prompt`` to a running server and print the answer as it streams.
 
     Uses ``args.url`` (``host:port``; the HTTP port for http, the gRPC port for grpc; None:
-    127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc),
-    ``args.protocol`` (``http`` or ``grpc``), ``args.max_tokens``, and when present
-    ``args.chat`` (apply the chat template) and ``args.num_draft_tokens``.
+    127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc), ``args.protocol`` (``http`` or ``grpc``),
+    ``args.max_tokens``, ``args.stream``, and when present ``args.chat``, ``args.num_draft_tokens``,
+    ``args.temperature``, ``args.top_p``, ``args.top_k``, ``args.seed``, ``args.stop``. Ends with one
+    line of statistics: time to first text, output tokens per second, acceptance length.
 
     Raises:
         ConfigError: a bad argument (the message names it).
@@ -167,24 +295,46 @@ def main(args: argparse.Namespace) -> None:
     """
     if not 1 <= args.max_tokens <= 4096:
         raise ConfigError(f"--max-tokens = {args.max_tokens}: expected 1..4096")
-    extra: dict = {}
-    if getattr(args, "chat", False):
-        extra["apply_chat_template"] = True
-    if getattr(args, "num_draft_tokens", None) is not None:
-        extra["num_draft_tokens"] = args.num_draft_tokens
+    params: dict = {"return_stats": True}
+    for name, key in (("chat", "apply_chat_template"), ("num_draft_tokens", "num_draft_tokens"),
+                      ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
+        v = getattr(args, name, None)
+        if v not in (None, False):
+            params[key] = v
+    if getattr(args, "stop", None):
+        params["stop"] = list(args.stop)
+    stream = getattr(args, "stream", True)
+    params["stream"] = stream
     url = args.url or DEFAULT_URLS.get(args.protocol, "")
-    t0 = time.monotonic()
     if args.protocol == "http":
-        url = f"{_http_base(url)}/v2/models/ensemble/generate"
-        answer = ask_http(url, args.prompt, max_tokens=args.max_tokens, **extra)
+        base = f"{_http_base(url)}/v2/models/ensemble"
+        events = stream_http(f"{base}/generate_stream", args.prompt, args.max_tokens, **params)
     elif args.protocol == "grpc":
-        address = url.split("://", 1)[-1].rstrip("/")
-        answer = ask_grpc(address, args.prompt, max_tokens=args.max_tokens, **extra)
+        events = stream_grpc(url.split("://", 1)[-1].rstrip("/"), args.prompt, args.max_tokens, **params)
     else:
         raise ConfigError(f"--protocol = {args.protocol!r}: expected http or grpc")
-    ms = (time.monotonic() - t0) * 1000
-    print(answer["text_output"])
-    acc = answer.get("acceptance_length")
-    if isinstance(acc, list):
-        acc = acc[0]
-    print(f"[{args.protocol} {ms:.0f} ms, acceptance length {float(acc):.2f}]", flush=True)
+    t0 = time.monotonic()
+    first = None
+    seen = []
+    for ev in events:
+        seen.append(ev)
+        text = ev.get("text_output", "")
+        if text:
+            if first is None:
+                first = time.monotonic() - t0
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    total = time.monotonic() - t0
+    ans = merge(seen)
+    n = ans.get("num_output_tokens")
+    acc = ans.get("acceptance_length")
+    parts = [f"{args.protocol}{' stream' if stream else ''}", f"{total * 1000:.0f} ms"]
+    if first is not None:
+        parts.append(f"first text after {first * 1000:.0f} ms")
+    if n:
+        parts.append(f"{n} tokens, {n / total:.1f} tokens/s")
+    if acc is not None:
+        parts.append(f"acceptance length {float(acc):.2f}")
+    if ans.get("finish_reason"):
+        parts.append(f"finish {ans['finish_reason']}")
+    print(f"\n[{', '.join(parts)}]", flush=True)

@@ -6,7 +6,8 @@ both are in ``site-packages/nvidia_pytriton.libs`` under hashed names, so
 :func:`perf_lib_dir` links them under their plain names in ``.cache/perf_libs/`` and that folder
 goes on ``LD_LIBRARY_PATH``.
 
-The ensemble contains a decoupled model, so perf_analyzer talks gRPC with ``--streaming``.
+The ensemble contains a decoupled model, so perf_analyzer talks gRPC with ``--streaming``; the
+requests set ``stream`` (one response per engine cycle).
 Measurement is bounded: three windows of about ``seconds / 3`` each (``--max-trials 3`` and a
 stability threshold that accepts the first three windows), each stretched until a few requests
 completed; a subprocess timeout bounds the whole run.
@@ -119,8 +120,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_input_data(path: Path) -> Path:
-    """Write perf_analyzer's ``--input-data`` JSON (one entry per prompt of :data:`PERF_PROMPTS`)."""
-    data = {"data": [{"text_input": [prompt], "max_tokens": [PERF_MAX_TOKENS], "apply_chat_template": [chat]}
+    """Write perf_analyzer's ``--input-data`` JSON (one entry per prompt of :data:`PERF_PROMPTS`).
+
+    Requests stream (``stream`` true: one response per engine cycle), as an interactive client would;
+    perf_analyzer's latency is then the time to the final response.
+    """
+    data = {"data": [{"text_input": [prompt], "max_tokens": [PERF_MAX_TOKENS], "apply_chat_template": [chat],
+                      "stream": [True]}
                      for prompt, chat in PERF_PROMPTS]}
     _write_atomic(path, json.dumps(data, indent=2) + "\n")
     return path

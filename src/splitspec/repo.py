@@ -92,8 +92,18 @@ def _find_int(d: dict, *keys: str) -> int | None:
     return None
 
 
+def _optional_positive(value: int | None, what: str) -> str:
+    """'' for None, else the integer as text; ConfigError naming ``what`` unless it is an int ≥ 1."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} = {value!r}: expected an integer >= 1 (or nothing for the engine's default)")
+    return str(value)
+
+
 def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, target_device_ids: str = "",
-                draft_device_id: str = "", draft_tp: int = 1) -> Path:
+                draft_device_id: str = "", draft_tp: int = 1, max_batch_size: int | None = None,
+                kv_tokens: int | None = None, synthetic_acceptance: list[float] | None = None) -> Path:
     """Write the model repository for the engines in ``engines_dir`` to ``out_dir``.
 
     Args:
@@ -105,6 +115,13 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
         target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
         draft_device_id: GPU id of the TP1 drafter; empty: target rank 0's device.
         draft_tp: drafter tensor-parallel size (1, or the target's TP size).
+        max_batch_size: sequences ``spec_decode`` decodes together (continuous batching);
+            None: the engine's ``max_batch_size``.
+        kv_tokens: KV-cache budget in tokens shared by all sequences; None: the engine's
+            ``max_batch_size`` × ``max_seq_len``.
+        synthetic_acceptance: BENCHMARK ONLY — per-position probabilities with which a draft token
+            is accepted regardless of its value; served outputs are then NOT the target's (the
+            engine labels them synthetic and the model logs a warning). None: real verification.
     Returns:
         ``out_dir`` resolved.
     Raises:
@@ -144,6 +161,17 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
         raise ConfigError("draft_device_id applies to a TP1 drafter only; with draft_tp > 1 the drafter "
                           "runs on target_device_ids")
 
+    synthetic_value = ""
+    if synthetic_acceptance is not None:
+        probs = list(synthetic_acceptance)
+        if not probs or any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0
+                            for p in probs):
+            raise ConfigError(f"synthetic_acceptance = {synthetic_acceptance!r}: expected a non-empty list of "
+                              "probabilities in [0, 1]")
+        synthetic_value = ",".join(repr(float(p)) for p in probs)
+    batch_value = _optional_positive(max_batch_size, "max_batch_size")
+    kv_value = _optional_positive(kv_tokens, "kv_tokens")
+
     values = {
         "engines_dir": str(engines_dir),
         "tokenizer_dir": str(engines_dir / "target"),
@@ -152,6 +180,9 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
         "draft_device_id": ",".join(map(str, drf_ids)),
         "draft_tp": str(draft_tp),
         "max_tokens_limit": str(MAX_TOKENS_LIMIT),
+        "max_batch_size": batch_value,
+        "kv_tokens": kv_value,
+        "synthetic_acceptance": synthetic_value,
     }
     for k, v in values.items():
         if '"' in v or "\\" in v or "\n" in v:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import requests
 
-from splitspec.client import ask_grpc, ask_http
+from splitspec.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.errors import ConfigError, SplitspecError
 
 #: Folder (under the model repository) holding the assembled backend folder(s) and server logs.
@@ -290,6 +290,15 @@ class TritonServer:
         return f"{self.http_url}/v2/models/ensemble/generate"
 
     @property
+    def generate_stream_url(self) -> str:
+        """HTTP generate_stream endpoint of the ensemble (server-sent events)."""
+        return f"{self.http_url}/v2/models/ensemble/generate_stream"
+
+    def model_url(self, model: str = "ensemble") -> str:
+        """``http://127.0.0.1:<http_port>/v2/models/<model>`` (append ``/ready``, ``/stats``, ``/config``)."""
+        return f"{self.http_url}/v2/models/{model}"
+
+    @property
     def grpc_address(self) -> str:
         """``127.0.0.1:<grpc_port>`` (tritonclient.grpc ``url``)."""
         return f"{LOCALHOST}:{self.grpc_port}"
@@ -425,8 +434,9 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
                   ask: str | None = None, max_tokens: int = 64) -> None:
     """Start tritonserver on ``repo`` and print its endpoints; serve until Ctrl-C.
 
-    With ``ask``, send that prompt over HTTP generate and over gRPC, print both answers and the
-    acceptance length, then stop the server and return (``make demo``).
+    With ``ask``, send that prompt over HTTP generate, HTTP generate_stream and gRPC streaming, print
+    the three answers (they must be equal) and the acceptance length, then stop the server and
+    return (``make demo``).
 
     Raises:
         ConfigError: the repository is not rendered or a port is taken.
@@ -440,25 +450,40 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         print("interrupted; tritonserver stopped", flush=True)
 
 
+def print_endpoints(srv: TritonServer) -> None:
+    """Print the server's endpoints and a curl example."""
+    print(f"  HTTP generate        : {srv.generate_url}", flush=True)
+    print(f"  HTTP generate_stream : {srv.generate_stream_url}  (server-sent events)", flush=True)
+    print(f"  gRPC                 : {srv.grpc_address}  (model 'ensemble', streaming: stream_infer)", flush=True)
+    print(f"  metrics (Prometheus) : {srv.metrics_url}", flush=True)
+    print(f"  readiness            : {srv.model_url('spec_decode')}/ready", flush=True)
+    print(f"  per-model statistics : {srv.model_url('ensemble')}/stats", flush=True)
+    print(f"  try: curl -N -X POST {srv.generate_stream_url} "
+          """-d '{"text_input": "def fibonacci(n):", "max_tokens": 32, "stream": true}'""", flush=True)
+
+
 def _serve(srv: TritonServer, ask: str | None, max_tokens: int) -> None:
     with srv:
         print(f"ready after {srv.startup_s:.1f} s", flush=True)
-        print(f"  HTTP generate : {srv.generate_url}", flush=True)
-        print(f"  gRPC          : {srv.grpc_address}  (model 'ensemble')", flush=True)
-        print(f"  metrics       : {srv.metrics_url}", flush=True)
+        print_endpoints(srv)
         if ask is not None:
             t = time.monotonic()
-            h = ask_http(srv.generate_url, ask, max_tokens=max_tokens)
+            h = ask_http(srv.generate_url, ask, max_tokens=max_tokens, return_stats=True)
             t_http = time.monotonic() - t
             t = time.monotonic()
-            g = ask_grpc(srv.grpc_address, ask, max_tokens=max_tokens)
+            s = merge(stream_http(srv.generate_stream_url, ask, max_tokens=max_tokens))
+            t_stream = time.monotonic() - t
+            t = time.monotonic()
+            g = ask_grpc(srv.grpc_address, ask, max_tokens=max_tokens, stream=True)
             t_grpc = time.monotonic() - t
             print(f"prompt: {ask!r}")
             print(f"HTTP answer ({t_http * 1000:.0f} ms): {json.dumps(h['text_output'])}")
-            print(f"gRPC answer ({t_grpc * 1000:.0f} ms): {json.dumps(g['text_output'])}")
+            print(f"HTTP stream ({t_stream * 1000:.0f} ms, {s['num_responses']} responses): "
+                  f"{json.dumps(s['text_output'])}")
+            print(f"gRPC stream ({t_grpc * 1000:.0f} ms, {g['num_responses']} responses): {json.dumps(g['text_output'])}")
             print(f"acceptance length: {float(h['acceptance_length']):.2f} tokens per target forward")
-            if h["text_output"] != g["text_output"]:
-                raise SplitspecError("HTTP and gRPC answers differ for the same greedy request")
+            if not h["text_output"] == s["text_output"] == g["text_output"]:
+                raise SplitspecError("HTTP, HTTP-stream and gRPC-stream answers differ for the same greedy request")
             return
         print("serving; Ctrl-C stops the server", flush=True)
         try:

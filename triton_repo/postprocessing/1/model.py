@@ -1,9 +1,19 @@
-"""Triton Python model ``postprocessing``: generated token ids → text.
+"""Triton Python model ``postprocessing``: spec_decode's output → ``text_output``.
 
-Input: ``output_ids`` (int32 [-1], generated tokens only). Output: ``text_output``
-(string [1], UTF-8, special tokens skipped). Ids outside the vocabulary get an error response.
+Inputs (all optional, at least one of the first two): ``text`` (string [1]: the UTF-8 text
+spec_decode produced — one cycle's delta when streaming; it is already detokenised with
+incremental, stop-aware decoding, so it passes through unchanged), ``output_ids`` (int32 [-1]:
+token ids to detokenise when no text is given, special tokens skipped; for direct use),
+``stream_id`` (int64 [1]: spec_decode's id of the request). Output: ``text_output`` (string [1]).
+
+Cancellation: when a client cancels an ensemble stream (gRPC cancel, or an HTTP
+``generate_stream`` connection closed), Triton 2.51 marks the ensemble's *next* step requests
+cancelled but not the spec_decode step already running. This model sees the cancelled request
+first, so it tells spec_decode (a BLS request with ``cancel_stream_id``), which frees the
+sequence's slot and KV blocks at its next cycle. Each stream is forwarded once.
 """
 
+import collections
 import json
 import traceback
 from pathlib import Path
@@ -14,43 +24,85 @@ import triton_python_backend_utils as pb_utils
 from splitspec.errors import SplitspecError
 from splitspec.tokenizer import ChatTokenizer
 
+#: How many recently cancelled stream ids are remembered (so each is forwarded once).
+RECENT_CANCELLED = 1024
 
-def _error_response(message):
-    """An InferenceResponse carrying ``message`` as an INVALID_ARG error (HTTP 400)."""
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+
+def _error_response(message, code="INVALID_ARG"):
+    """An InferenceResponse carrying ``message`` as a Triton error (INVALID_ARG → HTTP 400)."""
+    c = getattr(pb_utils.TritonError, code, None)
+    err = pb_utils.TritonError(message, c) if c is not None else pb_utils.TritonError(message)
     return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
 class TritonPythonModel:
-    """Detokenises generated ids (one response per request)."""
+    """Produces text_output (one response per request) and forwards cancellations."""
 
     def initialize(self, args):
         """Load the tokenizer named by the config parameter tokenizer_dir; raises to fail the model load."""
         cfg = json.loads(args["model_config"])
-        tok_dir = cfg.get("parameters", {}).get("tokenizer_dir", {}).get("string_value", "")
+        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:
             raise SplitspecError("postprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
         self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir))
+        self.cancel_model = params.get("cancel_model", "spec_decode") or "spec_decode"
+        self.cancelled = collections.OrderedDict()
 
     def execute(self, requests):
         """Answer every request (an error response for a bad one); never raises."""
         responses = []
         for request in requests:
             try:
-                t = pb_utils.get_input_tensor_by_name(request, "output_ids")
-                if t is None:
-                    raise SplitspecError("output_ids: missing")
-                ids = t.as_numpy().reshape(-1).tolist()
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                out = pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
-                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+                if request.is_cancelled():
+                    # answered normally all the same: an error response here leaves the cancelled
+                    # ensemble request waiting forever for spec_decode's last response (Triton 2.51),
+                    # which blocks unloading the models
+                    self._forward_cancel(request)
+                responses.append(self._execute_one(request))
             except SplitspecError as e:
                 responses.append(_error_response(f"postprocessing: {e}"))
             except Exception as e:  # never let a request take the model down
                 pb_utils.Logger.log_error(f"postprocessing: {traceback.format_exc()}")
-                responses.append(_error_response(f"postprocessing: internal error: {type(e).__name__}: {e}"))
+                responses.append(_error_response(f"postprocessing: internal error: {type(e).__name__}: {e}", "INTERNAL"))
         return responses
+
+    def _execute_one(self, request):
+        t = pb_utils.get_input_tensor_by_name(request, "text")
+        if t is not None:
+            a = t.as_numpy().reshape(-1)
+            if a.size != 1:
+                raise SplitspecError(f"text: expected one string, got {a.size}")
+            text = a[0] if isinstance(a[0], bytes) else str(a[0]).encode("utf-8")
+        else:
+            ids_t = pb_utils.get_input_tensor_by_name(request, "output_ids")
+            if ids_t is None:
+                raise SplitspecError("text or output_ids: one of them is needed")
+            text = self.tokenizer.decode(ids_t.as_numpy().reshape(-1).tolist(), skip_special_tokens=True).encode("utf-8")
+        out = pb_utils.Tensor("text_output", np.array([text], dtype=np.object_))
+        return pb_utils.InferenceResponse(output_tensors=[out])
+
+    def _forward_cancel(self, request):
+        """Ask spec_decode to cancel the stream this (cancelled) request belongs to; once per stream."""
+        t = pb_utils.get_input_tensor_by_name(request, "stream_id")
+        if t is None:
+            return
+        sid = int(t.as_numpy().reshape(-1)[0])
+        if sid in self.cancelled:
+            return
+        self.cancelled[sid] = True
+        while len(self.cancelled) > RECENT_CANCELLED:
+            self.cancelled.popitem(last=False)
+        try:
+            bls = pb_utils.InferenceRequest(
+                model_name=self.cancel_model,
+                inputs=[pb_utils.Tensor("cancel_stream_id", np.array([sid], dtype=np.int64))],
+                requested_output_names=[])
+            for response in bls.exec(decoupled=True):
+                if response.has_error():
+                    pb_utils.Logger.log_warn(f"postprocessing: cancelling stream {sid}: {response.error().message()}")
+        except Exception:
+            pb_utils.Logger.log_warn(f"postprocessing: cancelling stream {sid} failed: {traceback.format_exc()}")
 
     def finalize(self):
         """Release what initialize loaded."""

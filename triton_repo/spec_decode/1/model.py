@@ -1,45 +1,81 @@
 """Triton Python model ``spec_decode`` (decoupled): speculative decoding with an EAGLE-3 drafter.
 
-A thin adapter over ``splitspec.runtime.SpeculativeEngine``, which this model instance hosts:
-the instance is the leader (rank 0 of the target's tensor-parallel group) and the engine starts
-the other ranks as worker processes; :meth:`TritonPythonModel.finalize` stops them.
+A thin adapter over ``splitspec.runtime``: the instance hosts a :class:`SpeculativeEngine` (the leader,
+rank 0 of the target's tensor-parallel group; the engine starts the other ranks as worker processes)
+and an :class:`EngineLoop` that runs batched draft/verify cycles over every active request in a
+background thread.
 
-Inputs: ``input_ids`` (int32 [-1]), ``max_tokens`` (int32 [1], 1..max_tokens_limit), optional
-``temperature`` (fp32 [1]; only 0 = greedy in this version), optional ``num_draft_tokens``
-(int32 [1], default: the model parameter; 0 = target-only decoding). Outputs: ``output_ids``
-(int32 [-1], generated tokens only), ``acceptance_length`` (fp32 [1], tokens emitted per target forward).
+Threads of the instance:
 
-Parameters (rendered by ``splitspec repo``): ``engines_dir``, ``num_draft_tokens``,
-``target_device_ids`` (comma-separated GPU ids, empty: CPU), ``draft_device_id``, ``draft_tp``,
-``max_tokens_limit``.
+- Triton's (``execute``): validates a request and submits it to the loop; never waits for generation.
+- the engine loop: runs cycles; its callback only puts each event on a queue (no Triton call there,
+  so Triton's IPC never slows a cycle).
+- the sender: turns events into responses — one per cycle when the request streams (the text and
+  tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
+  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. Before sending it polls ``is_cancelled()``.
+- the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
+  (:mod:`splitspec.metrics`) and checks that the target's worker processes are alive.
 
-This version generates each request to completion, then sends one response flagged
-``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request the engine cannot serve gets an error
-response (INVALID_ARG) naming the input; execute never raises.
+Text: the engine's text deltas (:mod:`splitspec.detok`) are final — a response never ends inside a
+UTF-8 character or inside a possible stop string — so concatenating a stream's ``output_text`` gives
+exactly the non-streamed text. When a cycle's tokens complete no character yet, no response is sent
+for it (unless token ids were asked for).
+
+Cancellation: a client that cancels a gRPC stream or drops an HTTP ``generate_stream`` connection
+cancels the ensemble request; Triton 2.51 does not pass that on to this already running step, but it
+marks the *next* postprocessing request cancelled. Postprocessing then sends this model a control
+request carrying the stream's ``stream_id`` (input ``cancel_stream_id``), and the engine frees the
+sequence's batch slot and KV blocks at the start of its next cycle. Requests sent to this model
+directly are cancelled through ``is_cancelled()``.
+
+Engine failure: when a target worker process dies, every open request gets an UNAVAILABLE error
+response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
+``--model-control-mode explicit``, as ``splitspec serve`` runs): ``/v2/models/spec_decode/ready`` and
+the ensemble's then answer not-ready. Restarting the server (or loading the models again through
+the repository API) recovers.
+
+Errors in a request are answered with INVALID_ARG (HTTP 400) naming the input; ``execute`` never raises.
 """
 
 import json
-import math
+import queue
+import random
+import threading
 import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from splitspec.engine import EngineError
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.runtime import SpeculativeEngine
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.metrics import MetricsCollector, TritonMetricsExporter
+from splitspec.runtime import EngineLoop, Request, RequestOutput, SpeculativeEngine
+from splitspec.sampling import SamplingParams
+
+#: Inputs of the ensemble (named when a request carries an unknown parameter).
+ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                   "num_draft_tokens", "return_token_ids", "return_stats", "apply_chat_template")
+#: Request parameters Triton's front ends may attach themselves (never rejected).
+TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                               "binary_data_output", "headers"})
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
+                 "models again through the repository API)")
 
 
-def _error_response(message):
-    """An InferenceResponse carrying ``message`` as an INVALID_ARG error (HTTP 400)."""
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+def _error_response(message, code="INVALID_ARG"):
+    """An InferenceResponse carrying ``message`` as a Triton error (INVALID_ARG → HTTP 400,
+    UNAVAILABLE → 503, INTERNAL → 500)."""
+    c = getattr(pb_utils.TritonError, code, None)
+    err = pb_utils.TritonError(message, c) if c is not None else pb_utils.TritonError(message)
     return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
-def _one_value(request, name):
-    """The single element of input ``name``, or None when the request lacks it."""
+def _scalar(request, name):
+    """The single element of optional input ``name``, or None when the request lacks it."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
@@ -47,6 +83,22 @@ def _one_value(request, name):
     if a.size != 1:
         raise ConfigError(f"{name}: expected one value, got shape {list(a.shape)}")
     return a.reshape(-1)[0]
+
+
+def _strings(request, name):
+    """Input ``name`` (TYPE_STRING, any length) as a list of str; [] when absent."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return []
+    out = []
+    for v in t.as_numpy().reshape(-1):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{name}: not valid UTF-8") from None
+        out.append(str(v))
+    return out
 
 
 def _parse_ids(value, what):
@@ -60,101 +112,393 @@ def _parse_ids(value, what):
                           "expected GPU ids like '0,1'") from None
 
 
+def _tensor(name, values, dtype):
+    return pb_utils.Tensor(name, np.asarray(values, dtype=dtype))
+
+
+class _Stream:
+    """One open request: where its responses go and what is still to be sent."""
+
+    __slots__ = ("sid", "sender", "stream", "want_ids", "want_stats", "rid", "ids", "text", "done", "cancelled",
+                 "cancel_cycle")
+
+    def __init__(self, sid, sender, stream, want_ids, want_stats):
+        self.sid, self.sender = sid, sender
+        self.stream, self.want_ids, self.want_stats = stream, want_ids, want_stats
+        self.rid = None  # the engine's request id, once submitted
+        self.ids, self.text = [], []  # not yet sent
+        self.done = False  # the final response (or an error) was sent
+        self.cancelled = False
+        self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
+
+
 class TritonPythonModel:
-    """Hosts the speculative engine (target leader + drafter) and serves generation requests."""
+    """Hosts the speculative engine (target leader + drafter) and streams its output."""
 
     def initialize(self, args):
-        """Load the tokenizer, start the engines (target group + drafter); raises to fail the model load."""
+        """Load the engines and start the loop, sender and monitor threads; raises to fail the model load."""
         cfg = json.loads(args["model_config"])
+        self.model_name = args.get("model_name", cfg.get("name", "spec_decode"))
         params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
 
-        def param_int(name, default):
+        def param(name, default, cast=int):
             raw = params.get(name, "").strip()
             try:
-                return int(raw) if raw else default
+                return cast(raw) if raw else default
             except ValueError:
                 raise ConfigError(f"spec_decode/config.pbtxt: parameter '{name}' = {raw!r}, "
-                                  "expected an integer") from None
+                                  f"expected {'an integer' if cast is int else 'a number'}") from None
 
         engines_dir = params.get("engines_dir", "")
         if not engines_dir:
             raise ConfigError("spec_decode/config.pbtxt: parameter 'engines_dir' is empty")
         self.engines_dir = Path(engines_dir)
-        self.default_k = param_int("num_draft_tokens", 4)
-        self.max_tokens_limit = param_int("max_tokens_limit", 4096)
+        self.default_k = param("num_draft_tokens", 4)
+        self.max_tokens_limit = param("max_tokens_limit", 4096)
+        self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
         target_ids = _parse_ids(params.get("target_device_ids"), "target_device_ids")
         draft_ids = _parse_ids(params.get("draft_device_id"), "draft_device_id")
-        self.tokenizer = ChatTokenizer.from_dir(self.engines_dir / "target")
-        self.stop_token_ids = set(self.tokenizer.stop_token_ids)
-        self.vocab_size = self.tokenizer.vocab_size
-        self.engine = None
+        draft_tp = param("draft_tp", 1)
+        synthetic = params.get("synthetic_acceptance", "").strip()
+        try:
+            synthetic = [float(v) for v in synthetic.split(",")] if synthetic else None
+        except ValueError:
+            raise ConfigError(f"spec_decode/config.pbtxt: parameter 'synthetic_acceptance' = {synthetic!r}, "
+                              "expected comma-separated probabilities") from None
+        self.engine = self.loop = self.exporter = None
         self.engine = SpeculativeEngine.load(
             self.engines_dir,
             target_device_ids=target_ids or None,
             draft_device_id=draft_ids[0] if draft_ids else None,
-            draft_tp=param_int("draft_tp", 1),
+            draft_tp=draft_tp,
             num_draft_tokens=self.default_k,
+            max_batch_size=param("max_batch_size", None),
+            kv_tokens=param("kv_tokens", None),
+            synthetic_acceptance=synthetic,
         )
+        try:
+            self._start(target_ids, draft_ids, draft_tp, synthetic)
+        except BaseException:
+            self.engine.close()  # its worker processes must not outlive a failed load
+            raise
+
+    def _start(self, target_ids, draft_ids, draft_tp, synthetic):
+        """Start the engine loop, the sender and monitor threads and the metrics (after the engine loaded)."""
+        if synthetic is not None:
+            pb_utils.Logger.log_warn(f"spec_decode: BENCHMARK MODE: draft tokens are accepted with probabilities "
+                                     f"{synthetic} regardless of their value; outputs are NOT the target's")
+        self.lock = threading.Lock()
+        self.streams = {}  # stream_id -> _Stream, while open
+        self.failure = None  # why the engine stopped serving
+        self.outbox = queue.SimpleQueue()  # (stream, RequestOutput, finishing) for the sender thread
+        self.stopping = threading.Event()
+        self._rng = random.SystemRandom()
+        self.collector = MetricsCollector()
+        self.exporter = TritonMetricsExporter(pb_utils, self.model_name, self.engine.max_draft_len)
+        self.engine.on_cycle = self.collector.on_cycle
+        self.loop = EngineLoop(self.engine)
+        self.sender_thread = threading.Thread(target=self._send_loop, name="spec_decode-sender", daemon=True)
+        self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
+        self.sender_thread.start()
+        self.monitor_thread.start()
+        eng = self.engine
+        pids = [p.pid for p in eng.group.procs]
         pb_utils.Logger.log_info(
-            f"spec_decode: engines {self.engines_dir} loaded (k={self.default_k}, target devices "
-            f"{target_ids or 'cpu'}, draft device {draft_ids or 'rank 0'}, draft_tp {param_int('draft_tp', 1)})")
+            f"spec_decode: engines {self.engines_dir} loaded (k={self.default_k}, max_batch_size "
+            f"{eng.max_batch_size}, KV {eng.alloc.num_blocks} blocks of {eng.alloc.block_size} tokens, "
+            f"max_seq_len {eng.max_seq_len}, target devices {target_ids or 'cpu'}, draft device "
+            f"{draft_ids or 'rank 0'}, draft_tp {draft_tp}); target worker pids {pids}")
+
+    # ------------------------------------------------------------------ requests in
 
     def execute(self, requests):
-        """Generate each request to completion and send one final response (or an error); never raises."""
+        """Validate and submit each request (an error response for a bad one); never blocks on
+        generation and never raises."""
         for request in requests:
-            sender = request.get_response_sender()
+            sender = None
             try:
-                response = self._generate(request)
+                sender = request.get_response_sender()
+                self._accept(request, sender)
             except SplitspecError as e:
-                response = _error_response(f"spec_decode: {e}")
+                code = "UNAVAILABLE" if isinstance(e, EngineError) else "INVALID_ARG"
+                self._reply_error(sender, f"spec_decode: {e}", code)
             except Exception as e:  # never let a request take the model down
                 pb_utils.Logger.log_error(f"spec_decode: {traceback.format_exc()}")
-                response = _error_response(f"spec_decode: internal error: {type(e).__name__}: {e}")
-            try:
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception:  # the client went away; nothing left to answer
-                pb_utils.Logger.log_warn(f"spec_decode: could not send a response: {traceback.format_exc()}")
+                self._reply_error(sender, f"spec_decode: internal error: {type(e).__name__}: {e}", "INTERNAL")
         return None
 
-    def _generate(self, request):
+    @staticmethod
+    def _reply_error(sender, message, code):
+        if sender is None:
+            return
+        try:
+            sender.send(_error_response(message, code), flags=FINAL)
+        except Exception:  # the client went away
+            pb_utils.Logger.log_warn(f"spec_decode: could not send an error response: {traceback.format_exc()}")
+
+    def _accept(self, request, sender):
+        cancel = _scalar(request, "cancel_stream_id")
+        if cancel is not None:  # control request from postprocessing
+            self._cancel_stream(int(cancel))
+            sender.send(flags=FINAL)
+            return
+        self._check_parameters(request)
+        if self.failure is not None:
+            raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
+        req, st = self._parse(request, sender)
+        with self.lock:
+            self.streams[st.sid] = st
+        try:
+            rid = self.loop.submit(req, lambda ev, st=st: self._on_event(st, ev))
+        except BaseException:
+            with self.lock:
+                self.streams.pop(st.sid, None)
+            raise
+        with self.lock:
+            st.rid = rid
+            cancel_now = st.cancelled
+        if cancel_now:
+            self.loop.cancel(rid)
+
+    def _check_parameters(self, request):
+        """Reject request parameters that are not inputs (HTTP generate turns unknown JSON keys into
+        parameters, which would otherwise be ignored without a word)."""
+        raw = request.parameters()
+        try:
+            params = json.loads(raw) if raw else {}
+        except ValueError:
+            params = {}
+        unknown = sorted(k for k in params if k not in TRITON_PARAMETERS and not k.startswith("triton_"))
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise ConfigError(f"unknown parameter{'s' if len(unknown) > 1 else ''} {names}: not an input of "
+                              f"this model (inputs: {', '.join(ENSEMBLE_INPUTS)})")
+
+    def _parse(self, request, sender):
+        """Read and check a generation request's inputs; returns (runtime Request, _Stream)."""
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids_t is None:
             raise ConfigError("input_ids: missing")
         prompt = ids_t.as_numpy().reshape(-1)
         if prompt.size == 0:
             raise ConfigError("input_ids: empty prompt")
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
-            raise ConfigError(f"input_ids: ids must lie in [0, {self.vocab_size}), got "
-                              f"min {int(prompt.min())}, max {int(prompt.max())}")
-
-        max_tokens = _one_value(request, "max_tokens")
+        max_tokens = _scalar(request, "max_tokens")
         if max_tokens is None:
             raise ConfigError("max_tokens: missing")
         max_tokens = int(max_tokens)
         if not 1 <= max_tokens <= self.max_tokens_limit:
             raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{self.max_tokens_limit}")
 
-        temperature = _one_value(request, "temperature")
-        if temperature is not None:
-            temperature = float(temperature)
-            if math.isnan(temperature) or temperature < 0:
-                raise ConfigError(f"temperature = {temperature}: expected 0 (greedy)")
-            if temperature != 0.0:
-                raise ConfigError(f"temperature = {temperature}: temperature must be 0 (greedy) in this version")
+        def opt(name, default, cast):
+            v = _scalar(request, name)
+            return default if v is None else cast(v)
 
-        k = _one_value(request, "num_draft_tokens")
-        k = self.default_k if k is None else int(k)
-        if k < 0:
-            raise ConfigError(f"num_draft_tokens = {k}: expected an integer >= 0 (0: target-only decoding)")
+        def fp32(v):  # the shortest decimal that round-trips the FP32 input (0.7, not 0.699999988)
+            return float(str(v))
 
-        result = self.engine.generate([int(i) for i in prompt], max_tokens, num_draft_tokens=k,
-                                      stop_token_ids=self.stop_token_ids)
-        out_ids = pb_utils.Tensor("output_ids", np.asarray(result.token_ids, dtype=np.int32))
-        acc = pb_utils.Tensor("acceptance_length", np.asarray([result.acceptance_length], dtype=np.float32))
-        return pb_utils.InferenceResponse(output_tensors=[out_ids, acc])
+        sampling = SamplingParams(temperature=opt("temperature", 0.0, fp32), top_p=opt("top_p", 1.0, fp32),
+                                  top_k=opt("top_k", 0, int), seed=opt("seed", None, int))
+        k = opt("num_draft_tokens", None, int)
+        stop = _strings(request, "stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ConfigError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS}")
+        for s in stop:
+            if not s:
+                raise ConfigError("stop: empty string")
+            if len(s) > MAX_STOP_CHARS:
+                raise ConfigError(f"stop: a string of {len(s)} characters, at most {MAX_STOP_CHARS}")
+        st = _Stream(self._rng.getrandbits(62) + 1, sender, stream=opt("stream", False, bool),
+                     want_ids=opt("return_token_ids", False, bool), want_stats=opt("return_stats", False, bool))
+        req = Request(prompt_ids=prompt.astype(np.int64).tolist(), max_tokens=max_tokens, sampling=sampling,
+                      num_draft_tokens=k, stop=stop)
+        return req, st
+
+    def _cancel_stream(self, sid):
+        with self.lock:
+            st = self.streams.get(sid)
+            if st is None or st.cancelled:
+                return
+            st.cancelled = True
+            st.cancel_cycle = self.collector.cycles_seen
+            rid = st.rid
+        if rid is not None:
+            self.loop.cancel(rid)
+
+    # ------------------------------------------------------------------ responses out
+
+    def _on_event(self, st, ev):
+        """Engine-loop callback: hand the event to the sender thread (no Triton call on this thread).
+
+        ``finishing``: the request already finished in this cycle (its final event follows at once),
+        so this delta is merged into the final response instead of being sent alone.
+        """
+        finishing = not ev.finished and ev.request_id not in self.engine.seqs
+        self.outbox.put((st, ev, finishing))
+
+    def _send_loop(self):
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            st, ev, finishing = item
+            try:
+                self._deliver(st, ev, finishing)
+            except Exception as e:
+                pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
+                self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
+
+    def _deliver(self, st, ev, finishing):
+        if st.done:
+            return
+        if ev.error is not None:
+            self.collector.on_finished("error")
+            engine_down = self.failure is not None or not self.loop.healthy
+            reason = self._failure_reason(ev.error) if engine_down else ev.error
+            message = f"spec_decode: generation failed: {reason}"
+            if engine_down and not self.stopping.is_set():
+                message += RECOVERY_HINT
+            self._close(st, error=message, code="UNAVAILABLE")
+            if engine_down and not self.stopping.is_set():
+                self._engine_failed(reason)
+            return
+        st.ids += ev.token_ids
+        if ev.text:
+            st.text.append(ev.text)
+        if not ev.finished:
+            if st.cancelled or finishing:
+                return
+            if st.sender.is_cancelled():  # a request sent to this model directly was cancelled
+                self._cancel_stream(st.sid)
+                return
+            if st.stream and (st.text or (st.want_ids and st.ids)):
+                self._send(st, None)
+            return
+        self.collector.on_finished(ev.finish_reason, ev.stats)
+        if ev.finish_reason == "cancelled" and st.cancel_cycle is not None:
+            pb_utils.Logger.log_verbose(
+                f"spec_decode: stream {st.sid} cancelled; its slot and KV were freed "
+                f"{self.collector.cycles_seen - st.cancel_cycle} cycle(s) after the cancellation reached the model")
+        self._send(st, ev)
+
+    def _send(self, st, final_event):
+        """Send what ``st`` holds; with ``final_event`` (the engine's finish event) as the final response."""
+        tensors = [pb_utils.Tensor("output_text", np.array(["".join(st.text).encode("utf-8")], dtype=np.object_)),
+                   _tensor("stream_id", [st.sid], np.int64)]
+        if st.want_ids:
+            tensors.append(_tensor("output_ids", st.ids, np.int32))
+        st.ids, st.text = [], []
+        if final_event is None:
+            st.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+            return
+        reason = final_event.finish_reason or "stop"
+        tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        s = final_event.stats
+        if st.want_stats and s is not None:
+            tensors += [
+                _tensor("acceptance_length", [s.acceptance_length], np.float32),
+                _tensor("accepted_per_position", s.accepted_per_position, np.int32),
+                _tensor("num_input_tokens", [s.num_prompt_tokens], np.int32),
+                _tensor("num_output_tokens", [s.num_output_tokens], np.int32),
+                _tensor("queue_ms", [s.queue_ms], np.float32),
+                _tensor("ttft_ms", [s.ttft_ms], np.float32),
+                _tensor("e2e_ms", [s.e2e_ms], np.float32),
+                _tensor("draft_ms", [s.draft_ms], np.float32),
+                _tensor("verify_ms", [s.verify_ms], np.float32),
+            ]
+        self._close(st, response=pb_utils.InferenceResponse(output_tensors=tensors))
+
+    def _close(self, st, response=None, error=None, code="INVALID_ARG"):
+        """Send ``st``'s final response (or an error) once; forget the stream."""
+        if st.done:
+            return
+        st.done = True
+        with self.lock:
+            self.streams.pop(st.sid, None)
+        try:
+            st.sender.send(response if error is None else _error_response(error, code), flags=FINAL)
+        except Exception:  # the client went away or Triton already closed a cancelled request
+            if not st.cancelled:
+                pb_utils.Logger.log_warn(f"spec_decode: could not send the final response: {traceback.format_exc()}")
+
+    # ------------------------------------------------------------------ health and metrics
+
+    def _engine_failed(self, message):
+        """Fail every open request, mark the engine unhealthy, and unload this model (once)."""
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+            open_streams = list(self.streams.values())
+        pb_utils.Logger.log_error(f"spec_decode: engine failed: {message}; failing {len(open_streams)} open "
+                                  f"request(s) and unloading the model")
+        for st in open_streams:  # the sender thread answers them (it adds the recovery hint)
+            self.outbox.put((st, RequestOutput(st.rid if st.rid is not None else -1, [], "", True, "error",
+                                               None, message), False))
+        threading.Thread(target=self._unload_self, name="spec_decode-unload", daemon=True).start()
+
+    def _failure_reason(self, default):
+        """Why the engine stopped: a dead worker process if there is one (clearer than the
+        collective's error it caused), else ``default``."""
+        try:
+            self.engine.group.check_workers()
+        except EngineError as e:
+            return str(e)
+        except Exception:
+            pass
+        return self.failure or default
+
+    def _unload_self(self):
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as e:
+            pb_utils.Logger.log_error(
+                f"spec_decode: could not unload itself ({type(e).__name__}: {e}); the model stays loaded and "
+                f"answers every request with an error until the server is restarted")
+
+    def _gauges(self):
+        eng = self.engine
+        used, total = eng.alloc.used, eng.alloc.num_blocks
+        return {"active": eng.num_active, "queued": eng.num_queued, "kv_used": used, "kv_total": total,
+                "kv_usage": used / total if total else 0.0, "healthy": 0.0 if self.failure else 1.0}
+
+    def _monitor(self):
+        warned = False
+        while not self.stopping.wait(self.metrics_interval_s):
+            if self.failure is None:
+                try:
+                    self.engine.group.check_workers()
+                except EngineError as e:
+                    self._engine_failed(str(e))
+                if not self.loop.healthy:
+                    self._engine_failed(self.loop.error or "the engine loop stopped")
+            try:
+                self.exporter.publish(self.collector.drain(), self._gauges())
+            except Exception:
+                if not warned:
+                    warned = True
+                    pb_utils.Logger.log_warn(f"spec_decode: exporting metrics failed: {traceback.format_exc()}")
 
     def finalize(self):
-        """Stop the engine: the target's worker processes exit (engine.close())."""
+        """Stop the threads, fail what is still open, stop the engine (its worker processes exit)."""
+        pb_utils.Logger.log_info("spec_decode: finalize: stopping the engine loop")
+        self.stopping.set()
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+        if getattr(self, "sender_thread", None) is not None:
+            with self.lock:
+                open_streams = list(self.streams.values())
+            for st in open_streams:
+                self.outbox.put((st, RequestOutput(-1, [], "", True, "error", None,
+                                                   "the model is being unloaded"), False))
+            self.outbox.put(None)
+            self.sender_thread.join(timeout=10)
+            self.monitor_thread.join(timeout=10)
+        self.loop = None
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
+            pb_utils.Logger.log_info("spec_decode: finalize: stopping the engine's worker processes")
             engine.close()
+        exporter, self.exporter = getattr(self, "exporter", None), None
+        if exporter is not None:
+            exporter.close()
