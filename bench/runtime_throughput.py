@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.generate import read_prompts, run_closed_loop
+from splitspec.generate import encode_prompt, read_prompts, run_closed_loop
 from splitspec.runtime import Request, SpeculativeEngine
 
 
@@ -50,11 +50,11 @@ def main() -> None:
             tok = eng.tokenizer
             cycles: list = []
             eng.on_cycle = cycles.append
-            run_closed_loop(eng, [Request(tok.encode(prompts[0]), 8, num_draft_tokens=max(ks))], 1)  # warm-up
+            run_closed_loop(eng, [Request(encode_prompt(tok, prompts[0]), 8, num_draft_tokens=max(ks))], 1)  # warm-up
             for k in ks:
                 for c in concs:
                     n = max(a.requests_per_level, c)
-                    reqs = [Request(tok.encode(prompts[i % len(prompts)]), a.max_tokens, num_draft_tokens=k, stop_token_ids=set())
+                    reqs = [Request(encode_prompt(tok, prompts[i % len(prompts)]), a.max_tokens, num_draft_tokens=k, stop_token_ids=set())
                             for i in range(n)]
                     cycles.clear()
                     res, wall = run_closed_loop(eng, reqs, c)

@@ -18,8 +18,9 @@ from splitspec.runtime import GenerationResult, Request, SpeculativeEngine
 from splitspec.sampling import SamplingParams
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from a .jsonl file ({"prompt": ...} per line) or a text file (one per line, \\n escapes allowed)."""
+def read_prompts(path: Path) -> list[str | list[dict]]:
+    """Prompts from a .jsonl file ({"prompt": text} or {"messages": [chat messages]} per line) or a text file
+    (one per line, \\n escapes allowed). Chat prompts come back as message lists (see :func:`encode_prompt`)."""
     try:
         lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
     except FileNotFoundError:
@@ -28,14 +29,22 @@ def read_prompts(path: Path) -> list[str]:
     for i, ln in enumerate(lines, 1):
         if ln.lstrip().startswith("{"):
             try:
-                out.append(json.loads(ln)["prompt"])
+                obj = json.loads(ln)
+                out.append(obj["messages"] if "messages" in obj else obj["prompt"])
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+                raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' or 'messages' field") from None
         else:
             out.append(ln.encode().decode("unicode_escape"))
     if not out:
         raise ConfigError(f"{path}: no prompts")
     return out
+
+
+def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """Token ids of a text prompt (wrapped in the chat template when ``chat``) or of a list of chat messages."""
+    if isinstance(prompt, list):
+        return tok.encode(tok.apply_chat_template(prompt))
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt)
 
 
 def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency: int) -> tuple[list[GenerationResult], float]:
@@ -77,13 +86,13 @@ def main(a: argparse.Namespace) -> None:
         tok = eng.tokenizer
         if tok is None:
             raise ConfigError(f"{engines}/target: no tokenizer files beside the engine")
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p for p in prompts]
         sp = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
-        reqs = [Request(tok.encode(t), a.max_tokens, sp, a.num_draft_tokens) for t in texts]
+        reqs = [Request(encode_prompt(tok, p, a.chat), a.max_tokens, sp, a.num_draft_tokens) for p in prompts]
         results, wall = run_closed_loop(eng, reqs, a.concurrency)
         for p, r in zip(prompts, results):
             s = r.stats
-            print(p + r.text if len(prompts) == 1 else f"--- {p[:60]!r} → {r.text[:200]!r}")
+            shown = p if isinstance(p, str) else p[-1]["content"]
+            print(shown + r.text if len(prompts) == 1 else f"--- {shown[:60]!r} → {r.text[:200]!r}")
             print(f"    {s.num_output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance length {s.acceptance_length:.2f} "
                   f"over {s.num_cycles} cycles, accepted by position {s.accepted_per_position}, ttft {s.ttft_ms:.0f} ms, "
                   f"finish {r.finish_reason}{' [SYNTHETIC]' if s.synthetic else ''}")

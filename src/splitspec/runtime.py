@@ -204,16 +204,24 @@ class SpeculativeEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[RequestOutput], None]] = {}
+        self.k_by_batch: dict[int, int] = {}
         self.on_cycle: Callable[[CycleStats], None] | None = None
         self.last_cycle: CycleStats | None = None
 
     @classmethod
     def load(cls, engines_dir: Path, target_device_ids: list[int] | None = None, draft_device_id: int | None = None,
-             draft_tp: int = 1, num_draft_tokens: int = 4, kv_tokens: int | None = None, max_batch_size: int | None = None,
-             max_prefill_tokens: int = 512, tokenizer_dir: Path | None = None,
+             draft_tp: int | None = None, num_draft_tokens: int | None = None, kv_tokens: int | None = None,
+             max_batch_size: int | None = None, max_prefill_tokens: int = 512, tokenizer_dir: Path | None = None,
              synthetic_acceptance: list[float] | None = None) -> "SpeculativeEngine":
-        """Start the target group, load the drafter, and return the engine (see the class docstring)."""
+        """Start the target group, load the drafter, and return the engine (see the class docstring).
+
+        ``draft_tp`` / ``num_draft_tokens`` left None take the choice ``splitspec tune`` wrote to
+        ``engines_dir/tuning.json`` (k per batch-size bucket), else draft_tp 1 and k 4.
+        """
         engines_dir = Path(engines_dir)
+        tuning = read_tuning(engines_dir)
+        if draft_tp is None:
+            draft_tp = int(tuning["draft_tp"]) if tuning else 1
         tok = None
         tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
         if (tdir / "tokenizer.json").exists():
@@ -222,7 +230,11 @@ class SpeculativeEngine:
             tok = ChatTokenizer.from_dir(tdir)
         group = Group(engines_dir, target_device_ids, draft_tp, draft_device_id, kv_tokens)
         try:
-            return cls(group, num_draft_tokens, max_batch_size, max_prefill_tokens, tok, synthetic_acceptance)
+            eng = cls(group, 4 if num_draft_tokens is None else num_draft_tokens, max_batch_size, max_prefill_tokens, tok,
+                      synthetic_acceptance)
+            if num_draft_tokens is None and tuning and tuning["draft_tp"] == draft_tp:
+                eng.k_by_batch = {int(b): int(k) for b, k in tuning["k_by_batch"].items()}
+            return eng
         except BaseException:
             group.close()
             raise
@@ -239,6 +251,15 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- requests
 
+    def default_k(self) -> int:
+        """k for a request that does not ask: the tuned k of the batch bucket the engine is in (running +
+        queued + this request), else the deployment's default."""
+        if not self.k_by_batch:
+            return self.num_draft_tokens
+        batch = len(self.running) + len(self.waiting) + 1
+        fitting = [b for b in sorted(self.k_by_batch) if b >= batch]
+        return self.k_by_batch[fitting[0] if fitting else max(self.k_by_batch)]
+
     def _check_k(self, k: int) -> None:
         if not 0 <= k <= self.max_draft_len:
             raise ConfigError(f"num_draft_tokens = {k}, expected 0..{self.max_draft_len} (engine max_draft_len)")
@@ -250,7 +271,7 @@ class SpeculativeEngine:
             ConfigError: empty or out-of-vocabulary prompt, bad max_tokens / sampling / k, stop strings
                 without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
         """
-        k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
+        k = self.default_k() if req.num_draft_tokens is None else req.num_draft_tokens
         if not req.prompt_ids:
             raise ConfigError("prompt is empty: at least one token is needed")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
@@ -504,6 +525,19 @@ class SpeculativeEngine:
                     on_tokens(e.token_ids)
                 if e.finished:
                     return GenerationResult(toks, text, e.finish_reason, e.stats)
+
+
+def read_tuning(engines_dir: Path) -> dict | None:
+    """``engines_dir/tuning.json`` written by ``splitspec tune``, or None."""
+    path = Path(engines_dir) / "tuning.json"
+    if not path.exists():
+        return None
+    from splitspec.io import read_json
+
+    t = read_json(path)
+    if "draft_tp" not in t or "k_by_batch" not in t:
+        raise ConfigError(f"{path}: expected fields 'draft_tp' and 'k_by_batch'")
+    return t
 
 
 class EngineLoop:

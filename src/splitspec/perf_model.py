@@ -1,0 +1,167 @@
+"""Cost model of a speculative-decoding cycle, fitted from measurements and carried to Kimi-K2 scale.
+
+Cycle time (DESIGN.md, "Speculation, in numbers"):
+
+    t_cycle(B, k) = t_fixed(B) + t_draft(placement, B, k) + t_verify(B, k)
+    t_draft = [k > 0]·(e0 + e1·B) + (k − 1)⁺·(s0 + s1·B)      (one extend forward, then k − 1 steps)
+    t_verify(B, k) = v0 + v_expert · E(B·(k+1)) + v_token · B·(k+1)
+
+E(T) = distinct routed experts activated by T tokens (at batch 1 an MoE verify of k+1 tokens reads up to
+8(k+1) experts per layer — the model counts experts, not tokens). Tokens per second =
+B · acceptance_length(k) / t_cycle. :func:`fit_cycle_model` fits the coefficients by least squares on
+measured cycles and reports in-sample and leave-one-out errors; :class:`KimiScale` extrapolates to the
+published model's 61 layers at TP8 from bytes read per layer, HBM bandwidth and all-reduce latency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+KIMI_EXPERTS, KIMI_TOPK = 384, 8
+
+
+def distinct_experts(tokens: float, experts: int = KIMI_EXPERTS, top_k: int = KIMI_TOPK) -> float:
+    """Expected distinct experts chosen by ``tokens`` tokens routing uniformly: E·(1 − (1 − k/E)^T).
+
+    Random-weight routers route near-uniformly (measured on H200: 8, 15.8, 30.9, 45.5, 108.7 for
+    T = 1, 2, 4, 6, 16 against 8, 15.8, 31.1, 45.9, 109.6 here); trained routers concentrate more.
+    """
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def _features(B: float, k: float) -> list[float]:
+    T = B * (k + 1)
+    steps = max(k - 1, 0)  # the draft phase is one extend forward (k > 0) plus k − 1 single-token steps
+    return [1.0, B, float(k > 0), float(k > 0) * B, steps, steps * B, distinct_experts(T), T]
+
+
+FEATURES = ("fixed", "per_sequence", "extend", "extend_per_sequence", "per_draft_step", "per_draft_step_per_sequence",
+            "per_distinct_expert", "per_verified_token")
+
+
+@dataclass
+class CycleFit:
+    """Least-squares coefficients (ms per feature) and errors (relative, |pred − meas| / meas)."""
+
+    coef: dict[str, float]
+    max_error: float
+    mean_error: float
+    loo_max_error: float
+    loo_mean_error: float
+    points: int
+
+    def predict(self, B: float, k: float) -> float:
+        return float(np.dot([self.coef[f] for f in FEATURES], _features(B, k)))
+
+
+def fit_cycle_model(rows: list[dict]) -> CycleFit:
+    """Fit t_cycle (ms) over measured rows with keys batch, k, cycle_ms (one placement, one depth)."""
+    X = np.array([_features(r["batch"], r["k"]) for r in rows])
+    y = np.array([r["cycle_ms"] for r in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    err = np.abs(X @ coef - y) / y
+    loo = []
+    for i in range(len(rows)):
+        keep = np.arange(len(rows)) != i
+        c, *_ = np.linalg.lstsq(X[keep], y[keep], rcond=None)
+        loo.append(abs(X[i] @ c - y[i]) / y[i])
+    return CycleFit(dict(zip(FEATURES, map(float, coef))), float(err.max()), float(err.mean()),
+                    float(max(loo)), float(np.mean(loo)), len(rows))
+
+
+def expected_acceptance_length(profile: list[float], k: int) -> float:
+    """1 + Σ_{j=1..k} Π_{i<j} p_i: tokens per target forward with conditional acceptance p_i at draft i+1."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= profile[min(i, len(profile) - 1)]
+        total += run
+    return total
+
+
+@dataclass
+class KimiScale:
+    """Kimi-K2 (61 layers: 1 dense + 60 MoE) at tensor parallelism ``tp``, batch ``B``, from first principles:
+
+    per layer and rank, bytes read = attention (replicated MLA down-projections + this rank's heads) +
+    E(T) experts' slices + shared expert slice + router; time = bytes / (hbm_GBps · efficiency) +
+    layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
+    draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded.
+
+    All inputs are explicit so each figure in docs/performance.md can be traced to a measurement.
+    """
+
+    tp: int = 8
+    hbm_GBps: float = 4200.0            # measured device copy, H200 (read + write)
+    efficiency: float = 0.7             # achieved fraction of hbm_GBps by the layer's GEMVs
+    layer_overhead_us: float = 10.0     # kernel launches inside a CUDA graph, per layer
+    allreduce_alpha_us: float = 13.0    # measured NCCL all-reduce in a CUDA graph, 2 H200 over NVLink, small messages
+    allreduce_GBps: float = 150.0       # effective bus bandwidth for the size term
+    lm_head_vocab: int = 163840
+    draft_step_tp1_ms: float = 0.60     # DESIGN.md: Kimi-width EAGLE-3 step, TP1, in a graph
+    draft_step_shard_ms: float = 0.17   # DESIGN.md: same, TP8 shard before communication, in a graph
+    fixed_cycle_ms: float = 0.3         # scheduler + one host copy per cycle
+
+    H: int = 7168
+
+    def allreduce_us(self, tokens: int) -> float:
+        return self.allreduce_alpha_us + tokens * self.H * 2 / (self.allreduce_GBps * 1e3)
+
+    def layer_bytes(self, tokens: int, moe: bool) -> float:
+        H, tp = self.H, self.tp
+        attn = H * (1536 + 576) * 2 + (1536 * 64 * 192 + 64 * 128 * 512 * 2 + 64 * 128 * H) * 2 / tp
+        if not moe:
+            return attn + 3 * H * 18432 * 2 / tp
+        expert = 3 * H * 2048 * 2 / tp
+        return attn + distinct_experts(tokens) * expert + expert + KIMI_EXPERTS * H * 4
+
+    def verify_ms(self, B: int, k: int, layers: int = 61) -> float:
+        T = B * (k + 1)
+        bw = self.hbm_GBps * self.efficiency * 1e6  # bytes per ms
+        per_layer = [self.layer_bytes(T, moe=i > 0) / bw + (self.layer_overhead_us + 2 * self.allreduce_us(T)) / 1e3
+                     for i in range(layers)]
+        head = (self.lm_head_vocab * self.H * 2 / self.tp) / bw + self.allreduce_us(T) / 1e3
+        return sum(per_layer) + head
+
+    def bandwidth_bound_ms(self, B: int, k: int, layers: int = 61) -> float:
+        """Bytes read per verify / HBM bandwidth: the floor no engine beats at this batch."""
+        T = B * (k + 1)
+        total = sum(self.layer_bytes(T, moe=i > 0) for i in range(layers)) + self.lm_head_vocab * self.H * 2 / self.tp
+        return total / (self.hbm_GBps * 1e6)
+
+    def draft_step_ms(self, B: int, placement: str) -> float:
+        if placement == "tp1":
+            return self.draft_step_tp1_ms * (1 + 0.02 * (B - 1))
+        return self.draft_step_shard_ms * (1 + 0.02 * (B - 1)) + 3 * self.allreduce_us(B) / 1e3
+
+    def cycle_ms(self, B: int, k: int, placement: str, layers: int = 61) -> float:
+        return self.fixed_cycle_ms + k * self.draft_step_ms(B, placement) + self.verify_ms(B, k, layers)
+
+    def tokens_per_s(self, B: int, k: int, placement: str, profile: list[float], layers: int = 61) -> float:
+        return B * expected_acceptance_length(profile, k) / self.cycle_ms(B, k, placement, layers) * 1e3
+
+    def calibrate_allreduce_to_decode(self, tokens_per_s: float, layers: int = 61) -> "KimiScale":
+        """Return a copy whose all-reduce latency α makes batch-1 decode (k = 0) run at ``tokens_per_s``
+        (e.g. a measured deployment without speculation); the unknown interconnect is folded into α."""
+        import dataclasses
+
+        target_ms = 1e3 / tokens_per_s
+        lo, hi = 0.0, 5000.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            m = dataclasses.replace(self, allreduce_alpha_us=mid)
+            lo, hi = (mid, hi) if m.cycle_ms(1, 0, "tp1", layers) < target_ms else (lo, mid)
+        return dataclasses.replace(self, allreduce_alpha_us=(lo + hi) / 2)
+
+
+def best_k(model: KimiScale, B: int, placement: str, profile: list[float], ks=range(0, 7)) -> tuple[int, float]:
+    """The k with the highest modelled tokens/s, and that rate."""
+    rates = {k: model.tokens_per_s(B, k, placement, profile) for k in ks}
+    k = max(rates, key=rates.get)
+    return k, rates[k]
+
+
+def _check() -> None:  # pragma: no cover - formula sanity used by tests
+    assert math.isclose(expected_acceptance_length([0.5], 2), 1.75)
