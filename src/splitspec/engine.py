@@ -333,6 +333,12 @@ class GraphCache:
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if self.on else None
 
+    def clear(self) -> None:
+        """Drop every graph (before the process group they captured collectives of is destroyed)."""
+        if self.on:
+            torch.cuda.synchronize()
+        self.graphs.clear()
+
     def run(self, key, fn, *inputs):
         if not self.on:
             return fn(*inputs)
@@ -377,6 +383,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
             dist.broadcast_object_list(box, 0, group=control)
             plan: CyclePlan = box[0]
             if plan.shutdown:
+                runner.graphs.clear()
                 break
             if plan.padded_k is not None:
                 drafts = None
@@ -532,6 +539,12 @@ class Group:
             except Exception:
                 pass
             self._kill()
+            self._release_graphs()
             dist.destroy_process_group()
         self._kill()
         self.procs = []
+
+    def _release_graphs(self) -> None:
+        runner = getattr(self, "rank0", None)
+        if runner is not None:
+            runner.graphs.clear()
