@@ -5,6 +5,7 @@ SHELL := /bin/bash
 PY      ?= .venv/bin/python
 TP      ?= 2
 K       ?= 4
+DEVICE  ?= cpu
 MODELS  ?= models/demo
 CKPT    ?= checkpoints/demo
 ENGINES ?= engines/demo
@@ -23,8 +24,7 @@ setup: .venv/.installed
 	touch $@
 
 demo-models: setup
-	@if [ -f $(MODELS)/target/config.json ] && [ -f $(MODELS)/drafter/config.json ]; then \
-	  echo "demo models present in $(MODELS)"; else $(SPLITSPEC) demo-models --out $(MODELS); fi
+	$(SPLITSPEC) demo-models --out $(MODELS) --device $(DEVICE)
 
 engines: demo-models
 	$(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $(TP)
@@ -40,10 +40,10 @@ serve: repo
 	$(SPLITSPEC) serve --repo $(REPO)
 
 client: setup
-	$(SPLITSPEC) client --prompt "$(PROMPT)"
+	$(SPLITSPEC) client --prompt "$(PROMPT)" $(if $(PROTOCOL),--protocol $(PROTOCOL)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
 
 perf: repo
-	$(SPLITSPEC) perf --repo $(REPO)
+	$(SPLITSPEC) perf --repo $(REPO) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
 demo: repo
 	$(SPLITSPEC) serve --repo $(REPO) --ask "$(PROMPT)"

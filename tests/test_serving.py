@@ -244,6 +244,21 @@ def test_64_concurrent_streams(srv, tok, reference):
 # ---------------------------------------------------------------------------------------------
 
 
+def settled_scrape(srv, timeout_s: float = 20.0):
+    """Metrics once nothing is running and the exported counters have stopped moving (they are
+    exported every 0.2 s, so an earlier test's last cancellation can still be on its way)."""
+    deadline = time.monotonic() + timeout_s
+    prev = None
+    while time.monotonic() < deadline:
+        m = scrape(srv)
+        key = (metric_value(m, "splitspec_active_sequences"), metric_value(m, "splitspec_requests_total", finish_reason="cancelled"))
+        if key[0] == 0 and key == prev:
+            return m
+        prev = key
+        time.sleep(0.5)
+    raise AssertionError("metrics did not settle")
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cancel_frees_slot_and_kv_while_others_stream(srv, tok, reference, protocol):
     """A stream whose client cancels (gRPC) or disconnects (HTTP) leaves the batch and frees its KV
@@ -253,7 +268,7 @@ def test_cancel_frees_slot_and_kv_while_others_stream(srv, tok, reference, proto
     def run_other():
         other["answer"] = merge(stream_grpc(srv.grpc_address, LONG_PROMPT, 120, return_token_ids=True))
 
-    before = scrape(srv)
+    before = settled_scrape(srv)
     t = threading.Thread(target=run_other)
     t.start()
     wait_for(lambda: metric_value(scrape(srv), "splitspec_active_sequences") == 1, 20, "the other stream to start")

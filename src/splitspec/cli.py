@@ -16,9 +16,15 @@ from splitspec.errors import SplitspecError
 
 
 def _cmd_demo_models(a: argparse.Namespace) -> None:
+    import os
+
+    if "torch" not in sys.modules:
+        # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning
+        # workers can slow training steps tenfold. Must be set before torch loads its OpenMP runtime.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from splitspec.demo import make_demo_models
 
-    make_demo_models(Path(a.out), seed=a.seed)
+    make_demo_models(Path(a.out), seed=a.seed, trained=not a.random, device=a.device, retrain=a.retrain)
 
 
 def _cmd_convert(a: argparse.Namespace) -> None:
@@ -47,11 +53,21 @@ def _cmd_generate(a: argparse.Namespace) -> None:
     generate_main(a)
 
 
+def _cmd_tune(a: argparse.Namespace) -> None:
+    from splitspec.tune import tune
+
+    device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None
+    synthetic = [float(x) for x in a.synthetic_acceptance.split(",")] if a.synthetic_acceptance else None
+    tune(Path(a.engines), [int(x) for x in a.batches.split(",")], [int(x) for x in a.k.split(",")], Path(a.prompts),
+         a.max_tokens, device_ids, synthetic)
+
+
 def _cmd_repo(a: argparse.Namespace) -> None:
     from splitspec.repo import render_repo
 
     render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
-                draft_device_id=a.draft_device_id, draft_tp=a.draft_tp)
+                draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
+                kv_tokens=a.kv_tokens, synthetic_acceptance=a.synthetic_acceptance)
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:
@@ -68,18 +84,36 @@ def _cmd_client(a: argparse.Namespace) -> None:
 
 
 def _cmd_perf(a: argparse.Namespace) -> None:
-    from splitspec.perf import run_perf
+    from splitspec.perf import run_perf_suite
 
-    run_perf(Path(a.repo), seconds=a.seconds, concurrency=a.concurrency, out_dir=Path(a.out))
+    run_perf_suite(engines=None if a.repo else Path(a.engines), repo=Path(a.repo) if a.repo else None,
+                   out_dir=Path(a.out) if a.out else None, concurrencies=a.concurrency,
+                   protocols=[p.strip() for p in a.protocol.split(",") if p.strip()], max_tokens=a.max_tokens,
+                   prompts_path=Path(a.prompts) if a.prompts else None, seconds=a.seconds,
+                   llm_metrics=not a.no_llm_metrics, llm_concurrencies=a.llm_concurrency,
+                   level_timeout_s=a.level_timeout, num_draft_tokens=a.k, draft_tp=a.draft_tp)
+
+
+def _cmd_bench(a: argparse.Namespace) -> None:
+    from splitspec.bench import main as bench_main
+
+    bench_main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitspec", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("demo-models", help="write the tiny demo target, drafter and tokenizer (Hugging Face formats)")
+    s = sub.add_parser("demo-models", help="train (once per machine, cached) the demo target + EAGLE-3 drafter + tokenizer, "
+                                           "or write a random pair (Hugging Face formats)")
     s.add_argument("--out", default="models/demo")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--random", action="store_true",
+                   help="write the random-weight pair in seconds (formats and numerics only; acceptance length ~1)")
+    s.add_argument("--device", default="cpu",
+                   help="where to train: 'cpu' (about 10 minutes on 2 cores) or 'cuda[:N]' (a larger pair on a GPU)")
+    s.add_argument("--retrain", action="store_true", help="train again even if the cache holds this pair "
+                                                          "(cache: $SPLITSPEC_CACHE, default ~/.cache/splitspec)")
     s.set_defaults(func=_cmd_demo_models)
 
     s = sub.add_parser("convert", help="check a target + EAGLE-3 drafter pair and write rank-sharded checkpoints")
@@ -132,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="also decode target-only and fail if greedy tokens differ")
     s.set_defaults(func=_cmd_generate)
 
+    s = sub.add_parser("tune", help="measure draft placement and k per batch bucket here; write engines/…/tuning.json")
+    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("--prompts", default="eval/prompts.jsonl")
+    s.add_argument("--batches", default="1,4,16")
+    s.add_argument("-k", default="0,1,2,3,4,5")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--device", default="cpu", help="cpu, or cuda:0,1,... (one GPU per target rank)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...",
+                   help="BENCHMARK ONLY: accept draft i with probability Pi (for untrained or synthetic engines)")
+    s.set_defaults(func=_cmd_tune)
+
     s = sub.add_parser("repo", help="render the Triton model repository for built engines")
     s.add_argument("--engines", default="engines/demo")
     s.add_argument("--out", default="triton_repo")
@@ -139,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
     s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
     s.add_argument("--draft-tp", type=int, default=1)
+    s.add_argument("--max-batch-size", type=int, default=None,
+                   help="sequences decoded together (default: the engine's max_batch_size)")
+    s.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV-cache budget in tokens shared by all sequences (default: max_batch_size x max_seq_len "
+                        "of the engine)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...",
+                   type=lambda v: [float(x) for x in v.split(",")],
+                   help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
+                        "(served outputs are then not the target's)")
     s.set_defaults(func=_cmd_repo)
 
     s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
@@ -151,21 +205,61 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --ask")
     s.set_defaults(func=_cmd_serve)
 
-    s = sub.add_parser("client", help="send one prompt to a running server and print the answer")
+    s = sub.add_parser("client", help="send one prompt to a running server and stream the answer to the terminal")
     s.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
     s.add_argument("--protocol", choices=["http", "grpc"], default="http")
     s.add_argument("--prompt", default="def fibonacci(n):")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="draft tokens per cycle (default: the server's)")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); > 0 = speculative sampling")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None, help="seed of the request's sampler (reproducible output)")
+    s.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="stop string (repeatable); the output ends right before it")
+    s.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="one response at the end instead of streaming each cycle's text")
     s.set_defaults(func=_cmd_client)
 
-    s = sub.add_parser("perf", help="start the server, run perf_analyzer against the ensemble, stop the server")
-    s.add_argument("--repo", default="triton_repo")
-    s.add_argument("--seconds", type=float, default=5.0)
-    s.add_argument("--concurrency", default="1")
-    s.add_argument("--out", default="perf_results")
+    s = sub.add_parser("perf", help="serve the ensemble, sweep concurrency with perf_analyzer (gRPC streaming, HTTP) "
+                                    "and genai-perf, write perf_results/<timestamp>/, stop the server")
+    s.add_argument("--engines", default="engines/demo",
+                   help="built engines; a repository sized for the sweep (max_batch_size = highest concurrency) is "
+                        "rendered into the results folder")
+    s.add_argument("--repo", default=None, help="measure this already rendered repository instead of --engines")
+    s.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated concurrency levels")
+    s.add_argument("--protocol", default="grpc,http", help="grpc (streaming), http (generate_stream), or both")
+    s.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    s.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--seconds", type=float, default=3.0, help="minimum perf_analyzer measurement time per level (s)")
+    s.add_argument("--llm-concurrency", default=None,
+                   help="genai-perf concurrency levels (default: the same as --concurrency)")
+    s.add_argument("--no-llm-metrics", action="store_true", help="skip genai-perf")
+    s.add_argument("--level-timeout", type=float, default=300.0,
+                   help="hard limit per level and tool (s); the tool is killed after it")
+    s.add_argument("-k", type=int, default=4, help="draft tokens per cycle of the rendered repository")
+    s.add_argument("--draft-tp", type=int, default=1, help="drafter placement of the rendered repository")
+    s.add_argument("--out", default=None, help="results folder (default perf_results/<timestamp>)")
     s.set_defaults(func=_cmd_perf)
+
+    s = sub.add_parser("bench", help="speculation benchmark through the served ensemble: no speculation vs the drafter "
+                                     "at TP1 vs the drafter sharded over the target's group, for each k")
+    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("-k", default="1,2,3,4,5", help="draft lengths measured with speculation (k = 0 is always measured)")
+    s.add_argument("--concurrency", default="1,8", help="concurrency levels; the first is the headline")
+    s.add_argument("--draft-tp", default=None, help="comma list of drafter placements (default: 1 and the target's TP size)")
+    s.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
+    s.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--requests", type=int, default=None,
+                   help="requests per configuration and concurrency (default: one per prompt)")
+    s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
+    s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...",
+                   type=lambda v: [float(x) for x in v.split(",")],
+                   help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value")
+    s.add_argument("--out", default=None, help="results folder (default bench/results/<timestamp>)")
+    s.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -1,6 +1,8 @@
 """Tiny demo checkpoints in the published formats: a Kimi-K2 target and its EAGLE-3 drafter.
 
-:func:`make_demo_models` writes, with random but deterministic weights,
+:func:`make_demo_models` writes either the trained pair (``trained=True``: trained once per machine
+by :mod:`splitspec.train` and cached, with real acceptance lengths) or, with random but
+deterministic weights (the default, for numerics tests),
 
 - ``target/``: a Hugging Face Kimi-K2 checkpoint (``model_type: kimi_k2``, architecture
   ``DeepseekV3ForCausalLM``): MLA attention, one dense layer then MoE layers with a
@@ -197,25 +199,43 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_target(target_dir: Path, cfg: dict[str, Any], eos_ids: list[int], seed: int) -> int:
-    """Write the target's weights, index, config and generation config. Returns the parameter count."""
+def _target_shard(name: str, n_layers: int) -> int:
+    """Shard index (0 or 1) of a target tensor: shard 1 holds the embedding and layers [0, (L+1)//2)."""
+    split = (n_layers + 1) // 2
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith("model.layers."):
+        return 0 if int(name.split(".")[2]) < split else 1
+    return 1
+
+
+def write_target_checkpoint(target_dir: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+                            eos_ids: list[int]) -> int:
+    """Write a target's weights in two safetensors shards with ``model.safetensors.index.json``,
+    plus ``config.json`` and ``generation_config.json``.
+
+    Args:
+        target_dir: existing folder to write into.
+        cfg: the target's ``config.json`` dict.
+        tensors: published tensor names -> tensors (bf16, ``e_score_correction_bias`` float32), in
+            the order they are to be stored.
+        eos_ids: ``generation_config.json`` stop ids ([EOS], ``<|im_end|>``).
+
+    Returns:
+        The parameter count.
+    """
     from safetensors.torch import save_file
 
-    groups = _target_specs(cfg)
-    gen = torch.Generator().manual_seed(seed)
     n_layers = cfg["num_hidden_layers"]
-    split = (n_layers + 1) // 2  # shard 1: embed + layers [0, split); shard 2: the rest
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
-    for gi, specs in enumerate(groups):
-        shard = 0 if gi <= split else 1  # group 0 = embed, group i = layer i-1
-        for name, shape, kind, scale in specs:
-            shards[shard][name] = _init_tensor(shape, kind, scale, gen)
+    for name, t in tensors.items():
+        shards[_target_shard(name, n_layers)][name] = t.contiguous()
     weight_map: dict[str, str] = {}
     total_bytes = 0
     n_params = 0
-    for fname, tensors in zip(TARGET_SHARDS, shards):
-        save_file(tensors, str(target_dir / fname), metadata={"format": "pt"})
-        for name, t in tensors.items():
+    for fname, part in zip(TARGET_SHARDS, shards):
+        save_file(part, str(target_dir / fname), metadata={"format": "pt"})
+        for name, t in part.items():
             weight_map[name] = fname
             total_bytes += t.numel() * t.element_size()
             n_params += t.numel()
@@ -227,22 +247,49 @@ def _write_target(target_dir: Path, cfg: dict[str, Any], eos_ids: list[int], see
     return n_params
 
 
-def _write_drafter(drafter_dir: Path, cfg: dict[str, Any], draft_ids: torch.Tensor, seed: int) -> int:
-    """Write the drafter's ``model.safetensors`` and ``config.json``. Returns the parameter count."""
-    from safetensors.torch import save_file
-
+def _write_target(target_dir: Path, cfg: dict[str, Any], eos_ids: list[int], seed: int) -> int:
+    """Write the random target's weights, index, config and generation config. Returns the parameter count."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape, kind, scale in _drafter_specs(cfg):
-        tensors[name] = _init_tensor(shape, kind, scale, gen)
+    for specs in _target_specs(cfg):
+        for name, shape, kind, scale in specs:
+            tensors[name] = _init_tensor(shape, kind, scale, gen)
+    return write_target_checkpoint(target_dir, cfg, tensors, eos_ids)
+
+
+def write_drafter_checkpoint(drafter_dir: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+                             draft_ids: torch.Tensor) -> int:
+    """Write an EAGLE-3 drafter's ``model.safetensors`` (float tensors + ``d2t``/``t2d``) and ``config.json``.
+
+    Args:
+        drafter_dir: existing folder to write into.
+        cfg: the drafter's ``config.json`` dict.
+        tensors: published float tensors (``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``).
+        draft_ids: int64 [draft_vocab], ascending target ids of the draft vocabulary.
+
+    Returns:
+        The parameter count (``d2t``/``t2d`` excluded).
+    """
+    from safetensors.torch import save_file
+
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     n_draft = draft_ids.numel()
-    tensors["d2t"] = (draft_ids - torch.arange(n_draft, dtype=torch.int64)).contiguous()
+    tensors["d2t"] = (draft_ids.to(torch.int64) - torch.arange(n_draft, dtype=torch.int64)).contiguous()
     t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
     t2d[draft_ids] = True
     tensors["t2d"] = t2d
     save_file(tensors, str(drafter_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(drafter_dir / "config.json", cfg)
     return sum(t.numel() for name, t in tensors.items() if name not in ("d2t", "t2d"))
+
+
+def _write_drafter(drafter_dir: Path, cfg: dict[str, Any], draft_ids: torch.Tensor, seed: int) -> int:
+    """Write the random drafter's ``model.safetensors`` and ``config.json``. Returns the parameter count."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape, kind, scale in _drafter_specs(cfg):
+        tensors[name] = _init_tensor(shape, kind, scale, gen)
+    return write_drafter_checkpoint(drafter_dir, cfg, tensors, draft_ids)
 
 
 def load_hf_reference_target(target_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -306,8 +353,16 @@ random, so generated text is meaningless and acceptance lengths are low; only fo
 """
 
 
-def make_demo_models(out_dir: Path, seed: int = 0) -> None:
+def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device: str = "cpu",
+                     retrain: bool = False, progress: bool = True) -> None:
     """Write the demo target, drafter, tokenizer and README into ``out_dir``.
+
+    With ``trained=False`` (the default, used by the numerics tests) the weights are random: the
+    pair is written in seconds and exercises formats and numerics only (acceptance length ≈ 1).
+    With ``trained=True`` the pair trained by :mod:`splitspec.train` (``TrainConfig.preset(device,
+    seed)``) is taken from the cache (``$SPLITSPEC_CACHE``, default ``~/.cache/splitspec``), trained
+    there first if missing (about 10 minutes on a 2-core CPU), and copied to ``out_dir`` unless
+    ``out_dir`` already holds it; the folder then also holds ``training.json`` and PNG plots.
 
     Everything is built in a temporary sibling folder and renamed into place; an existing
     ``out_dir`` is replaced only once the new one is complete. The same ``seed`` on the same
@@ -320,11 +375,25 @@ def make_demo_models(out_dir: Path, seed: int = 0) -> None:
 
     Args:
         out_dir: destination folder.
-        seed: seed of the torch generators (target: ``seed``, drafter: ``seed + 1``).
+        seed: seed of the torch generators (random: target ``seed``, drafter ``seed + 1``; trained:
+            the training seed).
+        trained: write the trained pair instead of random weights.
+        device: trained pair only: ``cpu`` or ``cuda[:N]`` (a larger pair on a GPU).
+        retrain: trained pair only: train again even when the cache holds the pair.
+        progress: trained pair only: show progress bars and loss lines while training.
 
     Raises:
-        ConfigError: ``out_dir`` exists and is not a folder.
+        ConfigError: ``out_dir`` exists and is not a folder; an unknown or unavailable device.
     """
+    if trained:
+        from splitspec.train import TrainConfig, ensure_trained_pair, install_trained_pair
+
+        entry = ensure_trained_pair(TrainConfig.preset(device, seed), retrain=retrain, progress=progress)
+        if install_trained_pair(entry, Path(out_dir)):
+            _log(f"copied the trained pair {entry.name} to {out_dir}")
+        else:
+            _log(f"{out_dir} already holds the trained pair {entry.name}")
+        return
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"demo models output {out_dir} exists and is not a folder")

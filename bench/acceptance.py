@@ -1,0 +1,199 @@
+"""Acceptance benchmark of the trained demo pair: greedy speculative decoding on held-out prompts.
+
+Builds engines from the trained pair (convert + build at TP1 into a temporary folder), then for
+every prompt of ``eval/prompts.jsonl`` (code completions written for this benchmark, not in the
+training corpus, and chat questions rendered with the chat template) runs greedy generation with k
+draft tokens through :class:`splitspec.runtime.SpeculativeEngine` and checks that the output equals
+target-only greedy decoding (``num_draft_tokens=0``). Reports:
+
+- mean acceptance length (tokens emitted per target verify forward; no speculation = 1.0) and the
+  per-position acceptance rate (fraction of cycles whose draft i was accepted, i = 1..k);
+- the target's held-out loss (nats/token, through the engine): on the standard-library files held
+  out from training (``splitspec.train.corpus_split``) and on the code prompts of the eval set;
+- three sample greedy outputs.
+
+Writes ``results.json`` and ``acceptance_by_position.png`` into
+``bench/results/acceptance-<timestamp>/``. A benchmark, not a test: run it by hand::
+
+    .venv/bin/python bench/acceptance.py                 # models/demo, k = 4
+    .venv/bin/python bench/acceptance.py --models DIR -k 3 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see splitspec.cli)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from splitspec.errors import SplitspecError  # noqa: E402
+
+
+def load_prompts(path: Path, tok) -> list[dict]:
+    """Read ``eval/prompts.jsonl``: ``{"id", "kind": "code", "prompt"}`` or ``{"id", "kind": "chat",
+    "messages"}`` per line; adds ``text`` (what is encoded) and ``ids``."""
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SplitspecError(f"{path}:{n}: not valid JSON ({e})") from None
+        if p.get("kind") == "code" and isinstance(p.get("prompt"), str):
+            p["text"] = p["prompt"]
+        elif p.get("kind") == "chat" and isinstance(p.get("messages"), list):
+            p["text"] = tok.apply_chat_template(p["messages"])
+        else:
+            raise SplitspecError(f"{path}:{n}: expected kind 'code' with a 'prompt' string or kind 'chat' with 'messages'")
+        p["ids"] = tok.encode(p["text"])
+        out.append(p)
+    if not out:
+        raise SplitspecError(f"{path}: no prompts")
+    return out
+
+
+@torch.inference_mode()
+def engine_loss(group, windows: list[list[int]]) -> tuple[float, int]:
+    """Mean next-token cross-entropy (nats/token) of a TP1 target engine (``splitspec.engine.Group``)
+    over token ``windows`` (each one forward from position 0 in the first KV region).
+    Returns (loss, tokens scored)."""
+    from splitspec.models.batch import ForwardBatch, single_blocks
+
+    r = group.rank0
+    blocks = single_blocks(0, group.limits["max_seq_len"])
+    total, count = 0.0, 0
+    for w in windows:
+        if len(w) < 2:
+            continue
+        logits, _ = r.target.forward(ForwardBatch.build([(blocks, 0, w[:-1])], "all", r.device), r.tcache)
+        total += float(F.cross_entropy(logits.float(), torch.tensor(w[1:]), reduction="sum"))
+        count += len(w) - 1
+    return total / max(count, 1), count
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Bar chart of acceptance by draft position. Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    acc = result["acceptance"]
+    pos = np.arange(1, len(acc["per_position"]) + 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(pos, acc["per_position"], color="C2")
+    for x, y in zip(pos, acc["per_position"]):
+        ax.text(x, y + 0.01, f"{y:.2f}", ha="center")
+    ax.set(ylim=(0, 1.05), xticks=pos, xlabel="draft position", ylabel="fraction of cycles accepted",
+           title=f"{len(result['prompts'])} held-out prompts, k={acc['k']}: "
+                 f"acceptance length {acc['acceptance_length']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=str(ROOT / "models" / "demo"), help="folder with target/ and drafter/ (Hugging Face)")
+    ap.add_argument("--prompts", default=str(ROOT / "eval" / "prompts.jsonl"))
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (target and drafter on that GPU)")
+    ap.add_argument("--heldout-windows", type=int, default=64, help="held-out stdlib windows of 256 tokens to score")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args(argv)
+
+    from splitspec.engine import Group
+    from splitspec.tokenizer import ChatTokenizer
+    from splitspec.train import build_demo_engines, corpus_split, speculative_acceptance
+
+    models = Path(a.models)
+    if not (models / "target" / "config.json").is_file() or not (models / "drafter" / "config.json").is_file():
+        raise SplitspecError(f"{models}: no target/ and drafter/ checkpoints; run 'make demo-models' first")
+    info_path = models / "training.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    if info is None:
+        print(f"warning: {models} has no training.json: this is not the trained pair (random weights give "
+              "acceptance ≈ 1)", file=sys.stderr)
+    tok = ChatTokenizer.from_dir(models / "target")
+    prompts = load_prompts(Path(a.prompts), tok)
+    dev_ids = [int(a.device.split(":")[1]) if ":" in a.device else 0] if a.device.startswith("cuda") else None
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as tmp:
+        t0 = time.perf_counter()
+        engines = build_demo_engines(models, Path(tmp), tp_size=1)
+        print(f"built TP1 engines from {models} in {time.perf_counter() - t0:.1f} s")
+        acc = speculative_acceptance(engines, [p["ids"] for p in prompts], a.max_tokens, a.num_draft_tokens,
+                                     tok.stop_token_ids, dev_ids, check_lossless=True)
+        # held-out loss through the target engine
+        split = corpus_split(info["config"]["heldout_every"] if info else 40)
+        heldout_windows = []
+        for _, text in split.heldout:
+            ids = tok.encode(text)
+            heldout_windows += [ids[s:s + 257] for s in range(0, len(ids) - 1, 257)]
+        heldout_windows = [w for w in heldout_windows if len(w) >= 2][: a.heldout_windows]
+        code_windows = [tok.encode(p["prompt"]) for p in prompts if p["kind"] == "code"]
+        group = Group(engines, dev_ids)
+        try:
+            heldout_loss, heldout_tokens = engine_loss(group, heldout_windows)
+            code_loss, code_tokens = engine_loss(group, code_windows)
+        finally:
+            group.close()
+
+    outputs = acc.pop("outputs")
+    result = {
+        "models": str(models.resolve()), "training_key": info and info.get("key"),
+        "k": a.num_draft_tokens, "max_tokens": a.max_tokens, "device": a.device,
+        "acceptance": acc,
+        "heldout_loss": {"stdlib_heldout_files": heldout_loss, "stdlib_tokens": heldout_tokens,
+                         "eval_code_prompts": code_loss, "eval_code_tokens": code_tokens},
+        "prompts": [{"id": p["id"], "kind": p["kind"], "prompt_tokens": len(p["ids"]),
+                     "output": tok.decode(o, skip_special_tokens=False), **pp}
+                    for p, o, pp in zip(prompts, outputs, acc["per_prompt"])],
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(a.out) / f"acceptance-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    png = plot(result, out_dir / "acceptance_by_position.png")
+
+    k = a.num_draft_tokens
+    print(f"\n{'prompt':10} {'tokens':>6} {'cycles':>6} {'accept len':>10}   accepted by position")
+    for p in result["prompts"]:
+        print(f"{p['id']:10} {p['tokens']:6d} {p['cycles']:6d} {p['acceptance_length']:10.2f}   {p['accepted_per_position']}")
+    print(f"\nmean acceptance length at k={k}: {acc['acceptance_length']:.2f} tokens per target forward "
+          f"({acc['cycles']} cycles over {len(prompts)} held-out prompts; every output equals target-only greedy)")
+    print("per-position acceptance rate: " + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(acc["per_position"])))
+    print(f"wall time: speculative {acc['spec_seconds']:.1f} s, target-only {acc['target_only_seconds']:.1f} s (CPU, float32, TP1)")
+    print(f"target held-out loss: {heldout_loss:.3f} nats/token on {heldout_tokens:,} tokens of {len(split.heldout)} "
+          f"held-out stdlib files; {code_loss:.3f} nats/token on the {code_tokens} tokens of the eval code prompts")
+    for p in result["prompts"][:1] + [q for q in result["prompts"] if q["kind"] == "chat"][:1] + result["prompts"][1:2]:
+        text = next(q["text"] for q in prompts if q["id"] == p["id"])
+        print(f"\n--- sample {p['id']} (acceptance length {p['acceptance_length']:.2f}) ---\n{text}\033[1m{p['output']}\033[0m")
+    print(f"\nwrote {out_dir / 'results.json'}" + (f" and {out_dir / 'acceptance_by_position.png'}" if png else
+                                                   " (no PNG: matplotlib missing)"))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SplitspecError as e:
+        print(f"bench/acceptance.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
