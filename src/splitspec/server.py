@@ -442,12 +442,21 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         ConfigError: the repository is not rendered or a port is taken.
         SplitspecError: the server failed to start (log tail included) or answered with an error.
     """
+    import signal
+
     srv = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     print(f"starting tritonserver on {srv.repo} (log {srv.log_path}) ...", flush=True)
+
+    def on_term(signum, frame):  # `kill PID`, service managers: stop tritonserver too, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         _serve(srv, ask, max_tokens)
     except KeyboardInterrupt:
         print("interrupted; tritonserver stopped", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def print_endpoints(srv: TritonServer) -> None:
