@@ -3,7 +3,7 @@
 #   make test     the test suite (CI runs exactly this)
 SHELL := /bin/bash
 PY      ?= .venv/bin/python
-TP      ?= 2
+TP      ?=
 K       ?= 4
 DEVICE  ?= cpu
 MODELS  ?= models/demo
@@ -20,15 +20,19 @@ setup: .venv/.installed
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/pip install --quiet --upgrade pip
-	.venv/bin/pip install --quiet -e '.[test]'
+	.venv/bin/pip install --quiet -e '.[test,perf]'
 	touch $@
 
 demo-models: setup
 	$(SPLITSPEC) demo-models --out $(MODELS) --device $(DEVICE)
 
+# Built once; TP=N rebuilds at that size, and later targets reuse whatever was built last.
 engines: demo-models
-	$(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $(TP)
-	$(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES)
+	@if [ -z "$(TP)" ] && [ -f $(ENGINES)/target/engine.json ] && [ $(ENGINES)/target/engine.json -nt $(MODELS)/target/config.json ]; then \
+	  echo "engines present in $(ENGINES) (TP$$(grep -o '"tp_size": [0-9]*' $(ENGINES)/target/engine.json | head -1 | grep -o '[0-9]*')); TP=N make engines rebuilds"; \
+	else \
+	  $(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $${TP:-2} && \
+	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES); fi
 
 generate: engines
 	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" -k $(K) --check
@@ -42,8 +46,22 @@ serve: repo
 client: setup
 	$(SPLITSPEC) client --prompt "$(PROMPT)" $(if $(PROTOCOL),--protocol $(PROTOCOL)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
 
-perf: repo
-	$(SPLITSPEC) perf --repo $(REPO) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
+# Load tools: genai-perf (LLM metrics; the 'perf' extra, installed beside our pins). perf_analyzer comes
+# with tritonclient. `make perf`: perf_analyzer (gRPC streaming + HTTP) and genai-perf, concurrency
+# 1..64, to perf_results/<timestamp>/. `make bench`: no speculation vs drafter TP1 vs drafter TP-N,
+# k = 1..5, to bench/results/<timestamp>/.
+.PHONY: perf-tools bench
+perf-tools: .venv/.perf-tools
+
+.venv/.perf-tools: .venv/.installed pyproject.toml
+	.venv/bin/pip install --quiet -e '.[perf]'
+	touch $@
+
+perf: engines perf-tools
+	$(SPLITSPEC) perf --engines $(ENGINES) -k $(K) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
+
+bench: engines
+	$(SPLITSPEC) bench --engines $(ENGINES) $(if $(KS),-k $(KS)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
 
 demo: repo
 	$(SPLITSPEC) serve --repo $(REPO) --ask "$(PROMPT)"

@@ -39,6 +39,9 @@ from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SPLITSPEC_COLLECTIVE_TIMEOUT_S", "300")))
+# Workers wait for the next cycle plan on a control group of their own: an idle server may wait for
+# requests indefinitely (a leader that dies closes the connection, which ends the wait at once).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
 class EngineError(SplitspecError):
@@ -374,7 +377,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo") if cuda else None
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, draft_tp, kv_tokens=kv_tokens)
     store.set(f"ready/{rank}", "1")
     with torch.inference_mode():
@@ -445,7 +448,7 @@ class Group:
             try:
                 dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=self.store, rank=0,
                                         world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
-                self.control = dist.new_group(backend="gloo") if cuda else None
+                self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             except BaseException:
                 self._kill()
                 raise
