@@ -23,16 +23,6 @@ ENGINE_FORMAT = "splitspec-engine-v1"
 KIMI_DRAFTER_PROFILE = [0.90, 0.85, 0.80, 0.75, 0.70, 0.65, 0.60, 0.55]
 
 
-def expected_acceptance_length(profile: list[float], k: int) -> float:
-    """Tokens emitted per cycle when draft i+1 is accepted with conditional probability profile[i]:
-    1 + Σ_{j=1..k} Π_{i<j} profile[i] (the bonus token plus each accepted prefix)."""
-    total, run = 1.0, 1.0
-    for i in range(k):
-        run *= profile[min(i, len(profile) - 1)]
-        total += run
-    return total
-
-
 def kimi_k2_target(num_layers: int) -> TargetConfig:
     """Kimi-K2's target config (61 layers in the published model) at ``num_layers`` depth."""
     return TargetConfig(
