@@ -255,3 +255,22 @@ def test_int4_config_and_tensors_disagree(copy_forms):
         **json.loads((root / "target" / "config.json").read_text())["quantization_config"], "ignore": ["lm_head"]})
     _convert_fails(root, CheckpointError, r"tensor 'model.layers.0.self_attn.q_a_proj.weight_packed' is missing \(it holds "
                                           r"'model.layers.0.self_attn.q_a_proj.weight' instead\): quantization_config quantises")
+
+
+def test_output_that_would_destroy_an_input_or_a_file_is_refused(pair, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="would replace the input"):
+        convert_pair(pair / "target", pair / "drafter", pair / "target")
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(ConfigError, match="existing file"):
+        convert_pair(pair / "target", pair / "drafter", tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep me"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="current folder"):
+        convert_pair(pair / "target", pair / "drafter", tmp_path)
+    assert (pair / "target" / "config.json").exists()
+
+
+def test_rope_scaling_of_the_wrong_type(pair):
+    _edit_json(pair / "target" / "config.json", rope_scaling="yarn")
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        convert_pair(pair / "target", pair / "drafter", pair / "out")

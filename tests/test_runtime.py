@@ -173,3 +173,20 @@ def test_synthetic_acceptance_is_labelled_and_follows_profile(built_engines, tok
     assert res.stats.synthetic
     expected = 1 + 0.9 + 0.9 * 0.8 + 0.9 * 0.8 * 0.7
     assert abs(res.acceptance_length - expected) < 0.6
+
+
+def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, tok):
+    """Values that would overflow the sampler or break the engine's state are refused up front."""
+    ids = tok.encode(PROMPTS[0])
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=2) as eng:
+        bad = [dict(sampling=SamplingParams(temperature=1e-38)), dict(sampling=SamplingParams(1.0, top_k=1.5)),
+               dict(sampling=SamplingParams(1.0, seed=2**70)), dict(stop=[5]), dict(stop=[""]),
+               dict(max_tokens=True), dict(prompt_ids=["a"]), dict(num_draft_tokens=2.5)]
+        for b in bad:
+            req = Request(b.pop("prompt_ids", ids), b.pop("max_tokens", 8), **b)
+            with pytest.raises(ConfigError):
+                eng.submit(req)
+        assert len(eng.generate(ids, 6, stop_token_ids=set()).token_ids) == 6
+    for kw in (dict(max_batch_size=-1), dict(max_prefill_tokens=0), dict(synthetic_acceptance=[2.0])):
+        with pytest.raises(ConfigError):
+            SpeculativeEngine.load(built_engines, **kw)

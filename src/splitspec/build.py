@@ -202,7 +202,7 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
                      "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": str(tdt).removeprefix("torch."),
                      "source": qmeta.get("source")}
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, keep=(checkpoints,)) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()
         for rank in tqdm(range(mapping.tp_size), desc="build target ranks", unit="rank", disable=not progress):

@@ -51,6 +51,8 @@ class RopeConfig:
     def from_hf(cfg: dict, dim: int, interleaved: bool, where: str) -> "RopeConfig":
         theta = float(cfg.get("rope_theta", 10000.0))
         rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if not isinstance(rs, dict):
+            raise CheckpointError(f"{where}: field 'rope_scaling' = {rs!r}, expected an object (e.g. {{\"type\": \"yarn\", ...}}) or null")
         kind = rs.get("type", rs.get("rope_type", "default")) if rs else "default"
         if kind in (None, "default"):
             return RopeConfig(theta=theta, dim=dim, interleaved=interleaved)

@@ -441,7 +441,7 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
     tcfg, tp_size, ep_size = src.cfg, mapping.tp_size, mapping.ep_size
     total = rank_tensor_count(tcfg, mapping)
     written = []
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, keep=(target_dir, drafter_dir)) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()
         for rank in range(tp_size):

@@ -421,6 +421,8 @@ class Group:
             raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (split placement) or {self.world} (sharded over the target's TP group)")
         if device_ids and len(device_ids) != self.world:
             raise ConfigError(f"target engine is TP{self.world} but {len(device_ids)} target device ids were given")
+        if device_ids and (not torch.cuda.is_available() or max(device_ids) >= torch.cuda.device_count()):
+            raise ConfigError(f"target_device_ids {device_ids}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
         self.devices = [f"cuda:{i}" for i in device_ids] if device_ids else ["cpu"] * self.world
         draft_device = f"cuda:{draft_device_id}" if draft_device_id is not None else None
         if draft_device and not device_ids:

@@ -22,9 +22,11 @@ def read_prompts(path: Path) -> list[str | list[dict]]:
     """Prompts from a .jsonl file ({"prompt": text} or {"messages": [chat messages]} per line) or a text file
     (one per line, \\n escapes allowed). Chat prompts come back as message lists (see :func:`encode_prompt`)."""
     try:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
     except FileNotFoundError:
         raise ConfigError(f"{path}: prompt file not found") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e})") from None
     out = []
     for i, ln in enumerate(lines, 1):
         if ln.lstrip().startswith("{"):
@@ -78,6 +80,8 @@ def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency
 
 
 def main(a: argparse.Namespace) -> None:
+    if a.concurrency < 1:
+        raise ConfigError(f"--concurrency = {a.concurrency}, expected ≥ 1")
     engines = Path(a.engines)
     prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
     device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None

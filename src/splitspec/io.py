@@ -357,15 +357,34 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path, keep: tuple = ()) -> Iterator[Path]:
     """Yield a temporary folder beside ``final``; on success, move it into place.
 
     On any exception the temporary folder is removed and ``final`` is left as it was,
-    so a failed run never leaves a half-written output.
+    so a failed run never leaves a half-written output. ``keep`` lists folders that must survive
+    (the inputs): an output that is, or contains, one of them is refused.
+
+    Raises:
+        ConfigError: ``final`` is an existing file, the current folder or one above it, or would
+            replace one of ``keep``.
     """
-    final = Path(final)
+    from splitspec.errors import ConfigError
+
+    final = Path(final).absolute()
+    here = Path.cwd().resolve()
+    if final.exists() and not final.is_dir():
+        raise ConfigError(f"{final}: output path is an existing file; expected a folder to create or replace")
+    if final.resolve() == here or final.resolve() in here.parents:
+        raise ConfigError(f"{final}: output folder is the current folder or above it; name a new folder")
+    for k in keep:
+        k = Path(k).resolve()
+        if final.resolve() == k or final.resolve() in k.parents:
+            raise ConfigError(f"{final}: output folder would replace the input {k}; choose another --out")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; outputs get ordinary permissions
     try:
         yield tmp
     except BaseException:

@@ -187,8 +187,13 @@ class SpeculativeEngine:
         self.group = group
         limits = group.limits
         self.max_seq_len, self.max_draft_len = limits["max_seq_len"], limits["max_draft_len"]
-        self.max_batch_size = max_batch_size or limits["max_batch_size"]
+        self.max_batch_size = limits["max_batch_size"] if max_batch_size is None else max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        for name, v in (("max_batch_size", self.max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} = {v!r}, expected an integer ≥ 1")
+        if synthetic_acceptance is not None and not all(0 <= p <= 1 for p in synthetic_acceptance):
+            raise ConfigError(f"synthetic_acceptance = {synthetic_acceptance}, expected probabilities in [0, 1]")
         self.num_draft_tokens = num_draft_tokens
         self._check_k(num_draft_tokens)
         if num_draft_tokens and group.rank0.drafter is None:
@@ -272,12 +277,23 @@ class SpeculativeEngine:
                 without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
         """
         k = self.default_k() if req.num_draft_tokens is None else req.num_draft_tokens
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        if not isinstance(req.prompt_ids, (list, tuple)) or not all(is_int(t) for t in req.prompt_ids):
+            raise ConfigError("prompt_ids must be a list of integer token ids")
+        if not is_int(k):
+            raise ConfigError(f"num_draft_tokens = {k!r}, expected an integer")
+        if not isinstance(req.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in req.stop):
+            raise ConfigError(f"stop = {req.stop!r}, expected a list of non-empty strings")
+        if len(req.stop) > 16 or any(len(x) > 256 for x in req.stop):
+            raise ConfigError("stop: at most 16 strings of at most 256 characters")
+        if not isinstance(req.sampling, SamplingParams):
+            raise ConfigError("sampling must be a SamplingParams")
         if not req.prompt_ids:
             raise ConfigError("prompt is empty: at least one token is needed")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise ConfigError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            raise ConfigError(f"max_tokens = {req.max_tokens}, expected an integer ≥ 1")
+        if not is_int(req.max_tokens) or req.max_tokens < 1:
+            raise ConfigError(f"max_tokens = {req.max_tokens!r}, expected an integer ≥ 1")
         self._check_k(k)
         if k and self.group.rank0.drafter is None:
             raise ConfigError("num_draft_tokens > 0 but no drafter is loaded")

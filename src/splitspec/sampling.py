@@ -17,6 +17,9 @@ import torch
 from splitspec.errors import ConfigError
 
 
+MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows float32: ask for greedy (0) instead
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters.
@@ -32,12 +35,16 @@ class SamplingParams:
     seed: int | None = None
 
     def check(self) -> None:
-        if not (self.temperature >= 0 and self.temperature <= 100):
-            raise ConfigError(f"temperature = {self.temperature}, expected 0 (greedy) to 100")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p = {self.top_p}, expected 0 < top_p ≤ 1")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k = {self.top_k}, expected ≥ 0 (0 = no limit)")
+        """Raise ConfigError naming the field unless every value has the right type and range."""
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not num(self.temperature) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100):
+            raise ConfigError(f"temperature = {self.temperature!r}, expected 0 (greedy) or {MIN_TEMPERATURE}..100")
+        if not num(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p = {self.top_p!r}, expected a number with 0 < top_p ≤ 1")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ConfigError(f"top_k = {self.top_k!r}, expected an integer ≥ 0 (0 = no limit)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed = {self.seed!r}, expected an integer in [0, 2^63)")
 
     @property
     def greedy(self) -> bool:
