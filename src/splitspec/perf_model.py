@@ -15,7 +15,6 @@ published model's 61 layers at TP8 from bytes read per layer, HBM bandwidth and 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,7 +160,3 @@ def best_k(model: KimiScale, B: int, placement: str, profile: list[float], ks=ra
     rates = {k: model.tokens_per_s(B, k, placement, profile) for k in ks}
     k = max(rates, key=rates.get)
     return k, rates[k]
-
-
-def _check() -> None:  # pragma: no cover - formula sanity used by tests
-    assert math.isclose(expected_acceptance_length([0.5], 2), 1.75)
