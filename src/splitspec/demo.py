@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from splitspec.errors import CheckpointError, ConfigError
+from splitspec.io import replace_dir
 from splitspec.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -432,19 +433,7 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
             drafter_params=drafter_params), encoding="utf-8")
 
         _default_permissions(tmp)
-        old: Path | None = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rmdir(old)
-            os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old is not None:
-                os.replace(old, out_dir)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -390,11 +390,23 @@ def atomic_dir(final: Path, keep: tuple = ()) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
+    replace_dir(tmp, final)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final``, replacing an existing ``final`` only then
+    (restored if the rename fails)."""
+    old: Path | None = None
     if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.rmdir(old)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitspec.errors import ConfigError
+from splitspec.io import replace_dir
 
 CACHE_ENV = "SPLITSPEC_CACHE"
 TRAINING_INFO = "training.json"
@@ -1253,23 +1254,6 @@ mean acceptance length **{acc_len:.2f}** tokens per target forward; accepted by 
 """
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``, replacing an existing ``final`` only once ``tmp`` is complete."""
-    old: Path | None = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        os.rmdir(old)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None:
-            os.replace(old, final)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: bool = True,
                key: str | None = None) -> dict[str, Any]:
     """Train the demo pair and write it to ``out_dir`` (built in a temporary sibling folder, then
@@ -1304,7 +1288,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
         with deterministic_mode(cfg):
             report = _train_into(tmp, cfg, progress, measure, key)
         _default_permissions(tmp)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -1554,7 +1538,7 @@ def install_trained_pair(entry: Path, out_dir: Path) -> bool:
         os.rmdir(tmp)
         shutil.copytree(entry, tmp)
         _default_permissions(tmp)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
