@@ -34,3 +34,24 @@ def test_padded_target_and_drafter_match_general_form(engines_for):
             assert (dp[:9] - dg).abs().max() < 1e-4 and (hp[:9] - hg).abs().max() < 1e-4
     finally:
         group.close()
+
+
+def test_compiled_layers_match_eager(engines_for):
+    """torch.compile'd layer halves (the CUDA-graph path's) compute what the eager ones compute, across
+    batch shapes (dynamic shapes: no recompilation per shape)."""
+    group = Group(engines_for(1))
+    r = group.rank0
+    g = torch.Generator().manual_seed(1)
+    try:
+        with torch.inference_mode():
+            for B, n in ((2, 1), (4, 3)):
+                blocks = [single_blocks(s, 64) for s in range(B)]
+                seqs = [(b, 7, torch.randint(0, 4000, (n,), generator=g).tolist()) for b in blocks]
+                pb = padded(seqs, window=32, scratch_row=r.tcache.kv.shape[1] - 1)
+                r.target.fast = None
+                eager, _ = r.target.forward(pb, r.tcache)
+                r.target.compile()
+                fast, _ = r.target.forward(pb, r.tcache)
+                assert (fast - eager).abs().max() < 1e-4, (B, n)
+    finally:
+        group.close()

@@ -143,11 +143,13 @@ class RankRunner:
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
+        self.graphs = GraphCache(device)
+        if self.graphs.on and os.environ.get("SPLITSPEC_COMPILE", "1") == "1":
+            self.target.compile()  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
         rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
         self.scratch_row = self.kv_blocks * BLOCK_SIZE
         self.window = -(-self.limits["max_seq_len"] // BLOCK_SIZE) * BLOCK_SIZE
-        self.graphs = GraphCache(device)
         self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
         self.drafter = self.dcache = None
         self.capture: tuple[int, ...] = ()
@@ -204,40 +206,48 @@ class RankRunner:
             return None
         return k
 
-    def _padded(self, seqs, pad_to: int):
-        return padded(seqs, self.window, self.device, scratch_row=self.scratch_row, pad_to=pad_to)
+    def window_for(self, plan: CyclePlan) -> int:
+        """Key window S of a steady cycle's padded attention: the smallest power of two ≥ every verified position
+        + 1 (at least 256 tokens, at most max_seq_len rounded to blocks). Attention reads S rows per sequence and
+        layer, so S follows the batch's longest sequence instead of max_seq_len; one CUDA graph per S bucket."""
+        need = max(w.start for w in plan.work) + plan.padded_k + 1
+        return min(self.window, max(256, 1 << (need - 1).bit_length()))
+
+    def _padded(self, seqs, pad_to: int, window: int):
+        return padded(seqs, window, self.device, scratch_row=self.scratch_row, pad_to=pad_to)
 
     def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
-        """Static-shape draft phase of a steady cycle: extend over k+1 (padded) rows, then k−1 steps.
+        """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
+        k+1 (padded) rows, then k−1 single-token steps whose positions and cache rows are computed on the device.
         Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
-        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp)
+        S = self.window_for(plan)
+        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S)
         aux = torch.cat([self.aux[w.sid] for w in ws])
         aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
         last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)], device=dev)
+        # step i (1..k−1) drafts at position start − 1 + i; padding rows write the scratch row
+        first_step = torch.tensor([w.start for w in ws] + [0] * (Bp - B), device=dev)
+        real = torch.arange(Bp, device=dev) < B
+        scratch = self.scratch_row
 
-        def extend(ids, pos, table, rows, aux_in, last_rows):
+        def draft(ids, pos, table, rows, aux_in, last_rows, step_pos, real_rows):
             logits, h = m.forward(ForwardBatch(ids, pos, [], [], last_rows, table, rows), m.fuse(aux_in), self.dcache)
-            return m.propose(logits), h[last_rows]
+            out, h = [m.propose(logits)], h[last_rows]
+            every = torch.arange(Bp, device=ids.device)
+            for i in range(1, k):
+                p = step_pos + (i - 1)
+                r = torch.where(real_rows, torch.gather(table, 1, p[:, None])[:, 0], scratch)
+                logits, h = m.forward(ForwardBatch(out[-1], p, [], [], every, table, r), h, self.dcache)
+                out.append(m.propose(logits))
+            return torch.stack(out, 1)
 
-        tok, h = self.graphs.run(("extend", Bp, n), extend, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last)
-        drafts = [tok.clone()]  # graph outputs are overwritten by the next replay
-        for i in range(1, k):
-            pos = torch.tensor([w.start - 1 + i for w in ws] + [0] * (Bp - B), device=dev)
-            rows = torch.gather(ext.table, 1, pos[:, None]).flatten()
-            rows[B:] = self.scratch_row
-
-            def step(ids, pos, table, rows, hidden):
-                logits, hn = m.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
-                                       hidden, self.dcache)
-                return m.propose(logits), hn
-
-            tok, h = self.graphs.run(("step", Bp), step, drafts[-1], pos, ext.table, rows, h)
-            drafts.append(tok.clone())
-        return torch.stack(drafts, 1) if k else torch.zeros(Bp, 0, dtype=torch.int64, device=dev)
+        drafts = self.graphs.run(("draft", Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
+                                 first_step, real)
+        return drafts.clone()  # graph outputs are overwritten by the next replay
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Static-shape verify of a steady cycle: [last token] + k drafts per sequence. Returns logits [B·(k+1), V]
@@ -245,7 +255,8 @@ class RankRunner:
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
-        vb = self._padded([(w.blocks, w.start, [w.tokens[0]] * n) for w in ws], Bp)
+        S = self.window_for(plan)
+        vb = self._padded([(w.blocks, w.start, [w.tokens[0]] * n) for w in ws], Bp, S)
         ids = vb.input_ids.view(Bp, n).clone()
         ids[:, 1:] = drafts.to(self.device)
         ids[B:] = 0
@@ -254,7 +265,7 @@ class RankRunner:
             return self.target.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
                                        self.tcache, self.capture)
 
-        logits, aux = self.graphs.run(("verify", Bp, n), verify, ids.flatten(), vb.positions, vb.table, vb.write_rows)
+        logits, aux = self.graphs.run(("verify", Bp, n, S), verify, ids.flatten(), vb.positions, vb.table, vb.write_rows)
         if aux is not None:
             for b, w in enumerate(ws):
                 self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()

@@ -116,12 +116,19 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     """Causal attention of B sequences with n new queries each over a padded key window (static shapes,
     CUDA-graph friendly).
 
-    q: [B, n, heads, Dk] at positions q_pos [B, n]; k: [B, S, heads or 1, Dk], v: [B, S, heads or 1, Dv] hold
-    positions 0..S−1 of each sequence (rows past a sequence's end are masked, whatever they hold).
-    Returns [B, n, heads, Dv]; softmax in float32.
+    q: [B, n, hq, Dk] at positions q_pos [B, n]; k: [B, S, hk, Dk], v: [B, S, hk, Dv] hold positions 0..S−1 of
+    each sequence (rows past a sequence's end are masked, whatever they hold); hq a multiple of hk (grouped-query;
+    hk = 1 is the absorbed MLA form, one latent "head" shared by all query heads). K and V are never expanded to
+    hq heads: the g = hq/hk query heads of a group are stacked as rows of one matrix product. Scores and the
+    value product run in q's dtype, the softmax in float32 (as transformers' eager attention does).
+    Returns [B, n, hq, Dv].
     """
-    scores = torch.einsum("bnhd,bshd->bhns", q.float(), k.float().expand(-1, -1, q.shape[2], -1)) * scale
-    mask = torch.arange(k.shape[1], device=q.device)[None, None, :] > q_pos[:, :, None]
-    scores = scores.masked_fill(mask[:, None], float("-inf"))
-    out = torch.einsum("bhns,bshd->bnhd", scores.softmax(-1), v.float().expand(-1, -1, q.shape[2], -1))
-    return out.to(q.dtype)
+    B, n, hq, dk = q.shape
+    S, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hk
+    qg = q.reshape(B, n, hk, g, dk).permute(0, 2, 3, 1, 4).reshape(B, hk, g * n, dk)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().view(B, hk, g, n, S) * scale
+    mask = torch.arange(S, device=q.device)[None, None, :] > q_pos[:, :, None]  # [B, n, S]
+    probs = scores.masked_fill(mask[:, None, None], float("-inf")).softmax(-1).to(v.dtype)
+    out = torch.matmul(probs.view(B, hk, g * n, S), v.permute(0, 2, 1, 3))  # [B, hk, g·n, Dv]
+    return out.view(B, hk, g, n, dv).permute(0, 3, 1, 2, 4).reshape(B, n, hq, dv)

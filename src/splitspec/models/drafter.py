@@ -114,10 +114,9 @@ class DrafterModel:
         if batch.table is not None:  # padded form: static shapes
             cache.k[batch.write_rows] = k
             cache.v[batch.write_rows] = v
-            B, g = batch.table.shape[0], nq // nkv
-            ks = cache.k[batch.table].repeat_interleave(g, dim=2)
-            vs = cache.v[batch.table].repeat_interleave(g, dim=2)
-            out = attend_padded(q.view(B, -1, nq, hd), ks, vs, batch.positions.view(B, -1), hd ** -0.5).reshape(q.shape)
+            B = batch.table.shape[0]
+            out = attend_padded(q.view(B, -1, nq, hd), cache.k[batch.table], cache.v[batch.table], batch.positions.view(B, -1),
+                                hd ** -0.5).reshape(q.shape)
         else:
             out = self._attend_segments(q, k, v, batch, cache)
         h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))

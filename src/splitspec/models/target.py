@@ -68,11 +68,15 @@ def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts[:E].cumsum(0).to(torch.int32)  # (bincount would synchronise with the host on CUDA)
     tok = order // K
-    try:
-        h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        out = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
-    except RuntimeError:  # no grouped GEMM for this dtype/device: gather each pair's expert (reads weights twice)
+    out = None
+    if x.dtype == torch.bfloat16:  # the grouped GEMM's only dtype
+        try:
+            h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            out = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
+        except RuntimeError:  # not on this device
+            out = None
+    if out is None:  # gather each pair's expert (reads the weights twice)
         e = flat[order].clamp(max=E - 1)
         h = torch.bmm(w13[e], x[tok][:, :, None])[:, :, 0]
         gate, up = h.chunk(2, dim=-1)
@@ -83,7 +87,9 @@ def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
 
 
 class TargetKVCache:
-    """MLA latent cache of one rank: per layer, c_kv [rows, kv_lora_rank] and k_pe [rows, rope dim].
+    """MLA latent cache of one rank: per layer and token row, the normalised latent c_kv (kv_lora_rank values)
+    followed by the shared rope key k_pe (qk_rope_head_dim values), in one tensor ``kv``
+    [layers, rows, kv_lora_rank + qk_rope_head_dim] so that attention gathers a window once.
 
     ``rows`` = token budget (blocks × block size, see :mod:`splitspec.kv`). Replicated on every TP rank
     (the latent is shared by all heads). Bytes: layers × rows × (kv_lora_rank + qk_rope_head_dim) × dtype size
@@ -91,12 +97,22 @@ class TargetKVCache:
     """
 
     def __init__(self, cfg: TargetConfig, rows: int, dtype: torch.dtype, device):
-        self.c_kv = torch.zeros(cfg.num_hidden_layers, rows, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.k_pe = torch.zeros(cfg.num_hidden_layers, rows, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.kv = torch.zeros(cfg.num_hidden_layers, rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, device=device)
+
+    @property
+    def c_kv(self) -> torch.Tensor:
+        """[layers, rows, kv_lora_rank] view of the latents."""
+        return self.kv[..., : self.kv_lora_rank]
+
+    @property
+    def k_pe(self) -> torch.Tensor:
+        """[layers, rows, qk_rope_head_dim] view of the rope keys."""
+        return self.kv[..., self.kv_lora_rank:]
 
     @property
     def nbytes(self) -> int:
-        return self.c_kv.nbytes + self.k_pe.nbytes
+        return self.kv.nbytes
 
 
 class TargetModel:
@@ -106,6 +122,12 @@ class TargetModel:
         cfg: the target config.
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.target_runtime_layout`).
+
+    Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (norm + MLA) and
+    :meth:`mlp_half` (norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
+    puts both through ``torch.compile`` (dynamic shapes: one compilation per half and layer type, not per
+    layer or batch), used for static-shape (padded) batches — the CUDA-graph path — where fusing the
+    element-wise work between the matrix products removes most of a layer's small kernels.
     """
 
     def __init__(self, cfg: TargetConfig, mapping: Mapping, rank: int, weights: dict[str, torch.Tensor], comm: TPComm):
@@ -116,6 +138,16 @@ class TargetModel:
         self.local_heads = cfg.num_attention_heads // mapping.tp_size
         self.vocab_start = rank * (cfg.vocab_size // mapping.tp_size)
         self.expert_start = mapping.ep_rank(rank) * (cfg.n_routed_experts // mapping.ep_size)
+        prefixes = [f"layers.{i}." for i in range(cfg.num_hidden_layers)]
+        self.layer_w = [{n[len(p):]: t for n, t in weights.items() if n.startswith(p)} for p in prefixes]
+        self.fast = None  # compiled (attention_half, mlp_half), see compile()
+
+    def compile(self) -> None:
+        """Use ``torch.compile``d layer halves for padded batches (see the class docstring)."""
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True  # a function that fails to compile runs eagerly instead
+        self.fast = (torch.compile(self.attention_half, dynamic=True), torch.compile(self.mlp_half, dynamic=True))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
@@ -125,63 +157,69 @@ class TargetModel:
         h = table[local.clamp(0, table.shape[0] - 1)] * inside[:, None].to(table.dtype)
         return self.comm.all_reduce(h)
 
-    def attention(self, layer: int, x: torch.Tensor, batch: ForwardBatch, cache: TargetKVCache, cos, sin) -> torch.Tensor:
-        """MLA in absorbed form over the latent cache. x: [T, H] (normed) → [T, H] partial sum (before all-reduce)."""
-        c, p = self.cfg, f"layers.{layer}.attn."
-        w = self.w
-        qa, ckv, kpe = self.linear(x, p + "fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        q = self.linear(rms_norm(qa, w[p + "q_a_layernorm"], c.rms_norm_eps), p + "q_b_proj")
+    def attention_half(self, lw: dict[str, torch.Tensor], h: torch.Tensor, batch: ForwardBatch, kv: torch.Tensor, cos, sin) -> torch.Tensor:
+        """input_layernorm + MLA in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope]
+        (written here). lw: the layer's weights; h: [T, H] residual stream → [T, H] partial sum (before all-reduce)."""
+        c = self.cfg
+        x = rms_norm(h, lw["input_layernorm"], c.rms_norm_eps)
+        qa, ckv, kpe = self.linear(x, lw, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        q = self.linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), lw, "attn.q_b_proj")
         q = q.view(-1, self.local_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_pe = self.rotary.apply(q_pe, cos, sin)
-        ckv = rms_norm(ckv, w[p + "kv_a_layernorm"], c.rms_norm_eps)
+        ckv = rms_norm(ckv, lw["attn.kv_a_layernorm"], c.rms_norm_eps)
         kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w[p + "w_uk"])  # [T, h, kv_lora]
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
         q_cat = torch.cat((q_lat, q_pe), -1)
+        new = torch.cat((ckv, kpe), -1)  # the token's cache row: latent, then rope key
         if batch.table is not None:  # padded form: static shapes
-            cache.c_kv[layer, batch.write_rows] = ckv
-            cache.k_pe[layer, batch.write_rows] = kpe
+            kv[batch.write_rows] = new
             B = batch.table.shape[0]
-            lat = cache.c_kv[layer][batch.table]  # [B, S, kv_lora]
-            k = torch.cat((lat, cache.k_pe[layer][batch.table]), -1)[:, :, None, :]
-            out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, lat[:, :, None, :],
+            k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
+            out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
                                 batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], self.local_heads, -1)
-            o = torch.einsum("thc,hvc->thv", out, w[p + "w_uv"]).reshape(x.shape[0], -1)
-            return self.linear(o, p + "o_proj")
-        out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
-        t = 0
-        for (start, n), rows in zip(batch.segments, batch.slots):
-            cache.c_kv[layer, rows[start:]] = ckv[t:t + n]
-            cache.k_pe[layer, rows[start:]] = kpe[t:t + n]
-            lat = cache.c_kv[layer, rows]
-            k = torch.cat((lat, cache.k_pe[layer, rows]), -1)[:, None, :].expand(-1, self.local_heads, -1)
-            v = lat[:, None, :].expand(-1, self.local_heads, -1)
-            out[t:t + n] = attend(q_cat[t:t + n], k, v, batch.positions[t:t + n], c.softmax_scale)
-            t += n
-        o = torch.einsum("thc,hvc->thv", out, w[p + "w_uv"]).reshape(x.shape[0], -1)
-        return self.linear(o, p + "o_proj")
+        else:
+            out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
+            t = 0
+            for (start, n), rows in zip(batch.segments, batch.slots):
+                kv[rows[start:]] = new[t:t + n]
+                k = kv[rows][:, None, :].expand(-1, self.local_heads, -1)
+                out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
+                t += n
+        o = torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)
+        return self.linear(o, lw, "attn.o_proj")
 
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x Wᵀ for runtime weight ``name``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
-        return quant.linear(x, self.w[name], self.w.get(name + ".scale_inv"), self.fp8_block)
+    def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
+        return quant.linear(x, lw[name], lw.get(name + ".scale_inv"), self.fp8_block)
 
-    def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        """SwiGLU over ``prefix + "w13"`` / ``prefix + "w2"`` (dense or shared expert), float or FP8."""
+    def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """SwiGLU over ``prefix + "w13"`` / ``prefix + "w2"`` of ``lw`` (dense or shared expert), float or FP8."""
         w13, w2 = prefix + "w13", prefix + "w2"
-        return quant.gated_mlp(x, self.w[w13], self.w[w2], self.w.get(w13 + ".scale_inv"), self.w.get(w2 + ".scale_inv"), self.fp8_block)
+        return quant.gated_mlp(x, lw[w13], lw[w2], lw.get(w13 + ".scale_inv"), lw.get(w2 + ".scale_inv"), self.fp8_block)
 
-    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum."""
-        p = f"layers.{layer}.mlp."
-        weights, ids = noaux_tc_route(x, self.w[p + "gate"], self.w[p + "e_score_correction_bias"], self.cfg)
-        w13, w2 = self.w[p + "experts.w13"], self.w[p + "experts.w2"]
-        y = self.mlp(x, p + "shared.") if self.cfg.n_shared_experts else torch.zeros_like(x)
-        s13, s2 = self.w.get(p + "experts.w13.scale_inv"), self.w.get(p + "experts.w2.scale_inv")
-        local = ids - self.expert_start
+        weights, ids = noaux_tc_route(x, lw["mlp.gate"], lw["mlp.e_score_correction_bias"], self.cfg)
+        w13, w2 = lw["mlp.experts.w13"], lw["mlp.experts.w2"]
+        y = self.mlp(x, lw, "mlp.shared.") if self.cfg.n_shared_experts else torch.zeros_like(x)
+        s13, s2 = lw.get("mlp.experts.w13.scale_inv"), lw.get("mlp.experts.w2.scale_inv")
         if s13 is not None:  # FP8-kept experts: dequantised per call (no FP8 grouped GEMM here), same math after
             w13 = quant.dequantize_fp8(w13, s13, self.fp8_block, x.dtype)
             w2 = quant.dequantize_fp8(w2, s2, self.fp8_block, x.dtype)
-        return y + grouped_experts(x, local, weights, w13, w2)
+        return y + grouped_experts(x, ids - self.expert_start, weights, w13, w2)
+
+    def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor) -> torch.Tensor:
+        """post_attention_layernorm + dense MLP or MoE: h [T, H] → [T, H] partial sum (before all-reduce)."""
+        x = rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps)
+        return self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
+
+    def block(self, layer: int, h: torch.Tensor, batch: ForwardBatch, cache: TargetKVCache, cos, sin) -> torch.Tensor:
+        """One decoder layer: h [T, H] (residual stream) → [T, H]; two all-reduces (attention, MLP)."""
+        attention, mlp = self.fast if self.fast and batch.table is not None else (self.attention_half, self.mlp_half)
+        lw = self.layer_w[layer]
+        h = h + self.comm.all_reduce(attention(lw, h, batch, cache.kv[layer], cos, sin))
+        return h + self.comm.all_reduce(mlp(lw, self.cfg.is_moe_layer(layer), h))
 
     def forward(self, batch: ForwardBatch, cache: TargetKVCache, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over ``batch``, writing its tokens' latents into ``cache``.
@@ -200,11 +238,7 @@ class TargetModel:
         for layer in range(c.num_hidden_layers):
             if layer in capture:
                 captured[layer] = h
-            p = f"layers.{layer}."
-            h = h + self.comm.all_reduce(self.attention(layer, rms_norm(h, self.w[p + "input_layernorm"], c.rms_norm_eps), batch, cache, cos, sin))
-            x = rms_norm(h, self.w[p + "post_attention_layernorm"], c.rms_norm_eps)
-            mlp = self.moe(layer, x) if c.is_moe_layer(layer) else self.mlp(x, p + "mlp.")
-            h = h + self.comm.all_reduce(mlp)
+            h = self.block(layer, h, batch, cache, cos, sin)
         if c.num_hidden_layers in capture:
             captured[c.num_hidden_layers] = h
         aux = torch.cat([captured[i] for i in capture], -1) if capture else None
