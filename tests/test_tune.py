@@ -9,7 +9,8 @@ import pytest
 
 from splitspec.perf_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
 from splitspec.runtime import Request, SpeculativeEngine
-from splitspec.tune import choose
+from splitspec.errors import ConfigError
+from splitspec.tune import choose, score, tune
 
 
 def _row(dtp, B, k, tps):
@@ -21,7 +22,8 @@ def test_choice_turns_speculation_off_where_it_does_not_pay():
             _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
     c = choose(rows, [1, 16])
     assert c["draft_tp"] == 1 and c["k_by_batch"] == {"1": 3, "16": 0}
-    assert c["detail"]["16"]["chosen_vs_exhaustive"] == pytest.approx(100 / 120)
+    sc = score(c, rows, [1, 16])
+    assert sc["16"]["chosen_over_best"] == pytest.approx(100 / 120) and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
 
 
 def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
@@ -40,12 +42,35 @@ def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
 def test_cost_model_formulas_and_fit():
     assert expected_acceptance_length([0.5], 2) == pytest.approx(1.75)
     assert distinct_experts(1) == pytest.approx(8.0) and distinct_experts(16) < 16 * 8
-    rows = [{"batch": B, "k": k, "cycle_ms": 1.0 + 0.5 * B + 0.8 * max(k - 1, 0) + 0.3 * (k > 0) + 0.01 * distinct_experts(B * (k + 1))}
-            for B in (1, 4, 16) for k in range(6)]
+    def truth(B, k, L):
+        return (1.0 + 0.5 * B + 0.8 * max(k - 1, 0) + 0.3 * (k > 0)
+                + L * (0.2 + 0.01 * distinct_experts(B * (k + 1)) + 0.002 * B * (k + 1)))
+    rows = [{"batch": B, "k": k, "moe_layers": L, "cycle_ms": truth(B, k, L)} for L in (1, 3) for B in (1, 4, 16) for k in range(6)]
     fit = fit_cycle_model(rows)
-    assert fit.max_error < 1e-6 and fit.predict(4, 3) == pytest.approx(rows[9]["cycle_ms"])
+    assert fit.max_error < 1e-6 and fit.predict(4, 3, 3) == pytest.approx(truth(4, 3, 3))
+    assert fit.coef["per_moe_layer"] == pytest.approx(0.2) and fit.predict(1, 0, 60) == pytest.approx(truth(1, 0, 60))
     m = KimiScale()
     assert m.bandwidth_bound_ms(1, 0) < m.verify_ms(1, 0)
     assert m.verify_ms(1, 3) > m.verify_ms(1, 0)  # more experts read per verify
     pcie = m.calibrate_allreduce_to_decode(90.0)
     assert pcie.tokens_per_s(1, 0, "tp1", [0.9]) == pytest.approx(90.0, rel=1e-3)
+
+
+def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
+    eng_dir = tmp_path / "e"
+    shutil.copytree(built_engines, eng_dir)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nclass A:\n")
+    res = tune(eng_dir, [1, 2], [0, 2], prompts, max_seq_len=128, synthetic=[0.9], verify=True)
+    saved = json.loads((eng_dir / "tuning.json").read_text())
+    assert saved["k_by_batch"] == res["k_by_batch"] and set(saved["k_by_batch"]) == {"1", "2"}
+    rows = saved["measured"]
+    assert {(r["draft_tp"], r["batch"], r["k"]) for r in rows} >= {(1, 1, 0), (1, 1, 2), (1, 2, 0), (1, 2, 2)}
+    assert all(r["n"] > 0 and r["cycle_ms"] > 0 for r in rows)
+    # with acceptance 0.9, k = 2 emits more than one token per sequence and cycle; k = 0 exactly one
+    assert all((r["acceptance_length"] > 1.5) == (r["k"] == 2) for r in rows)
+    assert set(saved["verification"]["score"]) == {"1", "2"}
+    with pytest.raises(ConfigError):
+        tune(eng_dir, [], [0, 2], prompts)
+    with pytest.raises(ConfigError):
+        tune(eng_dir, [1], [2], prompts)

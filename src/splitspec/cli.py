@@ -59,7 +59,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
     device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None
     synthetic = [float(x) for x in a.synthetic_acceptance.split(",")] if a.synthetic_acceptance else None
     tune(Path(a.engines), [int(x) for x in a.batches.split(",")], [int(x) for x in a.k.split(",")], Path(a.prompts),
-         a.max_tokens, device_ids, synthetic)
+         a.max_seq_len, device_ids, synthetic, a.verify)
 
 
 def _cmd_repo(a: argparse.Namespace) -> None:
@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", default="eval/prompts.jsonl")
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("-k", default="0,1,2,3,4,5")
-    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--max-seq-len", type=int, default=512, help="KV tokens per sequence (prompts are cut to half of it)")
+    s.add_argument("--verify", action="store_true", help="measure everything twice; score the choice against the second sweep")
     s.add_argument("--device", default="cpu", help="cpu, or cuda:0,1,... (one GPU per target rank)")
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...",
                    help="BENCHMARK ONLY: accept draft i with probability Pi (for untrained or synthetic engines)")
