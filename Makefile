@@ -66,6 +66,12 @@ bench: engines
 demo: repo
 	$(SPLITSPEC) serve --repo $(REPO) --ask "$(PROMPT)"
 
+# .carry/ (~33 MiB): tritonserver + Python backend, NumPy 1, tritonclient for a GPU machine without network
+# (PYVER=3.12 by default, the GPU image's Python); scripts/gpu_setup.sh unpacks it there (see bench/triton_share.py).
+.PHONY: gpu-carry
+gpu-carry: setup
+	PYVER=$(or $(PYVER),3.12) bash scripts/gpu_carry.sh
+
 test: setup
 	$(PY) -m pytest -q
 

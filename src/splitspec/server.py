@@ -17,6 +17,7 @@ never outlive it. :func:`serve_forever` is the ``splitspec serve`` command.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -74,11 +75,12 @@ def find_triton() -> TritonInstall:
         SplitspecError: ``nvidia-pytriton`` is not installed, a file is missing, or there is no
             stub for this Python version (the message lists the versions available).
     """
-    try:
-        import pytriton  # noqa: PLC0415
-    except ImportError:
-        raise SplitspecError("the Python package 'pytriton' is missing: pip install nvidia-pytriton==0.7.0") from None
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    # located, not imported: importing pytriton needs its client's dependencies (sh, pyzmq, ...), which
+    # a machine that only carries the server (scripts/gpu_setup.sh) does not have
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.origin:
+        raise SplitspecError("the Python package 'pytriton' is missing: pip install nvidia-pytriton==0.7.0")
+    root = Path(spec.origin).resolve().parent / "tritonserver"
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     stubs = root / "python_backend_stubs"
     inst = TritonInstall(
