@@ -138,7 +138,7 @@ def allreduce(world: int) -> dict:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    sizes = [1, 2, 4, 6, 8, 16, 24, 32, 48, 64, 96]
+    sizes = [1, 2, 4, 6, 16, 24, 64, 96]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=allreduce_worker, args=(r, world, port, sizes, q)) for r in range(world)]
@@ -169,10 +169,117 @@ def distinct_experts() -> dict:
     return out
 
 
+def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
+    """Median ms of one call of ``fn`` (no arguments, static tensors), from replays of a CUDA graph of ``reps`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict) -> dict:
+    """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
+    added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
+    + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
+    from splitspec.config import Mapping
+    from splitspec.layers import TPComm, rms_norm
+    from splitspec.models.batch import padded
+    from splitspec.models.drafter import DrafterKVCache, DrafterModel
+    from splitspec.models.target import TargetKVCache, TargetModel, noaux_tc_route
+    from splitspec.synthetic import drafter_shapes, kimi_k2_drafter, kimi_k2_target, random_weights, target_shapes
+
+    cfg, S, start = kimi_k2_target(2), 256, 100
+    rows_out, profiles = [], {}
+    bw = bw_GBps * 1e6  # bytes per ms
+    for tp in tps:
+        mapping = Mapping(tp)
+        w = random_weights(target_shapes(cfg, mapping), torch.bfloat16, "cuda", seed=0)
+        model = TargetModel(cfg, mapping, 0, w, TPComm())
+        model.compile()
+        fast = model.fast
+        cache = TargetKVCache(cfg, max(batches) * S + 16, torch.bfloat16, "cuda")
+        nb = lambda names: sum(w[n].nbytes for n in names)  # noqa: E731
+        attn = nb([n for n in w if n.startswith("layers.0.attn.") or n.startswith("layers.0.") and "layernorm" in n])
+        dense = attn + nb(["layers.0.mlp.w13", "layers.0.mlp.w2"])
+        per_expert = (w["layers.1.mlp.experts.w13"][0].nbytes + w["layers.1.mlp.experts.w2"][0].nbytes)
+        moe_fixed = nb([n for n in w if n.startswith("layers.1.") and "experts." not in n])
+        ar = allreduce_us.get(tp, 0.0) if tp > 1 else 0.0
+        for B in batches:
+            for k in ks:
+                n = k + 1
+                seqs = [(list(range(b * (S // 16), (b + 1) * (S // 16))), start, [1] * n) for b in range(B)]
+                batch = padded(seqs, S, "cuda", scratch_row=max(batches) * S, pad_to=B)
+                cos, sin = model.rotary.cos_sin(batch.positions)
+                h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
+                x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
+                experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
+                for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
+                    for compiled in (False, True) if k == 0 else (True,):
+                        model.fast = fast if compiled else None
+                        ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
+                        bound = nbytes / bw + 2 * ar / 1e3
+                        rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "batch": B, "k": k, "tokens": B * n,
+                                         "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
+                                         "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
+                                         "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
+                        print(json.dumps(rows_out[-1]), flush=True)
+                last = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
+                ms = timed_graph(lambda: torch.nn.functional.linear(last, w["lm_head"]))
+                rows_out.append({"tp": tp, "layer": "lm_head", "batch": B, "k": k, "tokens": B * n, "ms": ms,
+                                 "weight_bytes": w["lm_head"].nbytes, "bound_ms": w["lm_head"].nbytes / bw,
+                                 "ratio_to_bound": ms / (w["lm_head"].nbytes / bw)})
+        model.fast = fast
+        if tp == tps[0]:
+            from torch.profiler import ProfilerActivity, profile
+
+            for T in (1, 16):
+                batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=max(batches) * S)
+                cos, sin = model.rotary.cos_sin(batch.positions)
+                h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
+                model.block(1, h, batch, cache, cos, sin)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        model.block(1, h, batch, cache, cos, sin)
+                    torch.cuda.synchronize()
+                profiles[f"tp{tp}_moe_T{T}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+                print(profiles[f"tp{tp}_moe_T{T}"], flush=True)
+        del model, w, cache
+        torch.cuda.empty_cache()
+    dcfg = kimi_k2_drafter(2)
+    dw = random_weights(drafter_shapes(dcfg), torch.bfloat16, "cuda", seed=1)
+    dm = DrafterModel(dcfg, dw)
+    dcache = DrafterKVCache(dcfg, max(batches) * S + 16, torch.bfloat16, "cuda")
+    step_bytes = sum(t.nbytes for n, t in dw.items() if n not in ("embed_tokens", "fc", "draft_to_target"))
+    draft_rows = []
+    for B in batches:
+        batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(B)], S, "cuda", scratch_row=max(batches) * S)
+        hid = torch.randn(B, 7168, device="cuda", dtype=torch.bfloat16)
+        ms = timed_graph(lambda: dm.propose(dm.forward(batch, hid, dcache)[0]))
+        draft_rows.append({"batch": B, "ms": ms, "weight_bytes": step_bytes, "bound_ms": step_bytes / bw, "ratio_to_bound": ms * bw / step_bytes})
+        print(json.dumps(draft_rows[-1]), flush=True)
+    return {"window": S, "rows": rows_out, "drafter_step_tp1": draft_rows, "profiles": profiles}
+
+
 def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
                  out: Path | None = None, placements: list[int] | None = None) -> dict:
-    from splitspec.runtime import Request, SpeculativeEngine
+    from splitspec.runtime import SpeculativeEngine
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
+    from splitspec.tune import steady_cycles
 
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
                                       max_batch_size=max(batches), max_seq_len=1024, tiny=dry_run)
@@ -186,27 +293,10 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
             load_s = time.time() - t0
             for B in batches:
                 for k in ks:
-                    stats = []
-                    eng.on_cycle = stats.append
-                    # enough tokens for warm-up (prefill, first general cycle, graph capture) plus `cycles` steady cycles
-                    reqs = [Request([1 + i] * 16, (cycles + 4) * (k + 1) + 8, num_draft_tokens=k, stop_token_ids=set()) for i in range(B)]
-                    for r in reqs:
-                        eng.submit(r)
-                    t_cycles = []
-                    while eng.has_work():
-                        c0 = time.perf_counter()
-                        eng.step()
-                        t_cycles.append((time.perf_counter() - c0) * 1e3)
-                    steady = [(t, s) for t, s in zip(t_cycles, stats) if s.decode_seqs == B and s.prefill_tokens == 0][3:3 + cycles]
-                    if not steady:
+                    row = steady_cycles(eng, [[1 + i] * 16 for i in range(B)], B, k, cycles)
+                    if row is None:
                         continue
-                    wall = sum(t for t, _ in steady) / len(steady)
-                    emitted = sum(sum(s.emitted) for _, s in steady) / len(steady)
-                    row = {"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers, "draft_tp": dtp, "batch": B, "k": k,
-                           "cycle_ms": wall, "draft_ms": sum(s.draft_ms for _, s in steady) / len(steady),
-                           "verify_ms": sum(s.verify_ms for _, s in steady) / len(steady),
-                           "tokens_per_cycle": emitted, "tokens_per_s": emitted / wall * 1e3,
-                           "acceptance_length": emitted / B, "synthetic_acceptance": True, "n": len(steady)}
+                    row = {"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers, "draft_tp": dtp} | row | {"synthetic_acceptance": True}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     RESULTS.setdefault("partial_rows", []).append(row)
@@ -220,6 +310,21 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
     return {"load_s": load_s, "rows": rows}
 
 
+def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], sweep: list[dict], dry_run: bool = False) -> dict:
+    """Run ``splitspec tune`` on the synthetic engines of one sweep, then score its choice against that sweep
+    (an independent, exhaustive measurement of every placement × k): chosen config's tokens/s over the best."""
+    from splitspec.synthetic import KIMI_DRAFTER_PROFILE
+    from splitspec.tune import score, tune
+
+    choice = tune(tmp / f"kimi-tp{tp}-m{moe_layers}", batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
+                  max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE)
+    sc = score(choice, sweep, batches)
+    for B, r in sc.items():
+        print(f"tune B={B}: chosen ×{r['chosen_over_best']:.3f} of the sweep's best (draft_tp={r['best']['draft_tp']}, k={r['best']['k']}), "
+              f"×{r['chosen_over_no_speculation']:.2f} over no speculation", flush=True)
+    return {"choice": {k: v for k, v in choice.items() if k != "measured"}, "tuner_rows": choice["measured"], "score": sc}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/gpu")
@@ -228,6 +333,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("-k", default="0,1,2,3,4,5")
     ap.add_argument("--cycles", type=int, default=12)
+    ap.add_argument("--layer-tp", default="1,2,8", help="TP shard shapes timed per layer (on one GPU)")
+    ap.add_argument("--layer-k", default="0,1,3,5", help="k values of the per-layer timings")
+    ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
+    ap.add_argument("--reuse", default="", help="earlier gpu_bench.json: take bandwidth, allreduce and distinct_experts from it")
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
     ap.add_argument("--placements", default="1,N", help="draft_tp values to sweep: 1 and/or N (the target's TP size)")
     ap.add_argument("--hang-dump-s", type=float, default=0, help="print every thread's stack if still running after this many s")
@@ -243,6 +352,14 @@ def main() -> None:
         os.environ["SPLITSPEC_PADDED"] = "1"
         skip |= {"correctness", "bandwidth", "allreduce", "experts"}
     save(out)
+    if a.reuse:
+        old = json.loads(Path(a.reuse).read_text())
+        for name in ("bandwidth", "allreduce", "distinct_experts"):
+            if name in old:
+                RESULTS[name] = old[name] | {"reused_from": a.reuse}
+                skip.add("experts" if name == "distinct_experts" else name)
+        if "rows" in RESULTS.get("allreduce", {}):
+            RESULTS["allreduce"]["rows"] = {int(n): v for n, v in RESULTS["allreduce"]["rows"].items()}
     tmp = Path(tempfile.mkdtemp())
     if "correctness" not in skip:
         section("correctness", out)(correctness)(tmp, ngpu)
@@ -252,17 +369,27 @@ def main() -> None:
         section("allreduce", out)(allreduce)(ngpu)
     if "experts" not in skip:
         section("distinct_experts", out)(distinct_experts)()
+    if "layers" not in skip and not a.dry_run:
+        bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
+        ar = {ngpu: RESULTS["allreduce"]["rows"][1]["graph_us"]} if "rows" in RESULTS.get("allreduce", {}) else {}
+        section("layers", out)(layer_costs)([int(x) for x in a.layer_tp.split(",")], [int(x) for x in a.batches.split(",")],
+                                            [int(x) for x in a.layer_k.split(",")], bw, ar)
     if a.hang_dump_s:
         import faulthandler
 
         faulthandler.dump_traceback_later(a.hang_dump_s, exit=True)
     for tp in [int(x) for x in a.tp.split(",") if int(x) <= ngpu]:
-        placements = [tp if x == "N" else int(x) for x in a.placements.split(",")]
+        placements = sorted({tp if x == "N" else int(x) for x in a.placements.split(",")})
         for m in [int(x) for x in a.moe_layers.split(",")]:
             section(f"engine_tp{tp}_moe{m}", out)(engine_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
                                                                [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out, placements)
             torch.cuda.empty_cache()
+            key = f"engine_tp{tp}_moe{m}"
+            if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):
+                section("tune", out)(tune_vs_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
+                                                    [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.dry_run)
     print("done", flush=True)
+    os._exit(0)  # leftover NCCL/gloo threads must not hold the process open
 
 
 if __name__ == "__main__":
