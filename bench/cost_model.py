@@ -42,8 +42,17 @@ def fit_report(name: str, rows: list[dict]) -> None:
                 base = next(x for x in rs if x["moe_layers"] == r["moe_layers"] and x["batch"] == r["batch"] and x["k"] == 0)
                 print(f"| {r['moe_layers']} | {r['batch']} | {r['k']} | {r['cycle_ms']:.2f} | {p:.2f} | {abs(p - r['cycle_ms']) / r['cycle_ms']:.1%} | "
                       f"{r['tokens_per_s']:.0f} | ×{r['tokens_per_s'] / base['tokens_per_s']:.2f} |")
+            # at one depth the per-MoE-layer terms are not separable from the fixed ones: their split means nothing
+            coef = dict(fit.coef)
+            if len(depths) == 1:
+                L, c = depths[0], coef
+                coef = {k: v for k, v in c.items() if "moe_layer" not in k}
+                coef["fixed"] += L * c["per_moe_layer"]
+                coef["per_verified_token"] += L * c["per_moe_layer_per_verified_token"]
+                coef["per_distinct_expert"] = L * c["per_moe_layer_per_distinct_expert"]
             print(f"\nin-sample error max {fit.max_error:.1%}, mean {fit.mean_error:.1%}; leave-one-out max {fit.loo_max_error:.1%}, "
-                  f"mean {fit.loo_mean_error:.1%}. Coefficients (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in fit.coef.items()))
+                  f"mean {fit.loo_mean_error:.1%}. Coefficients (ms{', one depth: the MoE layers folded into the totals' if len(depths) == 1 else ''}): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in coef.items()))
 
 
 def layer_report(d: dict) -> None:
@@ -51,15 +60,16 @@ def layer_report(d: dict) -> None:
     print("\n### Per-layer time against its bound (one rank, TP-N shard shape, CUDA graph; bound = weight bytes / copy bandwidth"
           " + 2 measured all-reduces)\n")
     print("| shard | layer | batch | k | eager ms | compiled ms | bound ms | compiled / bound |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["layer"] == "lm_head" or not r.get("compiled", True) or r["k"] not in (0, 3):
+    for r in rows:  # rows without a "compiled" key come from runs before compilation existed: eager
+        if r["layer"] == "lm_head" or r["k"] not in (0, 3) or r.get("compiled") is False:
             continue
-        eager = next((x["ms"] for x in rows if x["tp"] == r["tp"] and x["layer"] == r["layer"] and x["batch"] == r["batch"]
-                      and x["k"] == r["k"] and x.get("compiled") is False), None) if "compiled" in r else None
         ar = 2 * r["allreduce_us"] / 1e3
-        print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {eager + ar:.3f} | {r['ms'] + ar:.3f} | {r['bound_ms']:.3f} | "
-              f"{r['ratio_to_bound']:.2f} |" if eager is not None else
-              f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | — | {r['ms'] + ar:.3f} | {r['bound_ms']:.3f} | {r['ratio_to_bound']:.2f} |")
+        eager = (next((x["ms"] for x in rows if x["tp"] == r["tp"] and x["layer"] == r["layer"] and x["batch"] == r["batch"]
+                       and x["k"] == r["k"] and x.get("compiled") is False), None) if "compiled" in r else r["ms"])
+        compiled = r["ms"] if r.get("compiled") else None
+        cell = lambda v: f"{v + ar:.3f}" if v is not None else "—"  # noqa: E731
+        ratio = f"{r['ratio_to_bound']:.2f}" if compiled is not None else "—"
+        print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {cell(eager)} | {cell(compiled)} | {r['bound_ms']:.3f} | {ratio} |")
     heads = [r for r in rows if r["layer"] == "lm_head"]
     print(f"\nlm_head: {min(r['ratio_to_bound'] for r in heads):.2f}–{max(r['ratio_to_bound'] for r in heads):.2f} × its bound. "
           "Drafter step (TP1): " + ", ".join(f"B={r['batch']} {r['ms']:.2f} ms ({r['ratio_to_bound']:.2f}× bound)"
@@ -102,7 +112,11 @@ def kimi_report(d: dict) -> None:
 
 def main(paths: list[str]) -> None:
     for path in paths:
-        d = json.load(open(path))
+        try:
+            d = json.loads(open(path, encoding="utf-8").read())
+            d["machine"]["gpus"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            sys.exit(f"{path}: not a bench/gpu_bench.py result ({type(e).__name__}: {e})")
         print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
         rows = sweep_rows(d)
         if rows:

@@ -74,3 +74,25 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
         tune(eng_dir, [], [0, 2], prompts)
     with pytest.raises(ConfigError):
         tune(eng_dir, [1], [2], prompts)
+
+
+@pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
+                                 {"draft_tp": 1, "k_by_batch": {"1": -3}}, {"draft_tp": 1, "k_by_batch": []}, [1, 2]])
+def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
+    from splitspec.errors import SplitspecError
+    from splitspec.runtime import read_tuning
+
+    (tmp_path / "tuning.json").write_text(json.dumps(bad))
+    with pytest.raises(SplitspecError, match="tuning.json"):
+        read_tuning(tmp_path)
+
+
+def test_prompt_file_escapes_keep_other_characters(tmp_path):
+    from splitspec.generate import read_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text("café \\u2192 日本語\\nx\n", encoding="utf-8")
+    assert read_prompts(f) == ["café → 日本語\nx"]
+    f.write_text("ends in a backslash\\\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="p.txt:1"):
+        read_prompts(f)

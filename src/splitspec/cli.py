@@ -56,9 +56,21 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 def _cmd_tune(a: argparse.Namespace) -> None:
     from splitspec.tune import tune
 
-    device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None
-    synthetic = [float(x) for x in a.synthetic_acceptance.split(",")] if a.synthetic_acceptance else None
-    tune(Path(a.engines), [int(x) for x in a.batches.split(",")], [int(x) for x in a.k.split(",")], Path(a.prompts),
+    from splitspec.errors import ConfigError
+
+    def numbers(flag: str, text: str, kind=int) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}s") from None
+
+    device_ids = numbers("--device", a.device.removeprefix("cuda:")) if a.device.startswith("cuda") else None
+    synthetic = numbers("--synthetic-acceptance", a.synthetic_acceptance, float) if a.synthetic_acceptance else None
+    if not Path(a.engines).is_dir():
+        raise ConfigError(f"--engines {a.engines}: not a folder of built engines")
+    if a.max_seq_len < 32:
+        raise ConfigError(f"--max-seq-len = {a.max_seq_len}, expected ≥ 32 tokens")
+    tune(Path(a.engines), sorted(set(numbers("--batches", a.batches))), sorted(set(numbers("-k", a.k))), Path(a.prompts),
          a.max_seq_len, device_ids, synthetic, a.verify)
 
 
@@ -156,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", type=int, default=1, help="requests kept in flight")
     s.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("-k", "--num-draft-tokens", type=int, default=4)
-    s.add_argument("--draft-tp", type=int, default=1, help="1 = drafter on its own (split placement); N = sharded over the target's group")
+    s.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
+    s.add_argument("--draft-tp", type=int, default=None,
+                   help="1 = drafter on its own (split placement); N = sharded over the target's group (default: tuning.json's, else 1)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
@@ -167,10 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("tune", help="measure draft placement and k per batch bucket here; write engines/…/tuning.json")
-    s.add_argument("--engines", default="engines/demo")
-    s.add_argument("--prompts", default="eval/prompts.jsonl")
-    s.add_argument("--batches", default="1,4,16")
-    s.add_argument("-k", default="0,1,2,3,4,5")
+    s.add_argument("--engines", default="engines/demo", help="built engines; tuning.json is written here")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="prompts whose decoding is timed (acceptance is real)")
+    s.add_argument("--batches", default="1,4,16", help="batch-size buckets (sequences decoding together)")
+    s.add_argument("-k", default="0,1,2,3,4,5", help="draft tokens per cycle to try; must include 0 (speculation off)")
     s.add_argument("--max-seq-len", type=int, default=512, help="KV tokens per sequence (prompts are cut to half of it)")
     s.add_argument("--verify", action="store_true", help="measure everything twice; score the choice against the second sweep")
     s.add_argument("--device", default="cpu", help="cpu, or cuda:0,1,... (one GPU per target rank)")

@@ -36,7 +36,10 @@ def read_prompts(path: Path) -> list[str | list[dict]]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' or 'messages' field") from None
         else:
-            out.append(ln.encode().decode("unicode_escape"))
+            try:  # backslash escapes (\n, \t, \uXXXX) decoded; other characters kept as they are
+                out.append(ln.encode("latin-1", "backslashreplace").decode("unicode_escape"))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{i}: bad backslash escape ({e.reason}); write a backslash as \\\\") from None
     if not out:
         raise ConfigError(f"{path}: no prompts")
     return out
@@ -103,7 +106,9 @@ def main(a: argparse.Namespace) -> None:
         total = sum(r.stats.num_output_tokens for r in results)
         cycles = sum(r.stats.num_cycles for r in results)
         emitted = sum(r.stats.acceptance_length * r.stats.num_cycles for r in results)
-        print(f"== {len(results)} requests, concurrency {a.concurrency}, k={a.num_draft_tokens}, draft_tp={a.draft_tp}: "
+        k_used = a.num_draft_tokens if a.num_draft_tokens is not None else (f"by batch {eng.k_by_batch} (tuning.json)" if eng.k_by_batch
+                                                                             else eng.num_draft_tokens)
+        print(f"== {len(results)} requests, concurrency {a.concurrency}, k={k_used}, draft_tp={eng.group.draft_tp}: "
               f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
               f"mean acceptance length {emitted / max(cycles, 1):.2f}")
         if a.check:

@@ -109,7 +109,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     from splitspec.errors import ConfigError
 
     if not batches or min(batches) < 1 or not ks or min(ks) < 0 or 0 not in ks:
-        raise ConfigError(f"tune: batches must be ≥ 1 and the k list must include 0 (got batches {batches}, k {ks})")
+        raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
     engines_dir = Path(engines_dir)
     tp = int(read_engine_meta(engines_dir / "target", "target")["mapping"]["tp_size"])
     prompts = read_prompts(prompts_file)
@@ -123,7 +123,13 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
 
     rows = sweep("measuring")
     choice = choose(rows, batches)
-    result = choice | {"measured": rows, "detail": score(choice, rows, batches), "synthetic_acceptance": synthetic,
+    detail = score(choice, rows, batches)
+    for B, s in detail.items():
+        if s["chosen_over_best"] < 0.95:
+            print(f"note: at batch {B} the kept placement (draft_tp={choice['draft_tp']}, chosen at the smallest bucket) gives "
+                  f"×{s['chosen_over_best']:.2f} of this sweep's best (draft_tp={s['best']['draft_tp']}, k={s['best']['k']}); "
+                  "on a noisy machine, re-run with --verify")
+    result = choice | {"measured": rows, "detail": detail, "synthetic_acceptance": synthetic,
                        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().machine}
     if verify:
         again = sweep("verifying (an independent second sweep)")
@@ -134,6 +140,9 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     fd, tmp = tempfile.mkstemp(dir=engines_dir, prefix=".tuning.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(result, f, indent=2)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # like the engine files (mkstemp makes it private)
     os.replace(tmp, engines_dir / "tuning.json")
     print(f"tuned: draft_tp={choice['draft_tp']}, k by batch bucket {choice['k_by_batch']} → {engines_dir / 'tuning.json'}")
     return result
