@@ -551,8 +551,14 @@ def read_tuning(engines_dir: Path) -> dict | None:
     from splitspec.io import read_json
 
     t = read_json(path)
-    if "draft_tp" not in t or "k_by_batch" not in t:
+    if not isinstance(t, dict) or "draft_tp" not in t or "k_by_batch" not in t:
         raise ConfigError(f"{path}: expected fields 'draft_tp' and 'k_by_batch'")
+    ok = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo  # noqa: E731
+    if not ok(t["draft_tp"], 1):
+        raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
+    kb = t["k_by_batch"]
+    if not isinstance(kb, dict) or not kb or not all(str(b).isdigit() and int(b) >= 1 and ok(k, 0) for b, k in kb.items()):
+        raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{batch ≥ 1: k ≥ 0, ...}}")
     return t
 
 
