@@ -70,7 +70,9 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         raise ConfigError(f"--engines {a.engines}: not a folder of built engines")
     if a.max_seq_len < 32:
         raise ConfigError(f"--max-seq-len = {a.max_seq_len}, expected ≥ 32 tokens")
-    tune(Path(a.engines), sorted(set(numbers("--batches", a.batches))), sorted(set(numbers("-k", a.k))), Path(a.prompts),
+    from splitspec.perf import parse_levels
+
+    tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
          a.max_seq_len, device_ids, synthetic, a.verify)
 
 
