@@ -566,10 +566,14 @@ class EngineLoop:
     """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit` and :meth:`cancel` are
     thread-safe. Callbacks run on the loop thread. If the engine fails (a worker died), every active and
     queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
+
+    ``after_step``: called on the loop thread after every cycle (after its callbacks), e.g. to pass the
+    cycle's events on in one message.
     """
 
-    def __init__(self, engine: SpeculativeEngine):
+    def __init__(self, engine: SpeculativeEngine, after_step: Callable[[], None] | None = None):
         self.engine = engine
+        self.after_step = after_step
         self.healthy, self.error = True, None
         self._wake = threading.Condition()
         self._stop = False
@@ -599,6 +603,8 @@ class EngineLoop:
                     return
             try:
                 self.engine.step()
+                if self.after_step is not None:
+                    self.after_step()
             except Exception as e:  # a dead worker or broken group: fail everything, stop serving
                 self.healthy, self.error = False, f"{type(e).__name__}: {e}"
                 self._fail_all(self.error)

@@ -1,20 +1,26 @@
 """Triton Python model ``spec_decode`` (decoupled): speculative decoding with an EAGLE-3 drafter.
 
-A thin adapter over ``splitspec.runtime``: the instance hosts a :class:`SpeculativeEngine` (the leader,
-rank 0 of the target's tensor-parallel group; the engine starts the other ranks as worker processes)
-and an :class:`EngineLoop` that runs batched draft/verify cycles over every active request in a
-background thread.
+A thin adapter over ``splitspec.runtime``. The engine — a :class:`SpeculativeEngine` (the leader, rank 0
+of the target's tensor-parallel group, which starts the other ranks as worker processes) and the
+:class:`EngineLoop` running batched draft/verify cycles over every active request — lives in a process of
+its own, started with ``sys.executable`` (:mod:`splitspec.engine_process`), not in this stub: the stub's
+embedded ``libpython`` is slower than the interpreter that runs the engine alone, and here the engine's
+loop would share the GIL with the threads below (the module docstring of ``splitspec.engine_process``
+has the measurements).
 
 Threads of the instance:
 
-- Triton's (``execute``): validates a request and submits it to the loop; never waits for generation.
-- the engine loop: runs cycles; its callback only puts each event on a queue (no Triton call there,
-  so Triton's IPC never slows a cycle).
+- Triton's (``execute``): validates a request and submits it to the engine process (a round trip, not
+  a wait for generation).
+- the reader (:class:`EngineProcess`): receives each engine cycle's events in one message, records the
+  cycle's statistics and puts the events on the sender's queue.
 - the sender: turns events into responses — one per cycle when the request streams (the text and
   tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
-  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. Before sending it polls ``is_cancelled()``.
+  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. It takes every queued event at once, so when it falls
+  behind the engine a stream's queued deltas leave as one response. It polls ``is_cancelled()`` (an IPC
+  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle.
 - the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
-  (:mod:`splitspec.metrics`) and checks that the target's worker processes are alive.
+  (:mod:`splitspec.metrics`). The engine process checks the target's worker processes itself.
 
 Text: the engine's text deltas (:mod:`splitspec.detok`) are final — a response never ends inside a
 UTF-8 character or inside a possible stop string — so concatenating a stream's ``output_text`` gives
@@ -26,10 +32,10 @@ cancels the ensemble request; Triton 2.51 does not pass that on to this already 
 marks the *next* postprocessing request cancelled. Postprocessing then sends this model a control
 request carrying the stream's ``stream_id`` (input ``cancel_stream_id``), and the engine frees the
 sequence's batch slot and KV blocks at the start of its next cycle. Requests sent to this model
-directly are cancelled through ``is_cancelled()``.
+directly are cancelled through ``is_cancelled()`` (noticed within ``CANCEL_POLL_S`` and a cycle).
 
-Engine failure: when a target worker process dies, every open request gets an UNAVAILABLE error
-response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
+Engine failure: when a target worker process (or the engine process) dies, every open request gets an
+UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
 ``--model-control-mode explicit``, as ``splitspec serve`` runs): ``/v2/models/spec_decode/ready`` and
 the ensemble's then answer not-ready. Restarting the server (or loading the models again through
 the repository API) recovers.
@@ -41,6 +47,7 @@ import json
 import queue
 import random
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -48,9 +55,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.engine import EngineError
+from splitspec.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.metrics import MetricsCollector, TritonMetricsExporter
-from splitspec.runtime import EngineLoop, Request, RequestOutput, SpeculativeEngine
+from splitspec.runtime import Request, RequestOutput
 from splitspec.sampling import SamplingParams
 
 #: Inputs of the ensemble (named when a request carries an unknown parameter).
@@ -62,6 +70,8 @@ TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+#: Seconds between two ``is_cancelled()`` polls of one request.
+CANCEL_POLL_S = 0.05
 RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
                  "models again through the repository API)")
 
@@ -119,17 +129,17 @@ def _tensor(name, values, dtype):
 class _Stream:
     """One open request: where its responses go and what is still to be sent."""
 
-    __slots__ = ("sid", "sender", "stream", "want_ids", "want_stats", "rid", "ids", "text", "done", "cancelled",
-                 "cancel_cycle")
+    __slots__ = ("sid", "sender", "stream", "want_ids", "want_stats", "ids", "text", "done", "cancelled",
+                 "cancel_cycle", "next_poll")
 
     def __init__(self, sid, sender, stream, want_ids, want_stats):
-        self.sid, self.sender = sid, sender
+        self.sid, self.sender = sid, sender  # sid: the request's id here and in the engine process
         self.stream, self.want_ids, self.want_stats = stream, want_ids, want_stats
-        self.rid = None  # the engine's request id, once submitted
         self.ids, self.text = [], []  # not yet sent
         self.done = False  # the final response (or an error) was sent
         self.cancelled = False
         self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
+        self.next_poll = 0.0  # time.monotonic() of the next is_cancelled() poll
 
 
 class TritonPythonModel:
@@ -165,9 +175,16 @@ class TritonPythonModel:
         except ValueError:
             raise ConfigError(f"spec_decode/config.pbtxt: parameter 'synthetic_acceptance' = {synthetic!r}, "
                               "expected comma-separated probabilities") from None
-        self.engine = self.loop = self.exporter = None
-        self.engine = SpeculativeEngine.load(
-            self.engines_dir,
+        self.engine = self.exporter = None
+        self.lock = threading.Lock()
+        self.streams = {}  # stream_id -> _Stream, while open
+        self.failure = None  # why the engine stopped serving
+        self.outbox = queue.SimpleQueue()  # (stream, RequestOutput, finishing) for the sender thread
+        self.stopping = threading.Event()
+        self._rng = random.SystemRandom()
+        self.collector = MetricsCollector()
+        self.engine = EngineProcess(
+            self.engines_dir, self._on_cycle, self._engine_failed,
             target_device_ids=target_ids or None,
             draft_device_id=draft_ids[0] if draft_ids else None,
             draft_tp=draft_tp,
@@ -179,35 +196,26 @@ class TritonPythonModel:
         try:
             self._start(target_ids, draft_ids, draft_tp, synthetic)
         except BaseException:
-            self.engine.close()  # its worker processes must not outlive a failed load
+            self.engine.close()  # neither it nor its worker processes may outlive a failed load
             raise
 
     def _start(self, target_ids, draft_ids, draft_tp, synthetic):
-        """Start the engine loop, the sender and monitor threads and the metrics (after the engine loaded)."""
+        """Start the sender and monitor threads and the metrics (after the engine loaded)."""
         if synthetic is not None:
             pb_utils.Logger.log_warn(f"spec_decode: BENCHMARK MODE: draft tokens are accepted with probabilities "
                                      f"{synthetic} regardless of their value; outputs are NOT the target's")
-        self.lock = threading.Lock()
-        self.streams = {}  # stream_id -> _Stream, while open
-        self.failure = None  # why the engine stopped serving
-        self.outbox = queue.SimpleQueue()  # (stream, RequestOutput, finishing) for the sender thread
-        self.stopping = threading.Event()
-        self._rng = random.SystemRandom()
-        self.collector = MetricsCollector()
-        self.exporter = TritonMetricsExporter(pb_utils, self.model_name, self.engine.max_draft_len)
-        self.engine.on_cycle = self.collector.on_cycle
-        self.loop = EngineLoop(self.engine)
+        info = self.engine.info
+        self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
         self.sender_thread = threading.Thread(target=self._send_loop, name="spec_decode-sender", daemon=True)
         self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
         self.sender_thread.start()
         self.monitor_thread.start()
-        eng = self.engine
-        pids = [p.pid for p in eng.group.procs]
         pb_utils.Logger.log_info(
             f"spec_decode: engines {self.engines_dir} loaded (k={self.default_k}, max_batch_size "
-            f"{eng.max_batch_size}, KV {eng.alloc.num_blocks} blocks of {eng.alloc.block_size} tokens, "
-            f"max_seq_len {eng.max_seq_len}, target devices {target_ids or 'cpu'}, draft device "
-            f"{draft_ids or 'rank 0'}, draft_tp {draft_tp}); target worker pids {pids}")
+            f"{info['max_batch_size']}, KV {info['kv_blocks']} blocks of {info['block_size']} tokens, "
+            f"max_seq_len {info['max_seq_len']}, target devices {target_ids or 'cpu'}, draft device "
+            f"{draft_ids or 'rank 0'}, draft_tp {draft_tp}); engine process pid {self.engine.pid} "
+            f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}")
 
     # ------------------------------------------------------------------ requests in
 
@@ -249,16 +257,13 @@ class TritonPythonModel:
         with self.lock:
             self.streams[st.sid] = st
         try:
-            rid = self.loop.submit(req, lambda ev, st=st: self._on_event(st, ev))
+            self.engine.submit(st.sid, req)
         except BaseException:
             with self.lock:
                 self.streams.pop(st.sid, None)
             raise
-        with self.lock:
-            st.rid = rid
-            cancel_now = st.cancelled
-        if cancel_now:
-            self.loop.cancel(rid)
+        if st.cancelled:  # cancelled while the engine process took it: make sure it got the cancellation
+            self.engine.cancel(st.sid)
 
     def _check_parameters(self, request):
         """Reject request parameters that are not inputs (HTTP generate turns unknown JSON keys into
@@ -320,56 +325,79 @@ class TritonPythonModel:
                 return
             st.cancelled = True
             st.cancel_cycle = self.collector.cycles_seen
-            rid = st.rid
-        if rid is not None:
-            self.loop.cancel(rid)
+        self.engine.cancel(sid)
 
     # ------------------------------------------------------------------ responses out
 
-    def _on_event(self, st, ev):
-        """Engine-loop callback: hand the event to the sender thread (no Triton call on this thread).
+    def _on_cycle(self, events, cycle_stats):
+        """Reader thread, once per engine cycle: record the cycle and hand its events to the sender thread.
 
-        ``finishing``: the request already finished in this cycle (its final event follows at once),
-        so this delta is merged into the final response instead of being sent alone.
+        ``events``: ``(stream_id, RequestOutput, finishing)``; ``finishing``: the request already finished in
+        this cycle (its final event follows at once), so this delta is merged into the final response
+        instead of being sent alone.
         """
-        finishing = not ev.finished and ev.request_id not in self.engine.seqs
-        self.outbox.put((st, ev, finishing))
+        if cycle_stats is not None:
+            self.collector.on_cycle(cycle_stats)
+        with self.lock:
+            items = [(self.streams.get(sid), ev, finishing) for sid, ev, finishing in events]
+        for st, ev, finishing in items:
+            if st is not None:
+                self.outbox.put((st, ev, finishing))
 
     def _send_loop(self):
         while True:
-            item = self.outbox.get()
-            if item is None:
-                return
-            st, ev, finishing = item
-            try:
-                self._deliver(st, ev, finishing)
-            except Exception as e:
-                pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
-                self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
+            items = [self.outbox.get()]
+            while True:  # and whatever else is queued: a stream's deltas before its last event here are merged
+                try:
+                    items.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            last = {id(item[0]): i for i, item in enumerate(items) if item is not None}
+            for i, item in enumerate(items):
+                if item is None:
+                    return
+                st, ev, finishing = item
+                try:
+                    self._deliver(st, ev, finishing or last[id(st)] != i)
+                except Exception as e:
+                    if self._client_cancelled(st):
+                        continue
+                    pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
+                    self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
 
-    def _deliver(self, st, ev, finishing):
+    def _client_cancelled(self, st):
+        """True (and the stream cancelled) when ``st``'s request was cancelled through Triton."""
+        try:
+            cancelled = st.sender.is_cancelled()
+        except Exception:
+            return False
+        if cancelled:
+            self._cancel_stream(st.sid)
+        return cancelled
+
+    def _deliver(self, st, ev, hold):
+        """Handle one engine event of ``st``; ``hold``: keep its delta for the stream's next response."""
         if st.done:
             return
         if ev.error is not None:
             self.collector.on_finished("error")
-            engine_down = self.failure is not None or not self.loop.healthy
-            reason = self._failure_reason(ev.error) if engine_down else ev.error
-            message = f"spec_decode: generation failed: {reason}"
-            if engine_down and not self.stopping.is_set():
+            down = self.failure or self.engine.error  # why the engine stopped serving, if it did
+            message = f"spec_decode: generation failed: {down or ev.error}"
+            if down and not self.stopping.is_set():
                 message += RECOVERY_HINT
             self._close(st, error=message, code="UNAVAILABLE")
-            if engine_down and not self.stopping.is_set():
-                self._engine_failed(reason)
             return
         st.ids += ev.token_ids
         if ev.text:
             st.text.append(ev.text)
         if not ev.finished:
-            if st.cancelled or finishing:
+            if st.cancelled or hold:
                 return
-            if st.sender.is_cancelled():  # a request sent to this model directly was cancelled
-                self._cancel_stream(st.sid)
-                return
+            now = time.monotonic()
+            if now >= st.next_poll:  # a request sent to this model directly may have been cancelled
+                st.next_poll = now + CANCEL_POLL_S
+                if self._client_cancelled(st):
+                    return
             if st.stream and (st.text or (st.want_ids and st.ids)):
                 self._send(st, None)
             return
@@ -423,29 +451,18 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ health and metrics
 
     def _engine_failed(self, message):
-        """Fail every open request, mark the engine unhealthy, and unload this model (once)."""
+        """The engine stopped serving (reader thread): fail every open request, mark the engine unhealthy,
+        and unload this model (once)."""
         with self.lock:
-            if self.failure is not None:
+            if self.failure is not None or self.stopping.is_set():
                 return
             self.failure = message
             open_streams = list(self.streams.values())
         pb_utils.Logger.log_error(f"spec_decode: engine failed: {message}; failing {len(open_streams)} open "
                                   f"request(s) and unloading the model")
         for st in open_streams:  # the sender thread answers them (it adds the recovery hint)
-            self.outbox.put((st, RequestOutput(st.rid if st.rid is not None else -1, [], "", True, "error",
-                                               None, message), False))
+            self.outbox.put((st, RequestOutput(-1, [], "", True, "error", None, message), False))
         threading.Thread(target=self._unload_self, name="spec_decode-unload", daemon=True).start()
-
-    def _failure_reason(self, default):
-        """Why the engine stopped: a dead worker process if there is one (clearer than the
-        collective's error it caused), else ``default``."""
-        try:
-            self.engine.group.check_workers()
-        except EngineError as e:
-            return str(e)
-        except Exception:
-            pass
-        return self.failure or default
 
     def _unload_self(self):
         try:
@@ -456,21 +473,14 @@ class TritonPythonModel:
                 f"answers every request with an error until the server is restarted")
 
     def _gauges(self):
-        eng = self.engine
-        used, total = eng.alloc.used, eng.alloc.num_blocks
-        return {"active": eng.num_active, "queued": eng.num_queued, "kv_used": used, "kv_total": total,
-                "kv_usage": used / total if total else 0.0, "healthy": 0.0 if self.failure else 1.0}
+        g = dict(self.engine.gauges)  # as of the engine's last cycle
+        g["kv_usage"] = g["kv_used"] / g["kv_total"] if g["kv_total"] else 0.0
+        g["healthy"] = 0.0 if self.failure else 1.0
+        return g
 
     def _monitor(self):
         warned = False
         while not self.stopping.wait(self.metrics_interval_s):
-            if self.failure is None:
-                try:
-                    self.engine.group.check_workers()
-                except EngineError as e:
-                    self._engine_failed(str(e))
-                if not self.loop.healthy:
-                    self._engine_failed(self.loop.error or "the engine loop stopped")
             try:
                 self.exporter.publish(self.collector.drain(), self._gauges())
             except Exception:
@@ -480,11 +490,11 @@ class TritonPythonModel:
 
     def finalize(self):
         """Stop the threads, fail what is still open, stop the engine (its worker processes exit)."""
-        pb_utils.Logger.log_info("spec_decode: finalize: stopping the engine loop")
+        pb_utils.Logger.log_info("spec_decode: finalize: stopping the engine process and its worker processes")
         self.stopping.set()
-        loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
         if getattr(self, "sender_thread", None) is not None:
             with self.lock:
                 open_streams = list(self.streams.values())
@@ -494,11 +504,6 @@ class TritonPythonModel:
             self.outbox.put(None)
             self.sender_thread.join(timeout=10)
             self.monitor_thread.join(timeout=10)
-        self.loop = None
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            pb_utils.Logger.log_info("spec_decode: finalize: stopping the engine's worker processes")
-            engine.close()
         exporter, self.exporter = getattr(self, "exporter", None), None
         if exporter is not None:
             exporter.close()

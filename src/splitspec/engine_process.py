@@ -1,0 +1,343 @@
+"""The speculative engine in a process of its own (``python -m splitspec.engine_process --fd N``).
+
+:class:`EngineProcess` starts it with ``sys.executable`` and talks to it over a socket pair. The Triton
+model ``spec_decode`` serves through it rather than running the engine inside Triton's Python backend
+stub, for two reasons that each slowed every engine cycle there:
+
+- The stub embeds the shared ``libpython3.X.so``. On Debian and Ubuntu that library runs pure Python
+  20–25 % slower than their statically linked ``/usr/bin/python3.X`` (Debian 12, Python 3.11.2, the same
+  loop: 66–71 ms against 81–89 ms), the interpreter that runs the engine alone, the target's worker ranks
+  and now this process. A cycle's host work (batch tables, graph launches, acceptance, detokenising) is
+  mostly Python.
+- In the stub the engine loop shares one GIL with the threads that answer Triton. Every Triton call
+  (``send``, ``is_cancelled``, a metric update) releases the GIL and takes it back; while such a thread
+  waits for it, each of the loop's torch calls wakes that thread and now and then loses the GIL to it.
+  On the 2-core CPU machine (the loop's thread alone on its core, 4.5 ms cycles) this cost 0.16–0.25 ms
+  of GIL waits per cycle plus extra CPU time (futex wake-ups in the loop's GIL releases); with the
+  per-cycle responses turned off, both vanished.
+
+Here nothing else competes with the loop for its GIL: the loop thread sends each cycle's events in one
+message (a pickle and a socket write), and the main thread receives requests and cancellations and
+checks the target's workers.
+
+Messages (pickled tuples)::
+
+    host → engine   ("load", engines_dir, load keyword arguments)
+                    ("submit", sid, Request)   ("cancel", sid)   ("stop",)
+    engine → host   ("ready", info)   ("load_failed", error class name, message)
+                    ("accepted", sid)   ("rejected", sid, error class name, message)
+                    ("cycle", [(sid, RequestOutput, finishing)], CycleStats | None, gauges)   one per cycle
+                    ("failed", message)   the engine stopped serving (a target worker died)
+
+``sid`` is the host's id of a request. ``finishing``: the event's request finished in the same cycle (its
+final event follows in the same message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Callable
+
+from splitspec import errors
+from splitspec.engine import EngineError
+from splitspec.errors import SplitspecError
+
+#: Seconds between two checks of the target's worker processes (in the engine process).
+HEALTH_CHECK_S = 0.2
+#: Seconds a submit waits for the engine process's answer.
+SUBMIT_TIMEOUT_S = 60.0
+
+
+def _error(kind: str, message: str) -> SplitspecError:
+    """The exception named ``kind`` (a SplitspecError subclass) carrying ``message``; EngineError otherwise."""
+    cls = EngineError if kind == "EngineError" else getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, SplitspecError):
+        return cls(message)
+    return EngineError(f"{kind}: {message}")
+
+
+class EngineProcess:
+    """The engine in a child process. :meth:`submit` and :meth:`cancel` are thread-safe.
+
+    ``on_cycle(events, cycle_stats)`` and ``on_failed(message)`` run on a reader thread of this process:
+    ``events`` is a list of ``(sid, RequestOutput, finishing)``; ``on_failed`` is called once, when the engine
+    stops serving (a worker died, the engine process exited).
+
+    Args:
+        engines_dir: the built engines; ``load_kwargs`` go to :meth:`SpeculativeEngine.load`.
+        cpu_threads: intra-op threads of a CPU engine's rank 0 (None: its share of the cores less one,
+            which Triton's processes need).
+    Raises:
+        the engine's load error (ConfigError, CheckpointError, EngineError, ...) with its message;
+        EngineError if the process exits or is not ready within ``start_timeout_s``.
+    """
+
+    def __init__(self, engines_dir: Path, on_cycle: Callable, on_failed: Callable[[str], None],
+                 start_timeout_s: float = 900.0, cpu_threads: int | None = None, **load_kwargs):
+        self.on_cycle, self.on_failed = on_cycle, on_failed
+        self.closed = False
+        self.error: str | None = None  # why the engine stopped serving
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._replies: dict[int, list] = {}  # sid -> [Event, reply], while a submit waits
+        ours, theirs = socket.socketpair()
+        try:
+            cmd = [sys.executable, "-m", "splitspec.engine_process", "--fd", str(theirs.fileno())]
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        finally:
+            theirs.close()
+        self.pid = self.proc.pid
+        self.conn = Connection(ours.detach())
+        try:
+            self._send(("load", str(engines_dir), dict(load_kwargs, cpu_threads=cpu_threads)))
+            self.info: dict = self._wait_ready(start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self.gauges = {"active": 0, "queued": 0, "kv_used": 0, "kv_total": self.info["kv_blocks"]}
+        self._reader = threading.Thread(target=self._read, name="splitspec-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.conn.poll(0.5):
+                try:
+                    msg = self.conn.recv()
+                except EOFError:
+                    msg = ("exited",)
+                if msg[0] == "ready":
+                    return msg[1]
+                if msg[0] == "load_failed":
+                    raise _error(msg[1], msg[2])
+            if self.proc.poll() is not None:
+                raise EngineError(f"the engine process (pid {self.pid}) exited with status {self.proc.returncode} "
+                                  "while loading the engines (see the log above)")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the engine process (pid {self.pid}) did not load the engines in {timeout_s:.0f} s")
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, sid: int, req) -> None:
+        """Queue ``req`` (a :class:`splitspec.runtime.Request`) under the host's id ``sid``; its events go to
+        ``on_cycle``. Raises what :meth:`SpeculativeEngine.submit` raises (ConfigError for a request the engine
+        can never serve), EngineError when the engine is not serving."""
+        waiter: list = [threading.Event(), None]
+        with self._lock:
+            if self.error is not None:
+                raise EngineError(f"engine is not ready: {self.error}")
+            self._replies[sid] = waiter
+        try:
+            self._send(("submit", sid, req))
+        except OSError as e:
+            with self._lock:
+                self._replies.pop(sid, None)
+            raise EngineError(f"the engine process (pid {self.pid}) is gone: {e}") from None
+        if not waiter[0].wait(SUBMIT_TIMEOUT_S):
+            with self._lock:
+                self._replies.pop(sid, None)
+            raise EngineError(f"the engine process (pid {self.pid}) did not answer within {SUBMIT_TIMEOUT_S:.0f} s")
+        reply = waiter[1]
+        if reply[0] == "rejected":
+            raise _error(reply[2], reply[3])
+
+    def cancel(self, sid: int) -> None:
+        """Cancel request ``sid``; its slot and KV are freed at the start of the engine's next cycle."""
+        try:
+            self._send(("cancel", sid))
+        except OSError:
+            pass
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    # ------------------------------------------------------------------ from the engine
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "cycle":
+                self.gauges = msg[3]
+                self.on_cycle(msg[1], msg[2])
+            elif kind in ("accepted", "rejected"):
+                with self._lock:
+                    waiter = self._replies.pop(msg[1], None)
+                if waiter is not None:
+                    waiter[1] = msg
+                    waiter[0].set()
+            elif kind == "failed":
+                self._fail(msg[1])
+        if not self.closed:
+            try:
+                status = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = "unknown (it closed its end of the socket)"
+            self._fail(f"the engine process (pid {self.pid}) exited with status {status}")
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = message
+            waiters, self._replies = list(self._replies.items()), {}
+        for sid, waiter in waiters:
+            waiter[1] = ("rejected", sid, "EngineError", f"engine is not ready: {message}")
+            waiter[0].set()
+        self.on_failed(message)
+
+    # ------------------------------------------------------------------ stopping
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the engine (its worker processes exit) and the process. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self.conn.close()
+
+    def _kill(self) -> None:
+        self.closed = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------- the engine process
+
+
+def _worker_failure(eng, loop) -> str | None:
+    """Why the engine cannot serve (a dead worker first: clearer than the collective error it caused), or None."""
+    try:
+        eng.group.check_workers()
+    except EngineError as e:
+        return str(e)
+    if not loop.healthy:
+        return loop.error or "the engine loop stopped"
+    return None
+
+
+def serve(conn: Connection) -> int:
+    """Body of the engine process: load the engines, run the loop, relay requests and events until told
+    to stop or the host goes away."""
+    import torch
+
+    from splitspec.runtime import EngineLoop, SpeculativeEngine
+
+    _, engines_dir, kwargs = conn.recv()
+    cpu_threads = kwargs.pop("cpu_threads", None)
+    try:
+        eng = SpeculativeEngine.load(Path(engines_dir), **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the host, which fails the model load
+        conn.send(("load_failed", type(e).__name__, str(e)))
+        return 1
+    if not kwargs.get("target_device_ids"):  # rank 0 on the CPU: leave a core to the serving processes
+        world = eng.group.world
+        torch.set_num_threads(cpu_threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world - 1)))
+    send_lock, lock = threading.Lock(), threading.Lock()
+    pending: list = []  # (sid, RequestOutput, finishing) of the running cycle
+    last_cycle: list = [None]
+    rids: dict[int, int] = {}  # sid -> engine request id, while running
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def on_event(sid: int, ev) -> None:  # the loop thread
+        finishing = not ev.finished and ev.request_id not in eng.seqs
+        with lock:
+            pending.append((sid, ev, finishing))
+        if ev.finished:
+            rids.pop(sid, None)
+
+    def flush() -> None:  # the loop thread, after each cycle
+        with lock:
+            events = pending[:]
+            pending.clear()
+        cs, last_cycle[0] = last_cycle[0], None
+        if events or cs is not None:
+            send(("cycle", events, cs, {"active": eng.num_active, "queued": eng.num_queued,
+                                        "kv_used": eng.alloc.used, "kv_total": eng.alloc.num_blocks}))
+
+    eng.on_cycle = lambda cs: last_cycle.__setitem__(0, cs)
+    loop = EngineLoop(eng, after_step=flush)
+    failed = False
+    try:
+        send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
+                        "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
+                        "block_size": eng.alloc.block_size, "worker_pids": [p.pid for p in eng.group.procs],
+                        "torch_threads": torch.get_num_threads()}))
+        next_check = time.monotonic() + HEALTH_CHECK_S
+        while True:
+            if conn.poll(HEALTH_CHECK_S):
+                msg = conn.recv()
+                if msg[0] == "submit":
+                    sid, req = msg[1], msg[2]
+                    try:
+                        rid = loop.submit(req, lambda ev, sid=sid: on_event(sid, ev))
+                    except SplitspecError as e:
+                        send(("rejected", sid, type(e).__name__, str(e)))
+                    else:
+                        rids[sid] = rid
+                        if rid not in eng.seqs:  # already finished (its final event popped nothing)
+                            rids.pop(sid, None)
+                        send(("accepted", sid))
+                elif msg[0] == "cancel":
+                    rid = rids.get(msg[1])
+                    if rid is not None:
+                        loop.cancel(rid)
+                elif msg[0] == "stop":
+                    break
+            if not failed and time.monotonic() >= next_check:
+                next_check = time.monotonic() + HEALTH_CHECK_S
+                reason = _worker_failure(eng, loop)
+                if reason is not None:
+                    failed = True
+                    send(("failed", reason))
+                    if not loop.healthy:  # the loop failed its requests and exited: pass those events on
+                        flush()
+    except (EOFError, OSError):  # the host went away
+        pass
+    finally:
+        loop.stop()
+        eng.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the host")
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host stops it (message or closed socket)
+    return serve(Connection(a.fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

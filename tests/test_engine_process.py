@@ -1,0 +1,93 @@
+"""The engine in a process of its own (what ``spec_decode`` serves through): same tokens as in this process,
+cancellation, refused requests, load errors, and a dead target worker reported once and clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from splitspec.engine import EngineError
+from splitspec.engine_process import EngineProcess
+from splitspec.errors import CheckpointError, ConfigError
+from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.tokenizer import ChatTokenizer
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "x"]
+
+
+class Events:
+    """Collects what an EngineProcess reports (its reader thread calls in)."""
+
+    def __init__(self):
+        self.by_sid: dict[int, list] = {}
+        self.done: dict[int, threading.Event] = {}
+        self.cycles = 0
+        self.failed: list[str] = []
+
+    def on_cycle(self, events, cycle_stats):
+        self.cycles += cycle_stats is not None
+        for sid, ev, _finishing in events:
+            self.by_sid.setdefault(sid, []).append(ev)
+            if ev.finished:
+                self.done.setdefault(sid, threading.Event()).set()
+
+    def wait(self, sid, timeout_s=120):
+        assert self.done.setdefault(sid, threading.Event()).wait(timeout_s), f"request {sid} did not finish"
+        return self.by_sid[sid]
+
+
+@pytest.fixture(scope="module")
+def tok(built_engines):
+    return ChatTokenizer.from_dir(built_engines / "target")
+
+
+def test_same_tokens_cancel_refusal_and_close(built_engines, tok):
+    reqs = [Request(tok.encode(p), 16, num_draft_tokens=3, stop_token_ids=set()) for p in PROMPTS]
+    with SpeculativeEngine.load(built_engines, num_draft_tokens=3) as eng:
+        expected = [r.token_ids for r in eng.run(reqs)]
+    ev = Events()
+    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    try:
+        assert proc.info["kv_blocks"] == proc.gauges["kv_total"] > 0 and len(proc.info["worker_pids"]) == 1
+        for sid, r in enumerate(reqs, start=1):
+            proc.submit(sid, r)
+        for sid, want in enumerate(expected, start=1):
+            got = ev.wait(sid)
+            assert [t for e in got for t in e.token_ids] == want
+            assert got[-1].finish_reason == "length" and got[-1].stats.num_output_tokens == len(want)
+        assert ev.cycles > 0
+
+        proc.submit(10, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
+        proc.cancel(10)
+        assert ev.wait(10)[-1].finish_reason == "cancelled"
+        with pytest.raises(ConfigError, match="max_seq_len"):
+            proc.submit(11, Request(tok.encode("x"), 100_000))
+        assert proc.gauges["active"] == 0 and not ev.failed
+    finally:
+        proc.close()
+    assert not proc.alive()
+
+
+def test_load_error_is_the_engines(tmp_path):
+    with pytest.raises(CheckpointError, match="engine.json"):
+        EngineProcess(tmp_path, lambda *a: None, lambda m: None)
+
+
+def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok):
+    ev = Events()
+    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    try:
+        proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
+        pid = proc.info["worker_pids"][0]
+        os.kill(pid, signal.SIGKILL)
+        last = ev.wait(1)[-1]
+        assert last.finish_reason == "error"
+        assert ev.failed == [f"target worker rank 1 (pid {pid}) exited with status -9"]
+        with pytest.raises(EngineError, match="exited with status -9"):
+            proc.submit(2, Request(tok.encode("x"), 4))
+    finally:
+        proc.close()
+    assert not proc.alive()
