@@ -279,7 +279,7 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
                  out: Path | None = None, placements: list[int] | None = None) -> dict:
     from splitspec.runtime import SpeculativeEngine
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
-    from splitspec.tune import steady_cycles
+    from splitspec.tune import sweep_engine
 
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
                                       max_batch_size=max(batches), max_seq_len=1024, tiny=dry_run)
@@ -291,17 +291,16 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
         with SpeculativeEngine.load(eng_dir, target_device_ids=None if dry_run else list(range(tp)), draft_tp=dtp, max_batch_size=max(batches),
                                     kv_tokens=max(batches) * 1024, synthetic_acceptance=KIMI_DRAFTER_PROFILE) as eng:
             load_s = time.time() - t0
-            for B in batches:
-                for k in ks:
-                    row = steady_cycles(eng, [[1 + i] * 16 for i in range(B)], B, k, cycles)
-                    if row is None:
-                        continue
-                    row = {"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers, "draft_tp": dtp} | row | {"synthetic_acceptance": True}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    RESULTS.setdefault("partial_rows", []).append(row)
-                    if out:
-                        save(out)
+
+            def keep(row: dict, dtp=dtp) -> None:
+                row = {"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers, "draft_tp": dtp} | row | {"synthetic_acceptance": True}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                RESULTS.setdefault("partial_rows", []).append(row)
+                if out:
+                    save(out)
+
+            sweep_engine(eng, [[1 + i] * 16 for i in range(max(batches))], batches, ks, cycles, on_row=keep)
         del eng
         import gc
 
@@ -310,19 +309,23 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
     return {"load_s": load_s, "rows": rows}
 
 
-def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], sweep: list[dict], dry_run: bool = False) -> dict:
-    """Run ``splitspec tune`` on the synthetic engines of one sweep, then score its choice against that sweep
-    (an independent, exhaustive measurement of every placement × k): chosen config's tokens/s over the best."""
+def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], sweep: list[dict], cycles: int,
+                  dry_run: bool = False) -> dict:
+    """Run ``splitspec tune --verify`` on the synthetic engines of one sweep, then score its choice against that
+    sweep (an independent, exhaustive measurement of every placement × k, 16-token prompts) as well as against
+    the tuner's own second sweep (the evaluation prompts): chosen config's tokens/s over the best."""
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE
     from splitspec.tune import score, tune
 
     choice = tune(tmp / f"kimi-tp{tp}-m{moe_layers}", batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
-                  max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE)
-    sc = score(choice, sweep, batches)
+                  max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE,
+                  verify=True, cycles=cycles)
+    sc, sc_emitted = score(choice, sweep, batches), score(choice, sweep, batches, "tokens_per_s")
     for B, r in sc.items():
         print(f"tune B={B}: chosen ×{r['chosen_over_best']:.3f} of the sweep's best (draft_tp={r['best']['draft_tp']}, k={r['best']['k']}), "
-              f"×{r['chosen_over_no_speculation']:.2f} over no speculation", flush=True)
-    return {"choice": {k: v for k, v in choice.items() if k != "measured"}, "tuner_rows": choice["measured"], "score": sc}
+              f"×{r['chosen_over_no_speculation']:.2f} over no speculation; with each row's own acceptance ×{sc_emitted[B]['chosen_over_best']:.3f}", flush=True)
+    return {"choice": {k: v for k, v in choice.items() if k not in ("measured", "verification")}, "tuner_rows": choice["measured"],
+            "score": sc, "score_emitted": sc_emitted, "verification": choice["verification"]}
 
 
 def main() -> None:
@@ -332,7 +335,7 @@ def main() -> None:
     ap.add_argument("--moe-layers", default="1,3")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("-k", default="0,1,2,3,4,5")
-    ap.add_argument("--cycles", type=int, default=12)
+    ap.add_argument("--cycles", type=int, default=48, help="steady cycles timed per configuration (sweep and tuner)")
     ap.add_argument("--layer-tp", default="1,2,8", help="TP shard shapes timed per layer (on one GPU)")
     ap.add_argument("--layer-k", default="0,1,3,5", help="k values of the per-layer timings")
     ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
@@ -387,7 +390,7 @@ def main() -> None:
             key = f"engine_tp{tp}_moe{m}"
             if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):
                 section("tune", out)(tune_vs_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                    [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.dry_run)
+                                                    [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.cycles, a.dry_run)
     print("done", flush=True)
     os._exit(0)  # leftover NCCL/gloo threads must not hold the process open
 

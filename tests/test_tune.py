@@ -14,7 +14,7 @@ from splitspec.tune import choose, score, tune
 
 
 def _row(dtp, B, k, tps):
-    return {"draft_tp": dtp, "batch": B, "k": k, "tokens_per_s": tps, "acceptance_length": 1.0}
+    return {"draft_tp": dtp, "batch": B, "k": k, "tokens_per_s": tps, "tokens_per_s_pooled": tps, "acceptance_length": 1.0}
 
 
 def test_choice_turns_speculation_off_where_it_does_not_pay():
@@ -24,6 +24,33 @@ def test_choice_turns_speculation_off_where_it_does_not_pay():
     assert c["draft_tp"] == 1 and c["k_by_batch"] == {"1": 3, "16": 0}
     sc = score(c, rows, [1, 16])
     assert sc["16"]["chosen_over_best"] == pytest.approx(100 / 120) and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
+
+
+def test_pooled_acceptance_rates_by_position():
+    from splitspec.tune import pool_acceptance
+
+    # batch 2, 10 cycles each: k = 1 accepted position 1 in 16 of 20 tries; k = 2 in 14 of 20, then 7 of those 14
+    rows = [{"batch": 2, "k": 0, "n": 10, "cycle_ms": 1.0, "accepted_by_position": []},
+            {"batch": 2, "k": 1, "n": 10, "cycle_ms": 2.0, "accepted_by_position": [16]},
+            {"batch": 2, "k": 2, "n": 10, "cycle_ms": 4.0, "accepted_by_position": [14, 7]}]
+    pool_acceptance(rows)
+    assert rows[0]["pooled_acceptance_rates"] == pytest.approx([30 / 40, 7 / 14])
+    assert rows[1]["expected_acceptance_length"] == pytest.approx(1 + 0.75)
+    assert rows[2]["expected_acceptance_length"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
+    assert rows[2]["tokens_per_s_pooled"] == pytest.approx(2 * (1 + 0.75 + 0.375) / 4.0 * 1e3)
+    assert rows[0]["tokens_per_s_pooled"] == pytest.approx(2 / 1.0 * 1e3)
+
+
+def test_placement_is_the_one_whose_worst_bucket_loses_least():
+    # draft_tp=1 wins batch 1 by 4% but loses batch 16 by 25%: draft_tp=2 is kept for every bucket
+    rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 25), _row(2, 1, 0, 10), _row(2, 1, 3, 24),
+            _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
+    c = choose(rows, [1, 16])
+    assert c["draft_tp"] == 2 and c["k_by_batch"] == {"1": 3, "16": 3}
+    sc = score(c, rows, [1, 16])
+    assert sc["1"]["chosen_over_best"] == pytest.approx(24 / 25) and sc["16"]["chosen_over_best"] == 1.0
+    # a tie goes to the split placement
+    assert choose([_row(1, 1, 0, 10), _row(2, 1, 0, 10)], [1])["draft_tp"] == 1
 
 
 def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
@@ -69,6 +96,7 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
     assert all(r["n"] > 0 and r["cycle_ms"] > 0 for r in rows)
     # with acceptance 0.9, k = 2 emits more than one token per sequence and cycle; k = 0 exactly one
     assert all((r["acceptance_length"] > 1.5) == (r["k"] == 2) for r in rows)
+    assert all((r["expected_acceptance_length"] > 1.5) == (r["k"] == 2) and r["n"] == 48 for r in rows)
     assert set(saved["verification"]["score"]) == {"1", "2"}
     with pytest.raises(ConfigError):
         tune(eng_dir, [], [0, 2], prompts)

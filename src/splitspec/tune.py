@@ -5,9 +5,10 @@ group), each batch bucket B and each k, keeps B sequences decoding (prompts from
 real acceptance of the engines' drafter — or a synthetic acceptance profile, labelled) and times steady
 cycles: every sequence decoding, no prefill, CUDA graphs captured. k is what a cycle's cost and yield depend
 on, so steady cycles are what the choice is about (admission and prefill cost the same whatever k is).
-Tokens/s = tokens emitted per cycle / median cycle time. The placement that wins at the smallest bucket is
-kept (placement is fixed per deployment); for each bucket the fastest k under that placement is chosen, and
-k = 0 (speculation off) wherever speculation does not beat it. ``verify`` measures everything a second time
+Tokens/s = tokens emitted per cycle / median cycle time; the configurations are timed in interleaved passes.
+Placement is fixed per deployment: the one kept is the one whose worst bucket falls least short of that
+bucket's best; for each bucket the fastest k under it is chosen, and k = 0 (speculation off) wherever
+speculation does not beat it. ``verify`` measures everything a second time
 and scores the choice against that independent exhaustive sweep. Written atomically to
 ``engines_dir/tuning.json``, which ``SpeculativeEngine.load`` reads.
 """
@@ -25,89 +26,176 @@ from splitspec.generate import encode_prompt, read_prompts
 from splitspec.runtime import Request, SpeculativeEngine
 
 
-def steady_cycles(eng: SpeculativeEngine, prompts: list[list[int]], B: int, k: int, cycles: int = 12, warmup: int = 3) -> dict | None:
-    """Decode B sequences (``prompts`` token ids, cycled) with k draft tokens; time ``cycles`` steady cycles
-    after ``warmup`` ones (graph capture). Returns a row: cycle_ms (median, wall ms of ``eng.step()``),
-    cycle_ms_mean, draft_ms / verify_ms (means), tokens_per_cycle, tokens_per_s (aggregate), acceptance_length
-    (tokens per sequence per cycle), n (cycles timed); None if no steady cycle happened."""
-    stats, prev = [], eng.on_cycle
+#: What configurations are compared by: tokens/s with acceptance pooled over k (:func:`pool_acceptance`).
+METRIC = "tokens_per_s_pooled"
+
+
+def _steady_round(eng: SpeculativeEngine, used: list[list[int]], k: int, n: int, warmup: int) -> list[tuple]:
+    """One round: ``used`` (B prompts) decode with k draft tokens to their end; returns up to ``n``
+    ``(wall ms of eng.step(), CycleStats)`` of steady cycles (every sequence decoding, no prefill) after
+    the first ``warmup`` of them."""
+    stats, times, prev = [], [], eng.on_cycle
     eng.on_cycle = stats.append
-    # every sequence runs at least cycles + warmup + 3 cycles, whatever is accepted
-    max_tokens = (cycles + warmup + 3) * (k + 1) + 8
     try:
-        for i in range(B):
-            eng.submit(Request(prompts[i % len(prompts)], max_tokens, num_draft_tokens=k, stop_token_ids=set()))
-        times = []
+        # every sequence runs at least n + warmup + 3 cycles, whatever is accepted
+        for p in used:
+            eng.submit(Request(p, (n + warmup + 3) * (k + 1) + 8, num_draft_tokens=k, stop_token_ids=set()))
         while eng.has_work():
             t0 = time.perf_counter()
             eng.step()
             times.append((time.perf_counter() - t0) * 1e3)
     finally:
         eng.on_cycle = prev
-    steady = [(t, s) for t, s in zip(times, stats) if s.decode_seqs == B and s.prefill_tokens == 0][warmup:warmup + cycles]
-    if not steady:
-        return None
+    return [(t, s) for t, s in zip(times, stats) if s.decode_seqs == len(used) and s.prefill_tokens == 0][warmup:warmup + n]
+
+
+def _row(B: int, k: int, steady: list[tuple]) -> dict:
     wall = sorted(t for t, _ in steady)[len(steady) // 2]  # median: host jitter spikes are not the configuration's cost
     emitted = sum(sum(s.emitted) for _, s in steady) / len(steady)
+    accepted = [sum(s.accepted_by_position[j] for _, s in steady) for j in range(k)]
     return {"batch": B, "k": k, "cycle_ms": wall, "cycle_ms_mean": sum(t for t, _ in steady) / len(steady),
             "draft_ms": sum(s.draft_ms for _, s in steady) / len(steady), "verify_ms": sum(s.verify_ms for _, s in steady) / len(steady),
-            "tokens_per_cycle": emitted, "tokens_per_s": emitted / wall * 1e3, "acceptance_length": emitted / B, "n": len(steady)}
+            "tokens_per_cycle": emitted, "tokens_per_s": emitted / wall * 1e3, "acceptance_length": emitted / B, "n": len(steady),
+            "accepted_by_position": accepted}
+
+
+def pool_acceptance(rows: list[dict]) -> list[dict]:
+    """Add ``expected_acceptance_length`` and ``tokens_per_s_pooled`` to rows of one engine (same drafter and
+    prompts): per-position conditional acceptance rates pooled over every row — the draft at position j is
+    the same whatever k is, so all rows with k ≥ j measure it — then 1 + Σ_{j≤k} Π_{i≤j} rate_i per
+    sequence and cycle (:func:`splitspec.perf_model.expected_acceptance_length`), over the row's median
+    cycle. Comparing k by this shares one acceptance estimate among them instead of each k's own few
+    hundred draws (a row's acceptance alone is ±5% at 64 cycles of batch 1). Returns ``rows`` (amended);
+    the rates are also stored in each row (``pooled_acceptance_rates``).
+    """
+    from splitspec.perf_model import expected_acceptance_length
+
+    depth = max((r["k"] for r in rows), default=0)
+    rates = []
+    for j in range(depth):
+        tried = sum(r["accepted_by_position"][j - 1] if j else r["n"] * r["batch"] for r in rows if r["k"] > j)
+        took = sum(r["accepted_by_position"][j] for r in rows if r["k"] > j)
+        rates.append(took / tried if tried else 0.0)
+    for r in rows:
+        al = expected_acceptance_length(rates, r["k"]) if r["k"] else 1.0
+        r.update(expected_acceptance_length=al, tokens_per_s_pooled=al * r["batch"] / r["cycle_ms"] * 1e3,
+                 pooled_acceptance_rates=rates)
+    return rows
+
+
+def sweep_engine(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int], ks: list[int], cycles: int = 48,
+                 passes: int = 8, warmup: int = 3, max_seq_len: int | None = None, on_row=None) -> list[dict]:
+    """Time steady cycles of every (B, k) on one loaded engine: B sequences (``prompts`` token ids, cycled)
+    decoding with k draft tokens, every sequence decoding and no prefill, CUDA graphs captured.
+
+    ``cycles`` steady cycles per (B, k) are gathered in ``passes`` interleaved passes over all (B, k) — each
+    a fresh round of B sequences, its first ``warmup`` cycles skipped — so that a slow stretch of the
+    machine (host jitter, clocks) lands on every configuration alike instead of on whichever ran then;
+    a pass runs as many rounds as its share needs within ``max_seq_len`` tokens per sequence (default:
+    the engine's; pass the KV budget's share per sequence). Many cycles matter more than long ones: the
+    tokens a cycle emits vary with what is accepted (≈ 3% standard error of the mean at 12 cycles of
+    batch 16), most of the noise when two k are compared.
+
+    Returns one row per (B, k), in order: cycle_ms (median wall ms of ``eng.step()``), cycle_ms_mean,
+    draft_ms / verify_ms (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / median
+    cycle), acceptance_length (tokens per sequence per cycle), n (cycles timed), accepted_by_position, and
+    the pooled estimate (:func:`pool_acceptance`): expected_acceptance_length, tokens_per_s_pooled — what
+    the tuner compares. ``on_row(row)`` is called for each row at the end. Raises ConfigError when not even one steady cycle fits in max_seq_len after
+    the longest prompt.
+    """
+    from splitspec.errors import ConfigError
+
+    limit = min(max_seq_len or eng.max_seq_len, eng.max_seq_len)
+    plan = {}
+    for B in batches:
+        used = [prompts[i % len(prompts)] for i in range(B)]
+        for k in ks:
+            per_round = (limit - max(map(len, used)) - k - 9) // (k + 1) - warmup - 3
+            if per_round < 1:
+                raise ConfigError(f"steady cycles: prompts of {max(map(len, used))} tokens leave no room for a steady "
+                                  f"cycle at k = {k} within max_seq_len = {limit}")
+            plan[B, k] = (used, per_round)
+    samples: dict[tuple, list] = {key: [] for key in plan}
+    rows = []
+    for i in range(passes):
+        for (B, k), (used, per_round) in plan.items():
+            want = cycles * (i + 1) // passes  # cumulative share after this pass
+            while len(samples[B, k]) < want:
+                got = _steady_round(eng, used, k, min(per_round, want - len(samples[B, k])), warmup)
+                if not got:
+                    break
+                samples[B, k] += got
+            if i == passes - 1 and samples[B, k]:
+                rows.append(_row(B, k, samples[B, k]))
+    pool_acceptance(rows)
+    for row in rows:
+        if on_row is not None:
+            on_row(row)
+    return rows
 
 
 def measure(engines_dir: Path, draft_tp: int, batches: list[int], ks: list[int], prompts: list[str], max_seq_len: int,
-            device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 12) -> list[dict]:
-    """Steady-cycle rows (see :func:`steady_cycles`) for every (B, k) at one placement; one engine load."""
-    rows = []
+            device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48) -> list[dict]:
+    """Steady-cycle rows (see :func:`sweep_engine`) for every (B, k) at one placement; one engine load."""
     with SpeculativeEngine.load(engines_dir, target_device_ids=device_ids, draft_tp=draft_tp, num_draft_tokens=0,
                                 max_batch_size=max(batches), kv_tokens=max(batches) * max_seq_len, synthetic_acceptance=synthetic) as eng:
         tok = eng.tokenizer
         encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
         ids = [encode(p)[-(max_seq_len // 2):] for p in prompts]
-        for B in batches:
-            for k in ks:
-                row = steady_cycles(eng, ids, B, k, cycles)
-                if row is None:
-                    continue
-                rows.append({"draft_tp": draft_tp} | row)
-                print(f"  draft_tp={draft_tp} B={B:>3} k={k}: {row['tokens_per_s']:8.1f} tok/s, cycle {row['cycle_ms']:.2f} ms, "
-                      f"acceptance {row['acceptance_length']:.2f}", flush=True)
-    return rows
+
+        def show(row: dict) -> None:
+            print(f"  draft_tp={draft_tp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s']:8.1f} tok/s, cycle "
+                  f"{row['cycle_ms']:.2f} ms, acceptance {row['acceptance_length']:.2f}", flush=True)
+
+        rows = sweep_engine(eng, ids, batches, ks, cycles, max_seq_len=max_seq_len, on_row=show)
+    return [{"draft_tp": draft_tp} | r for r in rows]
 
 
 def choose(rows: list[dict], batches: list[int]) -> dict:
-    """Placement winning at the smallest bucket; per bucket, the fastest k under it (0 if speculation loses)."""
-    best = lambda rs: max(rs, key=lambda r: r["tokens_per_s"])  # noqa: E731
-    placement = best([r for r in rows if r["batch"] == min(batches)])["draft_tp"]
+    """The placement, fixed per deployment, whose worst bucket loses least against that bucket's best (any
+    placement): max over placements of min over buckets of best(placement, B) / best(B); ties go to the
+    smaller draft_tp. Per bucket, the fastest k under it, 0 where speculation does not beat k = 0."""
+    best = lambda rs: max(rs, key=lambda r: r[METRIC])  # noqa: E731
+    top = {B: best([r for r in rows if r["batch"] == B])[METRIC] for B in batches}
+
+    def worst(dtp: int) -> float:
+        return min(best([r for r in rows if r["batch"] == B and r["draft_tp"] == dtp])[METRIC] / top[B] for B in batches)
+
+    placement = max(sorted({r["draft_tp"] for r in rows}), key=lambda dtp: (worst(dtp), -dtp))
     k_by_batch = {}
     for B in batches:
         mine = [r for r in rows if r["batch"] == B and r["draft_tp"] == placement]
-        top, off = best(mine), next(r for r in mine if r["k"] == 0)
-        k_by_batch[str(B)] = top["k"] if top["tokens_per_s"] > off["tokens_per_s"] else 0
+        fastest, off = best(mine), next(r for r in mine if r["k"] == 0)
+        k_by_batch[str(B)] = fastest["k"] if fastest[METRIC] > off[METRIC] else 0
     return {"draft_tp": placement, "k_by_batch": k_by_batch}
 
 
-def score(choice: dict, rows: list[dict], batches: list[int]) -> dict:
-    """Per bucket, the chosen configuration's tokens/s in ``rows`` over the best of ``rows`` (every placement
-    and k) and over no speculation."""
+def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METRIC) -> dict:
+    """Per bucket, the chosen configuration's tokens/s (``metric`` of ``rows``: pooled by default, or
+    ``tokens_per_s`` as emitted) over the best of ``rows`` (every placement and k) and over no speculation."""
     out = {}
     for B in batches:
         mine = [r for r in rows if r["batch"] == B]
         pick = lambda dtp, k: next(r for r in mine if r["draft_tp"] == dtp and r["k"] == k)  # noqa: E731
-        top = max(mine, key=lambda r: r["tokens_per_s"])
+        top = max(mine, key=lambda r: r[metric])
         chosen = pick(choice["draft_tp"], int(choice["k_by_batch"][str(B)]))
-        out[str(B)] = {"chosen_tokens_per_s": chosen["tokens_per_s"], "best": {k: top[k] for k in ("draft_tp", "k", "tokens_per_s")},
-                       "chosen_over_best": chosen["tokens_per_s"] / top["tokens_per_s"],
-                       "chosen_over_no_speculation": chosen["tokens_per_s"] / pick(choice["draft_tp"], 0)["tokens_per_s"]}
+        out[str(B)] = {"chosen_tokens_per_s": chosen[metric], "best": {"draft_tp": top["draft_tp"], "k": top["k"], "tokens_per_s": top[metric]},
+                       "chosen_over_best": chosen[metric] / top[metric],
+                       "chosen_over_no_speculation": chosen[metric] / pick(choice["draft_tp"], 0)[metric]}
     return out
 
 
 def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Path, max_seq_len: int = 512,
-         device_ids: list[int] | None = None, synthetic: list[float] | None = None, verify: bool = False) -> dict:
+         device_ids: list[int] | None = None, synthetic: list[float] | None = None, verify: bool = False,
+         cycles: int = 48) -> dict:
     """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
-    Raises ConfigError for an empty batch or k list or a bad prompts file."""
+    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`steady_cycles`).
+    Raises ConfigError for an empty batch or k list, cycles < 1, or a bad prompts file."""
     from splitspec.errors import ConfigError
 
+    if cycles < 1:
+        raise ConfigError(f"tune: cycles = {cycles}, expected ≥ 1")
     if not batches or min(batches) < 1 or not ks or min(ks) < 0 or 0 not in ks:
         raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
     engines_dir = Path(engines_dir)
@@ -118,7 +206,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
         rows = []
         for dtp in sorted({1, tp}):
             print(f"{label}: draft_tp={dtp} ...", flush=True)
-            rows += measure(engines_dir, dtp, batches, ks, prompts, max_seq_len, device_ids, synthetic)
+            rows += measure(engines_dir, dtp, batches, ks, prompts, max_seq_len, device_ids, synthetic, cycles)
         return rows
 
     rows = sweep("measuring")
@@ -126,17 +214,19 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     detail = score(choice, rows, batches)
     for B, s in detail.items():
         if s["chosen_over_best"] < 0.95:
-            print(f"note: at batch {B} the kept placement (draft_tp={choice['draft_tp']}, chosen at the smallest bucket) gives "
+            print(f"note: at batch {B} the kept placement (draft_tp={choice['draft_tp']}, one for all buckets) gives "
                   f"×{s['chosen_over_best']:.2f} of this sweep's best (draft_tp={s['best']['draft_tp']}, k={s['best']['k']}); "
                   "on a noisy machine, re-run with --verify")
     result = choice | {"measured": rows, "detail": detail, "synthetic_acceptance": synthetic,
                        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().machine}
     if verify:
         again = sweep("verifying (an independent second sweep)")
-        result["verification"] = {"measured": again, "score": score(choice, again, batches)}
+        result["verification"] = {"measured": again, "score": score(choice, again, batches),
+                                  "score_emitted": score(choice, again, batches, "tokens_per_s")}
         for B, s in result["verification"]["score"].items():
             print(f"verify B={B}: chosen {s['chosen_tokens_per_s']:.1f} tok/s = ×{s['chosen_over_best']:.3f} of the sweep's best "
-                  f"(draft_tp={s['best']['draft_tp']}, k={s['best']['k']}), ×{s['chosen_over_no_speculation']:.2f} over no speculation")
+                  f"(draft_tp={s['best']['draft_tp']}, k={s['best']['k']}), ×{s['chosen_over_no_speculation']:.2f} over no speculation; "
+                  f"with each row's own acceptance ×{result['verification']['score_emitted'][B]['chosen_over_best']:.3f}")
     fd, tmp = tempfile.mkstemp(dir=engines_dir, prefix=".tuning.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(result, f, indent=2)
