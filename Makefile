@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 PY      ?= .venv/bin/python
 TP      ?=
-K       ?= 4
+K       ?=
 DEVICE  ?= cpu
 MODELS  ?= models/demo
 CKPT    ?= checkpoints/demo
@@ -35,10 +35,10 @@ engines: demo-models
 	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES); fi
 
 generate: engines
-	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" -k $(K) --check
+	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check
 
 repo: engines
-	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) -k $(K)
+	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K))
 
 serve: repo
 	$(SPLITSPEC) serve --repo $(REPO)
@@ -58,7 +58,7 @@ perf-tools: .venv/.perf-tools
 	touch $@
 
 perf: engines perf-tools
-	$(SPLITSPEC) perf --engines $(ENGINES) -k $(K) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
+	$(SPLITSPEC) perf --engines $(ENGINES) $(if $(K),-k $(K)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))
 
 bench: engines
 	$(SPLITSPEC) bench --engines $(ENGINES) $(if $(KS),-k $(KS)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))

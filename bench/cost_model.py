@@ -3,6 +3,7 @@
 Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
 
     .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-eager.json docs/data/h200x2-2026-11-30-compiled.json
+    .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
 
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
@@ -110,6 +111,18 @@ def kimi_report(d: dict) -> None:
           f"{step:.2f} ms per TP8 draft step (model: {pcie.draft_step_ms(1, 'tp8'):.2f} ms; TP1 step {pcie.draft_step_ms(1, 'tp1'):.2f} ms).")
 
 
+def tune_report(t: dict) -> None:
+    """The tuner's choice scored against the file's exhaustive sweep and against its own second sweep."""
+    c = t["choice"]
+    print(f"\n### Tuner: drafter TP{c['draft_tp']}, k by batch {c['k_by_batch']}\n")
+    print("| batch | tuner's choice | sweep's best | chosen / best | chosen / no speculation | second sweep: chosen / best |")
+    print("|---|---|---|---|---|---|")
+    for B, r in t["score"].items():
+        v = t["verification"]["score"][B]
+        print(f"| {B} | TP{c['draft_tp']}, k = {c['k_by_batch'][B]} | TP{r['best']['draft_tp']}, k = {r['best']['k']} | "
+              f"{r['chosen_over_best']:.3f} | ×{r['chosen_over_no_speculation']:.2f} | {v['chosen_over_best']:.3f} |")
+
+
 def main(paths: list[str]) -> None:
     for path in paths:
         try:
@@ -124,6 +137,8 @@ def main(paths: list[str]) -> None:
         if "rows" in d.get("layers", {}):
             layer_report(d)
             kimi_report(d)
+        if "verification" in d.get("tune", {}):
+            tune_report(d["tune"])
 
 
 if __name__ == "__main__":

@@ -124,3 +124,49 @@ def test_prompt_file_escapes_keep_other_characters(tmp_path):
     f.write_text("ends in a backslash\\\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="p.txt:1"):
         read_prompts(f)
+
+
+def _tp(engines) -> int:
+    return int(json.loads((engines / "target" / "engine.json").read_text())["mapping"]["tp_size"])
+
+
+def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path):
+    from splitspec.runtime import read_tuning
+
+    eng_dir = tmp_path / "e"
+    shutil.copytree(built_engines, eng_dir)
+    for bad, why in (({"draft_tp": 1, "k_by_batch": {"1": 99}}, "max_draft_len"),
+                     ({"draft_tp": _tp(built_engines) + 1, "k_by_batch": {"1": 2}}, "tp_size")):
+        (eng_dir / "tuning.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"tuning.json.*{why}"):
+            read_tuning(eng_dir)
+    with pytest.raises(ConfigError, match="max_draft_len"):
+        tune(eng_dir, [1], [0, 99], tmp_path / "none.txt")
+
+
+def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path):
+    from splitspec.engine_process import EngineProcess
+    from splitspec.perf import repo_setting
+    from splitspec.repo import render_repo
+
+    eng_dir = tmp_path / "e"
+    shutil.copytree(built_engines, eng_dir)
+    tp = _tp(built_engines)
+    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp": tp, "k_by_batch": {"1": 3, "4": 0}}))
+    setting = lambda repo, key: repo_setting(repo, "spec_decode", key)  # noqa: E731
+    repo = render_repo(eng_dir, tmp_path / "r1")
+    assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == ""
+    repo = render_repo(eng_dir, tmp_path / "r2", num_draft_tokens=2)
+    assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == "2"
+    if tp > 1:  # tuned for the sharded drafter: with the split one, k is the default
+        repo = render_repo(eng_dir, tmp_path / "r3", draft_tp=1)
+        assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"
+    # what spec_decode does with an empty num_draft_tokens: the engine (in its process) follows tuning.json
+    proc = EngineProcess(eng_dir, lambda *a: None, lambda m: None, draft_tp=tp, num_draft_tokens=None)
+    try:
+        assert proc.info["k_by_batch"] == {1: 3, 4: 0} and proc.info["draft_tp"] == tp
+    finally:
+        proc.close()
+    (eng_dir / "tuning.json").unlink()
+    repo = render_repo(eng_dir, tmp_path / "r4")
+    assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"

@@ -198,10 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("repo", help="render the Triton model repository for built engines")
     s.add_argument("--engines", default="engines/demo")
     s.add_argument("--out", default="triton_repo")
-    s.add_argument("-k", type=int, default=4, help="draft tokens per cycle")
+    s.add_argument("-k", type=int, default=None,
+                   help="default draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
     s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
     s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
-    s.add_argument("--draft-tp", type=int, default=1)
+    s.add_argument("--draft-tp", type=int, default=None,
+                   help="1 = drafter on its own (split placement); N = sharded over the target's group "
+                        "(default: tuning.json's, else 1)")
     s.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences decoded together (default: the engine's max_batch_size)")
     s.add_argument("--kv-tokens", type=int, default=None,
@@ -256,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-llm-metrics", action="store_true", help="skip genai-perf")
     s.add_argument("--level-timeout", type=float, default=300.0,
                    help="hard limit per level and tool (s); the tool is killed after it")
-    s.add_argument("-k", type=int, default=4, help="draft tokens per cycle of the rendered repository")
-    s.add_argument("--draft-tp", type=int, default=1, help="drafter placement of the rendered repository")
+    s.add_argument("-k", type=int, default=None,
+                   help="draft tokens per cycle of the rendered repository (default: tuning.json's per batch bucket, else 4)")
+    s.add_argument("--draft-tp", type=int, default=None, help="drafter placement of the rendered repository (default: tuning.json's, else 1)")
     s.add_argument("--out", default=None, help="results folder (default perf_results/<timestamp>)")
     s.set_defaults(func=_cmd_perf)
 

@@ -611,14 +611,15 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
                    concurrencies: Iterable[int] = DEFAULT_CONCURRENCIES, protocols: Iterable[str] = PROTOCOLS,
                    max_tokens: int = PERF_MAX_TOKENS, prompts_path: Path | None = None, seconds: float = 3.0,
                    llm_metrics: bool = True, llm_concurrencies: Iterable[int] | None = None,
-                   level_timeout_s: float = 300.0, num_draft_tokens: int = 4, draft_tp: int = 1,
+                   level_timeout_s: float = 300.0, num_draft_tokens: int | None = None, draft_tp: int | None = None,
                    target_device_ids: str = "", draft_device_id: str = "",
                    server: TritonServer | None = None) -> Path:
     """``make perf``: serve the ensemble, sweep concurrency with perf_analyzer (gRPC streaming and
     HTTP generate_stream) and genai-perf, write the results, stop the server.
 
     Exactly one of ``engines`` (a repository is rendered into ``out_dir/repo`` with max_batch_size =
-    the highest concurrency, KV space for every sequence, and the given k / placement), ``repo`` (an
+    the highest concurrency, KV space for every sequence, and the given k / placement — None: the
+    engines' tuning.json, else 4 and 1), ``repo`` (an
     already rendered repository; its max_batch_size should reach the highest concurrency) or
     ``server`` (a running server, not stopped here) says what is measured.
 
@@ -718,7 +719,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         _merge_csvs([out / "perf_analyzer" / f"{proto}_c{c}.csv" for c in levels], out / f"perf_analyzer_{proto}.csv")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "repo": str(repo_dir), "max_tokens": max_tokens,
             "prompts": str(prompts_path or DEFAULT_PROMPTS), "num_prompts": len(prompts),
-            "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens"),
+            "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens") or "tuning.json's per batch bucket",
             "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp"), "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
             "genai_perf": _version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}

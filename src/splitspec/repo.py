@@ -101,8 +101,8 @@ def _optional_positive(value: int | None, what: str) -> str:
     return str(value)
 
 
-def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, target_device_ids: str = "",
-                draft_device_id: str = "", draft_tp: int = 1, max_batch_size: int | None = None,
+def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | None = None, target_device_ids: str = "",
+                draft_device_id: str = "", draft_tp: int | None = None, max_batch_size: int | None = None,
                 kv_tokens: int | None = None, synthetic_acceptance: list[float] | None = None) -> Path:
     """Write the model repository for the engines in ``engines_dir`` to ``out_dir``.
 
@@ -111,10 +111,12 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
             the tokenizer files in ``target/``).
         out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
             folder also receives a copy of the models' code.
-        num_draft_tokens: default draft tokens per cycle (k ≥ 1).
+        num_draft_tokens: default draft tokens per cycle (k ≥ 1); None: the k per batch bucket of
+            ``engines_dir/tuning.json`` (``splitspec tune``) when it was tuned for this draft_tp
+            (the parameter is then left empty and the engine reads the file), else 4.
         target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
         draft_device_id: GPU id of the TP1 drafter; empty: target rank 0's device.
-        draft_tp: drafter tensor-parallel size (1, or the target's TP size).
+        draft_tp: drafter tensor-parallel size (1, or the target's TP size); None: tuning.json's, else 1.
         max_batch_size: sequences ``spec_decode`` decodes together (continuous batching);
             None: the engine's ``max_batch_size``.
         kv_tokens: KV-cache budget in tokens shared by all sequences; None: the engine's
@@ -136,10 +138,14 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
         if not (engines_dir / "target" / f).is_file():
             raise ConfigError(f"{engines_dir / 'target' / f}: tokenizer file missing from the target engine")
 
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+    from splitspec.runtime import read_tuning
+
+    tuning = read_tuning(engines_dir)  # refused here, naming the file, if it does not fit these engines
+    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
+                                         or num_draft_tokens < 1):
         raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens!r}: expected an integer >= 1")
     max_draft = _find_int(drafter, "max_draft_len") or _find_int(target, "max_draft_len")
-    if max_draft is not None and num_draft_tokens > max_draft:
+    if max_draft is not None and num_draft_tokens is not None and num_draft_tokens > max_draft:
         raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens} exceeds the engines' max_draft_len "
                           f"{max_draft} ({engines_dir}); rebuild with a larger --max-draft-len")
     tgt_ids = _parse_ids(target_device_ids, "target_device_ids")
@@ -148,6 +154,12 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
         raise ConfigError(f"draft_device_id = {draft_device_id!r}: expected one GPU id (or empty)")
     if drf_ids and not tgt_ids:
         raise ConfigError(f"draft_device_id = {draft_device_id!r} needs target_device_ids too (empty means CPU)")
+    if draft_tp is None:
+        draft_tp = int(tuning["draft_tp"]) if tuning else 1
+    # k: as given; else "" (the engine takes tuning.json's k per batch bucket) where tuning.json was made
+    # for this placement; else 4
+    k_value = str(num_draft_tokens) if num_draft_tokens is not None else (
+        "" if tuning and int(tuning["draft_tp"]) == draft_tp else "4")
     if isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1:
         raise ConfigError(f"draft_tp = {draft_tp!r}: expected an integer >= 1")
     tp = _find_int(target, "tp_size")
@@ -175,7 +187,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int, targ
     values = {
         "engines_dir": str(engines_dir),
         "tokenizer_dir": str(engines_dir / "target"),
-        "num_draft_tokens": str(num_draft_tokens),
+        "num_draft_tokens": k_value,
         "target_device_ids": ",".join(map(str, tgt_ids)),
         "draft_device_id": ",".join(map(str, drf_ids)),
         "draft_tp": str(draft_tp),

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from splitspec.engine import CyclePlan, EngineError, Group, SeqWork
+from splitspec.engine import CyclePlan, EngineError, Group, SeqWork, read_engine_meta
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.kv import BlockAllocator
 from splitspec.sampling import SamplingParams, target_probs, verify, verify_synthetic
@@ -544,7 +544,10 @@ class SpeculativeEngine:
 
 
 def read_tuning(engines_dir: Path) -> dict | None:
-    """``engines_dir/tuning.json`` written by ``splitspec tune``, or None."""
+    """``engines_dir/tuning.json`` written by ``splitspec tune``, or None if there is none.
+
+    Raises ConfigError naming the file when a field is missing or of the wrong type, a k exceeds the
+    engines' max_draft_len, or draft_tp is neither 1 nor the target's tp_size (``target/engine.json``)."""
     path = Path(engines_dir) / "tuning.json"
     if not path.exists():
         return None
@@ -559,6 +562,14 @@ def read_tuning(engines_dir: Path) -> dict | None:
     kb = t["k_by_batch"]
     if not isinstance(kb, dict) or not kb or not all(str(b).isdigit() and int(b) >= 1 and ok(k, 0) for b, k in kb.items()):
         raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{batch ≥ 1: k ≥ 0, ...}}")
+    target = Path(engines_dir) / "target"
+    if (target / "engine.json").exists():
+        meta = read_engine_meta(target, "target")
+        tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
+        if t["draft_tp"] not in (1, tp):
+            raise ConfigError(f"{path}: draft_tp = {t['draft_tp']}, expected 1 or the target's tp_size {tp}")
+        if max(kb.values()) > max_k:
+            raise ConfigError(f"{path}: k_by_batch = {kb!r} exceeds the engines' max_draft_len {max_k}")
     return t
 
 

@@ -191,7 +191,8 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
     ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`steady_cycles`).
-    Raises ConfigError for an empty batch or k list, cycles < 1, or a bad prompts file."""
+    Raises ConfigError for an empty batch or k list, a k above the engines' max_draft_len, cycles < 1, or a
+    bad prompts file."""
     from splitspec.errors import ConfigError
 
     if cycles < 1:
@@ -199,7 +200,10 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     if not batches or min(batches) < 1 or not ks or min(ks) < 0 or 0 not in ks:
         raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
     engines_dir = Path(engines_dir)
-    tp = int(read_engine_meta(engines_dir / "target", "target")["mapping"]["tp_size"])
+    meta = read_engine_meta(engines_dir / "target", "target")
+    tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
+    if max(ks) > max_k:
+        raise ConfigError(f"tune: k = {max(ks)} exceeds the engines' max_draft_len {max_k} ({engines_dir / 'target' / 'engine.json'})")
     prompts = read_prompts(prompts_file)
 
     def sweep(label: str) -> list[dict]:

@@ -163,12 +163,12 @@ class TritonPythonModel:
         if not engines_dir:
             raise ConfigError("spec_decode/config.pbtxt: parameter 'engines_dir' is empty")
         self.engines_dir = Path(engines_dir)
-        self.default_k = param("num_draft_tokens", 4)
+        default_k = param("num_draft_tokens", None)  # None: tuning.json's k per batch bucket, else 4
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
         target_ids = _parse_ids(params.get("target_device_ids"), "target_device_ids")
         draft_ids = _parse_ids(params.get("draft_device_id"), "draft_device_id")
-        draft_tp = param("draft_tp", 1)
+        draft_tp = param("draft_tp", None)  # None: tuning.json's, else 1
         synthetic = params.get("synthetic_acceptance", "").strip()
         try:
             synthetic = [float(v) for v in synthetic.split(",")] if synthetic else None
@@ -188,33 +188,34 @@ class TritonPythonModel:
             target_device_ids=target_ids or None,
             draft_device_id=draft_ids[0] if draft_ids else None,
             draft_tp=draft_tp,
-            num_draft_tokens=self.default_k,
+            num_draft_tokens=default_k,
             max_batch_size=param("max_batch_size", None),
             kv_tokens=param("kv_tokens", None),
             synthetic_acceptance=synthetic,
         )
         try:
-            self._start(target_ids, draft_ids, draft_tp, synthetic)
+            self._start(target_ids, draft_ids, synthetic)
         except BaseException:
             self.engine.close()  # neither it nor its worker processes may outlive a failed load
             raise
 
-    def _start(self, target_ids, draft_ids, draft_tp, synthetic):
+    def _start(self, target_ids, draft_ids, synthetic):
         """Start the sender and monitor threads and the metrics (after the engine loaded)."""
         if synthetic is not None:
             pb_utils.Logger.log_warn(f"spec_decode: BENCHMARK MODE: draft tokens are accepted with probabilities "
                                      f"{synthetic} regardless of their value; outputs are NOT the target's")
         info = self.engine.info
+        k = f"{info['k_by_batch']} by batch bucket (tuning.json)" if info["k_by_batch"] else info["k"]
         self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
         self.sender_thread = threading.Thread(target=self._send_loop, name="spec_decode-sender", daemon=True)
         self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
         self.sender_thread.start()
         self.monitor_thread.start()
         pb_utils.Logger.log_info(
-            f"spec_decode: engines {self.engines_dir} loaded (k={self.default_k}, max_batch_size "
+            f"spec_decode: engines {self.engines_dir} loaded (k={k}, max_batch_size "
             f"{info['max_batch_size']}, KV {info['kv_blocks']} blocks of {info['block_size']} tokens, "
             f"max_seq_len {info['max_seq_len']}, target devices {target_ids or 'cpu'}, draft device "
-            f"{draft_ids or 'rank 0'}, draft_tp {draft_tp}); engine process pid {self.engine.pid} "
+            f"{draft_ids or 'rank 0'}, draft_tp {info['draft_tp']}); engine process pid {self.engine.pid} "
             f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}")
 
     # ------------------------------------------------------------------ requests in
