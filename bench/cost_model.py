@@ -36,7 +36,7 @@ def fit_report(name: str, rows: list[dict]) -> None:
             rs = [r for r in rows if r["tp"] == tp and r["draft_tp"] == dtp]
             depths = sorted({r["moe_layers"] for r in rs})
             fit = fit_cycle_model(rs)
-            print(f"\n### {name}: target TP{tp}, drafter TP{dtp}, MoE layers {depths} ({fit.points} cycles)\n")
+            print(f"\n### {name}: target TP{tp}, drafter TP{dtp}, MoE layers {depths} ({fit.points} configurations, each a median cycle)\n")
             print("| MoE layers | batch | k | measured cycle ms | model ms | error | tokens/s | × k=0 |\n|---|---|---|---|---|---|---|---|")
             for r in rs:
                 p = fit.predict(r["batch"], r["k"], r["moe_layers"])
@@ -115,12 +115,15 @@ def tune_report(t: dict) -> None:
     """The tuner's choice scored against the file's exhaustive sweep and against its own second sweep."""
     c = t["choice"]
     print(f"\n### Tuner: drafter TP{c['draft_tp']}, k by batch {c['k_by_batch']}\n")
+    print("Scores use tokens/s with acceptance pooled over k (splitspec.tune.pool_acceptance); in brackets, with each "
+          "row's own acceptance (the sweep table above).\n")
     print("| batch | tuner's choice | sweep's best | chosen / best | chosen / no speculation | second sweep: chosen / best |")
     print("|---|---|---|---|---|---|")
     for B, r in t["score"].items():
-        v = t["verification"]["score"][B]
+        v, e, ve = t["verification"]["score"][B], t["score_emitted"][B], t["verification"]["score_emitted"][B]
         print(f"| {B} | TP{c['draft_tp']}, k = {c['k_by_batch'][B]} | TP{r['best']['draft_tp']}, k = {r['best']['k']} | "
-              f"{r['chosen_over_best']:.3f} | ×{r['chosen_over_no_speculation']:.2f} | {v['chosen_over_best']:.3f} |")
+              f"{r['chosen_over_best']:.3f} ({e['chosen_over_best']:.3f}) | ×{r['chosen_over_no_speculation']:.2f} "
+              f"(×{e['chosen_over_no_speculation']:.2f}) | {v['chosen_over_best']:.3f} ({ve['chosen_over_best']:.3f}) |")
 
 
 def main(paths: list[str]) -> None:

@@ -140,6 +140,16 @@ def test_backend_folder_links_the_matching_stub(tmp_path):
     assert prepare_backend_dir(tmp_path) == backends  # idempotent
 
 
+def test_client_sends_zero_valued_options():
+    import argparse
+
+    from splitspec.client import cli_parameters
+
+    a = argparse.Namespace(chat=False, num_draft_tokens=0, temperature=0.0, top_p=None, top_k=0, seed=0, stop=None, stream=True)
+    assert cli_parameters(a) == {"return_stats": True, "num_draft_tokens": 0, "temperature": 0.0, "top_k": 0, "seed": 0,
+                                 "stream": True}
+
+
 def test_render_repo_names_missing_engine(tmp_path):
     (tmp_path / "engines" / "target").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"target/engine\.json"):

@@ -79,9 +79,15 @@ def _cmd_tune(a: argparse.Namespace) -> None:
 def _cmd_repo(a: argparse.Namespace) -> None:
     from splitspec.repo import render_repo
 
-    render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
-                draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
-                kv_tokens=a.kv_tokens, synthetic_acceptance=a.synthetic_acceptance)
+    from splitspec.perf import repo_setting
+
+    out = render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
+                      draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
+                      kv_tokens=a.kv_tokens, synthetic_acceptance=a.synthetic_acceptance)
+    k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
+    dtp = repo_setting(out, "spec_decode", "draft_tp")
+    why = " (tuning.json)" if a.draft_tp is None and (Path(a.engines) / "tuning.json").exists() else ""
+    print(f"rendered {out}: draft_tp {dtp}{why}, k {k}")
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:

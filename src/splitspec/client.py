@@ -280,6 +280,21 @@ def ask_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: float =
 # --------------------------------------------------------------------------------------------
 
 
+def cli_parameters(args: argparse.Namespace) -> dict:
+    """The request inputs ``splitspec client`` sends besides the prompt and max_tokens: ``return_stats``,
+    ``stream`` and every option given (0 is a value: ``-k 0`` turns speculation off, ``--seed 0`` seeds)."""
+    params: dict = {"return_stats": True}
+    for name, key in (("chat", "apply_chat_template"), ("num_draft_tokens", "num_draft_tokens"),
+                      ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
+        v = getattr(args, name, None)
+        if v is not None and v is not False:
+            params[key] = v
+    if getattr(args, "stop", None):
+        params["stop"] = list(args.stop)
+    params["stream"] = getattr(args, "stream", True)
+    return params
+
+
 def main(args: argparse.Namespace) -> None:
     """``splitspec client``: send ``args.prompt`` to a running server and print the answer as it streams.
 
@@ -295,16 +310,8 @@ def main(args: argparse.Namespace) -> None:
     """
     if not 1 <= args.max_tokens <= 4096:
         raise ConfigError(f"--max-tokens = {args.max_tokens}: expected 1..4096")
-    params: dict = {"return_stats": True}
-    for name, key in (("chat", "apply_chat_template"), ("num_draft_tokens", "num_draft_tokens"),
-                      ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
-        v = getattr(args, name, None)
-        if v not in (None, False):
-            params[key] = v
-    if getattr(args, "stop", None):
-        params["stop"] = list(args.stop)
-    stream = getattr(args, "stream", True)
-    params["stream"] = stream
+    params = cli_parameters(args)
+    stream = params["stream"]
     url = args.url or DEFAULT_URLS.get(args.protocol, "")
     if args.protocol == "http":
         base = f"{_http_base(url)}/v2/models/ensemble"

@@ -144,8 +144,9 @@ def measure(engines_dir: Path, draft_tp: int, batches: list[int], ks: list[int],
         ids = [encode(p)[-(max_seq_len // 2):] for p in prompts]
 
         def show(row: dict) -> None:
-            print(f"  draft_tp={draft_tp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s']:8.1f} tok/s, cycle "
-                  f"{row['cycle_ms']:.2f} ms, acceptance {row['acceptance_length']:.2f}", flush=True)
+            print(f"  draft_tp={draft_tp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s_pooled']:8.1f} tok/s "
+                  f"(acceptance pooled over k {row['expected_acceptance_length']:.2f}; this row's own {row['acceptance_length']:.2f}: "
+                  f"{row['tokens_per_s']:.1f} tok/s), cycle {row['cycle_ms']:.2f} ms", flush=True)
 
         rows = sweep_engine(eng, ids, batches, ks, cycles, max_seq_len=max_seq_len, on_row=show)
     return [{"draft_tp": draft_tp} | r for r in rows]
