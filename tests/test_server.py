@@ -182,7 +182,7 @@ def test_render_repo_rejects_bad_placement(engines, tmp_path):
     with pytest.raises(ConfigError, match="target_device_ids"):
         render_repo(engines, tmp_path / "r", num_draft_tokens=K, target_device_ids="0,x")
     with pytest.raises(ConfigError, match="num_draft_tokens"):
-        render_repo(engines, tmp_path / "r", num_draft_tokens=0)
+        render_repo(engines, tmp_path / "r", num_draft_tokens=-1)
     with pytest.raises(ConfigError, match="max_draft_len"):
         render_repo(engines, tmp_path / "r", num_draft_tokens=999)
 

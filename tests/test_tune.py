@@ -88,6 +88,7 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
     shutil.copytree(built_engines, eng_dir)
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f(x):\nclass A:\n")
+    (eng_dir / "tuning.json").write_text("not json {")  # a broken earlier file does not stop the tuner that replaces it
     res = tune(eng_dir, [1, 2], [0, 2], prompts, max_seq_len=128, synthetic=[0.9], verify=True)
     saved = json.loads((eng_dir / "tuning.json").read_text())
     assert saved["k_by_batch"] == res["k_by_batch"] and set(saved["k_by_batch"]) == {"1", "2"}
@@ -105,13 +106,18 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
-                                 {"draft_tp": 1, "k_by_batch": {"1": -3}}, {"draft_tp": 1, "k_by_batch": []}, [1, 2]])
+                                 {"draft_tp": 1, "k_by_batch": {"1": -3}}, {"draft_tp": 1, "k_by_batch": []}, [1, 2],
+                                 {"draft_tp": 1, "k_by_batch": {"²": 2}}, {"draft_tp": 1, "k_by_batch": {"1": 2, "01": 3}}])
 def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     from splitspec.errors import SplitspecError
     from splitspec.runtime import read_tuning
 
     (tmp_path / "tuning.json").write_text(json.dumps(bad))
     with pytest.raises(SplitspecError, match="tuning.json"):
+        read_tuning(tmp_path)
+    (tmp_path / "tuning.json").unlink()
+    (tmp_path / "tuning.json").mkdir()
+    with pytest.raises(SplitspecError, match="tuning.json: cannot be read"):
         read_tuning(tmp_path)
 
 
@@ -170,3 +176,59 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
     (eng_dir / "tuning.json").unlink()
     repo = render_repo(eng_dir, tmp_path / "r4")
     assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"
+
+
+@pytest.mark.parametrize("line, why", [('{"prompt": 5}', "non-empty string"), ('{"prompt": ""}', "non-empty string"),
+                                       ('{"prompt": null}', "non-empty string"), ('{"messages": "hi"}', "list of chat"),
+                                       ('{"messages": [{"foo": 1}]}', "role"), ('{"messages": []}', "role")])
+def test_prompt_file_entries_are_checked_naming_the_line(tmp_path, line, why):
+    from splitspec.generate import read_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=f"p.jsonl:2: .*{why}"):
+        read_prompts(f)
+
+
+def test_tune_refuses_what_the_engines_cannot_do_before_measuring(built_engines, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("x\n")
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        tune(built_engines, [1, 10_000], [0, 1], prompts)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        tune(built_engines, [1], [0, 1], prompts, max_seq_len=100_000)
+
+
+@pytest.mark.parametrize("whom", ["group", "leader"])
+def test_ctrl_c_during_tune_stops_it_and_its_workers_promptly(built_engines, tmp_path, whom):
+    """Rank 0 interrupted mid-cycle leaves the worker inside a collective; it must still end in seconds,
+    whether the signal reaches every process (a terminal's Ctrl-C) or rank 0 alone (kill -INT)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    eng_dir = tmp_path / "interrupted-engines"
+    shutil.copytree(built_engines, eng_dir)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    p = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "tune", "--engines", str(eng_dir), "--prompts", str(prompts),
+                          "--batches", "1,2", "-k", "0,1,2", "--cycles", "400", "--max-seq-len", "256"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert "measuring" in p.stdout.readline()
+        time.sleep(2.0)  # inside the sweep: cycles running
+        (os.killpg if whom == "group" else os.kill)(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        out, _ = p.communicate(timeout=60)
+        assert time.monotonic() - t0 < 20
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and out.strip().splitlines()[-1] == "splitspec tune: interrupted"
+    assert "Traceback" not in out
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(eng_dir)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left: {left}"
+    assert not (eng_dir / "tuning.json").exists() and not list(eng_dir.glob(".tuning.*"))

@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except SplitspecError as e:
         print(f"splitspec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # engines and workers were stopped on the way out
+        print(f"splitspec {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -21,6 +21,7 @@ import datetime
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,9 @@ from splitspec.models.batch import ForwardBatch, padded
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
 
+#: Seconds close() waits for the workers to take the shutdown plan (an idle worker takes it at once; one
+#: left inside a collective by an interrupted cycle never does) before it kills them.
+SHUTDOWN_WAIT_S = 2.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SPLITSPEC_COLLECTIVE_TIMEOUT_S", "300")))
 # Workers wait for the next cycle plan on a control group of their own: an idle server may wait for
 # requests indefinitely (a leader that dies closes the connection, which ends the wait at once).
@@ -384,6 +388,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
     """Body of a worker rank: join the group, load its shards, execute plans until shutdown."""
     torch.set_num_threads(_threads_per_rank(world))
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(f"up/{rank}", "1")
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
@@ -459,6 +464,9 @@ class Group:
                      "--draft-tp", str(draft_tp), "--kv-tokens", str(kv_tokens or 0)], env=env))
             torch.set_num_threads(_threads_per_rank(self.world))
             try:
+                # join only once every worker is up: init_process_group cannot notice a worker that died
+                # starting (or be interrupted by Ctrl-C) until its timeout
+                self._wait_for("up", start_timeout_s)
                 dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=self.store, rank=0,
                                         world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
                 self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -473,16 +481,20 @@ class Group:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
+        self._wait_for("ready", timeout_s)
+
+    def _wait_for(self, what: str, timeout_s: float) -> None:
+        """Wait until every worker has set ``what/<rank>`` in the store, checking that each is alive (a
+        Python loop: Ctrl-C interrupts it). Raises EngineError for a dead worker or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         for r in range(1, self.world):
             while True:
                 self.check_workers()
-                try:
-                    self.store.wait([f"ready/{r}"], datetime.timedelta(seconds=1))
+                if self.store.check([f"{what}/{r}"]):
                     break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise EngineError(f"target worker rank {r} did not become ready in {timeout_s:.0f} s") from None
+                if time.monotonic() > deadline:
+                    raise EngineError(f"target worker rank {r} did not become {what} in {timeout_s:.0f} s")
+                time.sleep(0.05)
 
     @property
     def cfg(self) -> TargetConfig:
@@ -547,16 +559,29 @@ class Group:
             return
         self.closed = True
         if self.world > 1 and dist.is_initialized():
-            try:
-                self.check_workers()
-                dist.broadcast_object_list([CyclePlan(work=[], shutdown=True)], 0, group=self.control)
-                for p in self.procs:
-                    p.wait(timeout=10)
-            except Exception:
-                pass
+            sent = threading.Event()
+
+            def shutdown() -> None:
+                try:
+                    self.check_workers()
+                    dist.broadcast_object_list([CyclePlan(work=[], shutdown=True)], 0, group=self.control)
+                    sent.set()
+                    for p in self.procs:
+                        p.wait(timeout=10)
+                except Exception:
+                    pass
+
+            # in a thread: after an interrupted cycle a worker may sit in a collective and never take the
+            # shutdown plan; killing it then releases the broadcast
+            t = threading.Thread(target=shutdown, name="splitspec-group-shutdown", daemon=True)
+            t.start()
+            if sent.wait(timeout=SHUTDOWN_WAIT_S):  # taken: let the workers exit on their own
+                t.join(timeout=10)
             self._kill()
+            t.join(timeout=5)
             self._release_graphs()
-            dist.destroy_process_group()
+            if not t.is_alive():  # else leaving the group could block as well; the process is ending anyway
+                dist.destroy_process_group()
         self._kill()
         self.procs = []
 

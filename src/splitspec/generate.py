@@ -20,7 +20,10 @@ from splitspec.sampling import SamplingParams
 
 def read_prompts(path: Path) -> list[str | list[dict]]:
     """Prompts from a .jsonl file ({"prompt": text} or {"messages": [chat messages]} per line) or a text file
-    (one per line, \\n escapes allowed). Chat prompts come back as message lists (see :func:`encode_prompt`)."""
+    (one per line, \\n escapes allowed). Chat prompts come back as message lists (see :func:`encode_prompt`).
+
+    Raises ConfigError naming the file and line for a missing or unreadable file, a line that is not such an
+    object, an empty or non-string prompt, malformed messages, a bad escape, or no prompts at all."""
     try:
         lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
     except FileNotFoundError:
@@ -32,9 +35,18 @@ def read_prompts(path: Path) -> list[str | list[dict]]:
         if ln.lstrip().startswith("{"):
             try:
                 obj = json.loads(ln)
-                out.append(obj["messages"] if "messages" in obj else obj["prompt"])
+                prompt = obj["messages"] if "messages" in obj else obj["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' or 'messages' field") from None
+            if isinstance(prompt, list):
+                if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                         for m in prompt):
+                    raise ConfigError(f"{path}:{i}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+            elif "messages" in obj:
+                raise ConfigError(f"{path}:{i}: 'messages' must be a list of chat messages, got {type(prompt).__name__}")
+            elif not isinstance(prompt, str) or not prompt:
+                raise ConfigError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
+            out.append(prompt)
         else:
             try:  # backslash escapes (\n, \t, \uXXXX) decoded; other characters kept as they are
                 out.append(ln.encode("latin-1", "backslashreplace").decode("unicode_escape"))

@@ -48,7 +48,7 @@ def read_json(path: Path) -> dict:
     """Read a JSON object from ``path``.
 
     Raises:
-        CheckpointError: the file is missing or is not a JSON object.
+        CheckpointError: the file is missing, unreadable or not a JSON object.
     """
     try:
         data = json.loads(Path(path).read_text())
@@ -56,6 +56,8 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder, no permission, ...
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -111,7 +111,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
             the tokenizer files in ``target/``).
         out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
             folder also receives a copy of the models' code.
-        num_draft_tokens: default draft tokens per cycle (k ≥ 1); None: the k per batch bucket of
+        num_draft_tokens: default draft tokens per cycle (k ≥ 0; 0: no speculation); None: the k per batch bucket of
             ``engines_dir/tuning.json`` (``splitspec tune``) when it was tuned for this draft_tp
             (the parameter is then left empty and the engine reads the file), else 4.
         target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
@@ -127,8 +127,8 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
     Returns:
         ``out_dir`` resolved.
     Raises:
-        ConfigError: an engine or tokenizer file is missing, or a parameter is invalid (the
-            message names it).
+        ConfigError: an engine or tokenizer file is missing, ``out_dir`` cannot be written, or a
+            parameter is invalid (the message names it).
     """
     engines_dir = Path(engines_dir).resolve()
     out_dir = Path(out_dir).resolve()
@@ -142,8 +142,8 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
 
     tuning = read_tuning(engines_dir)  # refused here, naming the file, if it does not fit these engines
     if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
-                                         or num_draft_tokens < 1):
-        raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens!r}: expected an integer >= 1")
+                                         or num_draft_tokens < 0):
+        raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens!r}: expected an integer >= 0 (0: no speculation)")
     max_draft = _find_int(drafter, "max_draft_len") or _find_int(target, "max_draft_len")
     if max_draft is not None and num_draft_tokens is not None and num_draft_tokens > max_draft:
         raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens} exceeds the engines' max_draft_len "
@@ -208,10 +208,14 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
             text = Template(tpl_path.read_text(encoding="utf-8")).substitute(values)
         except (KeyError, ValueError) as e:
             raise ConfigError(f"{tpl_path}: bad placeholder {e}") from None
-        if not in_place:
-            _copy_model_code(src / model, out_dir / model)
-        (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
-        _write_atomic(out_dir / model / "config.pbtxt", text.encode("utf-8"))
+        try:
+            if not in_place:
+                _copy_model_code(src / model, out_dir / model)
+            (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
+            _write_atomic(out_dir / model / "config.pbtxt", text.encode("utf-8"))
+        except OSError as e:  # not a folder, no permission, a read-only file system, ...
+            raise ConfigError(f"out_dir (--out) {out_dir}: cannot write the repository there "
+                              f"({e.strerror or e}: {e.filename or ''})") from None
     return out_dir
 
 

@@ -224,7 +224,7 @@ class SpeculativeEngine:
         ``engines_dir/tuning.json`` (k per batch-size bucket), else draft_tp 1 and k 4.
         """
         engines_dir = Path(engines_dir)
-        tuning = read_tuning(engines_dir)
+        tuning = read_tuning(engines_dir) if draft_tp is None or num_draft_tokens is None else None  # not read when unused
         if draft_tp is None:
             draft_tp = int(tuning["draft_tp"]) if tuning else 1
         tok = None
@@ -560,8 +560,9 @@ def read_tuning(engines_dir: Path) -> dict | None:
     if not ok(t["draft_tp"], 1):
         raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
     kb = t["k_by_batch"]
-    if not isinstance(kb, dict) or not kb or not all(str(b).isdigit() and int(b) >= 1 and ok(k, 0) for b, k in kb.items()):
-        raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{batch ≥ 1: k ≥ 0, ...}}")
+    canonical = lambda b: isinstance(b, str) and b.isascii() and b.isdigit() and b == str(int(b)) and int(b) >= 1  # noqa: E731
+    if not isinstance(kb, dict) or not kb or not all(canonical(b) and ok(k, 0) for b, k in kb.items()):
+        raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{\"batch ≥ 1\" (decimal, no leading zeros): k ≥ 0, ...}}")
     target = Path(engines_dir) / "target"
     if (target / "engine.json").exists():
         meta = read_engine_meta(target, "target")

@@ -191,9 +191,9 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
          cycles: int = 48) -> dict:
     """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
-    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`steady_cycles`).
-    Raises ConfigError for an empty batch or k list, a k above the engines' max_draft_len, cycles < 1, or a
-    bad prompts file."""
+    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`sweep_engine`).
+    Raises ConfigError, before measuring, for an empty batch or k list, a batch, k or max_seq_len above the
+    engines' limits, cycles < 1, a bad prompts file, or an engines folder where tuning.json cannot be written."""
     from splitspec.errors import ConfigError
 
     if cycles < 1:
@@ -202,9 +202,14 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
         raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
     engines_dir = Path(engines_dir)
     meta = read_engine_meta(engines_dir / "target", "target")
-    tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
-    if max(ks) > max_k:
-        raise ConfigError(f"tune: k = {max(ks)} exceeds the engines' max_draft_len {max_k} ({engines_dir / 'target' / 'engine.json'})")
+    tp = int(meta["mapping"]["tp_size"])
+    limits, where = meta["limits"], engines_dir / "target" / "engine.json"
+    for name, value, limit in (("k", max(ks), "max_draft_len"), ("batch", max(batches), "max_batch_size"),
+                               ("max_seq_len", max_seq_len, "max_seq_len")):
+        if value > int(limits[limit]):
+            raise ConfigError(f"tune: {name} = {value} exceeds the engines' {limit} {limits[limit]} ({where})")
+    if not os.access(engines_dir, os.W_OK):
+        raise ConfigError(f"tune: {engines_dir} is not writable: tuning.json could not be written there")
     prompts = read_prompts(prompts_file)
 
     def sweep(label: str) -> list[dict]:
@@ -232,12 +237,19 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
             print(f"verify B={B}: chosen {s['chosen_tokens_per_s']:.1f} tok/s = ×{s['chosen_over_best']:.3f} of the sweep's best "
                   f"(draft_tp={s['best']['draft_tp']}, k={s['best']['k']}), ×{s['chosen_over_no_speculation']:.2f} over no speculation; "
                   f"with each row's own acceptance ×{result['verification']['score_emitted'][B]['chosen_over_best']:.3f}")
-    fd, tmp = tempfile.mkstemp(dir=engines_dir, prefix=".tuning.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # like the engine files (mkstemp makes it private)
-    os.replace(tmp, engines_dir / "tuning.json")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=engines_dir, prefix=".tuning.", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(result, f, indent=2)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # like the engine files (mkstemp makes it private)
+            os.replace(tmp, engines_dir / "tuning.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise ConfigError(f"tune: could not write {engines_dir / 'tuning.json'} ({e.strerror or e})") from None
     print(f"tuned: draft_tp={choice['draft_tp']}, k by batch bucket {choice['k_by_batch']} → {engines_dir / 'tuning.json'}")
     return result

@@ -2,12 +2,16 @@
 ``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp N]``."""
 
 import argparse
+import signal
 from pathlib import Path
 
 from splitspec.engine import worker_loop
 
 
 def main() -> None:
+    # Ctrl-C in a terminal reaches every process of the group: rank 0 handles it and stops this rank
+    # (shutdown plan, or a kill if it is stuck in a collective)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--engines", required=True)
     p.add_argument("--rank", type=int, required=True)
