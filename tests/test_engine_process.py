@@ -91,3 +91,27 @@ def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok):
     finally:
         proc.close()
     assert not proc.alive()
+
+
+def test_dead_engine_process_is_reported_once_and_takes_its_workers(built_engines, tok):
+    ev = Events()
+    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    try:
+        workers = proc.info["worker_pids"]
+        proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
+        os.kill(proc.pid, signal.SIGKILL)
+        for _ in range(200):  # the reader sees the socket close
+            if ev.failed:
+                break
+            threading.Event().wait(0.05)
+        assert ev.failed == [f"the engine process (pid {proc.pid}) exited with status -9"]
+        with pytest.raises(EngineError, match="exited with status -9"):
+            proc.submit(2, Request(tok.encode("x"), 4))
+    finally:
+        proc.close()
+    for _ in range(200):  # its worker ranks end too (their group broke)
+        if not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z" for pid in workers):
+            break
+        threading.Event().wait(0.1)
+    else:
+        pytest.fail(f"worker processes {workers} outlived their engine process")

@@ -3,6 +3,7 @@
 
 import argparse
 import signal
+import sys
 from pathlib import Path
 
 from splitspec.engine import worker_loop
@@ -21,7 +22,13 @@ def main() -> None:
     p.add_argument("--draft-tp", type=int, default=1)
     p.add_argument("--kv-tokens", type=int, default=0, help="KV token budget (0: the engine's default)")
     a = p.parse_args()
-    worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, a.draft_tp, a.kv_tokens or None)
+    try:
+        worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, a.draft_tp, a.kv_tokens or None)
+    except RuntimeError as e:
+        if "Connection closed by peer" not in str(e):
+            raise
+        # rank 0 went away without a shutdown plan (killed): its own failure is what gets reported
+        sys.exit(f"splitspec worker rank {a.rank}: rank 0 closed the group's connection; exiting")
 
 
 if __name__ == "__main__":
