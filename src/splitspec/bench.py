@@ -59,7 +59,8 @@ from typing import Iterable, Sequence
 import requests
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.perf import PROJECT_ROOT, Prompt, _write_atomic, load_prompts, parse_levels
+from splitspec.io import write_atomic
+from splitspec.perf import PROJECT_ROOT, Prompt, load_prompts, parse_levels
 from splitspec.server import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
@@ -740,9 +741,9 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
               "placements": [{"draft_tp": r.draft_tp, "ks": r.ks, "startup_s": r.startup_s,
                               "prometheus_delta": r.metrics_delta} for r in runs],
               "requests": [asdict(x) | {"cycles": x.cycles} for r in runs for x in r.records]}
-    _write_atomic(out / "results.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out / "results.json", json.dumps(result, indent=1) + "\n")
     md = summary_markdown(meta, rows)
-    _write_atomic(out / "summary.md", md)
+    write_atomic(out / "summary.md", md)
     files = plot_results(rows, runs, out)
     print("\n" + md, flush=True)
     print(f"results: {out / 'results.json'}, {out / 'summary.md'}, " + ", ".join(str(f.name) for f in files), flush=True)

@@ -413,6 +413,28 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> None:
+    """Write ``data`` (str: UTF-8) to ``path`` through a temporary file in the same folder, then move it into
+    place: readers see the old file or the new one, never a half-written one. ``mode``: the file's mode
+    (None: the umask's default, like a plain ``open``). Raises OSError as the file system does; the
+    temporary file is removed then."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)  # mkstemp makes it private
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json(obj: dict, path: Path) -> None:
     """Write ``obj`` as indented JSON."""
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

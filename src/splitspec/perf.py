@@ -50,7 +50,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.io import write_atomic
 from splitspec.server import TritonServer, find_triton, server_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -263,19 +263,6 @@ def rendered_text(prompts: Sequence[Prompt], tokenizer_dir: Path) -> list[str]:
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_input_data(path: Path, prompts: Sequence[Prompt] | None = None, max_tokens: int = PERF_MAX_TOKENS,
                      protocol: str = "grpc") -> Path:
     """Write perf_analyzer's ``--input-data`` JSON: one entry per prompt, cycled through in order.
@@ -297,7 +284,7 @@ def write_input_data(path: Path, prompts: Sequence[Prompt] | None = None, max_to
                               "stream": True}]} for p in prompts]
     else:
         raise ConfigError(f"protocol = {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
-    _write_atomic(Path(path), json.dumps({"data": data}, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(Path(path), json.dumps({"data": data}, indent=2, ensure_ascii=False) + "\n")
     return Path(path)
 
 
@@ -305,7 +292,7 @@ def write_genai_perf_input(path: Path, prompts: Sequence[Prompt], tokenizer_dir:
     """Write genai-perf's ``--input-file`` (JSON lines ``{"text": ...}``); chat prompts are rendered
     here (genai-perf has no per-prompt ``apply_chat_template``)."""
     lines = [json.dumps({"text": t}, ensure_ascii=False) for t in rendered_text(prompts, tokenizer_dir)]
-    _write_atomic(Path(path), "\n".join(lines) + "\n")
+    write_atomic(Path(path), "\n".join(lines) + "\n")
     return Path(path)
 
 
@@ -726,8 +713,8 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
     from splitspec.bench import machine_info  # noqa: PLC0415
 
     meta.update(machine_info())
-    _write_atomic(out / "summary.json", json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
-    _write_atomic(out / "summary.md", perf_markdown(meta, results))
+    write_atomic(out / "summary.json", json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
+    write_atomic(out / "summary.md", perf_markdown(meta, results))
     print("\n" + perf_markdown(meta, results), flush=True)
     print(f"results: {out}", flush=True)
     if not any(r.error is None for r in results):
@@ -759,7 +746,7 @@ def _merge_csvs(parts: list[Path], dest: Path) -> Path | None:
         rows += [ln for ln in lines[1:] if ln.strip()]
     if header is None:
         return None
-    _write_atomic(dest, "\n".join([header, *rows]) + "\n")
+    write_atomic(dest, "\n".join([header, *rows]) + "\n")
     return dest
 
 

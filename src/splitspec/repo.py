@@ -12,12 +12,11 @@ into place.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from string import Template
 
 from splitspec.errors import ConfigError
+from splitspec.io import write_atomic
 
 #: Models of the repository, in pipeline order (the ensemble last).
 MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
@@ -36,20 +35,6 @@ def template_repo() -> Path:
     if not (root / "ensemble" / TEMPLATE_NAME).is_file():
         raise ConfigError(f"{root}: model repository templates not found (use an editable install of splitspec)")
     return root
-
-
-def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _parse_ids(value: str, what: str) -> list[int]:
@@ -212,7 +197,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
             if not in_place:
                 _copy_model_code(src / model, out_dir / model)
             (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
-            _write_atomic(out_dir / model / "config.pbtxt", text.encode("utf-8"))
+            write_atomic(out_dir / model / "config.pbtxt", text.encode("utf-8"))
         except OSError as e:  # not a folder, no permission, a read-only file system, ...
             raise ConfigError(f"out_dir (--out) {out_dir}: cannot write the repository there "
                               f"({e.strerror or e}: {e.filename or ''})") from None
@@ -224,4 +209,4 @@ def _copy_model_code(src: Path, dst: Path) -> None:
     for f in src.rglob("*"):
         if not f.is_file() or f.name == TEMPLATE_NAME or f.name == "config.pbtxt" or "__pycache__" in f.parts:
             continue
-        _write_atomic(dst / f.relative_to(src), f.read_bytes(), mode=0o644)
+        write_atomic(dst / f.relative_to(src), f.read_bytes(), mode=0o644)

@@ -8,21 +8,21 @@ on, so steady cycles are what the choice is about (admission and prefill cost th
 Tokens/s = tokens emitted per cycle / median cycle time; the configurations are timed in interleaved passes.
 Placement is fixed per deployment: the one kept is the one whose worst bucket falls least short of that
 bucket's best; for each bucket the fastest k under it is chosen, and k = 0 (speculation off) wherever
-speculation does not beat it. ``verify`` measures everything a second time
-and scores the choice against that independent exhaustive sweep. Written atomically to
-``engines_dir/tuning.json``, which ``SpeculativeEngine.load`` reads.
+speculation does not beat it. ``verify`` measures everything a second time and scores the choice against
+that independent exhaustive sweep. Written atomically to ``engines_dir/tuning.json``, which
+``SpeculativeEngine.load`` reads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from splitspec.engine import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
+from splitspec.io import write_atomic
 from splitspec.runtime import Request, SpeculativeEngine
 
 
@@ -100,8 +100,8 @@ def sweep_engine(eng: SpeculativeEngine, prompts: list[list[int]], batches: list
     draft_ms / verify_ms (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / median
     cycle), acceptance_length (tokens per sequence per cycle), n (cycles timed), accepted_by_position, and
     the pooled estimate (:func:`pool_acceptance`): expected_acceptance_length, tokens_per_s_pooled — what
-    the tuner compares. ``on_row(row)`` is called for each row at the end. Raises ConfigError when not even one steady cycle fits in max_seq_len after
-    the longest prompt.
+    the tuner compares. ``on_row(row)`` is called for each row at the end. Raises ConfigError when not even
+    one steady cycle fits in max_seq_len after the longest prompt.
     """
     from splitspec.errors import ConfigError
 
@@ -238,17 +238,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
                   f"(draft_tp={s['best']['draft_tp']}, k={s['best']['k']}), ×{s['chosen_over_no_speculation']:.2f} over no speculation; "
                   f"with each row's own acceptance ×{result['verification']['score_emitted'][B]['chosen_over_best']:.3f}")
     try:
-        fd, tmp = tempfile.mkstemp(dir=engines_dir, prefix=".tuning.", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(result, f, indent=2)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # like the engine files (mkstemp makes it private)
-            os.replace(tmp, engines_dir / "tuning.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(engines_dir / "tuning.json", json.dumps(result, indent=2), mode=None)  # mode like the engine files
     except OSError as e:
         raise ConfigError(f"tune: could not write {engines_dir / 'tuning.json'} ({e.strerror or e})") from None
     print(f"tuned: draft_tp={choice['draft_tp']}, k by batch bucket {choice['k_by_batch']} → {engines_dir / 'tuning.json'}")
