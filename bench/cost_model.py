@@ -57,7 +57,8 @@ def fit_report(name: str, rows: list[dict]) -> None:
 
 
 def layer_report(d: dict) -> None:
-    rows = d["layers"]["rows"]
+    every = d["layers"]["rows"]
+    rows = [r for r in every if not r.get("comparison")]  # the engine's own path only
     print("\n### Per-layer time against its bound (one rank, TP-N shard shape, CUDA graph; bound = weight bytes / copy bandwidth"
           " + 2 measured all-reduces)\n")
     print("| shard | layer | batch | k | eager ms | compiled ms | bound ms | compiled / bound |\n|---|---|---|---|---|---|---|---|")
@@ -71,6 +72,14 @@ def layer_report(d: dict) -> None:
         cell = lambda v: f"{v + ar:.3f}" if v is not None else "—"  # noqa: E731
         ratio = f"{r['ratio_to_bound']:.2f}" if compiled is not None else "—"
         print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {cell(eager)} | {cell(compiled)} | {r['bound_ms']:.3f} | {ratio} |")
+    grouped = [r for r in every if r.get("comparison")]
+    if grouped:
+        print("\nMoE layer with the routed experts as grouped GEMMs instead of the fused decode kernels (compiled):\n")
+        print("| shard | batch | k | grouped ms | fused ms | grouped / bound | fused / bound |\n|---|---|---|---|---|---|---|")
+        for g in grouped:
+            f = next(r for r in rows if r["layer"] == "moe" and r.get("compiled") and (r["tp"], r["batch"], r["k"]) == (g["tp"], g["batch"], g["k"]))
+            ar = 2 * g["allreduce_us"] / 1e3
+            print(f"| TP{g['tp']} | {g['batch']} | {g['k']} | {g['ms'] + ar:.3f} | {f['ms'] + ar:.3f} | {g['ratio_to_bound']:.2f} | {f['ratio_to_bound']:.2f} |")
     heads = [r for r in rows if r["layer"] == "lm_head"]
     print(f"\nlm_head: {min(r['ratio_to_bound'] for r in heads):.2f}–{max(r['ratio_to_bound'] for r in heads):.2f} × its bound. "
           "Drafter step (TP1): " + ", ".join(f"B={r['batch']} {r['ms']:.2f} ms ({r['ratio_to_bound']:.2f}× bound)"
@@ -81,7 +90,7 @@ def kimi_report(d: dict) -> None:
     bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
     ar = d.get("allreduce", {}).get("rows", {})
     alpha = min(v["graph_us"] for v in ar.values()) if ar else 13.0
-    moe8 = [r for r in d["layers"]["rows"] if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled")]
+    moe8 = [r for r in d["layers"]["rows"] if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
     if not moe8:
         print("\n(no compiled TP8-shape layer rows in this file: no full-depth model from it)")
         return

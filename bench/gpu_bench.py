@@ -18,6 +18,7 @@ Writes JSON to --out as it goes (partial results survive a time-out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest.mock import patch
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[k] = v
@@ -191,10 +193,105 @@ def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
+    """Routed experts alone at Kimi-K2 shapes (384 experts, 8 per token, hidden 7168, intermediate 2048 / TP):
+    the fused decode kernels against the grouped GEMMs by token count, both at their bytes (distinct experts
+    × expert bytes) over the measured bandwidth. First a sweep of the fused kernels' block sizes at 1 and 4 tokens, every TP shape,
+    whose best configuration (lowest summed time) is then used for the rest of the run."""
+    from splitspec import fused_moe
+    from splitspec.models.target import grouped_experts
+
+    bw = bw_GBps * 1e6  # bytes per ms
+    out = {"sweep": [], "rows": []}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = {tp: (torch.randn(384, 4096 // tp, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5,
+                    torch.randn(384, 7168, 2048 // tp, dtype=torch.bfloat16, device="cuda", generator=g) * (2048 // tp) ** -0.5)
+               for tp in tps}
+
+    def problem(T: int):
+        ids = torch.stack([torch.randperm(384, device="cuda", generator=g)[:8] for _ in range(T)])
+        return torch.randn(T, 7168, dtype=torch.bfloat16, device="cuda", generator=g), ids, torch.rand(T, 8, device="cuda", generator=g)
+
+    blocks = [(n, k, w, st) for n in (8, 16, 32) for k in (256, 512) for w in (4, 8) for st in (2, 4) if n * k <= 8192]
+    problems = {T: problem(T) for T in (1, 4)}
+    totals = {}
+    for which in ("gate_up", "down"):
+        for cfg in blocks:
+            ms = {}
+            for (T, (x, ids, wts)), tp in itertools.product(problems.items(), tps):
+                kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
+                ms[f"tp{tp}_T{T}"] = timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, *weights[tp], **kw))
+            totals.setdefault(which, {})[cfg] = sum(ms.values())
+            out["sweep"].append({"kernel": which, "config": cfg} | {f"ms_{n}": v for n, v in ms.items()})
+            print(json.dumps(out["sweep"][-1]), flush=True)
+    fused_moe.GATE_UP_CONFIG = min(totals["gate_up"], key=totals["gate_up"].get)
+    fused_moe.DOWN_CONFIG = min(totals["down"], key=totals["down"].get)
+    out["chosen"] = {"gate_up": fused_moe.GATE_UP_CONFIG, "down": fused_moe.DOWN_CONFIG}
+    print("chosen", out["chosen"], flush=True)
+    for tp in tps:
+        w13, w2 = weights[tp]
+        expert_bytes = w13[0].nbytes + w2[0].nbytes
+        for T in (1, 2, 4, 8, 16, 32, 64):
+            x, ids, wts = problem(T)
+            ref = grouped_experts(x, ids, wts, w13, w2).float()
+            got = fused_moe.fused_experts(x, ids, wts, w13, w2).float()
+            nbytes = ids.unique().numel() * expert_bytes
+            row = {"tp": tp, "tokens": T, "distinct_experts": ids.unique().numel(), "bytes": nbytes, "bound_ms": nbytes / bw,
+                   "max_rel_diff_vs_grouped": ((got - ref).abs().max() / ref.abs().max()).item(),
+                   "grouped_ms": timed_graph(lambda: grouped_experts(x, ids, wts, w13, w2)),
+                   "fused_ms": timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, w13, w2))}
+            row |= {"grouped_GBps": nbytes / row["grouped_ms"] / 1e6, "fused_GBps": nbytes / row["fused_ms"] / 1e6,
+                    "fused_in_engine": T <= fused_moe.MAX_TOKENS}
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def moe_fp8(bw_GBps: float) -> dict:
+    """Routed experts (Kimi-K2 shapes, TP1) in block-scaled FP8 with 128×128 tiles — the released checkpoint's
+    format — read as FP8 by the fused kernels, against the same experts in bf16: time, bytes over bandwidth, and
+    the FP8 result's difference from the bf16 one (quantisation error, not kernel error: the kernels' FP8
+    arithmetic is tested against dequantised weights in tests/test_fused_moe.py)."""
+    from splitspec import fused_moe, quant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(384, 4096, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5
+    w2 = torch.randn(384, 7168, 2048, dtype=torch.bfloat16, device="cuda", generator=g) * 2048 ** -0.5
+    fp8 = []
+    for w in (w13, w2):
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(w.shape[0], *quant.fp8_scale_shape(tuple(w.shape[1:]), (128, 128)), device="cuda")
+        for e in range(w.shape[0]):
+            q[e], s[e] = quant.quantize_fp8(w[e], (128, 128))
+        fp8.append((q, s))
+    (q13, s13), (q2, s2) = fp8
+    rows = []
+    for T in (1, 4, 16):
+        ids = torch.stack([torch.randperm(384, device="cuda", generator=g)[:8] for _ in range(T)])
+        x = torch.randn(T, 7168, dtype=torch.bfloat16, device="cuda", generator=g)
+        wts = torch.rand(T, 8, device="cuda", generator=g)
+        run8 = lambda: fused_moe.fused_experts(x, ids, wts, q13, q2, scales=(s13, s2, None, None), fp8_block=(128, 128))  # noqa: E731
+        run16 = lambda: fused_moe.fused_experts(x, ids, wts, w13, w2)  # noqa: E731
+        a, b = run8().float(), run16().float()
+        distinct = ids.unique().numel()
+        nbytes = distinct * (q13[0].nbytes + q2[0].nbytes + s13[0].nbytes + s2[0].nbytes)
+        row = {"tokens": T, "distinct_experts": distinct, "fp8_bytes": nbytes, "fp8_ms": timed_graph(run8),
+               "bf16_ms": timed_graph(run16), "fp8_vs_bf16_max_rel": ((a - b).abs().max() / b.abs().max()).item()}
+        row |= {"fp8_GBps": nbytes / row["fp8_ms"] / 1e6, "fp8_bound_ms": nbytes / (bw_GBps * 1e6)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del w13, w2, fp8, q13, q2
+    torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict) -> dict:
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
+    from splitspec import fused_moe
     from splitspec.config import Mapping
     from splitspec.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
@@ -227,12 +324,18 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
-                for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
-                    for compiled in (False, True) if k == 0 else (True,):
+                variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
+                variants += [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []  # the grouped GEMMs, for comparison
+                for (layer, name, nbytes), (compiled, max_fused) in itertools.product(
+                        ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)), variants):
+                    if layer == 0 and max_fused != fused_moe.MAX_TOKENS:  # the dense layer has one path
+                        continue
+                    with patch.object(fused_moe, "MAX_TOKENS", max_fused):
                         model.fast = fast if compiled else None
                         ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
                         bound = nbytes / bw + 2 * ar / 1e3
-                        rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "batch": B, "k": k, "tokens": B * n,
+                        routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
+                        rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed, "comparison": max_fused == 0, "batch": B, "k": k, "tokens": B * n,
                                          "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
                                          "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
                                          "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
@@ -243,21 +346,22 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                                  "weight_bytes": w["lm_head"].nbytes, "bound_ms": w["lm_head"].nbytes / bw,
                                  "ratio_to_bound": ms / (w["lm_head"].nbytes / bw)})
         model.fast = fast
-        if tp == tps[0]:
+        if tp in (1, 2):
             from torch.profiler import ProfilerActivity, profile
 
-            for T in (1, 16):
+            for layer, T in ((0, 1), (1, 1), (1, 16)):
                 batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=max(batches) * S)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
-                model.block(1, h, batch, cache, cos, sin)
+                model.block(layer, h, batch, cache, cos, sin)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
-                        model.block(1, h, batch, cache, cos, sin)
+                        model.block(layer, h, batch, cache, cos, sin)
                     torch.cuda.synchronize()
-                profiles[f"tp{tp}_moe_T{T}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-                print(profiles[f"tp{tp}_moe_T{T}"], flush=True)
+                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
+                profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+                print(profiles[name], flush=True)
         del model, w, cache
         torch.cuda.empty_cache()
     dcfg = kimi_k2_drafter(2)
@@ -372,8 +476,12 @@ def main() -> None:
         section("allreduce", out)(allreduce)(ngpu)
     if "experts" not in skip:
         section("distinct_experts", out)(distinct_experts)()
+    bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
+    if "moe_kernel" not in skip and not a.dry_run:
+        section("moe_kernel", out)(moe_kernel)(bw, [1, 2])
+    if "moe_fp8" not in skip and not a.dry_run:
+        section("moe_fp8", out)(moe_fp8)(bw)
     if "layers" not in skip and not a.dry_run:
-        bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
         ar = {ngpu: RESULTS["allreduce"]["rows"][1]["graph_us"]} if "rows" in RESULTS.get("allreduce", {}) else {}
         section("layers", out)(layer_costs)([int(x) for x in a.layer_tp.split(",")], [int(x) for x in a.batches.split(",")],
                                             [int(x) for x in a.layer_k.split(",")], bw, ar)

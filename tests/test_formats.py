@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import threading
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from splitspec import fixtures, quant
+from splitspec import fixtures, fused_moe, quant
 from splitspec.build import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
@@ -294,6 +296,30 @@ def test_fp8_engine_keeps_fp8_weights_and_matches_dequantised_bf16_engine(built,
     print(f"fp8 kept: logits max |Δ| vs float original {(a - ref_float).abs().max():.4g}; vs the bf16 engine dequantised "
           f"at build {(a - b).abs().max():.3g}; weights {size(kept) / 2**20:.2f} MiB vs {size(bf16) / 2**20:.2f} MiB")
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not fused_moe.available(),
+                    reason="runs the CPU engine through Triton's interpreter")
+@pytest.mark.parametrize("tp,tokens", [(1, 1), (2, 12)])
+def test_fp8_engine_through_the_fused_kernels(built, prompt, tp, tokens):
+    """The FP8 engine's MoE layers with FP8 experts read by the fused kernels (forced on for CPU tensors; one
+    token: the FP8 shared expert too) against its grouped path, which dequantises them first."""
+    eng = built("fp8", tp=tp, dtype="fp8")
+    ref, _ = engine_logits(eng, prompt[:tokens])
+    lock = threading.Lock()  # the interpreter's grid state is global: one launch at a time across the rank threads
+
+    def serial(fn):
+        def run(*a, **kw):
+            with lock:
+                return fn(*a, **kw)
+        return run
+
+    with patch.object(fused_moe, "use_fused", lambda x: x.shape[0] <= fused_moe.MAX_TOKENS), \
+            patch.object(fused_moe, "route", serial(fused_moe.route)), \
+            patch.object(fused_moe, "fused_experts", serial(fused_moe.fused_experts)):
+        got, _ = engine_logits(eng, prompt[:tokens])
+    print(f"fp8 TP{tp}, {tokens} tokens: fused vs grouped logits max |Δ| {(got - ref).abs().max():.3g}, mean {(got - ref).abs().mean():.3g}")
+    _assert_bf16_close(got, ref)
 
 
 def _assert_bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:

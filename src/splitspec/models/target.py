@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec import quant
+from splitspec import fused_moe, quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
@@ -199,15 +199,32 @@ class TargetModel:
         return quant.gated_mlp(x, lw[w13], lw[w2], lw.get(w13 + ".scale_inv"), lw.get(w2 + ".scale_inv"), self.fp8_block)
 
     def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum."""
-        weights, ids = noaux_tc_route(x, lw["mlp.gate"], lw["mlp.e_score_correction_bias"], self.cfg)
-        w13, w2 = lw["mlp.experts.w13"], lw["mlp.experts.w2"]
-        y = self.mlp(x, lw, "mlp.shared.") if self.cfg.n_shared_experts else torch.zeros_like(x)
-        s13, s2 = lw.get("mlp.experts.w13.scale_inv"), lw.get("mlp.experts.w2.scale_inv")
-        if s13 is not None:  # FP8-kept experts: dequantised per call (no FP8 grouped GEMM here), same math after
-            w13 = quant.dequantize_fp8(w13, s13, self.fp8_block, x.dtype)
-            w2 = quant.dequantize_fp8(w2, s2, self.fp8_block, x.dtype)
-        return y + grouped_experts(x, ids - self.expert_start, weights, w13, w2)
+        """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum.
+
+        A few tokens on CUDA take the fused decode kernels (:mod:`splitspec.fused_moe`): routing in two kernels when
+        there is one expert group, the routed experts (and, for a single token, the shared one) in two more,
+        FP8-kept weights read as FP8. Otherwise :func:`noaux_tc_route`, the shared expert as a SwiGLU and the
+        routed ones as grouped GEMMs (:func:`grouped_experts`), FP8-kept experts dequantised per call."""
+        c = self.cfg
+        gate, bias = lw["mlp.gate"], lw["mlp.e_score_correction_bias"]
+        experts = ("mlp.experts.w13", "mlp.experts.w2")
+        if not fused_moe.use_fused(x):
+            w13, w2 = (quant.dequantize_fp8(lw[n], lw[n + ".scale_inv"], self.fp8_block, x.dtype) if n + ".scale_inv" in lw
+                       else lw[n] for n in experts)
+            weights, ids = noaux_tc_route(x, gate, bias, c)
+            y = self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else torch.zeros_like(x)
+            return y + grouped_experts(x, ids - self.expert_start, weights, w13, w2)
+        if c.n_group > 1 and c.topk_group < c.n_group:  # group-limited choice: not in the routing kernel
+            weights, ids = noaux_tc_route(x, gate, bias, c)
+        else:
+            weights, ids = fused_moe.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+        # the kernels read the shared expert once per token: worth it for one token only
+        shared = ("mlp.shared.w13", "mlp.shared.w2") if c.n_shared_experts and x.shape[0] == 1 else ()
+        names = experts + shared
+        scales = [lw.get(n + ".scale_inv") for n in names] + [None] * (4 - len(names))
+        y = fused_moe.fused_experts(x, ids - self.expert_start, weights, *(lw[n] for n in names), scales=scales,
+                                    fp8_block=self.fp8_block)
+        return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts and not shared else y
 
     def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor) -> torch.Tensor:
         """post_attention_layernorm + dense MLP or MoE: h [T, H] → [T, H] partial sum (before all-reduce)."""

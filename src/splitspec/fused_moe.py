@@ -1,0 +1,268 @@
+"""Fused MoE decode kernels: routing, and the experts of a few tokens, each token reading only its own experts.
+
+At decode and verify (tens of tokens) a MoE layer is memory-bound matrix-vector work: what costs is reading each
+activated expert's weights once, at full HBM bandwidth, and not paying a kernel launch for every small step in
+between. The general path (:func:`splitspec.models.target.noaux_tc_route`, the shared expert as two GEMMs,
+:func:`splitspec.models.target.grouped_experts`) is about twenty kernels, most of them latency-bound at batch 1,
+with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton kernels:
+
+1. ``router_logits``: the router's scores x · gateᵀ in float32 ([T, E]).
+2. ``route_topk``: one program per token: sigmoid, + correction bias for the choice, top-k by repeated arg-max,
+   weights from the unbiased scores, normalised and scaled (DeepSeek-V3 ``noaux_tc`` with one expert group).
+3. ``gate_up``: one program per ((token, slot) pair or (token, shared expert), block of intermediate rows):
+   that expert's gate and up rows against the token, writing ``silu(gate) · up`` in float32.
+4. ``down``: one program per (token, block of hidden rows): each of the token's slots' down-projection rows
+   times its activation and routing weight, then the shared expert's, summed in float32.
+
+No sort, no atomics: every token's result depends only on that token (batch-invariant, deterministic), so a
+token decodes to the same bits alone, in a batch, or inside a k+1-token verify. Pairs routed to another rank's
+experts (ids outside [0, E_local)) are skipped without reading anything. A pair reads its expert's weights even
+when another pair of the batch has the same expert, so past a few tokens per expert the grouped GEMMs win;
+:func:`use_fused` draws that line (:data:`MAX_TOKENS`). For the same reason the shared expert (and a dense MLP,
+whose weights every token uses) is best left to one GEMM over all tokens once there are two or more.
+
+The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter, read
+when Triton is imported; the tests use it to check the arithmetic without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # comes with CUDA builds of PyTorch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:
+    triton = tl = None
+    jit = staticmethod  # the kernels below are then never called
+
+#: Fused kernels serve batches of at most this many tokens: T · top_k pairs each read a whole expert, so with
+#: 8 of 384 experts 16 tokens read ~1.15× the distinct experts' bytes and 32 tokens ~1.4×, where the grouped
+#: GEMMs (each distinct expert once, ~65–70% of bandwidth) catch up (bench/gpu_bench.py, section moe_kernel).
+MAX_TOKENS = 16
+
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of ``gate_up`` and ``down``: the fastest at 1 and 4 tokens of a sweep on
+#: H200 at Kimi-K2 shapes (hidden 7168, intermediate 2048 and 1024; bench/gpu_bench.py, section moe_kernel).
+GATE_UP_CONFIG = (16, 512, 4, 4)
+DOWN_CONFIG = (16, 256, 8, 4)
+
+
+def available() -> bool:
+    """True when Triton can be imported."""
+    return triton is not None
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve x [T, H]: a CUDA tensor, T ≤ :data:`MAX_TOKENS`, Triton importable."""
+    return x.is_cuda and x.shape[0] <= MAX_TOKENS and available()
+
+
+@jit
+def _router_logits(x_ptr, g_ptr, out_ptr, H, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + t * H + k, mask=k < H, other=0.0).to(tl.float32)
+        w = tl.load(g_ptr + e[:, None] * H + k[None, :], mask=(e[:, None] < E) & (k[None, :] < H), other=0.0)
+        acc += w.to(tl.float32) * xv[None, :]
+    tl.store(out_ptr + t * E + e, tl.sum(acc, axis=1), mask=e < E)
+
+
+@jit
+def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    scores = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0))
+    choice = tl.where(e < E, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32), float("-inf"))
+    slot = tl.arange(0, BLOCK_TOP)
+    ids = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    wts = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # highest choice first; the lowest expert id among equals
+        best = tl.min(tl.where(choice == tl.max(choice, axis=0), e, BLOCK_E), axis=0)
+        ids = tl.where(slot == j, best, ids)
+        wts = tl.where(slot == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), wts)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if NORMALIZE:
+        wts = wts / (tl.sum(wts, axis=0) + 1e-20)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
+    tl.store(wt_ptr + t * TOP_K + slot, wts * scaling, mask=slot < TOP_K)
+
+
+@jit
+def _weights(base, r, k, rmask, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr):
+    """float32 tile [len(r), len(k)]: rows r, columns k of the weight at ``base`` (row stride ``stride_n``); FP8
+    weights times their tile's scale_inv ``scales[r // BS0, k // BS1]`` (block-scaled FP8, as
+    :func:`splitspec.quant.dequantize_fp8`). ONE_ROW_TILE: all rows r lie in one tile row (then one scale per column
+    tile is loaded, not one per element)."""
+    mask = rmask[:, None] & kmask[None, :]
+    w = tl.load(base + r[:, None].to(tl.int64) * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if FP8:
+        if ONE_ROW_TILE:
+            w *= tl.load(scales + (tl.min(r, axis=0) // BS0) * s_stride_n + k // BS1, mask=kmask, other=0.0)[None, :]
+        else:
+            w *= tl.load(scales + (r // BS0)[:, None] * s_stride_n + (k // BS1)[None, :], mask=mask, other=0.0)
+    return w
+
+
+@jit
+def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, H, n, out_row, BS0, BS1, FP8: tl.constexpr,
+                 ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """silu(gate rows n) · (up rows n) of one expert ([2·n_rows, H] at ``rows``) against one token, to out_row[n]."""
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
+        acc_g += _weights(rows, n, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE) * xv
+        acc_u += _weights(rows, n + n_rows, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
+                          ONE_ROW_TILE) * xv
+    g = tl.sum(acc_g, axis=1)
+    tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < n_rows)
+
+
+@jit
+def _gate_up(x_ptr, ids_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, act_ptr, H, I, I_s, E, top_k, pairs, stride_we, stride_wn,
+             stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, FP8: tl.constexpr,
+             SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)  # a (token, slot) pair, or past the pairs a token's shared expert
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if p < pairs:
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if (e >= 0) & (e < E):
+            _swiglu_rows(x_ptr + (p // top_k) * H, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e, s_stride_n,
+                         I, H, n, act_ptr + p * act_stride, BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
+    else:
+        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n, act_ptr + p * act_stride,
+                     BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
+
+
+@jit
+def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n, scale, BS0, BS1, FP8: tl.constexpr,
+               ONE_ROW_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + (rows n of [n_rows, width] at ``rows``) · (a_row · scale), elementwise before the final row sum."""
+    for k0 in range(0, width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row + k, mask=k < width, other=0.0) * scale
+        acc += _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE) * a[None, :]
+    return acc
+
+
+@jit
+def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we, stride_wn,
+          stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, SHARED: tl.constexpr, FP8: tl.constexpr,
+          SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(0, top_k):
+        p = t * top_k + j
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if (e >= 0) & (e < E):
+            acc = _down_rows(acc, act_ptr + p * act_stride, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e,
+                             s_stride_n, H, I, n, tl.load(wt_ptr + p), BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_K)
+    if SHARED:
+        acc = _down_rows(acc, act_ptr + (pairs + t) * act_stride, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, H, I_s, n, 1.0,
+                         BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_K)
+    tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+@torch.library.custom_op("splitspec::route", mutates_args=())
+def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+              normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H = x.shape
+    E = gate.shape[0]
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    # two experts' rows per program, each read in one go: the scores are ~5–11 MB, too little to hide load latency in a loop
+    _router_logits[(T, triton.cdiv(E, 2))](x.contiguous(), gate.contiguous(), logits, H, E, BLOCK_E=2,
+                                           BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                      BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize, num_warps=1)  # one warp: no shared-memory reductions
+    return weights, ids
+
+
+@_route_op.register_fake
+def _(x, gate, bias, top_k, scaling, normalize):
+    return x.new_empty(x.shape[0], top_k, dtype=torch.float32), x.new_empty(x.shape[0], top_k, dtype=torch.int32)
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ``noaux_tc`` routing with one expert group, in two kernels (see the module docstring).
+
+    x: [T, H] float; gate: [E, H] float (any float dtype; products summed in float32); bias: [E] correction bias,
+    added for the choice only. Returns (weights [T, top_k] float32: sigmoid scores of the chosen experts,
+    divided by their sum + 1e-20 when ``normalize``, × ``scaling``; expert ids [T, top_k] int32, highest biased
+    score first). Same result as :func:`splitspec.models.target.noaux_tc_route` with ``n_group = 1``, up to the
+    order of the float32 sums (and the order among exactly equal scores).
+    """
+    return _route_op(x, gate, bias, top_k, float(scaling), bool(normalize))
+
+
+@torch.library.custom_op("splitspec::fused_experts", mutates_args=())
+def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, scales: list[torch.Tensor | None],
+                fp8_block: list[int], gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
+    T, H = x.shape
+    top_k = local.shape[1]
+    E, I = w13.shape[0], w2.shape[-1]
+    shared = shared_w13 is not None
+    ws13, ws2 = (shared_w13, shared_w2) if shared else (w13[0], w2[0])  # unused pointers when not shared
+    I_s = ws2.shape[-1] if shared else 0
+    s13, s2, ss13, ss2 = (s if s is None else s.contiguous() for s in scales)
+    x, w13, w2, ws13, ws2 = (t.contiguous() for t in (x, w13, w2, ws13, ws2))
+    ids = local.to(torch.int32).contiguous()
+    BS0, BS1 = fp8_block or (1, 1)
+    width = max(I, I_s)
+    act = torch.empty(T * (top_k + shared), width, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    (gu_n, gu_k, gu_warps, gu_stages), (dn_n, dn_k, dn_warps, dn_stages) = gate_up_config, down_config
+
+    def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
+        s, ss = (w if s is None else s), (ws if ss is None else ss)
+        return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
+
+    (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
+    _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
+        x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2),
+        *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
+        ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,  # each program's gate and up rows: one tile row each
+        BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
+    (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
+    _down[(T, triton.cdiv(H, dn_n))](
+        act, ids, weights.to(torch.float32).contiguous(), w2, ws2, p2, ps2, out, H, I, I_s, E, top_k, T * top_k,
+        w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1, width, SHARED=shared, FP8=s2 is not None,
+        SHARED_FP8=ss2 is not None, ONE_ROW_TILE=BS0 % dn_n == 0, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps,
+        num_stages=dn_stages)
+    return out
+
+
+@_experts_op.register_fake
+def _(x, local, weights, w13, w2, shared_w13, shared_w2, scales, fp8_block, gate_up_config, down_config):
+    return torch.empty_like(x)
+
+
+def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
+                  scales: tuple[torch.Tensor | None, ...] = (None,) * 4, fp8_block: tuple[int, int] | None = None,
+                  gate_up_config: tuple[int, int, int, int] | None = None,
+                  down_config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Routed experts of this rank, plus the shared expert if given, for a few tokens, in two kernels.
+
+    Same contract as :func:`splitspec.models.target.grouped_experts`: x [T, H] (float dtype d); local [T, top_k]
+    integer expert ids relative to this rank's first expert (outside [0, E_local): another rank's, skipped);
+    weights [T, top_k] float32 routing weights; w13 [E_local, 2·I, H] (gate rows, then up rows) and
+    w2 [E_local, H, I]. shared_w13 [2·I_s, H] / shared_w2 [H, I_s]: this rank's slice of the shared expert(s),
+    weight 1. Each weight is float, or float8_e4m3fn with its float32 scale_inv tiles in ``scales``
+    (w13, w2, shared_w13, shared_w2; None for a float weight) of ``fp8_block`` (rows, cols) elements — read as
+    FP8 and scaled in registers, never dequantised to memory. Returns [T, H] dtype d:
+    Σ_slots weight · w2[e] (silu(gate) · up) (+ the shared expert's), accumulated in float32. The configs
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) override :data:`GATE_UP_CONFIG` / :data:`DOWN_CONFIG` (for sweeps).
+    """
+    return _experts_op(x, local, weights, w13, w2, shared_w13, shared_w2, list(scales), list(fp8_block or ()),
+                       list(gate_up_config or GATE_UP_CONFIG), list(down_config or DOWN_CONFIG))
