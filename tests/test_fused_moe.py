@@ -107,16 +107,18 @@ def test_shared_expert_joins_the_sum(I_s):
     assert (out - run(*args)).abs().max().item() > 1e-2  # the shared expert did contribute
 
 
-@pytest.mark.parametrize("fp8,block", [("all", (8, 16)), ("w2 only", (8, 16)), ("shared only", (8, 16)),
-                                       ("all", (4, 16)), ("all", (16, 16))])
-def test_fp8_weights_are_scaled_per_tile(fp8, block):
+@pytest.mark.parametrize("fp8,block,I_s", [("all", (8, 16), I), ("w2 only", (8, 16), I), ("shared only", (8, 16), I),
+                                           ("all", (4, 16), I), ("all", (16, 16), I), ("all", (8, 16), 8),
+                                           ("all", (8, 16), 48)])
+def test_fp8_weights_are_scaled_per_tile(fp8, block, I_s):
     """Block-scaled FP8 weights (ragged tiles: H = 40 columns in 16s) read as FP8 and scaled in the kernel equal
     the loop over their dequantised values; any mix of FP8 and float weights. With 8-row program blocks, 8-row
     tiles take the one-scale-per-column-tile path in both kernels; 4-row tiles the per-element one in both;
-    16-row tiles (I = 24: up rows start mid-tile) the per-element one for gate/up and the other for down."""
+    16-row tiles (I = 24: up rows start mid-tile) the per-element one for gate/up and the other for down. A shared
+    expert narrower or wider than the routed ones leaves some programs of the gate/up grid without rows."""
     x, local, weights, w13, w2 = problem(torch.float32)
     g = torch.Generator().manual_seed(5)
-    shared = [randn(2 * I, H, g=g) / H ** 0.5, randn(H, I, g=g) / I ** 0.5]
+    shared = [randn(2 * I_s, H, g=g) / H ** 0.5, randn(H, I_s, g=g) / I_s ** 0.5]
     which = {"all": (0, 1, 2, 3), "w2 only": (1,), "shared only": (2, 3)}[fp8]
     tensors, scales = [w13, w2, *shared], [None] * 4
     for i in which:  # quantize_fp8 takes one [out, in] matrix: the routed weights expert by expert
@@ -137,6 +139,21 @@ def test_default_configs_on_larger_shapes():
     weights = torch.rand(2, 2, generator=g).to(DEVICE)
     out = fused_moe.fused_experts(x, local, weights, w13, w2)
     assert (out.double() - loop_reference(x, local, weights, w13, w2)).abs().max().item() < 1e-5
+
+
+def test_fp8_with_the_shipped_configs():
+    """FP8 routed experts through the shipped block sizes (16-row program blocks, 512/256-wide K steps) with
+    16 × 128 tiles: the one-scale-per-column-tile path over K steps spanning several tiles and a ragged last one."""
+    g = torch.Generator().manual_seed(6)
+    x, w13, w2 = randn(2, 300, g=g), randn(4, 2 * 32, 300, g=g) / 300 ** 0.5, randn(4, 300, 32, g=g) / 32 ** 0.5
+    local = torch.tensor([[0, 3], [2, 0]], device=DEVICE)
+    weights = torch.rand(2, 2, generator=g).to(DEVICE)
+    block = (16, 128)
+    q, sc = zip(*[zip(*[quant.quantize_fp8(m, block) for m in w.cpu()]) for w in (w13, w2)])
+    q, sc = [torch.stack(t).to(DEVICE) for t in q], [torch.stack(t).to(DEVICE) for t in sc]
+    out = fused_moe.fused_experts(x, local, weights, *q, scales=(*sc, None, None), fp8_block=block)
+    dense = [quant.dequantize_fp8(a.cpu(), b.cpu(), block).to(DEVICE) for a, b in zip(q, sc)]
+    assert (out.double() - loop_reference(x, local, weights, *dense)).abs().max().item() < 1e-5
 
 
 def router(n_experts=20, top_k=4, normalize=True, scaling=2.5, seed=3):

@@ -221,7 +221,11 @@ def test_ctrl_c_during_tune_stops_it_and_its_workers_promptly(built_engines, tmp
         time.sleep(2.0)  # inside the sweep: cycles running
         (os.killpg if whom == "group" else os.kill)(p.pid, signal.SIGINT)
         t0 = time.monotonic()
-        out, _ = p.communicate(timeout=60)
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(f"still running 60 s after SIGINT; its output:\n{p.communicate()[0][-4000:]}")
         assert time.monotonic() - t0 < 20
     finally:
         if p.poll() is None:

@@ -14,8 +14,10 @@ with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton k
 4. ``down``: one program per (token, block of hidden rows): each of the token's slots' down-projection rows
    times its activation and routing weight, then the shared expert's, summed in float32.
 
-No sort, no atomics: every token's result depends only on that token (batch-invariant, deterministic), so a
-token decodes to the same bits alone, in a batch, or inside a k+1-token verify. Pairs routed to another rank's
+No sort, no atomics: each token's sum over its experts depends only on that token (batch-invariant,
+deterministic) — the kernels give a token the same bits alone, in a batch or inside a k+1-token verify. (The
+layer around them is not bit-invariant: the shared expert joins the kernels only for a single token, and the
+cuBLAS projections and the grouped GEMMs above :data:`MAX_TOKENS` round by batch size.) Pairs routed to another rank's
 experts (ids outside [0, E_local)) are skipped without reading anything. A pair reads its expert's weights even
 when another pair of the batch has the same expert, so past a few tokens per expert the grouped GEMMs win;
 :func:`use_fused` draws that line (:data:`MAX_TOKENS`). For the same reason the shared expert (and a dense MLP,
@@ -130,13 +132,14 @@ def _gate_up(x_ptr, ids_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, act_ptr, H, I, I_s, E
              stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, FP8: tl.constexpr,
              SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)  # a (token, slot) pair, or past the pairs a token's shared expert
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N  # the grid covers max(I, I_s) rows: blocks past this expert's rows do nothing
+    n = n0 + tl.arange(0, BLOCK_N)
     if p < pairs:
         e = tl.load(ids_ptr + p).to(tl.int64)
-        if (e >= 0) & (e < E):
+        if (e >= 0) & (e < E) & (n0 < I):
             _swiglu_rows(x_ptr + (p // top_k) * H, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e, s_stride_n,
                          I, H, n, act_ptr + p * act_stride, BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
-    else:
+    elif n0 < I_s:
         _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n, act_ptr + p * act_stride,
                      BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
 
@@ -199,7 +202,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     added for the choice only. Returns (weights [T, top_k] float32: sigmoid scores of the chosen experts,
     divided by their sum + 1e-20 when ``normalize``, × ``scaling``; expert ids [T, top_k] int32, highest biased
     score first). Same result as :func:`splitspec.models.target.noaux_tc_route` with ``n_group = 1``, up to the
-    order of the float32 sums (and the order among exactly equal scores).
+    order of the float32 sums and, among exactly equal biased scores, which are chosen (here the lowest ids).
     """
     return _route_op(x, gate, bias, top_k, float(scaling), bool(normalize))
 
