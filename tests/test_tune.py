@@ -215,7 +215,10 @@ def test_ctrl_c_during_tune_stops_it_and_its_workers_promptly(built_engines, tmp
     prompts.write_text("def f(x):\n")
     p = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "tune", "--engines", str(eng_dir), "--prompts", str(prompts),
                           "--batches", "1,2", "-k", "0,1,2", "--cycles", "400", "--max-seq-len", "256"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         # as from a terminal: a test run started in the background (`cmd &` without job control)
+                         # hands its children SIGINT ignored, and Python keeps an ignored SIGINT ignored
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "measuring" in p.stdout.readline()
         time.sleep(2.0)  # inside the sweep: cycles running
