@@ -1,18 +1,21 @@
 """Entry point of a target worker rank:
 ``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp N]``."""
 
-import argparse
 import signal
-import sys
-from pathlib import Path
 
-from splitspec.engine import worker_loop
+# Ctrl-C in a terminal reaches every process of the group: rank 0 handles it and stops this rank (shutdown plan,
+# or a kill if it is stuck in a collective). Ignored before the imports below, which take seconds (torch): a
+# Ctrl-C during them would otherwise end this rank with a KeyboardInterrupt traceback.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from splitspec.engine import worker_loop  # noqa: E402
 
 
 def main() -> None:
-    # Ctrl-C in a terminal reaches every process of the group: rank 0 handles it and stops this rank
-    # (shutdown plan, or a kill if it is stuck in a collective)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--engines", required=True)
     p.add_argument("--rank", type=int, required=True)
