@@ -205,6 +205,16 @@ def test_bf16_form_converts_to_the_float_original(fx, master, tmp_path):
     assert worst == 0
 
 
+def test_quantize_fp8_treats_leading_dimensions_as_separate_matrices():
+    w = torch.randn(3, 2, 40, 70, generator=torch.Generator().manual_seed(7))
+    q, s = quant.quantize_fp8(w, (16, 32))
+    assert q.shape == w.shape and s.shape == (3, 2, 3, 3)
+    for i in range(3):
+        for j in range(2):
+            q1, s1 = quant.quantize_fp8(w[i, j], (16, 32))
+            assert torch.equal(q[i, j].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s[i, j], s1)
+
+
 def test_fp8_dequantised_weights_within_e4m3_rounding(fx, master, tmp_path):
     (shard,) = _converted(fx, tmp_path, "fp8")
     block = fixtures.BLOCK

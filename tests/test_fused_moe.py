@@ -123,13 +123,11 @@ def test_fp8_weights_are_scaled_per_tile(fp8, block, I_s):
     shared = [randn(2 * I_s, H, g=g) / H ** 0.5, randn(H, I_s, g=g) / I_s ** 0.5]
     which = {"all": (0, 1, 2, 3), "w2 only": (1,), "shared only": (2, 3)}[fp8]
     tensors, scales = [w13, w2, *shared], [None] * 4
-    for i in which:  # quantize_fp8 takes one [out, in] matrix: the routed weights expert by expert
-        pairs = [quant.quantize_fp8(m, block) for m in tensors[i].cpu().reshape(-1, *tensors[i].shape[-2:])]
-        tensors[i] = torch.stack([q for q, _ in pairs]).reshape(tensors[i].shape).to(DEVICE)
-        scales[i] = torch.stack([sc for _, sc in pairs]).reshape(*tensors[i].shape[:-2], *pairs[0][1].shape).to(DEVICE)
+    for i in which:
+        tensors[i], scales[i] = quant.quantize_fp8(tensors[i], block)
     out = fused_moe.fused_experts(x, local, weights, *tensors, scales=scales, fp8_block=block,
                                   gate_up_config=SMALL, down_config=SMALL)
-    dense = [t if s is None else quant.dequantize_fp8(t.cpu(), s.cpu(), block).to(DEVICE) for t, s in zip(tensors, scales)]
+    dense = [t if s is None else quant.dequantize_fp8(t, s, block) for t, s in zip(tensors, scales)]
     assert (out.double() - loop_reference(x, local, weights, *dense)).abs().max().item() < 1e-5
 
 
@@ -151,10 +149,9 @@ def test_fp8_with_the_shipped_configs():
     local = torch.tensor([[0, 3], [2, 0]], device=DEVICE)
     weights = torch.rand(2, 2, generator=g).to(DEVICE)
     block = (16, 128)
-    q, sc = zip(*[zip(*[quant.quantize_fp8(m, block) for m in w.cpu()]) for w in (w13, w2)])
-    q, sc = [torch.stack(t).to(DEVICE) for t in q], [torch.stack(t).to(DEVICE) for t in sc]
+    q, sc = zip(*(quant.quantize_fp8(w, block) for w in (w13, w2)))
     out = fused_moe.fused_experts(x, local, weights, *q, scales=(*sc, None, None), fp8_block=block)
-    dense = [quant.dequantize_fp8(a.cpu(), b.cpu(), block).to(DEVICE) for a, b in zip(q, sc)]
+    dense = [quant.dequantize_fp8(a, b, block) for a, b in zip(q, sc)]
     assert (out.double() - loop_reference(x, local, weights, *dense)).abs().max().item() < 1e-5
 
 

@@ -158,19 +158,20 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float [out, in] → (float8_e4m3fn [out, in], float32 scale_inv per tile), scale = tile amax / 448.
+    """Float [..., out, in] → (float8_e4m3fn [..., out, in], float32 scale_inv [..., ceil(out/b0), ceil(in/b1)]
+    per tile), scale = tile amax / 448; leading dimensions (stacked experts) are independent matrices.
 
     The inverse of :func:`dequantize_fp8` up to e4m3 rounding (3 mantissa bits: relative error ≤ 2⁻⁴,
     absolute ≤ 2⁻¹⁰ × scale below the normal range). Used to write fixtures; tiles of zeros get scale 1.
     """
-    rows, cols = weight.shape
+    *lead, rows, cols = weight.shape
     b0, b1 = block
     pr, pc = -rows % b0, -cols % b1
     w = F.pad(weight.float(), (0, pc, 0, pr))
-    tiles = w.view(w.shape[0] // b0, b0, w.shape[1] // b1, b1)
-    amax = tiles.abs().amax(dim=(1, 3))
+    tiles = w.view(*lead, w.shape[-2] // b0, b0, w.shape[-1] // b1, b1)
+    amax = tiles.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(w)[:rows, :cols].to(FP8_DTYPE)
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(w)[..., :rows, :cols].to(FP8_DTYPE)
     return q.contiguous(), scale.float().contiguous()
 
 
