@@ -193,27 +193,34 @@ def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kimi_experts(tp: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 routed experts of one Kimi-K2 rank at expert-TP ``tp``: w13 [384, 4096/tp, 7168],
+    w2 [384, 7168, 2048/tp]."""
+    I = 2048 // tp
+    return (torch.randn(384, 2 * I, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5,
+            torch.randn(384, 7168, I, dtype=torch.bfloat16, device="cuda", generator=g) * I ** -0.5)
+
+
+def routed_tokens(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T random tokens [T, 7168] bf16, each with 8 distinct experts of 384 [T, 8] and routing weights [T, 8]."""
+    ids = torch.stack([torch.randperm(384, device="cuda", generator=g)[:8] for _ in range(T)])
+    return torch.randn(T, 7168, dtype=torch.bfloat16, device="cuda", generator=g), ids, torch.rand(T, 8, device="cuda", generator=g)
+
+
 def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
     """Routed experts alone at Kimi-K2 shapes (384 experts, 8 per token, hidden 7168, intermediate 2048 / TP):
     the fused decode kernels against the grouped GEMMs by token count, both at their bytes (distinct experts
-    × expert bytes) over the measured bandwidth. First a sweep of the fused kernels' block sizes at 1 and 4 tokens, every TP shape,
-    whose best configuration (lowest summed time) is then used for the rest of the run."""
+    × expert bytes) over the measured bandwidth. First a sweep of the fused kernels' block sizes at 1 and 4
+    tokens, every TP shape, whose best configuration (lowest summed time) is then used for the rest of the run."""
     from splitspec import fused_moe
     from splitspec.models.target import grouped_experts
 
     bw = bw_GBps * 1e6  # bytes per ms
     out = {"sweep": [], "rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
-    weights = {tp: (torch.randn(384, 4096 // tp, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5,
-                    torch.randn(384, 7168, 2048 // tp, dtype=torch.bfloat16, device="cuda", generator=g) * (2048 // tp) ** -0.5)
-               for tp in tps}
-
-    def problem(T: int):
-        ids = torch.stack([torch.randperm(384, device="cuda", generator=g)[:8] for _ in range(T)])
-        return torch.randn(T, 7168, dtype=torch.bfloat16, device="cuda", generator=g), ids, torch.rand(T, 8, device="cuda", generator=g)
-
+    weights = {tp: kimi_experts(tp, g) for tp in tps}
     blocks = [(n, k, w, st) for n in (8, 16, 32) for k in (256, 512) for w in (4, 8) for st in (2, 4) if n * k <= 8192]
-    problems = {T: problem(T) for T in (1, 4)}
+    problems = {T: routed_tokens(T, g) for T in (1, 4)}
     totals = {}
     for which in ("gate_up", "down"):
         for cfg in blocks:
@@ -232,7 +239,7 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
         w13, w2 = weights[tp]
         expert_bytes = w13[0].nbytes + w2[0].nbytes
         for T in (1, 2, 4, 8, 16, 32, 64):
-            x, ids, wts = problem(T)
+            x, ids, wts = routed_tokens(T, g)
             ref = grouped_experts(x, ids, wts, w13, w2).float()
             got = fused_moe.fused_experts(x, ids, wts, w13, w2).float()
             nbytes = ids.unique().numel() * expert_bytes
@@ -257,10 +264,9 @@ def moe_fp8(bw_GBps: float) -> dict:
     from splitspec import fused_moe, quant
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(384, 4096, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5
-    w2 = torch.randn(384, 7168, 2048, dtype=torch.bfloat16, device="cuda", generator=g) * 2048 ** -0.5
+    w13, w2 = kimi_experts(1, g)
     fp8 = []
-    for w in (w13, w2):
+    for w in (w13, w2):  # expert by expert: the whole stack in float32 at once would not fit beside it
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda")
         s = torch.empty(w.shape[0], *quant.fp8_scale_shape(tuple(w.shape[1:]), (128, 128)), device="cuda")
         for e in range(w.shape[0]):
@@ -269,9 +275,7 @@ def moe_fp8(bw_GBps: float) -> dict:
     (q13, s13), (q2, s2) = fp8
     rows = []
     for T in (1, 4, 16):
-        ids = torch.stack([torch.randperm(384, device="cuda", generator=g)[:8] for _ in range(T)])
-        x = torch.randn(T, 7168, dtype=torch.bfloat16, device="cuda", generator=g)
-        wts = torch.rand(T, 8, device="cuda", generator=g)
+        x, ids, wts = routed_tokens(T, g)
         run8 = lambda: fused_moe.fused_experts(x, ids, wts, q13, q2, scales=(s13, s2, None, None), fp8_block=(128, 128))  # noqa: E731
         run16 = lambda: fused_moe.fused_experts(x, ids, wts, w13, w2)  # noqa: E731
         a, b = run8().float(), run16().float()
@@ -325,21 +329,20 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
                 variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
-                variants += [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []  # the grouped GEMMs, for comparison
-                for (layer, name, nbytes), (compiled, max_fused) in itertools.product(
-                        ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)), variants):
-                    if layer == 0 and max_fused != fused_moe.MAX_TOKENS:  # the dense layer has one path
-                        continue
-                    with patch.object(fused_moe, "MAX_TOKENS", max_fused):
-                        model.fast = fast if compiled else None
-                        ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
-                        bound = nbytes / bw + 2 * ar / 1e3
-                        routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
-                        rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed, "comparison": max_fused == 0, "batch": B, "k": k, "tokens": B * n,
-                                         "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
-                                         "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
-                                         "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
-                        print(json.dumps(rows_out[-1]), flush=True)
+                grouped = [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []  # the MoE layer's grouped GEMMs, for comparison
+                for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
+                    for compiled, max_fused in variants + (grouped if layer else []):
+                        with patch.object(fused_moe, "MAX_TOKENS", max_fused):
+                            model.fast = fast if compiled else None
+                            ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
+                            bound = nbytes / bw + 2 * ar / 1e3
+                            routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
+                            rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed,
+                                             "comparison": max_fused == 0, "batch": B, "k": k, "tokens": B * n,
+                                             "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
+                                             "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
+                                             "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
+                            print(json.dumps(rows_out[-1]), flush=True)
                 last = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
                 ms = timed_graph(lambda: torch.nn.functional.linear(last, w["lm_head"]))
                 rows_out.append({"tp": tp, "layer": "lm_head", "batch": B, "k": k, "tokens": B * n, "ms": ms,
