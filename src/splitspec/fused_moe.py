@@ -17,8 +17,8 @@ with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton k
 No sort, no atomics: each token's sum over its experts depends only on that token (batch-invariant,
 deterministic) — the kernels give a token the same bits alone, in a batch or inside a k+1-token verify. (The
 layer around them is not bit-invariant: the shared expert joins the kernels only for a single token, and the
-cuBLAS projections and the grouped GEMMs above :data:`MAX_TOKENS` round by batch size.) Pairs routed to another rank's
-experts (ids outside [0, E_local)) are skipped without reading anything. A pair reads its expert's weights even
+cuBLAS projections and the grouped GEMMs above :data:`MAX_TOKENS` round by batch size.) Pairs routed to another
+rank's experts (ids outside [0, E_local)) are skipped without reading anything. A pair reads its expert's weights even
 when another pair of the batch has the same expert, so past a few tokens per expert the grouped GEMMs win;
 :func:`use_fused` draws that line (:data:`MAX_TOKENS`). For the same reason the shared expert (and a dense MLP,
 whose weights every token uses) is best left to one GEMM over all tokens once there are two or more.
@@ -96,7 +96,8 @@ def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.con
 
 
 @jit
-def _weights(base, r, k, rmask, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr):
+def _weights(base, r, k, rmask, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8: tl.constexpr,
+             ONE_ROW_TILE: tl.constexpr):
     """float32 tile [len(r), len(k)]: rows r, columns k of the weight at ``base`` (row stride ``stride_n``); FP8
     weights times their tile's scale_inv ``scales[r // BS0, k // BS1]`` (block-scaled FP8, as
     :func:`splitspec.quant.dequantize_fp8`). ONE_ROW_TILE: all rows r lie in one tile row (then one scale per column
@@ -140,8 +141,8 @@ def _gate_up(x_ptr, ids_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, act_ptr, H, I, I_s, E
             _swiglu_rows(x_ptr + (p // top_k) * H, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e, s_stride_n,
                          I, H, n, act_ptr + p * act_stride, BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
     elif n0 < I_s:
-        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n, act_ptr + p * act_stride,
-                     BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
+        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n,
+                     act_ptr + p * act_stride, BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
 
 
 @jit
@@ -151,13 +152,14 @@ def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n,
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_row + k, mask=k < width, other=0.0) * scale
-        acc += _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE) * a[None, :]
+        w = _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        acc += w * a[None, :]
     return acc
 
 
 @jit
-def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we, stride_wn,
-          stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, SHARED: tl.constexpr, FP8: tl.constexpr,
+def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we,
+          stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, SHARED: tl.constexpr, FP8: tl.constexpr,
           SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,8 +171,8 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
             acc = _down_rows(acc, act_ptr + p * act_stride, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e,
                              s_stride_n, H, I, n, tl.load(wt_ptr + p), BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_K)
     if SHARED:
-        acc = _down_rows(acc, act_ptr + (pairs + t) * act_stride, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, H, I_s, n, 1.0,
-                         BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_K)
+        acc = _down_rows(acc, act_ptr + (pairs + t) * act_stride, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, H, I_s, n,
+                         1.0, BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_K)
     tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
 
 
@@ -180,13 +182,14 @@ def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
     T, H = x.shape
     E = gate.shape[0]
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    # two experts' rows per program, each read in one go: the scores are ~5–11 MB, too little to hide load latency in a loop
+    # two experts' rows per program, each read in one go: the gate is ~5–11 MB, too little to hide load latency in a loop
     _router_logits[(T, triton.cdiv(E, 2))](x.contiguous(), gate.contiguous(), logits, H, E, BLOCK_E=2,
                                            BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                      BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize, num_warps=1)  # one warp: no shared-memory reductions
+                      BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize,
+                      num_warps=1)  # one warp: its reductions need no shared memory
     return weights, ids
 
 
@@ -195,7 +198,8 @@ def _(x, gate, bias, top_k, scaling, normalize):
     return x.new_empty(x.shape[0], top_k, dtype=torch.float32), x.new_empty(x.shape[0], top_k, dtype=torch.int32)
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ``noaux_tc`` routing with one expert group, in two kernels (see the module docstring).
 
     x: [T, H] float; gate: [E, H] float (any float dtype; products summed in float32); bias: [E] correction bias,
@@ -232,9 +236,10 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
 
     (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
     _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
-        x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2),
-        *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
-        ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,  # each program's gate and up rows: one tile row each
+        x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2),
+        ws13.stride(-2), *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
+        # each program's gate rows lie in one tile row, and so do its up rows
+        ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,
         BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
     (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
     _down[(T, triton.cdiv(H, dn_n))](

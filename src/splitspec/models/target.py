@@ -203,8 +203,9 @@ class TargetModel:
 
         A few tokens on CUDA take the fused decode kernels (:mod:`splitspec.fused_moe`): routing in two kernels when
         there is one expert group, the routed experts (and, for a single token, the shared one) in two more,
-        which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise :func:`noaux_tc_route`, the shared expert as a SwiGLU and the
-        routed ones as grouped GEMMs (:func:`grouped_experts`), FP8-kept experts dequantised per call."""
+        which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise
+        :func:`noaux_tc_route`, the shared expert as a SwiGLU and the routed ones as grouped GEMMs
+        (:func:`grouped_experts`), FP8-kept experts dequantised per call."""
         c = self.cfg
         gate, bias = lw["mlp.gate"], lw["mlp.e_score_correction_bias"]
         experts = ("mlp.experts.w13", "mlp.experts.w2")
