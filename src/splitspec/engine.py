@@ -475,13 +475,10 @@ class Group:
                 raise
         try:
             self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], draft_tp, draft_device, kv_tokens)
-            self._wait_ready(start_timeout_s)
+            self._wait_for("ready", start_timeout_s)
         except BaseException:
             self.close()
             raise
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        self._wait_for("ready", timeout_s)
 
     def _wait_for(self, what: str, timeout_s: float) -> None:
         """Wait until every worker has set ``what/<rank>`` in the store, checking that each is alive (a
