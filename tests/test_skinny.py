@@ -29,10 +29,10 @@ def problem(T: int, dtype: torch.dtype, seed: int = 0, stride: int | None = None
     return [t.to(dtype).to(DEVICE) for t in (x, w, norm)]
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("T", [1, 2, 5, 16])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_float32_matches_float64_products(T, splits):
-    """Every token-row mode (1, 2, 4 element-wise; 16 through tl.dot), one and several K-ranges (3 ranges of
+    """Both token-row modes (one token element-wise; 2–16 through tl.dot), one and several K-ranges (3 ranges of
     ragged length: 2 K-blocks, 2, 1), a strided x."""
     x, w, _ = problem(T, torch.float32, stride=K + 9)
     got = skinny.linear(x, w, splits=splits, config=SMALL)

@@ -6,8 +6,8 @@ the attention projections of a Kimi-K2 layer (bench/gpu_bench.py, ``layers`` pro
 reduction kernel). Here one Triton kernel reads each weight row block once for all T tokens:
 
 - program (n, s) computes rows n·BLOCK_N … of y over K-range s of :func:`split_k` ranges;
-- T ≤ 4 (``BLOCK_T`` 1, 2, 4): products summed element-wise in float32 registers, reduced once at the end (a
-  GEMV per token on the same weight tile); 5–16 tokens: ``tl.dot`` with the tokens padded to 16 rows;
+- one token: products summed element-wise in float32 registers, reduced once at the end (a GEMV); 2–16 tokens:
+  ``tl.dot`` with the tokens padded to 16 rows;
 - with ``norm`` the kernel first reads x's rows to get each token's RMS (x is a few KB, from cache), then
   multiplies x by 1/RMS and the norm weight and rounds it to x's dtype as :func:`splitspec.layers.rms_norm`
   does, so the RMSNorm kernel before the linear disappears;
@@ -20,6 +20,7 @@ The kernel runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,17 +29,21 @@ from splitspec import fused_moe
 from splitspec.fused_moe import jit, tl, triton
 from splitspec.layers import rms_norm
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_T (tokens padded to 1, 2, 4 or 16): the fastest of a sweep on
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_T (tokens padded to 1 or 16): the fastest of a sweep on
 #: H200 over the Kimi-K2 attention and dense-MLP shapes at TP1, TP2 and TP8 (bench/gpu_bench.py, section skinny).
-CONFIGS = {1: (16, 512, 4, 4), 2: (16, 256, 4, 4), 4: (16, 128, 4, 4), 16: (32, 128, 4, 4)}
+CONFIGS = {1: (8, 512, 4, 4), 16: (32, 128, 4, 4)}
+
+#: Whether :func:`dispatch_linear` uses the kernel (``SPLITSPEC_SKINNY=0``: cuBLAS, the norm as its own kernel).
+ENABLED = os.environ.get("SPLITSPEC_SKINNY", "1") != "0"
 
 #: :func:`split_k` splits K until there are at least this many programs per streaming multiprocessor.
 PROGRAMS_PER_SM = 2
 
 
 def block_t(T: int) -> int:
-    """Token rows of the kernel for T tokens: 1, 2 or 4 (element-wise products), else 16 (``tl.dot``)."""
-    return 1 if T == 1 else 2 if T == 2 else 4 if T <= 4 else 16
+    """Token rows of the kernel for T tokens: 1 (a GEMV: element-wise products), else 16 (``tl.dot``; element-wise
+    products for 2–4 tokens read at ~2 TB/s on H200, the 16-row tl.dot at cuBLAS's speed)."""
+    return 1 if T == 1 else 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,8 +151,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, e
 
 def dispatch_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """y = rms_norm(x) Wᵀ (x Wᵀ without ``norm``) through :func:`linear` for a few tokens on CUDA (the rule of the
-    MoE decode kernels, :func:`splitspec.fused_moe.use_fused`), else :func:`splitspec.layers.rms_norm` and
+    MoE decode kernels, :func:`splitspec.fused_moe.use_fused`) unless :data:`ENABLED` is off, else :func:`splitspec.layers.rms_norm` and
     ``F.linear``. x: [T, K]; w: [N, K] float; norm: [K]. Returns [T, N] in x's dtype."""
-    if fused_moe.use_fused(x):
+    if ENABLED and fused_moe.use_fused(x):
         return linear(x, w, norm, eps)
     return F.linear(x if norm is None else rms_norm(x, norm, eps), w)
