@@ -291,90 +291,11 @@ def moe_fp8(bw_GBps: float) -> dict:
     return {"rows": rows}
 
 
-def skinny_kernel(bw_GBps: float, tps: list[int]) -> dict:
-    """Skinny GEMMs (:mod:`splitspec.skinny`) at the Kimi-K2 attention, dense-MLP and shared-expert shapes of the TP
-    shards, against ``F.linear`` (cuBLAS), both at the weight's bytes over the measured bandwidth. First a sweep of
-    block sizes per token-row mode (1 token; 16 for the tl.dot mode) and of the split-K target, scored by the sum of
-    log times over the shapes; the best is used for the rest of the run. Also the RMSNorm folded into the kernel
-    against rms_norm + F.linear. Weights are read cold: each call takes the next of copies ≥ 512 MB together."""
-    import math
-
-    from splitspec import skinny
-    from splitspec.config import Mapping
-    from splitspec.layers import rms_norm
-    from splitspec.synthetic import kimi_k2_target, target_shapes
-
-    bw = bw_GBps * 1e6  # bytes per ms
-    cfg = kimi_k2_target(2)
-    names = ("layers.0.attn.fused_qkv_a", "layers.0.attn.q_b_proj", "layers.0.attn.o_proj", "layers.0.mlp.w13",
-             "layers.0.mlp.w2", "layers.1.mlp.shared.w13", "layers.1.mlp.shared.w2")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    by_tp = {tp: {n.split(".", 2)[2]: target_shapes(cfg, Mapping(tp))[n] for n in names} for tp in tps}
-    # copies of each weight, ≥ 512 MB together, read in turn: every call reads from HBM, not from the 60 MB L2
-    copies = {s: [torch.randn(*s, dtype=torch.bfloat16, device="cuda", generator=g) * s[1] ** -0.5
-                  for _ in range(min(64, -(-(512 << 20) // (2 * s[0] * s[1]))))]
-              for s in sorted({s for shapes in by_tp.values() for s in shapes.values()})}
-    xs = {T: torch.randn(T, 18432, dtype=torch.bfloat16, device="cuda", generator=g) for T in (1, 2, 4, 8, 16)}
-    out = {"sweep": [], "rows": [], "norm_rows": []}
-
-    def cold(fn, s) -> float:  # ms of fn(w) per call, each call on the next copy of the weight
-        turn = itertools.cycle(copies[s])
-        return timed_graph(lambda: fn(next(turn)), reps=max(10, len(copies[s])))
-
-    def score(T: int, config=None) -> tuple[float, dict]:
-        ms = {f"{s[0]}x{s[1]}": cold(lambda w: skinny.linear(xs[T][:, :s[1]], w, config=config), s) for s in copies}
-        return sum(math.log(v) for v in ms.values()), ms
-
-    for bt in (1, 16):
-        candidates = ([(n, k, w, 4) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)] if bt == 16 else
-                      [(n, k, w, 4) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8) if bt * n * k <= 16384])
-        best = None
-        for c in candidates:
-            total, ms = score(bt, c)
-            out["sweep"].append({"block_t": bt, "config": c, "log_ms_sum": total} | {f"ms_{n}": v for n, v in ms.items()})
-            print(json.dumps(out["sweep"][-1]), flush=True)
-            best = min(best or (total, c), (total, c))
-        skinny.CONFIGS[bt] = best[1]
-    totals = {}
-    for pps in (1, 2, 4):
-        skinny.PROGRAMS_PER_SM = pps
-        totals[pps] = sum(score(T)[0] for T in (1, 4, 16))
-    skinny.PROGRAMS_PER_SM = min(totals, key=totals.get)
-    out["chosen"] = {"configs": dict(skinny.CONFIGS), "programs_per_sm": skinny.PROGRAMS_PER_SM, "pps_scores": totals}
-    print("chosen", out["chosen"], flush=True)
-    for tp, shapes in by_tp.items():
-        for name, s in shapes.items():
-            w = copies[s][0]
-            for T in (1, 2, 4, 8, 16):
-                x = xs[T][:, :s[1]].contiguous()
-                ref = torch.nn.functional.linear(x, w).float()
-                row = {"tp": tp, "weight": name, "shape": list(s), "tokens": T, "bytes": w.nbytes, "bound_ms": w.nbytes / bw,
-                       "splits": skinny.split_k(s[0], s[1], *skinny.CONFIGS[skinny.block_t(T)][:2], "cuda"),
-                       "max_rel_diff_vs_cublas": ((skinny.linear(x, w).float() - ref).abs().max() / ref.abs().max()).item(),
-                       "cublas_ms": cold(lambda w: torch.nn.functional.linear(x, w), s),
-                       "skinny_ms": cold(lambda w: skinny.linear(x, w), s)}
-                row |= {"cublas_GBps": w.nbytes / row["cublas_ms"] / 1e6, "skinny_GBps": w.nbytes / row["skinny_ms"] / 1e6}
-                out["rows"].append(row)
-                print(json.dumps(row), flush=True)
-        s = shapes["attn.fused_qkv_a"]
-        norm = torch.rand(s[1], device="cuda", generator=g) + 0.5
-        for T in (1, 4, 16):
-            x = xs[T][:, :s[1]].contiguous()
-            row = {"tp": tp, "weight": "attn.fused_qkv_a", "tokens": T,
-                   "rms_norm_then_cublas_ms": cold(lambda w: torch.nn.functional.linear(rms_norm(x, norm, 1e-6), w), s),
-                   "skinny_norm_folded_ms": cold(lambda w: skinny.linear(x, w, norm), s)}
-            out["norm_rows"].append(row)
-            print(json.dumps(row), flush=True)
-    del copies
-    torch.cuda.empty_cache()
-    return out
-
-
 def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict) -> dict:
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
-    from splitspec import fused_moe, skinny
+    from splitspec import fused_moe
     from splitspec.config import Mapping
     from splitspec.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
@@ -407,23 +328,17 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
-                # (compiled, fused_moe.MAX_TOKENS, skinny GEMMs on)
-                variants = [(compiled, fused_moe.MAX_TOKENS, True) for compiled in ((False, True) if k == 0 else (True,))]
-                # for comparison: the skinny GEMMs off (cuBLAS projections), then all decode kernels off (also the
-                # MoE layer's grouped GEMMs)
-                off = [(True, fused_moe.MAX_TOKENS, False), (True, 0, False)] if B * n <= fused_moe.MAX_TOKENS else []
+                variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
+                grouped = [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []  # the MoE layer's grouped GEMMs, for comparison
                 for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
-                    for compiled, max_fused, use_skinny in variants + off:
-                        with patch.object(fused_moe, "MAX_TOKENS", max_fused), patch.object(skinny, "ENABLED", use_skinny):
+                    for compiled, max_fused in variants + (grouped if layer else []):
+                        with patch.object(fused_moe, "MAX_TOKENS", max_fused):
                             model.fast = fast if compiled else None
                             ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
                             rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed,
-                                             "skinny": use_skinny and B * n <= max_fused,
-                                             "comparison": (max_fused, use_skinny) != (fused_moe.MAX_TOKENS, True),
-                                             "off": None if use_skinny else "skinny" if max_fused else "all",
-                                             "batch": B, "k": k, "tokens": B * n,
+                                             "comparison": max_fused == 0, "batch": B, "k": k, "tokens": B * n,
                                              "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
                                              "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
                                              "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
@@ -567,8 +482,6 @@ def main() -> None:
     bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
     if "moe_kernel" not in skip and not a.dry_run:
         section("moe_kernel", out)(moe_kernel)(bw, [1, 2])
-    if "skinny" not in skip and not a.dry_run:
-        section("skinny", out)(skinny_kernel)(bw, [1, 2, 8])
     if "moe_fp8" not in skip and not a.dry_run:
         section("moe_fp8", out)(moe_fp8)(bw)
     if "layers" not in skip and not a.dry_run:

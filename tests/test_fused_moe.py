@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
-from splitspec import fused_moe, quant, skinny  # noqa: E402
+from splitspec import fused_moe, quant  # noqa: E402
 from splitspec.models.target import grouped_experts, noaux_tc_route  # noqa: E402
 
 # Small shapes that still exercise every mask: H and I not multiples of the blocks, several row blocks,
@@ -184,9 +184,8 @@ def test_route_uses_the_bias_for_the_choice_only():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the CPU demo engine through Triton's interpreter")
 @pytest.mark.parametrize("tokens", [12, 1])
 def test_target_forward_with_fused_kernels(engines_for, demo_models, tokens):
-    """The demo target (TP1, shared expert, 4 of 16 experts) through the decode kernels — TargetModel.moe's fused
-    path and the skinny GEMMs with folded norms, forced on for CPU tensors — gives the general path's logits
-    (T ≤ MAX_TOKENS; one token: shared expert in the MoE kernels)."""
+    """The demo target (TP1, shared expert, 4 of 16 experts) through TargetModel.moe's fused path — forced on
+    for CPU tensors — gives the grouped path's logits (T ≤ MAX_TOKENS; one token: shared expert in the kernels)."""
     from unittest.mock import patch
 
     from splitspec.engine import Group
@@ -203,24 +202,17 @@ def test_target_forward_with_fused_kernels(engines_for, demo_models, tokens):
                 return runner.target.forward(batch, runner.tcache)[0]
 
         grouped = logits()
-        calls, linears = [], []
+        calls = []
         spy = lambda *a, **kw: calls.append(len(a)) or experts(*a, **kw)  # noqa: E731
-        skinny_spy = lambda x, w, norm=None, eps=1e-6: linears.append(norm is not None) or linear(x, w, norm, eps)  # noqa: E731
-        experts, linear = fused_moe.fused_experts, skinny.linear
+        experts = fused_moe.fused_experts
         with patch.object(fused_moe, "use_fused", lambda x: x.shape[0] <= fused_moe.MAX_TOKENS), \
-                patch.object(fused_moe, "fused_experts", spy), patch.object(skinny, "linear", skinny_spy):
+                patch.object(fused_moe, "fused_experts", spy):
             fused = logits()
         cfg = runner.target.cfg
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        dense_layers = cfg.num_hidden_layers - moe_layers
     finally:
         group.close()
     # one call per MoE layer, positional arguments x, ids, weights, w13, w2 (+ shared w13, w2 for a single token)
     assert calls == [7 if tokens == 1 else 5] * moe_layers and moe_layers > 0
-    # skinny GEMMs: qkv_a (norm folded in), q_b (norm), o_proj in every layer; w13 (norm) and w2 in dense layers and
-    # for the shared expert of several tokens (its norm is applied once for the whole MoE block)
-    shared = 2 * moe_layers if tokens > 1 and cfg.n_shared_experts else 0
-    assert len(linears) == 3 * cfg.num_hidden_layers + 2 * dense_layers + shared
-    assert sum(linears) == 2 * cfg.num_hidden_layers + dense_layers
     assert (fused - grouped).abs().max().item() < 1e-4
     assert torch.equal(fused.argmax(-1), grouped.argmax(-1))

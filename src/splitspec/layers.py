@@ -1,5 +1,5 @@
 """Building blocks shared by the target and the drafter: RMSNorm, rotary embeddings (with YaRN),
-attention, and the tensor-parallel communicator.
+gated SiLU MLP, and the tensor-parallel communicator.
 
 Shapes use T = tokens in a forward (all sequences concatenated), H = hidden size.
 """
@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from splitspec.config import RopeConfig
 
@@ -22,6 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
+
+
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP with fused gate/up weights: w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ).
+
+    x: [T, H]; w13: [2·I, H] (gate rows first, then up); w2: [H, I]. Returns [T, H].
+    """
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
 
 
 class Rotary:

@@ -214,6 +214,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     return F.linear(x, dequantize_fp8(weight, scale_inv, block, x.dtype))
 
 
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None = None,
+              s2: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """SwiGLU MLP w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) with fused gate/up ``w13`` [2·I, H] (gate rows first) and ``w2`` [H, I],
+    either float or FP8 with per-tile scales (see :func:`linear`). x: [T, H] → [T, H]."""
+    gate, up = linear(x, w13, s13, block).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2, s2, block)
+
+
 FP8_BLOCK_KEY = "fp8.weight_block_size"  # runtime-layout tensor int64 [2] present in engines that keep FP8 weights
 
 

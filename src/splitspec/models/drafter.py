@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.config import DrafterConfig
-from splitspec.skinny import dispatch_linear
-from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
+from splitspec.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -107,7 +106,7 @@ class DrafterModel:
         emb = w["embed_tokens"][batch.input_ids]
         a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
         nq, nkv, hd = self.nq, self.nkv, c.head_dim
-        q, k, v = dispatch_linear(a, w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = F.linear(a, w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q = self.rotary.apply(q.view(-1, nq, hd), cos, sin)
         k = self.rotary.apply(k.view(-1, nkv, hd), cos, sin)
@@ -120,9 +119,8 @@ class DrafterModel:
                                 hd ** -0.5).reshape(q.shape)
         else:
             out = self._attend_segments(q, k, v, batch, cache)
-        h = hidden + self.comm.all_reduce(dispatch_linear(out.reshape(out.shape[0], -1), w["o_proj"]))
-        gate, up = dispatch_linear(h, w["mlp.w13"], w["post_attention_layernorm"], c.rms_norm_eps).chunk(2, dim=-1)
-        h = h + self.comm.all_reduce(dispatch_linear(F.silu(gate) * up, w["mlp.w2"]))  # SwiGLU, gate rows first
+        h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))
+        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
         logits = self.comm.all_gather_last(F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float())
         return logits, h
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec import fused_moe, quant, skinny
+from splitspec import fused_moe, quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
@@ -147,9 +147,6 @@ class TargetModel:
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True  # a function that fails to compile runs eagerly instead
-        # one graph per (half, layer type, token-count class: 1, 2–16 with the decode kernels, more): past the
-        # default limit of 8 a half would silently run eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.fast = (torch.compile(self.attention_half, dynamic=True), torch.compile(self.mlp_half, dynamic=True))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -164,9 +161,9 @@ class TargetModel:
         """input_layernorm + MLA in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope]
         (written here). lw: the layer's weights; h: [T, H] residual stream → [T, H] partial sum (before all-reduce)."""
         c = self.cfg
-        qkv_a = self.linear(h, lw, "attn.fused_qkv_a", norm="input_layernorm")
-        qa, ckv, kpe = qkv_a.split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        q = self.linear(qa, lw, "attn.q_b_proj", norm="attn.q_a_layernorm")
+        x = rms_norm(h, lw["input_layernorm"], c.rms_norm_eps)
+        qa, ckv, kpe = self.linear(x, lw, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        q = self.linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), lw, "attn.q_b_proj")
         q = q.view(-1, self.local_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_pe = self.rotary.apply(q_pe, cos, sin)
@@ -180,34 +177,26 @@ class TargetModel:
             B = batch.table.shape[0]
             k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
             out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
-                                batch.positions.view(B, -1), c.softmax_scale).reshape(h.shape[0], self.local_heads, -1)
+                                batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], self.local_heads, -1)
         else:
-            out = torch.empty(h.shape[0], self.local_heads, c.kv_lora_rank, dtype=h.dtype, device=h.device)
+            out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
             t = 0
             for (start, n), rows in zip(batch.segments, batch.slots):
                 kv[rows[start:]] = new[t:t + n]
                 k = kv[rows][:, None, :].expand(-1, self.local_heads, -1)
                 out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
                 t += n
-        o = torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(h.shape[0], -1)
+        o = torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)
         return self.linear(o, lw, "attn.o_proj")
 
-    def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str, norm: str | None = None) -> torch.Tensor:
-        """x Wᵀ for weight ``name`` of ``lw`` (x [T, in] → [T, out]), after the RMSNorm with weight ``lw[norm]`` when
-        ``norm`` is given. Float weights: :func:`splitspec.skinny.dispatch_linear` (for a few tokens on CUDA one
-        skinny-GEMM kernel with the norm folded in); FP8 weights with ``name.scale_inv`` tiles:
-        :func:`splitspec.layers.rms_norm` and :func:`splitspec.quant.linear`."""
-        scale_inv, g = lw.get(name + ".scale_inv"), None if norm is None else lw[norm]
-        if scale_inv is None:
-            return skinny.dispatch_linear(x, lw[name], g, self.cfg.rms_norm_eps)
-        return quant.linear(x if g is None else rms_norm(x, g, self.cfg.rms_norm_eps), lw[name], scale_inv, self.fp8_block)
+    def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
+        return quant.linear(x, lw[name], lw.get(name + ".scale_inv"), self.fp8_block)
 
-    def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str, norm: str | None = None) -> torch.Tensor:
-        """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``prefix + "w13"`` [2·I, H] (gate rows first) / ``prefix + "w2"``
-        [H, I] of ``lw`` (dense MLP or shared expert), float or FP8, after the RMSNorm ``lw[norm]`` if given (see
-        :meth:`linear`). x: [T, H] → [T, H]."""
-        gate, up = self.linear(x, lw, prefix + "w13", norm).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, lw, prefix + "w2")
+    def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """SwiGLU over ``prefix + "w13"`` / ``prefix + "w2"`` of ``lw`` (dense or shared expert), float or FP8."""
+        w13, w2 = prefix + "w13", prefix + "w2"
+        return quant.gated_mlp(x, lw[w13], lw[w2], lw.get(w13 + ".scale_inv"), lw.get(w2 + ".scale_inv"), self.fp8_block)
 
     def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum.
@@ -240,9 +229,8 @@ class TargetModel:
 
     def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor) -> torch.Tensor:
         """post_attention_layernorm + dense MLP or MoE: h [T, H] → [T, H] partial sum (before all-reduce)."""
-        if not moe:
-            return self.mlp(h, lw, "mlp.", norm="post_attention_layernorm")
-        return self.moe(lw, rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps))
+        x = rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps)
+        return self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
 
     def block(self, layer: int, h: torch.Tensor, batch: ForwardBatch, cache: TargetKVCache, cos, sin) -> torch.Tensor:
         """One decoder layer: h [T, H] (residual stream) → [T, H]; two all-reduces (attention, MLP)."""
