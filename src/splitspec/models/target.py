@@ -147,6 +147,9 @@ class TargetModel:
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True  # a function that fails to compile runs eagerly instead
+        # one graph per (half, layer type, token-count class: 1, 2–16 with the decode kernels, more), and more when a
+        # benchmark switches the kernels off and on: past the default limit of 8 a half would silently run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.fast = (torch.compile(self.attention_half, dynamic=True), torch.compile(self.mlp_half, dynamic=True))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
