@@ -61,7 +61,8 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> list[dict]:
 
     Returns:
         one dict per request: ``tokens``, ``wall_ms`` (submit → finished, this process), ``ttft_ms`` and
-        ``e2e_ms`` (the engine's own), ``acceptance_length``, ``finish_reason``, ``output_sha``.
+        ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases, summed),
+        ``acceptance_length``, ``finish_reason``, ``output_sha``.
     """
     ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
     eng = SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
@@ -75,7 +76,8 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> list[dict]:
         for p, req in zip(prompts * a.repeats, reqs * a.repeats):
             [r], wall = run_closed_loop(eng, [req], 1)
             out.append({"prompt_id": p.id, "tokens": len(r.token_ids), "wall_ms": wall * 1e3, "ttft_ms": r.stats.ttft_ms,
-                        "e2e_ms": r.stats.e2e_ms, "acceptance_length": r.stats.acceptance_length,
+                        "e2e_ms": r.stats.e2e_ms, "draft_verify_ms": r.stats.draft_ms + r.stats.verify_ms,
+                        "acceptance_length": r.stats.acceptance_length,
                         "finish_reason": r.finish_reason, "output_sha": _sha(r.token_ids)})
         return out
     finally:
@@ -95,7 +97,7 @@ def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tup
     Returns:
         (one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
         (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
-        ``return_stats``), ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
+        ``return_stats``), ``draft_verify_ms``, ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
         server facts: ``startup_s`` (seconds to ready), ``log_tail``).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
@@ -113,7 +115,8 @@ def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tup
             worker.close()
         log = srv.log_tail(20000)
     out = [{"prompt_id": r.prompt_id, "tokens": r.num_output_tokens, "wall_ms": r.latency_ms, "ttft_ms": r.ttft_ms,
-            "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms, "responses": len(r.token_times_ms),
+            "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms, "draft_verify_ms": r.draft_ms + r.verify_ms,
+            "responses": len(r.token_times_ms),
             "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason, "output_sha": r.output_sha}
            for r in recs]
     return out, {"startup_s": srv.startup_s, "log_tail": log}
@@ -134,6 +137,11 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
         "served_engine_e2e_ms_per_request": mean(r["engine_e2e_ms"] for r in served),
         "outside_engine_ms_per_request": mean(r["wall_ms"] - r["engine_e2e_ms"] for r in served),
         "engine_slower_inside_triton_ms_per_request": mean(s["engine_e2e_ms"] - e["wall_ms"] for s, e in zip(served, engine)),
+        # the engine's own time split: its cycles' draft + verify phases, and the rest (host work between them)
+        "engine_draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in engine),
+        "served_draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in served),
+        "engine_rest_ms_per_request": mean(r["e2e_ms"] - r["draft_verify_ms"] for r in engine),
+        "served_rest_ms_per_request": mean(r["engine_e2e_ms"] - r["draft_verify_ms"] for r in served),
         "engine_ttft_ms": mean(r["ttft_ms"] for r in engine), "served_ttft_ms": mean(r["ttft_ms"] for r in served),
         "served_responses_per_request": mean(r["responses"] for r in served),
         "acceptance_length": mean(r["acceptance_length"] for r in engine),
@@ -156,6 +164,9 @@ def print_table(s: dict, n: int) -> None:
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
           f"greedy outputs differing: {s['outputs_differing']}")
+    print(f"inside the engine, per request: draft + verify {s['engine_draft_verify_ms_per_request']:.1f} ms alone, "
+          f"{s['served_draft_verify_ms_per_request']:.1f} ms served; the rest of its time {s['engine_rest_ms_per_request']:.1f} "
+          f"ms alone, {s['served_rest_ms_per_request']:.1f} ms served")
 
 
 def main(argv: list[str] | None = None) -> int:
