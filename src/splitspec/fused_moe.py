@@ -100,16 +100,22 @@ def _weights(base, r, k, rmask, kmask, stride_n, scales, s_stride_n, BS0, BS1, F
              ONE_ROW_TILE: tl.constexpr):
     """float32 tile [len(r), len(k)]: rows r, columns k of the weight at ``base`` (row stride ``stride_n``); FP8
     weights times their tile's scale_inv ``scales[r // BS0, k // BS1]`` (block-scaled FP8, as
-    :func:`splitspec.quant.dequantize_fp8`). ONE_ROW_TILE: all rows r lie in one tile row (then one scale per column
-    tile is loaded, not one per element)."""
+    :func:`splitspec.quant.dequantize_fp8`) — except with ONE_ROW_TILE (all rows r in one tile row), where the
+    caller multiplies the activations by :func:`_column_scales` instead: one product per column, not per element."""
     mask = rmask[:, None] & kmask[None, :]
     w = tl.load(base + r[:, None].to(tl.int64) * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    if FP8:
-        if ONE_ROW_TILE:
-            w *= tl.load(scales + (tl.min(r, axis=0) // BS0) * s_stride_n + k // BS1, mask=kmask, other=0.0)[None, :]
-        else:
-            w *= tl.load(scales + (r // BS0)[:, None] * s_stride_n + (k // BS1)[None, :], mask=mask, other=0.0)
+    if FP8 and not ONE_ROW_TILE:
+        w *= tl.load(scales + (r // BS0)[:, None] * s_stride_n + (k // BS1)[None, :], mask=mask, other=0.0)
     return w
+
+
+@jit
+def _column_scales(v, r, k, kmask, scales, s_stride_n, BS0, BS1, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr):
+    """v [len(k)] times the scale_inv of columns k in the tile row of rows r, when :func:`_weights` leaves it out
+    (FP8 and ONE_ROW_TILE); otherwise v."""
+    if FP8 and ONE_ROW_TILE:
+        v *= tl.load(scales + (tl.min(r, axis=0) // BS0) * s_stride_n + k // BS1, mask=kmask, other=0.0)
+    return v
 
 
 @jit
@@ -120,10 +126,13 @@ def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, H, n, out_ro
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
-        acc_g += _weights(rows, n, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE) * xv
+        xv = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
+        xg = _column_scales(xv, n, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        xu = _column_scales(xv, n + n_rows, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        acc_g += _weights(rows, n, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
+                          ONE_ROW_TILE) * xg[None, :]
         acc_u += _weights(rows, n + n_rows, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
-                          ONE_ROW_TILE) * xv
+                          ONE_ROW_TILE) * xu[None, :]
     g = tl.sum(acc_g, axis=1)
     tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < n_rows)
 
@@ -151,7 +160,8 @@ def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n,
     """acc + (rows n of [n_rows, width] at ``rows``) · (a_row · scale), elementwise before the final row sum."""
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + k, mask=k < width, other=0.0) * scale
+        a = _column_scales(tl.load(a_row + k, mask=k < width, other=0.0) * scale, n, k, k < width, scales, s_stride_n,
+                           BS0, BS1, FP8, ONE_ROW_TILE)
         w = _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
         acc += w * a[None, :]
     return acc
