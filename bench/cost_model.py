@@ -72,14 +72,17 @@ def layer_report(d: dict) -> None:
         cell = lambda v: f"{v + ar:.3f}" if v is not None else "—"  # noqa: E731
         ratio = f"{r['ratio_to_bound']:.2f}" if compiled is not None else "—"
         print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {cell(eager)} | {cell(compiled)} | {r['bound_ms']:.3f} | {ratio} |")
-    grouped = [r for r in every if r.get("comparison")]
-    if grouped:
-        print("\nMoE layer with the routed experts as grouped GEMMs instead of the fused decode kernels (compiled):\n")
-        print("| shard | batch | k | grouped ms | fused ms | grouped / bound | fused / bound |\n|---|---|---|---|---|---|---|")
-        for g in grouped:
-            f = next(r for r in rows if r["layer"] == "moe" and r.get("compiled") and (r["tp"], r["batch"], r["k"]) == (g["tp"], g["batch"], g["k"]))
+    other = [r for r in every if r.get("comparison")]
+    if other:  # files before the fused MLA kernel hold grouped-GEMM rows without a "variant"
+        print("\nThe same layers with one thing changed (compiled): the fused MLA attention switched, or the MoE layer's"
+              " routed experts as grouped GEMMs instead of the fused decode kernels:\n")
+        print("| shard | layer | batch | k | changed | ms | engine ms | / bound | engine / bound |\n|---|---|---|---|---|---|---|---|---|")
+        for g in other:
+            f = next(r for r in rows if r["layer"] == g["layer"] and r.get("compiled")
+                     and (r["tp"], r["batch"], r["k"]) == (g["tp"], g["batch"], g["k"]))
             ar = 2 * g["allreduce_us"] / 1e3
-            print(f"| TP{g['tp']} | {g['batch']} | {g['k']} | {g['ms'] + ar:.3f} | {f['ms'] + ar:.3f} | {g['ratio_to_bound']:.2f} | {f['ratio_to_bound']:.2f} |")
+            print(f"| TP{g['tp']} | {g['layer']} | {g['batch']} | {g['k']} | {g.get('variant') or 'grouped GEMMs'} | "
+                  f"{g['ms'] + ar:.3f} | {f['ms'] + ar:.3f} | {g['ratio_to_bound']:.2f} | {f['ratio_to_bound']:.2f} |")
     heads = [r for r in rows if r["layer"] == "lm_head"]
     print(f"\nlm_head: {min(r['ratio_to_bound'] for r in heads):.2f}–{max(r['ratio_to_bound'] for r in heads):.2f} × its bound. "
           "Drafter step (TP1): " + ", ".join(f"B={r['batch']} {r['ms']:.2f} ms ({r['ratio_to_bound']:.2f}× bound)"

@@ -295,7 +295,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
-    from splitspec import fused_moe
+    from splitspec import fused_mla, fused_moe
     from splitspec.config import Mapping
     from splitspec.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
@@ -328,17 +328,25 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
-                variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
-                grouped = [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []  # the MoE layer's grouped GEMMs, for comparison
+                # (compiled, fused_moe.MAX_TOKENS, fused_mla.ENABLED): the engine's path eager and compiled, then for
+                # comparison (compiled) the fused MLA attention switched, and the MoE layer's experts as grouped GEMMs
+                mla = fused_mla.ENABLED
+                variants = [(compiled, fused_moe.MAX_TOKENS, mla) for compiled in ((False, True) if k == 0 else (True,))]
+                flipped = [(True, fused_moe.MAX_TOKENS, not mla)] if B <= fused_mla.MAX_SEQUENCES else []
+                grouped = [(True, 0, mla)] if B * n <= fused_moe.MAX_TOKENS else []
                 for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
-                    for compiled, max_fused in variants + (grouped if layer else []):
-                        with patch.object(fused_moe, "MAX_TOKENS", max_fused):
+                    for compiled, max_fused, use_mla in variants + flipped + (grouped if layer else []):
+                        with patch.object(fused_moe, "MAX_TOKENS", max_fused), patch.object(fused_mla, "ENABLED", use_mla):
                             model.fast = fast if compiled else None
                             ms = timed_graph(lambda: model.block(layer, h, batch, cache, cos, sin))
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
+                            variant = (f"fused MLA {'on' if use_mla else 'off'}" if use_mla != mla
+                                       else "grouped GEMMs" if max_fused == 0 else None)
                             rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed,
-                                             "comparison": max_fused == 0, "batch": B, "k": k, "tokens": B * n,
+                                             "fused_mla": use_mla and B <= fused_mla.MAX_SEQUENCES,
+                                             "comparison": variant is not None, "variant": variant,
+                                             "batch": B, "k": k, "tokens": B * n,
                                              "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
                                              "bound_ms": bound, "ms_with_allreduce": ms + 2 * ar / 1e3,
                                              "ratio_to_bound": (ms + 2 * ar / 1e3) / bound})
@@ -352,17 +360,19 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
         if tp in (1, 2):
             from torch.profiler import ProfilerActivity, profile
 
-            for layer, T in ((0, 1), (1, 1), (1, 16)):
+            for layer, T, use_mla in ((0, 1, fused_mla.ENABLED), (0, 1, not fused_mla.ENABLED), (1, 1, fused_mla.ENABLED),
+                                      (1, 16, fused_mla.ENABLED)):
                 batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=max(batches) * S)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
-                model.block(layer, h, batch, cache, cos, sin)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        model.block(layer, h, batch, cache, cos, sin)
+                with patch.object(fused_mla, "ENABLED", use_mla):
+                    model.block(layer, h, batch, cache, cos, sin)
                     torch.cuda.synchronize()
-                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            model.block(layer, h, batch, cache, cos, sin)
+                        torch.cuda.synchronize()
+                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}" + ("_fused_mla" if use_mla and T <= fused_mla.MAX_SEQUENCES else "")
                 profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
                 print(profiles[name], flush=True)
         del model, w, cache
