@@ -123,8 +123,8 @@ class TargetModel:
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.target_runtime_layout`).
 
-    Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (norm + MLA) and
-    :meth:`mlp_half` (norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
+    Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
+    and :meth:`mlp_half` (residual add, norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
     puts both through ``torch.compile`` (dynamic shapes: one compilation per half and layer type, not per
     layer or batch), used for static-shape (padded) batches — the CUDA-graph path — where fusing the
     element-wise work between the matrix products removes most of a layer's small kernels.
@@ -160,10 +160,15 @@ class TargetModel:
         h = table[local.clamp(0, table.shape[0] - 1)] * inside[:, None].to(table.dtype)
         return self.comm.all_reduce(h)
 
-    def attention_half(self, lw: dict[str, torch.Tensor], h: torch.Tensor, batch: ForwardBatch, kv: torch.Tensor, cos, sin) -> torch.Tensor:
-        """input_layernorm + MLA in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope]
-        (written here). lw: the layer's weights; h: [T, H] residual stream → [T, H] partial sum (before all-reduce)."""
+    def attention_half(self, lw: dict[str, torch.Tensor], h: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch,
+                       kv: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add of ``pending`` (the previous half's reduced output [T, H], or None), input_layernorm + MLA
+        in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope] (written here).
+        lw: the layer's weights; h: [T, H] residual stream. Returns (h + pending, partial sum [T, H] before
+        all-reduce)."""
         c = self.cfg
+        if pending is not None:
+            h = h + pending
         x = rms_norm(h, lw["input_layernorm"], c.rms_norm_eps)
         qa, ckv, kpe = self.linear(x, lw, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
         q = self.linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), lw, "attn.q_b_proj")
@@ -178,7 +183,7 @@ class TargetModel:
             kv[batch.write_rows] = new
             o = fused_mla.decode_attention(q_nope, q_pe, lw["attn.w_uk"], lw["attn.w_uv"], kv, batch.table,
                                            batch.positions, c.softmax_scale)
-            return self.linear(o.reshape(x.shape[0], -1), lw, "attn.o_proj")
+            return h, self.linear(o.reshape(x.shape[0], -1), lw, "attn.o_proj")
         q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
         q_cat = torch.cat((q_lat, q_pe), -1)
         if B is not None:  # padded form: static shapes
@@ -195,7 +200,7 @@ class TargetModel:
                 out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
                 t += n
         o = torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)
-        return self.linear(o, lw, "attn.o_proj")
+        return h, self.linear(o, lw, "attn.o_proj")
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
@@ -235,17 +240,23 @@ class TargetModel:
                                     fp8_block=self.fp8_block)
         return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts and not shared else y
 
-    def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor) -> torch.Tensor:
-        """post_attention_layernorm + dense MLP or MoE: h [T, H] → [T, H] partial sum (before all-reduce)."""
+    def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add of ``pending`` (the attention's reduced output [T, H]), post_attention_layernorm + dense MLP
+        or MoE. h: [T, H]. Returns (h + pending, partial sum [T, H] before all-reduce)."""
+        h = h + pending
         x = rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps)
-        return self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
+        return h, self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
 
-    def block(self, layer: int, h: torch.Tensor, batch: ForwardBatch, cache: TargetKVCache, cos, sin) -> torch.Tensor:
-        """One decoder layer: h [T, H] (residual stream) → [T, H]; two all-reduces (attention, MLP)."""
+    def block(self, layer: int, h: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch, cache: TargetKVCache,
+              cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer with two all-reduces (attention, MLP). The residual stream is carried as (h, pending):
+        its value is h + pending ([T, H] each; pending None: h). Each add is done by the half that follows it,
+        inside its compiled graph with the norm it feeds. Returns the layer's output in the same form."""
         attention, mlp = self.fast if self.fast and batch.table is not None else (self.attention_half, self.mlp_half)
         lw = self.layer_w[layer]
-        h = h + self.comm.all_reduce(attention(lw, h, batch, cache.kv[layer], cos, sin))
-        return h + self.comm.all_reduce(mlp(lw, self.cfg.is_moe_layer(layer), h))
+        h, partial = attention(lw, h, pending, batch, cache.kv[layer], cos, sin)
+        h, partial = mlp(lw, self.cfg.is_moe_layer(layer), h, self.comm.all_reduce(partial))
+        return h, self.comm.all_reduce(partial)
 
     def forward(self, batch: ForwardBatch, cache: TargetKVCache, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over ``batch``, writing its tokens' latents into ``cache``.
@@ -258,13 +269,14 @@ class TargetModel:
             the captured states concatenated [T, len(capture)·H] (or None when capture is empty).
         """
         c = self.cfg
-        h = self.embed(batch.input_ids)
+        h, pending = self.embed(batch.input_ids), None
         cos, sin = self.rotary.cos_sin(batch.positions)
         captured = {}
         for layer in range(c.num_hidden_layers):
             if layer in capture:
-                captured[layer] = h
-            h = self.block(layer, h, batch, cache, cos, sin)
+                captured[layer] = h if pending is None else h + pending
+            h, pending = self.block(layer, h, pending, batch, cache, cos, sin)
+        h = h if pending is None else h + pending
         if c.num_hidden_layers in capture:
             captured[c.num_hidden_layers] = h
         aux = torch.cat([captured[i] for i in capture], -1) if capture else None
