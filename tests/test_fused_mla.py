@@ -91,6 +91,16 @@ def test_bfloat16_rounds_where_the_unfused_path_rounds():
     assert (got - unfused(*args, scale=0.3).float()).abs().max().item() < 0.03 * ref.abs().max().item()
 
 
+def test_bad_shapes_get_a_clear_error():
+    q_nope, q_pe, w_uk, w_uv, kv, table, positions = problem(2, 3, torch.float32)
+    with pytest.raises(ValueError, match="w_uk has shape"):
+        fused_mla.decode_attention(q_nope, q_pe, w_uk[:, :8], w_uv, kv, table, positions, 0.3)
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_mla.decode_attention(q_nope, q_pe[..., :12], w_uk, w_uv, kv[:, :C + 12], table, positions, 0.3)
+    with pytest.raises(ValueError, match="multiple"):
+        fused_mla.decode_attention(q_nope[:5], q_pe[:5], w_uk, w_uv, kv, table, positions.flatten()[:5], 0.3)
+
+
 def test_use_fused_rule(monkeypatch):
     """On when enabled, for CUDA tensors of few sequences and power-of-two dims ≥ 16 (here: CUDA faked)."""
     class Faked(torch.Tensor):

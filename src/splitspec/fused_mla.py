@@ -151,5 +151,21 @@ def decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tenso
     sequence; positions [B, n] (or [T]) each query's position. DN, C, V, R, and the chunk of ``config``, powers of
     two. Returns o [T, H, V] in q's dtype — what ``attend_padded`` followed by the ``w_uv`` einsum gives, up to
     float32 summation order. ``config``: (BLOCK_S, CHUNK, num_warps, num_stages), default :data:`CONFIG`.
+
+    Raises:
+        ValueError: shapes that do not fit together, dims that are not powers of two ≥ 16, or T not a multiple of B.
     """
+    T, H, DN = q_nope.shape
+    B, S = table.shape
+    want = {"q_pe": (T, H, None), "w_uk": (H, DN, None), "w_uv": (H, None, w_uk.shape[-1]), "kv": (None, None)}
+    for name, t in (("q_pe", q_pe), ("w_uk", w_uk), ("w_uv", w_uv), ("kv", kv)):
+        if t.dim() != len(want[name]) or any(w is not None and d != w for d, w in zip(t.shape, want[name])):
+            raise ValueError(f"fused_mla.decode_attention: {name} has shape {tuple(t.shape)}, expected "
+                             f"{tuple('*' if w is None else w for w in want[name])} (q_nope {tuple(q_nope.shape)})")
+    dims = {"nope": DN, "rope": q_pe.shape[-1], "latent": w_uk.shape[-1], "value": w_uv.shape[1]}
+    bad = {k: d for k, d in dims.items() if d < 16 or d & (d - 1)}
+    if bad or kv.shape[-1] != dims["latent"] + dims["rope"] or T % B or positions.numel() != T:
+        raise ValueError(f"fused_mla.decode_attention: dims {dims} must be powers of two ≥ 16 (not: {bad}), kv rows "
+                         f"latent + rope = {dims['latent'] + dims['rope']} wide (got {kv.shape[-1]}), T = {T} a multiple "
+                         f"of B = {B} sequences, positions T = {T} values (got {positions.numel()})")
     return _mla_op(q_nope, q_pe, w_uk, w_uv, kv, table, positions.reshape(-1), float(scale), list(config or CONFIG))
