@@ -36,7 +36,8 @@ def fit_report(name: str, rows: list[dict]) -> None:
             rs = [r for r in rows if r["tp"] == tp and r["draft_tp"] == dtp]
             depths = sorted({r["moe_layers"] for r in rs})
             fit = fit_cycle_model(rs)
-            print(f"\n### {name}: target TP{tp}, drafter TP{dtp}, MoE layers {depths} ({fit.points} configurations, each a median cycle)\n")
+            each = "a median cycle" if all("cycle_ms_mean" in r for r in rs) else "a mean cycle"  # older files: means
+            print(f"\n### {name}: target TP{tp}, drafter TP{dtp}, MoE layers {depths} ({fit.points} configurations, each {each})\n")
             print("| MoE layers | batch | k | measured cycle ms | model ms | error | tokens/s | × k=0 |\n|---|---|---|---|---|---|---|---|")
             for r in rs:
                 p = fit.predict(r["batch"], r["k"], r["moe_layers"])
@@ -56,9 +57,17 @@ def fit_report(name: str, rows: list[dict]) -> None:
                   + ", ".join(f"{k} {v:.3f}" for k, v in coef.items()))
 
 
+def changed(r: dict) -> str | None:
+    """What a per-layer row changed against the engine's path (None: it is the engine's path)."""
+    if "off" in r:  # the skinny-GEMM trial's file: the engine's path is the row without skinny GEMMs
+        return ({None: "skinny GEMMs on (dropped)", "skinny": None, "all": "all decode kernels off"}[r["off"]]
+                if r.get("skinny") or r["off"] else None)
+    return r.get("variant") or ("grouped GEMMs" if r.get("comparison") else None)
+
+
 def layer_report(d: dict) -> None:
     every = d["layers"]["rows"]
-    rows = [r for r in every if not r.get("comparison")]  # the engine's own path only
+    rows = [r for r in every if changed(r) is None]  # the engine's own path only
     print("\n### Per-layer time against its bound (one rank, TP-N shard shape, CUDA graph; bound = weight bytes / copy bandwidth"
           " + 2 measured all-reduces)\n")
     print("| shard | layer | batch | k | eager ms | compiled ms | bound ms | compiled / bound |\n|---|---|---|---|---|---|---|---|")
@@ -72,7 +81,7 @@ def layer_report(d: dict) -> None:
         cell = lambda v: f"{v + ar:.3f}" if v is not None else "—"  # noqa: E731
         ratio = f"{r['ratio_to_bound']:.2f}" if compiled is not None else "—"
         print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {cell(eager)} | {cell(compiled)} | {r['bound_ms']:.3f} | {ratio} |")
-    other = [r for r in every if r.get("comparison")]
+    other = [r for r in every if changed(r) is not None and r.get("compiled", True)]
     if other:  # files before the fused MLA kernel hold grouped-GEMM rows without a "variant"
         print("\nThe same layers with one thing changed (compiled): the fused MLA attention switched, or the MoE layer's"
               " routed experts as grouped GEMMs instead of the fused decode kernels:\n")
@@ -81,7 +90,7 @@ def layer_report(d: dict) -> None:
             f = next(r for r in rows if r["layer"] == g["layer"] and r.get("compiled")
                      and (r["tp"], r["batch"], r["k"]) == (g["tp"], g["batch"], g["k"]))
             ar = 2 * g["allreduce_us"] / 1e3
-            print(f"| TP{g['tp']} | {g['layer']} | {g['batch']} | {g['k']} | {g.get('variant') or 'grouped GEMMs'} | "
+            print(f"| TP{g['tp']} | {g['layer']} | {g['batch']} | {g['k']} | {changed(g)} | "
                   f"{g['ms'] + ar:.3f} | {f['ms'] + ar:.3f} | {g['ratio_to_bound']:.2f} | {f['ratio_to_bound']:.2f} |")
     heads = [r for r in rows if r["layer"] == "lm_head"]
     print(f"\nlm_head: {min(r['ratio_to_bound'] for r in heads):.2f}–{max(r['ratio_to_bound'] for r in heads):.2f} × its bound. "

@@ -326,7 +326,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 batch = padded(seqs, S, "cuda", scratch_row=max(batches) * S, pad_to=B)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
-                pend = torch.randn_like(h)  # the previous layer's reduced MLP output: every layer does two residual adds
+                pend = torch.randn_like(h)  # the previous layer's reduced MLP output (the dense layer 0 has none)
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
                 # (compiled, fused_moe.MAX_TOKENS, fused_mla.ENABLED): the engine's path eager and compiled, then for
@@ -339,7 +339,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                     for compiled, max_fused, use_mla in variants + flipped + (grouped if layer else []):
                         with patch.object(fused_moe, "MAX_TOKENS", max_fused), patch.object(fused_mla, "ENABLED", use_mla):
                             model.fast = fast if compiled else None
-                            ms = timed_graph(lambda: model.block(layer, h, pend, batch, cache, cos, sin))
+                            ms = timed_graph(lambda: model.block(layer, h, pend if layer else None, batch, cache, cos, sin))
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
                             variant = (f"fused MLA {'on' if use_mla else 'off'}" if use_mla != mla
@@ -368,11 +368,11 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
                 pend = torch.randn_like(h)
                 with patch.object(fused_mla, "ENABLED", use_mla):
-                    model.block(layer, h, pend, batch, cache, cos, sin)
+                    model.block(layer, h, pend if layer else None, batch, cache, cos, sin)
                     torch.cuda.synchronize()
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         for _ in range(5):
-                            model.block(layer, h, pend, batch, cache, cos, sin)
+                            model.block(layer, h, pend if layer else None, batch, cache, cos, sin)
                         torch.cuda.synchronize()
                 name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}" + ("_fused_mla" if use_mla and T <= fused_mla.MAX_SEQUENCES else "")
                 profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)

@@ -55,9 +55,10 @@ def _sha(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def cpu_seconds(root_pid: int) -> dict[str, float]:
+def cpu_seconds(root_pid: int, root_role: str | None = None) -> dict[str, float]:
     """User + system CPU seconds so far of the process tree under ``root_pid`` (Linux ``/proc``), summed by role:
-    "engine process", "target worker ranks", else the command name (tritonserver, the backend stubs, ...)."""
+    "engine" (the engine process, or ``root_role`` for the root itself), "target worker ranks", else the command
+    name (tritonserver, the backend stubs, ...). Processes and threads that exit while being read are skipped."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     stack = [root_pid]
@@ -66,20 +67,24 @@ def cpu_seconds(root_pid: int) -> dict[str, float]:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):  # gone meanwhile
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except (OSError, ValueError):  # the process is gone
             continue
+        for task in tasks:  # a thread that exits meanwhile must not hide the process or its other children
+            try:
+                stack += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                pass
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-        role = ("engine process" if "splitspec.engine_process" in cmdline else
+        role = (root_role if pid == root_pid and root_role else "engine" if "splitspec.engine_process" in cmdline else
                 "target worker ranks" if "splitspec.worker" in cmdline else stat[stat.index("(") + 1:stat.rindex(")")])
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime (fields 14, 15)
     return out
 
 
-def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """CPU seconds spent per role between two :func:`cpu_seconds` readings over the wall seconds between them."""
-    return {k: round((v - before.get(k, 0.0)) / wall_s, 3) for k, v in sorted(after.items())}
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per role between two :func:`cpu_seconds` readings (a role in only one reading: 0 for the other)."""
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(before.keys() | after.keys())}
 
 
 def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dict], dict]:
@@ -89,8 +94,8 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dic
     Returns:
         one dict per request: ``tokens``, ``wall_ms`` (submit → finished, this process), ``ttft_ms`` and
         ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases, summed),
-        ``acceptance_length``, ``finish_reason``, ``output_sha``; and ``{"cores_busy": ...}``: CPU seconds per
-        wall second of this process and its worker ranks while measuring (:func:`cores_busy`).
+        ``acceptance_length``, ``finish_reason``, ``output_sha``; and ``{"cpu_s": ..., "wall_s": ...}``: CPU seconds
+        of this process (role "engine") and its worker ranks while measuring (:func:`cpu_spent`), and the wall seconds.
     """
     ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
     eng = SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
@@ -101,14 +106,14 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dic
         for req in reqs:  # warm-up: every prompt's prefill shape, a few decode cycles
             run_closed_loop(eng, [Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k)], 1)
         out = []
-        cpu0, t0 = cpu_seconds(os.getpid()), time.perf_counter()
+        cpu0, t0 = cpu_seconds(os.getpid(), "engine"), time.perf_counter()
         for p, req in zip(prompts * a.repeats, reqs * a.repeats):
             [r], wall = run_closed_loop(eng, [req], 1)
             out.append({"prompt_id": p.id, "tokens": len(r.token_ids), "wall_ms": wall * 1e3, "ttft_ms": r.stats.ttft_ms,
                         "e2e_ms": r.stats.e2e_ms, "draft_verify_ms": r.stats.draft_ms + r.stats.verify_ms,
                         "acceptance_length": r.stats.acceptance_length,
                         "finish_reason": r.finish_reason, "output_sha": _sha(r.token_ids)})
-        return out, {"cores_busy": cores_busy(cpu0, cpu_seconds(os.getpid()), time.perf_counter() - t0)}
+        return out, {"cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid(), "engine")), "wall_s": time.perf_counter() - t0}
     finally:
         eng.close()
         del eng
@@ -127,8 +132,8 @@ def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tup
         (one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
         (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
         ``return_stats``), ``draft_verify_ms``, ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
-        server facts: ``startup_s`` (seconds to ready), ``cores_busy`` (CPU seconds per wall second of tritonserver
-        and its process tree while measuring, by role: :func:`cores_busy`), ``log_tail``).
+        server facts: ``startup_s`` (seconds to ready), ``cpu_s`` (CPU seconds of tritonserver and its process tree
+        while measuring, by role: :func:`cpu_spent`), ``wall_s``, ``log_tail``).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
@@ -142,7 +147,7 @@ def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tup
                 worker.run(p, WARMUP_TOKENS, a.k, block=-1, **kw)
             cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
             recs = [worker.run(p, a.max_tokens, a.k, block=0, **kw) for p in prompts * a.repeats]
-            busy = cores_busy(cpu0, cpu_seconds(srv.pid), time.perf_counter() - t0)
+            cpu = {"cpu_s": cpu_spent(cpu0, cpu_seconds(srv.pid)), "wall_s": time.perf_counter() - t0}
         finally:
             worker.close()
         log = srv.log_tail(20000)
@@ -151,7 +156,7 @@ def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tup
             "responses": len(r.token_times_ms),
             "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason, "output_sha": r.output_sha}
            for r in recs]
-    return out, {"startup_s": srv.startup_s, "cores_busy": busy, "log_tail": log}
+    return out, {"startup_s": srv.startup_s, **cpu, "log_tail": log}
 
 
 def summarize(engine: list[dict], served: list[dict]) -> dict:
@@ -199,9 +204,11 @@ def print_table(s: dict, n: int) -> None:
     print(f"inside the engine, per request: draft + verify {s['engine_draft_verify_ms_per_request']:.1f} ms alone, "
           f"{s['served_draft_verify_ms_per_request']:.1f} ms served; the rest of its time {s['engine_rest_ms_per_request']:.1f} "
           f"ms alone, {s['served_rest_ms_per_request']:.1f} ms served")
-    fmt = lambda busy: ", ".join(f"{k} {v:.2f}" for k, v in busy.items())  # noqa: E731
+    fmt = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in d.items())  # noqa: E731
     print(f"CPU cores busy while measuring: alone (this process and its workers): {fmt(s['cores_busy_engine_alone'])}; "
           f"served (tritonserver and its process tree): {fmt(s['cores_busy_served'])}")
+    print(f"CPU ms per output token: alone: {fmt(s['cpu_ms_per_output_token_engine_alone'])}; "
+          f"served: {fmt(s['cpu_ms_per_output_token_served'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp:
         served, server = served_phase(a, prompts, Path(tmp))
     s = summarize(engine, served)
-    s["cores_busy_engine_alone"], s["cores_busy_served"] = alone["cores_busy"], server["cores_busy"]
+    for name, phase, rows in (("engine_alone", alone, engine), ("served", server, served)):
+        tokens = sum(r["tokens"] for r in rows)
+        s[f"cores_busy_{name}"] = {k: round(v / phase["wall_s"], 3) for k, v in phase["cpu_s"].items()}
+        s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in phase["cpu_s"].items()}
     print_table(s, len(engine))
     result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
                        "wall_s": round(time.monotonic() - t0, 1), "startup_s": server["startup_s"]},

@@ -99,27 +99,35 @@ def test_bad_shapes_get_a_clear_error():
         fused_mla.decode_attention(q_nope, q_pe[..., :12], w_uk, w_uv, kv[:, :C + 12], table, positions, 0.3)
     with pytest.raises(ValueError, match="multiple"):
         fused_mla.decode_attention(q_nope[:5], q_pe[:5], w_uk, w_uv, kv, table, positions.flatten()[:5], 0.3)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_mla.decode_attention(q_nope, q_pe, w_uk.double(), w_uv, kv, table, positions, 0.3)
+    with pytest.raises(ValueError, match="BLOCK_S and CHUNK"):
+        fused_mla.decode_attention(q_nope, q_pe, w_uk, w_uv, kv, table, positions, 0.3, config=(8, 16, 4, 1))
 
 
 def test_use_fused_rule(monkeypatch):
-    """On when enabled, for CUDA tensors of few sequences and power-of-two dims ≥ 16 (here: CUDA faked)."""
+    """On when enabled, for CUDA tensors of few sequences, short windows and power-of-two dims ≥ 16 (CUDA faked)."""
     class Faked(torch.Tensor):
         is_cuda = True
 
     def q(T, d=DN):
         return torch.empty(T, H, d).as_subclass(Faked)
 
-    q_pe, w_uv = torch.empty(4, H, R), torch.empty(H, V, C)
+    def table(B, S=64):
+        return torch.zeros(B, S, dtype=torch.int64)
+
+    q_pe, w_uv, most = torch.empty(4, H, R), torch.empty(H, V, C), fused_mla.MAX_SEQUENCES
     monkeypatch.setattr(fused_mla, "ENABLED", True)
-    assert fused_mla.use_fused(q(4), q_pe, w_uv, 1)
-    assert fused_mla.use_fused(q(64), q_pe, w_uv, fused_mla.MAX_SEQUENCES)
-    assert not fused_mla.use_fused(q(80), q_pe, w_uv, fused_mla.MAX_SEQUENCES + 1)  # too many sequences
-    assert not fused_mla.use_fused(q(17), q_pe, w_uv, 1)  # more than 16 new tokens per sequence
-    assert not fused_mla.use_fused(q(4, 24), q_pe, w_uv, 1)  # not a power of two
-    assert not fused_mla.use_fused(q(4), torch.empty(4, H, 8), w_uv, 1)  # below tl.dot's 16
-    assert not fused_mla.use_fused(torch.empty(4, H, DN), q_pe, w_uv, 1)  # CPU tensors: the unfused path
+    assert fused_mla.use_fused(q(4), q_pe, w_uv, table(1))
+    assert fused_mla.use_fused(q(16 * most), q_pe, w_uv, table(most, fused_mla.MAX_WINDOW))
+    assert not fused_mla.use_fused(q(16 * most + 16), q_pe, w_uv, table(most + 1))  # too many sequences
+    assert not fused_mla.use_fused(q(4), q_pe, w_uv, table(1, fused_mla.MAX_WINDOW * 2))  # too long a window
+    assert not fused_mla.use_fused(q(17), q_pe, w_uv, table(1))  # more than 16 new tokens per sequence
+    assert not fused_mla.use_fused(q(4, 24), q_pe, w_uv, table(1))  # not a power of two
+    assert not fused_mla.use_fused(q(4), torch.empty(4, H, 8), w_uv, table(1))  # below tl.dot's 16
+    assert not fused_mla.use_fused(torch.empty(4, H, DN), q_pe, w_uv, table(1))  # CPU tensors: the unfused path
     monkeypatch.setattr(fused_mla, "ENABLED", False)
-    assert not fused_mla.use_fused(q(4), q_pe, w_uv, 1)
+    assert not fused_mla.use_fused(q(4), q_pe, w_uv, table(1))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the CPU demo engine through Triton's interpreter")
@@ -145,7 +153,7 @@ def test_padded_target_forward_with_the_kernel(engines_for):
             pb = padded([(b, len(p) - 3, p[-3:]) for b, p in zip(blocks, prompts)], window=32,
                         scratch_row=r.tcache.kv.shape[1] - 1, pad_to=4)
             unfused_logits, _ = r.target.forward(pb, r.tcache)
-            with patch.object(fused_mla, "use_fused", lambda q_nope, q_pe, w_uv, B: B <= 4), \
+            with patch.object(fused_mla, "use_fused", lambda q_nope, q_pe, w_uv, table: table.shape[0] <= 4), \
                     patch.object(fused_mla, "decode_attention", spy):
                 fused_logits, _ = r.target.forward(pb, r.tcache)
         layers = r.target.cfg.num_hidden_layers

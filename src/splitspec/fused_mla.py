@@ -14,8 +14,9 @@ eight kernels per layer — the ``w_uk`` einsum, the window gather, two small ma
    rejected drafts, the padded end of the window) are not read at all
 3. o = (acc / l) · W_UV[h]ᵀ                                [n, V]
 
-Rounding follows the unfused path: q_lat, the probabilities and the attention output are rounded to the
-activation dtype before their matrix products; sums are float32. Each program re-reads its head's W_UK/W_UV
+Rounding follows the unfused path: in bf16 on CUDA, q_lat, the scores, the probabilities and the attention output
+are rounded to the activation dtype before their matrix products; sums are float32 (float32 activations, and
+the interpreter, compute every product in float32). Each program re-reads its head's W_UK/W_UV
 (2 · 128 KB at Kimi-K2 shapes) and its sequence's window, so with many sequences the unfused path (each weight
 once) is better: :func:`use_fused` draws that line (:data:`MAX_SEQUENCES`).
 
@@ -38,17 +39,22 @@ ENABLED = os.environ.get("SPLITSPEC_FUSED_MLA", "0") == "1"
 #: The kernel serves padded batches of at most this many sequences (each program re-reads its head's weights).
 MAX_SEQUENCES = 4
 
+#: ... and key windows of at most this many positions: each program walks its window serially, BLOCK_S rows a step,
+#: with one program per (sequence, head) — at long contexts a split over the window (flash-decoding) would be needed.
+MAX_WINDOW = 512
+
 #: (BLOCK_S window rows per step, row chunk of W_UK / W_UV, num_warps, num_stages).
 CONFIG = (16, 32, 8, 2)
 
 
-def use_fused(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor, sequences: int) -> bool:
-    """Whether the kernel serves this padded batch (q_nope [T, H, DN], q_pe [T, H, R], w_uv [H, V, C]): CUDA tensors,
-    ≤ :data:`MAX_SEQUENCES` sequences of ≤ 16 new tokens, DN, R, V, C powers of two ≥ 16 (``tl.dot`` shapes),
-    Triton importable, :data:`ENABLED`."""
+def use_fused(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether the kernel serves this padded batch (q_nope [T, H, DN], q_pe [T, H, R], w_uv [H, V, C], table [B, S]):
+    CUDA tensors, ≤ :data:`MAX_SEQUENCES` sequences of ≤ 16 new tokens, a window S ≤ :data:`MAX_WINDOW`, DN, R, V,
+    C powers of two ≥ 16 (``tl.dot`` shapes), Triton importable, :data:`ENABLED`."""
     dims = (q_nope.shape[-1], q_pe.shape[-1], *w_uv.shape[1:])
-    return (ENABLED and q_nope.is_cuda and fused_moe.available() and sequences <= MAX_SEQUENCES
-            and q_nope.shape[0] <= 16 * sequences and all(d >= 16 and d & (d - 1) == 0 for d in dims))
+    B, S = table.shape
+    return (ENABLED and q_nope.is_cuda and fused_moe.available() and B <= MAX_SEQUENCES and S <= MAX_WINDOW
+            and q_nope.shape[0] <= 16 * B and all(d >= 16 and d & (d - 1) == 0 for d in dims))
 
 
 @jit
@@ -153,7 +159,9 @@ def decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tenso
     float32 summation order. ``config``: (BLOCK_S, CHUNK, num_warps, num_stages), default :data:`CONFIG`.
 
     Raises:
-        ValueError: shapes that do not fit together, dims that are not powers of two ≥ 16, or T not a multiple of B.
+        ValueError: shapes or dtypes that do not fit together, dims that are not powers of two ≥ 16, T not a multiple
+        of B or more than 16 new tokens per sequence, a config with BLOCK_S < 16 or a CHUNK not a power of two ≥ 16.
+        (Table rows must be < kv rows: not checked, which would cost a device synchronisation.)
     """
     T, H, DN = q_nope.shape
     B, S = table.shape
@@ -164,8 +172,15 @@ def decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tenso
                              f"{tuple('*' if w is None else w for w in want[name])} (q_nope {tuple(q_nope.shape)})")
     dims = {"nope": DN, "rope": q_pe.shape[-1], "latent": w_uk.shape[-1], "value": w_uv.shape[1]}
     bad = {k: d for k, d in dims.items() if d < 16 or d & (d - 1)}
-    if bad or kv.shape[-1] != dims["latent"] + dims["rope"] or T % B or positions.numel() != T:
+    if bad or kv.shape[-1] != dims["latent"] + dims["rope"] or T % B or T > 16 * B or positions.numel() != T:
         raise ValueError(f"fused_mla.decode_attention: dims {dims} must be powers of two ≥ 16 (not: {bad}), kv rows "
                          f"latent + rope = {dims['latent'] + dims['rope']} wide (got {kv.shape[-1]}), T = {T} a multiple "
-                         f"of B = {B} sequences, positions T = {T} values (got {positions.numel()})")
+                         f"of B = {B} sequences with ≤ 16 each, positions T = {T} values (got {positions.numel()})")
+    dtypes = {t.dtype for t in (q_nope, q_pe, w_uk, w_uv, kv)}
+    if len(dtypes) > 1 or table.dtype not in (torch.int32, torch.int64) or table.dim() != 2:
+        raise ValueError(f"fused_mla.decode_attention: q_nope, q_pe, w_uk, w_uv, kv must share one dtype (got "
+                         f"{sorted(map(str, dtypes))}); table must be [B, S] integer (got {table.dtype}, {table.dim()}-D)")
+    block_s, chunk = (config or CONFIG)[:2]
+    if block_s < 16 or block_s & (block_s - 1) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"fused_mla.decode_attention: config {config}: BLOCK_S and CHUNK must be powers of two ≥ 16")
     return _mla_op(q_nope, q_pe, w_uk, w_uv, kv, table, positions.reshape(-1), float(scale), list(config or CONFIG))

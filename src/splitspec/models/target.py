@@ -179,7 +179,7 @@ class TargetModel:
         kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
         new = torch.cat((ckv, kpe), -1)  # the token's cache row: latent, then rope key
         B = None if batch.table is None else batch.table.shape[0]
-        if B is not None and fused_mla.use_fused(q_nope, q_pe, lw["attn.w_uv"], B):  # absorbed query, attention and W_UV in one kernel
+        if B is not None and fused_mla.use_fused(q_nope, q_pe, lw["attn.w_uv"], batch.table):  # absorbed query, attention and W_UV in one kernel
             kv[batch.write_rows] = new
             o = fused_mla.decode_attention(q_nope, q_pe, lw["attn.w_uk"], lw["attn.w_uv"], kv, batch.table,
                                            batch.positions, c.softmax_scale)
