@@ -101,6 +101,8 @@ def test_bad_shapes_get_a_clear_error():
         fused_mla.decode_attention(q_nope[:5], q_pe[:5], w_uk, w_uv, kv, table, positions.flatten()[:5], 0.3)
     with pytest.raises(ValueError, match="one dtype"):
         fused_mla.decode_attention(q_nope, q_pe, w_uk.double(), w_uv, kv, table, positions, 0.3)
+    with pytest.raises(ValueError, match="table must be"):
+        fused_mla.decode_attention(q_nope, q_pe, w_uk, w_uv, kv, table[0], positions, 0.3)
     with pytest.raises(ValueError, match="BLOCK_S and CHUNK"):
         fused_mla.decode_attention(q_nope, q_pe, w_uk, w_uv, kv, table, positions, 0.3, config=(8, 16, 4, 1))
 

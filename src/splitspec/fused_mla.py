@@ -47,14 +47,33 @@ MAX_WINDOW = 512
 CONFIG = (16, 32, 8, 2)
 
 
+def _dot_dim(d: int) -> bool:
+    """Whether d can be a ``tl.dot`` dimension or block of the kernel: a power of two ≥ 16."""
+    return d >= 16 and d & (d - 1) == 0
+
+
+def _dims(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor) -> dict[str, int]:
+    return {"nope": q_nope.shape[-1], "rope": q_pe.shape[-1], "latent": w_uv.shape[-1], "value": w_uv.shape[1]}
+
+
 def use_fused(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether the kernel serves this padded batch (q_nope [T, H, DN], q_pe [T, H, R], w_uv [H, V, C], table [B, S]):
     CUDA tensors, ≤ :data:`MAX_SEQUENCES` sequences of ≤ 16 new tokens, a window S ≤ :data:`MAX_WINDOW`, DN, R, V,
     C powers of two ≥ 16 (``tl.dot`` shapes), Triton importable, :data:`ENABLED`."""
-    dims = (q_nope.shape[-1], q_pe.shape[-1], *w_uv.shape[1:])
     B, S = table.shape
     return (ENABLED and q_nope.is_cuda and fused_moe.available() and B <= MAX_SEQUENCES and S <= MAX_WINDOW
-            and q_nope.shape[0] <= 16 * B and all(d >= 16 and d & (d - 1) == 0 for d in dims))
+            and q_nope.shape[0] <= 16 * B and all(map(_dot_dim, _dims(q_nope, q_pe, w_uv).values())))
+
+
+@jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    """a · b summed in float32: with F32_DOT (float32 inputs: IEEE products, not TF32; and the interpreter, whose
+    bf16 ``tl.dot`` is wrong in Triton 3.9) through float32, else in the inputs' dtype."""
+    if F32_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @jit
@@ -75,10 +94,7 @@ def _mla_decode(qn_ptr, qp_ptr, wuk_ptr, wuv_ptr, kv_ptr, table_ptr, pos_ptr, ou
     for n0 in tl.static_range(0, DN, CHUNK):
         qn = tl.load(qn_ptr + tok[:, None] * s_qn_t + h * s_qn_h + (n0 + ch)[None, :], mask=live[:, None], other=0.0)
         w = tl.load(wuk_ptr + h * DN * C + (n0 + ch)[:, None] * C + c[None, :])
-        if F32_DOT:
-            q_lat += tl.dot(qn.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            q_lat += tl.dot(qn, w)
+        q_lat += _dot(qn, w, F32_DOT)
     q_lat = q_lat.to(dtype)
     r = tl.arange(0, DR)
     qp = tl.load(qp_ptr + tok[:, None] * s_qp_t + h * s_qp_h + r[None, :], mask=live[:, None], other=0.0)
@@ -94,30 +110,20 @@ def _mla_decode(qn_ptr, qp_ptr, wuk_ptr, wuv_ptr, kv_ptr, table_ptr, pos_ptr, ou
         rows = tl.load(table_ptr + b * S + s, mask=inside, other=0).to(tl.int64)
         k_lat = tl.load(kv_ptr + rows[:, None] * s_kv + c[None, :], mask=inside[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + rows[:, None] * s_kv + C + r[None, :], mask=inside[:, None], other=0.0)
-        if F32_DOT:
-            sc = tl.dot(q_lat.to(tl.float32), tl.trans(k_lat.to(tl.float32)), input_precision="ieee")
-            sc += tl.dot(qp.to(tl.float32), tl.trans(k_pe.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(qp, tl.trans(k_pe))
+        sc = _dot(q_lat, tl.trans(k_lat), F32_DOT) + _dot(qp, tl.trans(k_pe), F32_DOT)
         visible = (s[None, :] <= pos[:, None]) & inside[None, :]
         sc = tl.where(visible, sc.to(dtype).to(tl.float32) * scale, float("-inf"))  # scores in q's dtype, as unfused
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, k_lat.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(dtype), k_lat)
+        acc = acc * alpha[:, None] + _dot(p.to(dtype), k_lat, F32_DOT)
         m = m_new
     att = (acc / l[:, None]).to(dtype)
     # 3. o [NP, DV] = att [NP, C] · W_UV[h]ᵀ, DV in row chunks
     for v0 in tl.static_range(0, DV, CHUNK):
         w = tl.load(wuv_ptr + h * DV * C + (v0 + ch)[:, None] * C + c[None, :])
-        if F32_DOT:
-            o = tl.dot(att.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            o = tl.dot(att, tl.trans(w))
+        o = _dot(att, tl.trans(w), F32_DOT)
         tl.store(out_ptr + tok[:, None] * s_out_t + h * s_out_h + (v0 + ch)[None, :], o.to(dtype), mask=live[:, None])
 
 
@@ -136,7 +142,6 @@ def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: 
         q_nope, q_pe, w_uk, w_uv, kv, table, positions, out, T // B, S, scale, q_nope.stride(0), q_nope.stride(1),
         q_pe.stride(0), q_pe.stride(1), kv.stride(0), out.stride(0), out.stride(1), DN=DN, DR=DR, C=C, DV=DV,
         NP=max(16, triton.next_power_of_2(T // B)), BLOCK_S=BLOCK_S, CHUNK=min(CHUNK, DN, DV),
-        # float32: IEEE products, not TF32; the interpreter's bf16 tl.dot is wrong (Triton 3.9): there, through float32
         F32_DOT=q_nope.dtype == torch.float32 or not q_nope.is_cuda, num_warps=warps, num_stages=stages)
     return out
 
@@ -163,6 +168,8 @@ def decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tenso
         of B or more than 16 new tokens per sequence, a config with BLOCK_S < 16 or a CHUNK not a power of two ≥ 16.
         (Table rows must be < kv rows: not checked, which would cost a device synchronisation.)
     """
+    if table.dim() != 2 or table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_mla.decode_attention: table must be [B, S] integer (got {table.dtype}, {table.dim()}-D)")
     T, H, DN = q_nope.shape
     B, S = table.shape
     want = {"q_pe": (T, H, None), "w_uk": (H, DN, None), "w_uv": (H, None, w_uk.shape[-1]), "kv": (None, None)}
@@ -170,17 +177,16 @@ def decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tenso
         if t.dim() != len(want[name]) or any(w is not None and d != w for d, w in zip(t.shape, want[name])):
             raise ValueError(f"fused_mla.decode_attention: {name} has shape {tuple(t.shape)}, expected "
                              f"{tuple('*' if w is None else w for w in want[name])} (q_nope {tuple(q_nope.shape)})")
-    dims = {"nope": DN, "rope": q_pe.shape[-1], "latent": w_uk.shape[-1], "value": w_uv.shape[1]}
-    bad = {k: d for k, d in dims.items() if d < 16 or d & (d - 1)}
+    dims = _dims(q_nope, q_pe, w_uv)
+    bad = {k: d for k, d in dims.items() if not _dot_dim(d)}
     if bad or kv.shape[-1] != dims["latent"] + dims["rope"] or T % B or T > 16 * B or positions.numel() != T:
         raise ValueError(f"fused_mla.decode_attention: dims {dims} must be powers of two ≥ 16 (not: {bad}), kv rows "
                          f"latent + rope = {dims['latent'] + dims['rope']} wide (got {kv.shape[-1]}), T = {T} a multiple "
                          f"of B = {B} sequences with ≤ 16 each, positions T = {T} values (got {positions.numel()})")
     dtypes = {t.dtype for t in (q_nope, q_pe, w_uk, w_uv, kv)}
-    if len(dtypes) > 1 or table.dtype not in (torch.int32, torch.int64) or table.dim() != 2:
+    if len(dtypes) > 1:
         raise ValueError(f"fused_mla.decode_attention: q_nope, q_pe, w_uk, w_uv, kv must share one dtype (got "
-                         f"{sorted(map(str, dtypes))}); table must be [B, S] integer (got {table.dtype}, {table.dim()}-D)")
-    block_s, chunk = (config or CONFIG)[:2]
-    if block_s < 16 or block_s & (block_s - 1) or chunk < 16 or chunk & (chunk - 1):
+                         f"{sorted(map(str, dtypes))})")
+    if not all(map(_dot_dim, (config or CONFIG)[:2])):
         raise ValueError(f"fused_mla.decode_attention: config {config}: BLOCK_S and CHUNK must be powers of two ≥ 16")
     return _mla_op(q_nope, q_pe, w_uk, w_uv, kv, table, positions.reshape(-1), float(scale), list(config or CONFIG))

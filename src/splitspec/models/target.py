@@ -179,15 +179,16 @@ class TargetModel:
         kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
         new = torch.cat((ckv, kpe), -1)  # the token's cache row: latent, then rope key
         B = None if batch.table is None else batch.table.shape[0]
-        if B is not None and fused_mla.use_fused(q_nope, q_pe, lw["attn.w_uv"], batch.table):  # absorbed query, attention and W_UV in one kernel
+        if B is not None:  # padded form: static shapes
             kv[batch.write_rows] = new
+        if B is not None and fused_mla.use_fused(q_nope, q_pe, lw["attn.w_uv"], batch.table):
+            # absorbed query, attention and W_UV in one kernel
             o = fused_mla.decode_attention(q_nope, q_pe, lw["attn.w_uk"], lw["attn.w_uv"], kv, batch.table,
                                            batch.positions, c.softmax_scale)
             return h, self.linear(o.reshape(x.shape[0], -1), lw, "attn.o_proj")
         q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
         q_cat = torch.cat((q_lat, q_pe), -1)
-        if B is not None:  # padded form: static shapes
-            kv[batch.write_rows] = new
+        if B is not None:
             k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
             out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
                                 batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], self.local_heads, -1)
