@@ -336,10 +336,11 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 flipped = [(True, fused_moe.MAX_TOKENS, not mla)] if B <= fused_mla.MAX_SEQUENCES else []
                 grouped = [(True, 0, mla)] if B * n <= fused_moe.MAX_TOKENS else []
                 for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
+                    prev = pend if layer else None
                     for compiled, max_fused, use_mla in variants + flipped + (grouped if layer else []):
                         with patch.object(fused_moe, "MAX_TOKENS", max_fused), patch.object(fused_mla, "ENABLED", use_mla):
                             model.fast = fast if compiled else None
-                            ms = timed_graph(lambda: model.block(layer, h, pend if layer else None, batch, cache, cos, sin))
+                            ms = timed_graph(lambda: model.block(layer, h, prev, batch, cache, cos, sin))
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
                             variant = (f"fused MLA {'on' if use_mla else 'off'}" if use_mla != mla
@@ -366,13 +367,13 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=max(batches) * S)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
-                pend = torch.randn_like(h)
+                prev = torch.randn_like(h) if layer else None  # the dense layer 0 has no pending add
                 with patch.object(fused_mla, "ENABLED", use_mla):
-                    model.block(layer, h, pend if layer else None, batch, cache, cos, sin)
+                    model.block(layer, h, prev, batch, cache, cos, sin)
                     torch.cuda.synchronize()
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         for _ in range(5):
-                            model.block(layer, h, pend if layer else None, batch, cache, cos, sin)
+                            model.block(layer, h, prev, batch, cache, cos, sin)
                         torch.cuda.synchronize()
                 name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}" + ("_fused_mla" if use_mla and T <= fused_mla.MAX_SEQUENCES else "")
                 profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
