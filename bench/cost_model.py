@@ -83,7 +83,8 @@ def layer_report(d: dict) -> None:
         print(f"| TP{r['tp']} | {r['layer']} | {r['batch']} | {r['k']} | {cell(eager)} | {cell(compiled)} | {r['bound_ms']:.3f} | {ratio} |")
     other = [r for r in every if changed(r) is not None and r.get("compiled", True)]
     if other:  # files before the fused MLA kernel hold grouped-GEMM rows without a "variant"
-        print("\nThe same layers with one thing changed (compiled): the fused MLA attention switched, or the MoE layer's"
+        print("\nThe same layers with one thing changed (compiled): a kernel tried and dropped (skinny GEMMs, the fused"
+              " MLA attention) switched on, or the MoE layer's"
               " routed experts as grouped GEMMs instead of the fused decode kernels:\n")
         print("| shard | layer | batch | k | changed | ms | engine ms | / bound | engine / bound |\n|---|---|---|---|---|---|---|---|---|")
         for g in other:
@@ -103,8 +104,9 @@ def kimi_report(d: dict) -> None:
     ar = d.get("allreduce", {}).get("rows", {})
     alpha = min(v["graph_us"] for v in ar.values()) if ar else 13.0
     moe8 = [r for r in d["layers"]["rows"] if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
-    if not moe8:
-        print("\n(no compiled TP8-shape layer rows in this file: no full-depth model from it)")
+    if len({r["tokens"] for r in moe8}) < 3:  # overhead and efficiency need rows at several token counts
+        print(f"\n(compiled TP8-shape MoE rows at {len({r['tokens'] for r in moe8})} token count(s) in this file, "
+              "fewer than the 3 a fit of overhead and efficiency needs: no full-depth model from it)")
         return
     overhead, eff, err = fit_layer_costs(moe8, bw)
     print(f"\n## Kimi-K2, 61 layers, TP8 (model)\n\nCalibration: MoE layer at the TP8 shard shape = {overhead * 1e3:.0f} µs + "

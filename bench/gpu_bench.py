@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """GPU benchmark: correctness on GPU, then costs of Kimi-K2-width synthetic engines, in one run.
 
-1. Correctness: demo pair on GPU (float32, TP = all GPUs), greedy speculation (CUDA graphs) equals
-   target-only greedy for several prompts and k.
+1. Correctness: tests/test_gpu.py (demo pair on up to 2 GPUs, float32: greedy speculation with CUDA graphs
+   equals target-only greedy for several prompts, k and both draft placements).
 2. Memory bandwidth (device copy) and all-reduce latency (NCCL, eager and in a CUDA graph) at the message
    sizes a verify uses: T·7168 bf16 for T = B·(k+1).
 3. Synthetic Kimi-K2-width engines (random weights, synthetic acceptance with the published drafter's
@@ -55,27 +55,15 @@ def section(name: str, out: Path):
     return wrap
 
 
-def correctness(tmp: Path, ngpu: int) -> dict:
-    from splitspec.build import build_engines
-    from splitspec.convert import convert_pair
-    from splitspec.demo import make_demo_models
-    from splitspec.runtime import Request, SpeculativeEngine
+def correctness() -> dict:
+    """tests/test_gpu.py (speculative greedy on GPU = target-only greedy, both placements) in a subprocess."""
+    import subprocess
 
-    make_demo_models(tmp / "demo", seed=0, trained=False)
-    convert_pair(tmp / "demo" / "target", tmp / "demo" / "drafter", tmp / "ck", tp_size=ngpu)
-    build_engines(tmp / "ck", tmp / "eng", dtype="float32", max_batch_size=8, max_seq_len=512)
-    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "x = [i * i for i in"]
-    res = {}
-    for dtp in sorted({1, ngpu}):
-        with SpeculativeEngine.load(tmp / "eng", target_device_ids=list(range(ngpu)), draft_tp=dtp, max_batch_size=8) as eng:
-            tok = eng.tokenizer
-            ids = [tok.encode(p) for p in prompts]
-            ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
-            for k in (1, 3, 5):
-                got = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=k, stop_token_ids=set()) for i in ids])]
-                res[f"draft_tp={dtp} k={k}"] = {"identical": got == ref, "graphs": len(eng.group.rank0.graphs.graphs)}
-                print(res, flush=True)
-    return res
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / "tests" / "test_gpu.py")],
+                         capture_output=True, text=True, cwd=repo, timeout=900)
+    print(run.stdout[-3000:], run.stderr[-2000:], flush=True)
+    return {"passed": run.returncode == 0, "summary": run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-500:]}
 
 
 def bandwidth() -> dict:
@@ -295,7 +283,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
-    from splitspec import fused_mla, fused_moe
+    from splitspec import fused_moe
     from splitspec.config import Mapping
     from splitspec.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
@@ -306,13 +294,17 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     cfg, S, start = kimi_k2_target(2), 256, 100
     rows_out, profiles = [], {}
     bw = bw_GBps * 1e6  # bytes per ms
+    seqs_max = max(*batches, 16)  # the profiles below run 16 sequences
     for tp in tps:
+        # each TP size compiles afresh, as in an engine (one TP size per process): dynamo caches compiled code per
+        # function, and with dynamic shapes a later TP size would otherwise reuse kernels tuned for the first
+        torch._dynamo.reset()
         mapping = Mapping(tp)
         w = random_weights(target_shapes(cfg, mapping), torch.bfloat16, "cuda", seed=0)
         model = TargetModel(cfg, mapping, 0, w, TPComm())
         model.compile()
         fast = model.fast
-        cache = TargetKVCache(cfg, max(batches) * S + 16, torch.bfloat16, "cuda")
+        cache = TargetKVCache(cfg, seqs_max * S + 16, torch.bfloat16, "cuda")
         nb = lambda names: sum(w[n].nbytes for n in names)  # noqa: E731
         attn = nb([n for n in w if n.startswith("layers.0.attn.") or n.startswith("layers.0.") and "layernorm" in n])
         dense = attn + nb(["layers.0.mlp.w13", "layers.0.mlp.w2"])
@@ -323,30 +315,26 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
             for k in ks:
                 n = k + 1
                 seqs = [(list(range(b * (S // 16), (b + 1) * (S // 16))), start, [1] * n) for b in range(B)]
-                batch = padded(seqs, S, "cuda", scratch_row=max(batches) * S, pad_to=B)
+                batch = padded(seqs, S, "cuda", scratch_row=seqs_max * S, pad_to=B)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(B * n, 7168, device="cuda", dtype=torch.bfloat16)
                 pend = torch.randn_like(h)  # the previous layer's reduced MLP output (the dense layer 0 has none)
                 x = rms_norm(h, w["layers.1.post_attention_layernorm"], 1e-6)
                 experts = noaux_tc_route(x, w["layers.1.mlp.gate"], w["layers.1.mlp.e_score_correction_bias"], cfg)[1].unique().numel()
-                # (compiled, fused_moe.MAX_TOKENS, fused_mla.ENABLED): the engine's path eager and compiled, then for
-                # comparison (compiled) the fused MLA attention switched, and the MoE layer's experts as grouped GEMMs
-                mla = fused_mla.ENABLED
-                variants = [(compiled, fused_moe.MAX_TOKENS, mla) for compiled in ((False, True) if k == 0 else (True,))]
-                flipped = [(True, fused_moe.MAX_TOKENS, not mla)] if B <= fused_mla.MAX_SEQUENCES else []
-                grouped = [(True, 0, mla)] if B * n <= fused_moe.MAX_TOKENS else []
+                # (compiled, fused_moe.MAX_TOKENS): the engine's path eager and compiled, then for comparison
+                # (compiled) the MoE layer's experts as grouped GEMMs
+                variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
+                grouped = [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []
                 for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
                     prev = pend if layer else None
-                    for compiled, max_fused, use_mla in variants + flipped + (grouped if layer else []):
-                        with patch.object(fused_moe, "MAX_TOKENS", max_fused), patch.object(fused_mla, "ENABLED", use_mla):
+                    for compiled, max_fused in variants + (grouped if layer else []):
+                        with patch.object(fused_moe, "MAX_TOKENS", max_fused):
                             model.fast = fast if compiled else None
                             ms = timed_graph(lambda: model.block(layer, h, prev, batch, cache, cos, sin))
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
-                            variant = (f"fused MLA {'on' if use_mla else 'off'}" if use_mla != mla
-                                       else "grouped GEMMs" if max_fused == 0 else None)
+                            variant = "grouped GEMMs" if max_fused == 0 else None
                             rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed,
-                                             "fused_mla": use_mla and B <= fused_mla.MAX_SEQUENCES,
                                              "comparison": variant is not None, "variant": variant,
                                              "batch": B, "k": k, "tokens": B * n,
                                              "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
@@ -362,20 +350,18 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
         if tp in (1, 2):
             from torch.profiler import ProfilerActivity, profile
 
-            for layer, T, use_mla in ((0, 1, fused_mla.ENABLED), (0, 1, not fused_mla.ENABLED), (1, 1, fused_mla.ENABLED),
-                                      (1, 16, fused_mla.ENABLED)):
-                batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=max(batches) * S)
+            for layer, T in ((0, 1), (1, 1), (1, 16)):
+                batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=seqs_max * S)
                 cos, sin = model.rotary.cos_sin(batch.positions)
                 h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
                 prev = torch.randn_like(h) if layer else None  # the dense layer 0 has no pending add
-                with patch.object(fused_mla, "ENABLED", use_mla):
-                    model.block(layer, h, prev, batch, cache, cos, sin)
+                model.block(layer, h, prev, batch, cache, cos, sin)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        model.block(layer, h, prev, batch, cache, cos, sin)
                     torch.cuda.synchronize()
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(5):
-                            model.block(layer, h, prev, batch, cache, cos, sin)
-                        torch.cuda.synchronize()
-                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}" + ("_fused_mla" if use_mla and T <= fused_mla.MAX_SEQUENCES else "")
+                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
                 profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
                 print(profiles[name], flush=True)
         del model, w, cache
@@ -470,7 +456,8 @@ def main() -> None:
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
     skip = set(a.skip.split(","))
     RESULTS["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(ngpu)] if not a.dry_run else ["cpu"],
-                          "torch": torch.__version__, "python": sys.version.split()[0]}
+                          "torch": torch.__version__, "python": sys.version.split()[0],
+                          "inductor_env": {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}}
     if a.dry_run:
         os.environ["SPLITSPEC_PADDED"] = "1"
         skip |= {"correctness", "bandwidth", "allreduce", "experts"}
@@ -485,7 +472,7 @@ def main() -> None:
             RESULTS["allreduce"]["rows"] = {int(n): v for n, v in RESULTS["allreduce"]["rows"].items()}
     tmp = Path(tempfile.mkdtemp())
     if "correctness" not in skip:
-        section("correctness", out)(correctness)(tmp, ngpu)
+        section("correctness", out)(correctness)()
     if "bandwidth" not in skip:
         section("bandwidth", out)(bandwidth)()
     if "allreduce" not in skip and ngpu > 1:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec import fused_mla, fused_moe, quant
+from splitspec import fused_moe, quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
@@ -181,11 +181,6 @@ class TargetModel:
         B = None if batch.table is None else batch.table.shape[0]
         if B is not None:  # padded form: static shapes
             kv[batch.write_rows] = new
-        if B is not None and fused_mla.use_fused(q_nope, q_pe, lw["attn.w_uv"], batch.table):
-            # absorbed query, attention and W_UV in one kernel
-            o = fused_mla.decode_attention(q_nope, q_pe, lw["attn.w_uk"], lw["attn.w_uv"], kv, batch.table,
-                                           batch.positions, c.softmax_scale)
-            return h, self.linear(o.reshape(x.shape[0], -1), lw, "attn.o_proj")
         q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
         q_cat = torch.cat((q_lat, q_pe), -1)
         if B is not None:
