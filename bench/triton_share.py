@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Triton's share at batch 1: output tokens/s through the served ensemble against the engine alone.
 
-1. Engine alone: ``SpeculativeEngine.load`` in this process; after a short warm-up request per
-   prompt, each prompt in turn (one request at a time), greedy, ``max_tokens``, k draft tokens per
-   cycle. Then the engine is closed (its GPUs freed).
+Both are loaded side by side, then measured in alternating passes, so that a drift of the machine's speed
+(the demo engine's cycle is host-bound: one core's clock) falls on both alike:
+
+1. Engine alone: ``SpeculativeEngine.load`` in this process.
 2. Served: a repository rendered for the same engines and settings (k, devices, draft_tp, batch and
-   KV limits), tritonserver started; after the same warm-up, the same prompts one at a time, streamed
-   over one open gRPC stream (``return_stats``), timed from sending to the final response.
+   KV limits), tritonserver started; requests streamed over one open gRPC stream (``return_stats``),
+   each timed from sending to the final response.
+3. After a warm-up of each (a short request per prompt), ``--rounds`` rounds of one pass each (the
+   prompts, ``--repeats`` times, one request at a time, greedy, ``max_tokens``); the order within a
+   round alternates. While one side runs, the other is idle.
 
 tokens/s = output tokens of all requests / the sum of their wall times. The served path keeps the
 tokenizer's end-of-turn tokens (a request cannot turn them off), so both phases stop on them and count
@@ -26,6 +30,7 @@ Prints a table and writes ``results.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -35,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
@@ -55,31 +61,78 @@ def _sha(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def cpu_seconds(root_pid: int, root_role: str | None = None) -> dict[str, float]:
-    """User + system CPU seconds so far of the process tree under ``root_pid`` (Linux ``/proc``), summed by role:
-    "engine" (the engine process, or ``root_role`` for the root itself), "target worker ranks", else the command
-    name (tritonserver, the backend stubs, ...). Processes and threads that exit while being read are skipped."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+def process_tree(root_pid: int, root_role: str | None = None, prune: str | None = None) -> Iterator[tuple[int, str, str, list[int]]]:
+    """The processes under ``root_pid`` (Linux ``/proc``), root first, as ``(pid, role, stat line, thread ids)``.
+    role: "engine" (the engine process, or ``root_role`` for the root itself), "target worker ranks", else the
+    command name (tritonserver, the backend stubs, ...). A process whose command name is ``prune`` is left out
+    with its subtree. Processes and threads that exit while being read are skipped."""
     stack = [root_pid]
     while stack:
         pid = stack.pop()
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
         except (OSError, ValueError):  # the process is gone
             continue
-        for task in tasks:  # a thread that exits meanwhile must not hide the process or its other children
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        if comm == prune:
+            continue
+        for tid in tids:  # a thread that exits meanwhile must not hide the process or its other children
             try:
-                stack += [int(c) for c in (task / "children").read_text().split()]
+                stack += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
             except (OSError, ValueError):
                 pass
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
         role = (root_role if pid == root_pid and root_role else "engine" if "splitspec.engine_process" in cmdline else
-                "target worker ranks" if "splitspec.worker" in cmdline else stat[stat.index("(") + 1:stat.rindex(")")])
+                "target worker ranks" if "splitspec.worker" in cmdline else comm)
+        yield pid, role, stat, tids
+
+
+def cpu_seconds(root_pid: int, root_role: str | None = None, prune: str | None = None) -> dict[str, float]:
+    """User + system CPU seconds so far of the processes of :func:`process_tree`, summed by role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for _, role, stat, _ in process_tree(root_pid, root_role, prune):
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime (fields 14, 15)
     return out
+
+
+def core_plan() -> dict[str, set[int]]:
+    """CPUs for ``--pin``: one physical core for the engine's loop, one for its target worker ranks, the rest
+    (their SMT siblings excluded) for everything else. Read from ``/sys/devices/system/cpu/*/topology``.
+
+    Raises:
+        SystemExit: fewer than 4 physical cores are allowed to this process.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    cores: dict[str, set[int]] = {}
+    for cpu in allowed:
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        key = path.read_text().strip() if path.exists() else str(cpu)
+        cores.setdefault(key, set()).add(cpu)
+    physical = list(cores.values())
+    if len(physical) < 4:
+        sys.exit(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
+    engine, workers = physical[1], physical[2]  # leave the first core to the kernel's housekeeping
+    return {"engine": {min(engine)}, "target worker ranks": {min(workers)},
+            "rest": set(allowed) - engine - workers}
+
+
+def pin(root_pid: int, plan: dict[str, set[int]], main_thread_only: bool = False, prune: str | None = None) -> dict[str, list[int]]:
+    """Set the CPU affinity of every thread of :func:`process_tree` by role (:func:`core_plan`): the engine's threads
+    (with ``main_thread_only``, only the root's main thread: the engine alone runs its loop there) and the
+    target worker ranks to their cores, all else to the rest. Returns role → CPUs set."""
+    done: dict[str, list[int]] = {}
+    for pid, role, _, tids in process_tree(root_pid, "engine" if main_thread_only else None, prune):
+        for tid in tids:
+            r = role if role in plan and not (main_thread_only and role == "engine" and tid != pid) else "rest"
+            try:
+                os.sched_setaffinity(tid, plan[r])
+            except OSError:  # the thread exited
+                continue
+            done[r] = sorted(plan[r])
+    return done
 
 
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -87,15 +140,16 @@ def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(before.keys() | after.keys())}
 
 
-def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dict], dict]:
-    """Run the prompts through the engine in this process, one request at a time: a warm-up request of
-    :data:`WARMUP_TOKENS` per prompt, then ``a.repeats`` measured passes of ``a.max_tokens``.
+@contextlib.contextmanager
+def engine_alone(a: argparse.Namespace, prompts: list[Prompt]) -> Iterator[Callable[[], tuple[list[dict], dict]]]:
+    """Load the engine in this process and warm it up (a request of :data:`WARMUP_TOKENS` per prompt); yield a
+    function that runs one measured pass: ``a.repeats`` times the prompts, one request at a time, greedy,
+    ``a.max_tokens``. The engine is closed (its GPUs freed) on exit.
 
-    Returns:
-        one dict per request: ``tokens``, ``wall_ms`` (submit → finished, this process), ``ttft_ms`` and
-        ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases, summed),
-        ``acceptance_length``, ``finish_reason``, ``output_sha``; and ``{"cpu_s": ..., "wall_s": ...}``: CPU seconds
-        of this process (role "engine") and its worker ranks while measuring (:func:`cpu_spent`), and the wall seconds.
+    A pass returns one dict per request: ``tokens``, ``wall_ms`` (submit → finished, this process), ``ttft_ms`` and
+    ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases, summed),
+    ``acceptance_length``, ``finish_reason``, ``output_sha``; and ``{"cpu_s": ..., "wall_s": ...}``: CPU seconds of
+    this process (role "engine") and its worker ranks during the pass (:func:`cpu_spent`), and the wall seconds.
     """
     ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
     eng = SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
@@ -105,15 +159,19 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dic
         reqs = [Request(encode_prompt(eng.tokenizer, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
         for req in reqs:  # warm-up: every prompt's prefill shape, a few decode cycles
             run_closed_loop(eng, [Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k)], 1)
-        out = []
-        cpu0, t0 = cpu_seconds(os.getpid(), "engine"), time.perf_counter()
-        for p, req in zip(prompts * a.repeats, reqs * a.repeats):
-            [r], wall = run_closed_loop(eng, [req], 1)
-            out.append({"prompt_id": p.id, "tokens": len(r.token_ids), "wall_ms": wall * 1e3, "ttft_ms": r.stats.ttft_ms,
-                        "e2e_ms": r.stats.e2e_ms, "draft_verify_ms": r.stats.draft_ms + r.stats.verify_ms,
-                        "acceptance_length": r.stats.acceptance_length,
-                        "finish_reason": r.finish_reason, "output_sha": _sha(r.token_ids)})
-        return out, {"cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid(), "engine")), "wall_s": time.perf_counter() - t0}
+
+        def run_pass() -> tuple[list[dict], dict]:
+            out = []
+            cpu0, t0 = cpu_seconds(os.getpid(), "engine", prune="tritonserver"), time.perf_counter()
+            for p, req in zip(prompts * a.repeats, reqs * a.repeats):
+                [r], wall = run_closed_loop(eng, [req], 1)
+                out.append({"prompt_id": p.id, "tokens": len(r.token_ids), "wall_ms": wall * 1e3, "ttft_ms": r.stats.ttft_ms,
+                            "e2e_ms": r.stats.e2e_ms, "draft_verify_ms": r.stats.draft_ms + r.stats.verify_ms,
+                            "acceptance_length": r.stats.acceptance_length,
+                            "finish_reason": r.finish_reason, "output_sha": _sha(r.token_ids)})
+            return out, {"cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid(), "engine", prune="tritonserver")), "wall_s": time.perf_counter() - t0}
+
+        yield run_pass
     finally:
         eng.close()
         del eng
@@ -124,48 +182,55 @@ def engine_phase(a: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[dic
             torch.cuda.empty_cache()
 
 
-def served_phase(a: argparse.Namespace, prompts: list[Prompt], tmp: Path) -> tuple[list[dict], dict]:
-    """Serve the same engines with tritonserver and stream the prompts over gRPC, one request at a time
-    (warm-up and passes as in :func:`engine_phase`).
+@contextlib.contextmanager
+def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, server: dict) -> Iterator[Callable[[], tuple[list[dict], dict]]]:
+    """Serve the same engines with tritonserver (a repository rendered with the same settings) and warm it up as
+    :func:`engine_alone`; yield a function that runs one measured pass, streamed over one open gRPC stream
+    (``return_stats``), each request timed from sending to its final response. On exit the server stops and
+    ``server`` gets ``startup_s`` (seconds to ready) and ``log_tail``.
 
-    Returns:
-        (one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
-        (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
-        ``return_stats``), ``draft_verify_ms``, ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
-        server facts: ``startup_s`` (seconds to ready), ``cpu_s`` (CPU seconds of tritonserver and its process tree
-        while measuring, by role: :func:`cpu_spent`), ``wall_s``, ``log_tail``).
+    A pass returns one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
+    (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
+    ``return_stats``), ``draft_verify_ms``, ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
+    and ``{"cpu_s": ..., "wall_s": ...}`` for tritonserver and its process tree, by role (:func:`cpu_spent`).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
                        kv_tokens=a.kv_tokens)
     with TritonServer(repo, exit_timeout_s=10) as srv:
+        server["startup_s"], server["pid"] = srv.startup_s, srv.pid
         print(f"  tritonserver ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
         worker = StreamWorker(srv.grpc_address)
+        kw = {"draft_tp": a.draft_tp, "concurrency": 1}
         try:
-            kw = {"draft_tp": a.draft_tp, "concurrency": 1}
-            for p in prompts:  # warm-up, as in engine_phase
+            for p in prompts:  # warm-up, as for the engine alone
                 worker.run(p, WARMUP_TOKENS, a.k, block=-1, **kw)
-            cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
-            recs = [worker.run(p, a.max_tokens, a.k, block=0, **kw) for p in prompts * a.repeats]
-            cpu = {"cpu_s": cpu_spent(cpu0, cpu_seconds(srv.pid)), "wall_s": time.perf_counter() - t0}
+
+            def run_pass() -> tuple[list[dict], dict]:
+                cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
+                recs = [worker.run(p, a.max_tokens, a.k, block=0, **kw) for p in prompts * a.repeats]
+                cpu = {"cpu_s": cpu_spent(cpu0, cpu_seconds(srv.pid)), "wall_s": time.perf_counter() - t0}
+                return [{"prompt_id": r.prompt_id, "tokens": r.num_output_tokens, "wall_ms": r.latency_ms,
+                         "ttft_ms": r.ttft_ms, "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms,
+                         "draft_verify_ms": r.draft_ms + r.verify_ms, "responses": len(r.token_times_ms),
+                         "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason,
+                         "output_sha": r.output_sha} for r in recs], cpu
+
+            yield run_pass
         finally:
             worker.close()
-        log = srv.log_tail(20000)
-    out = [{"prompt_id": r.prompt_id, "tokens": r.num_output_tokens, "wall_ms": r.latency_ms, "ttft_ms": r.ttft_ms,
-            "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms, "draft_verify_ms": r.draft_ms + r.verify_ms,
-            "responses": len(r.token_times_ms),
-            "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason, "output_sha": r.output_sha}
-           for r in recs]
-    return out, {"startup_s": srv.startup_s, **cpu, "log_tail": log}
+            server["log_tail"] = srv.log_tail(20000)
+
+
+def tokens_per_s(rows: list[dict]) -> float:
+    """Output tokens of ``rows`` / the sum of their ``wall_ms``, in tok/s."""
+    return sum(r["tokens"] for r in rows) / (sum(r["wall_ms"] for r in rows) / 1e3)
 
 
 def summarize(engine: list[dict], served: list[dict]) -> dict:
     """Aggregate figures of both phases (tokens/s; ms per request, means over requests)."""
-    def tps(rows):
-        return sum(r["tokens"] for r in rows) / (sum(r["wall_ms"] for r in rows) / 1e3)
-
     mean = statistics.fmean
-    e_tps, s_tps = tps(engine), tps(served)
+    e_tps, s_tps = tokens_per_s(engine), tokens_per_s(served)
     return {
         "engine_tokens_per_s": e_tps, "served_tokens_per_s": s_tps, "ratio_served_to_engine": s_tps / e_tps,
         "engine_tokens": sum(r["tokens"] for r in engine), "served_tokens": sum(r["tokens"] for r in served),
@@ -196,7 +261,8 @@ def print_table(s: dict, n: int) -> None:
     for name, e, v in rows:
         print(f"{name:28s} {e:>14s} {v:>14s}")
     print(f"ratio served / engine: {s['ratio_served_to_engine']:.3f}  (Triton's share of the time: "
-          f"{1 - s['ratio_served_to_engine']:.1%})")
+          f"{1 - s['ratio_served_to_engine']:.1%}); per round: {', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))}"
+          f" (median {s['ratio_median_of_rounds']:.3f})")
     print(f"per request: outside the engine {s['outside_engine_ms_per_request']:.1f} ms, engine slower inside "
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
@@ -220,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks, e.g. 0 or 0,1 (default: CPU)")
     p.add_argument("--draft-device-id", default="", help="GPU of a TP1 drafter (default: target rank 0's)")
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
-    p.add_argument("--repeats", type=int, default=1, help="measured passes over the prompts (each phase)")
+    p.add_argument("--repeats", type=int, default=1, help="times the prompts are run in each pass")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of one pass alone and one served (order alternating)")
+    p.add_argument("--pin", action="store_true", help="pin the engine's loop and its worker ranks to a physical core each, "
+                   "everything else (tritonserver, its stubs, the client) to the other cores; both phases alike")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
@@ -233,22 +302,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts x {a.repeats}, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()
-    print("engine alone ...", flush=True)
-    engine, alone = engine_phase(a, prompts)
-    print("served ...", flush=True)
-    with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp:
-        served, server = served_phase(a, prompts, Path(tmp))
+    rows: dict[str, list[dict]] = {"engine_alone": [], "served": []}
+    phase = {name: {"cpu_s": {}, "wall_s": 0.0} for name in rows}
+    rounds, server, pinned = [], {}, None
+    with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp, contextlib.ExitStack() as stack:
+        print("engine alone: loading, warm-up ...", flush=True)
+        passes = {"engine_alone": stack.enter_context(engine_alone(a, prompts))}
+        print("served: starting tritonserver, warm-up ...", flush=True)
+        passes["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), server))
+        if a.pin:  # both engines on the same two cores (they never run at once), all else elsewhere
+            plan = core_plan()
+            pinned = {"engine alone": pin(os.getpid(), plan, main_thread_only=True, prune="tritonserver"),
+                      "served": pin(server["pid"], plan)}
+            print(f"pinned: {pinned}", flush=True)
+        for r in range(a.rounds):
+            order = ["engine_alone", "served"][::-1 if r % 2 else 1]  # alternate who goes first: drift cancels
+            tps = {}
+            for name in order:
+                got, cpu = passes[name]()
+                rows[name] += got
+                phase[name]["wall_s"] += cpu["wall_s"]
+                for k, v in cpu["cpu_s"].items():
+                    phase[name]["cpu_s"][k] = phase[name]["cpu_s"].get(k, 0.0) + v
+                tps[name] = tokens_per_s(got)
+            rounds.append({"round": r, "order": order, "engine_tokens_per_s": tps["engine_alone"],
+                           "served_tokens_per_s": tps["served"], "ratio": tps["served"] / tps["engine_alone"]})
+            print(f"round {r + 1}/{a.rounds}: engine alone {tps['engine_alone']:.1f} tok/s, served {tps['served']:.1f} "
+                  f"tok/s, ratio {rounds[-1]['ratio']:.3f}", flush=True)
+    engine, served = rows["engine_alone"], rows["served"]
     s = summarize(engine, served)
-    for name, phase, rows in (("engine_alone", alone, engine), ("served", server, served)):
-        tokens = sum(r["tokens"] for r in rows)
-        s[f"cores_busy_{name}"] = {k: round(v / phase["wall_s"], 3) for k, v in phase["cpu_s"].items()}
-        s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in phase["cpu_s"].items()}
+    ratios = [x["ratio"] for x in rounds]
+    s |= {"rounds": rounds, "ratio_median_of_rounds": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    for name in rows:
+        tokens = sum(r["tokens"] for r in rows[name])
+        s[f"cores_busy_{name}"] = {k: round(v / phase[name]["wall_s"], 3) for k, v in phase[name]["cpu_s"].items()}
+        s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in phase[name]["cpu_s"].items()}
     print_table(s, len(engine))
     result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
-                       "wall_s": round(time.monotonic() - t0, 1), "startup_s": server["startup_s"]},
+                       "wall_s": round(time.monotonic() - t0, 1), "startup_s": server.get("startup_s"),
+                       "pinned": pinned},
               "summary": s, "engine": engine, "served": served}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "tritonserver.log").write_text(server["log_tail"])
+    (out / "tritonserver.log").write_text(server.get("log_tail", ""))
     print(f"results: {out / 'results.json'}")
     return 0
 
