@@ -99,8 +99,8 @@ def cpu_seconds(root_pid: int, root_role: str | None = None, prune: str | None =
 
 
 def core_plan() -> dict[str, set[int]]:
-    """CPUs for ``--pin``: one physical core for the engine's loop, one for its target worker ranks, the rest
-    (their SMT siblings excluded) for everything else. Read from ``/sys/devices/system/cpu/*/topology``.
+    """CPUs for ``--pin``: one physical core for the engine's process, one for its target worker ranks, the other
+    cores (their SMT siblings excluded) for everything else. Read from ``/sys/devices/system/cpu/*/topology``.
 
     Raises:
         SystemExit: fewer than 4 physical cores are allowed to this process.
@@ -114,25 +114,26 @@ def core_plan() -> dict[str, set[int]]:
     physical = list(cores.values())
     if len(physical) < 4:
         sys.exit(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
-    engine, workers = physical[1], physical[2]  # leave the first core to the kernel's housekeeping
+    engine, workers = physical[1], physical[2]  # not the first core, where the system's interrupts tend to land
     return {"engine": {min(engine)}, "target worker ranks": {min(workers)},
             "rest": set(allowed) - engine - workers}
 
 
-def pin(root_pid: int, plan: dict[str, set[int]], main_thread_only: bool = False, prune: str | None = None) -> dict[str, list[int]]:
-    """Set the CPU affinity of every thread of :func:`process_tree` by role (:func:`core_plan`): the engine's threads
-    (with ``main_thread_only``, only the root's main thread: the engine alone runs its loop there) and the
-    target worker ranks to their cores, all else to the rest. Returns role → CPUs set."""
-    done: dict[str, list[int]] = {}
-    for pid, role, _, tids in process_tree(root_pid, "engine" if main_thread_only else None, prune):
+def pin(root_pid: int, plan: dict[str, set[int]], root_cpus: set[int] | None = None, prune: str | None = None) -> None:
+    """Set the CPU affinity of every thread of :func:`process_tree` by role (:func:`core_plan`): the engine
+    process and the target worker ranks to their cores, all else to ``plan["rest"]``; with ``root_cpus``, the
+    root process (all its threads) to those instead.
+
+    Raises:
+        PermissionError: affinity may not be changed here.
+    """
+    for pid, role, _, tids in process_tree(root_pid, prune=prune):
+        cpus = root_cpus if pid == root_pid and root_cpus is not None else plan.get(role, plan["rest"])
         for tid in tids:
-            r = role if role in plan and not (main_thread_only and role == "engine" and tid != pid) else "rest"
             try:
-                os.sched_setaffinity(tid, plan[r])
-            except OSError:  # the thread exited
-                continue
-            done[r] = sorted(plan[r])
-    return done
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:  # the thread exited
+                pass
 
 
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -186,8 +187,9 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt]) -> Iterator[Calla
 def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, server: dict) -> Iterator[Callable[[], tuple[list[dict], dict]]]:
     """Serve the same engines with tritonserver (a repository rendered with the same settings) and warm it up as
     :func:`engine_alone`; yield a function that runs one measured pass, streamed over one open gRPC stream
-    (``return_stats``), each request timed from sending to its final response. On exit the server stops and
-    ``server`` gets ``startup_s`` (seconds to ready) and ``log_tail``.
+    (``return_stats``), each request timed from sending to its final response. Once started, ``server`` gets
+    ``startup_s`` (seconds to ready) and ``pid`` (tritonserver's); on exit the server stops and ``server`` gets
+    ``log_tail``.
 
     A pass returns one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
     (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
@@ -238,7 +240,7 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
         "served_ms_per_request": mean(r["wall_ms"] for r in served),
         "served_engine_e2e_ms_per_request": mean(r["engine_e2e_ms"] for r in served),
         "outside_engine_ms_per_request": mean(r["wall_ms"] - r["engine_e2e_ms"] for r in served),
-        "engine_slower_inside_triton_ms_per_request": mean(s["engine_e2e_ms"] - e["wall_ms"] for s, e in zip(served, engine)),
+        "engine_slower_inside_triton_ms_per_request": mean(s["engine_e2e_ms"] - e["e2e_ms"] for s, e in zip(served, engine)),
         # the engine's own time split: its cycles' draft + verify phases, and the rest (host work between them)
         "engine_draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in engine),
         "served_draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in served),
@@ -288,12 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
     p.add_argument("--repeats", type=int, default=1, help="times the prompts are run in each pass")
     p.add_argument("--rounds", type=int, default=3, help="rounds of one pass alone and one served (order alternating)")
-    p.add_argument("--pin", action="store_true", help="pin the engine's loop and its worker ranks to a physical core each, "
-                   "everything else (tritonserver, its stubs, the client) to the other cores; both phases alike")
+    p.add_argument("--pin", action="store_true", help="pin the engine's process and its worker ranks to a physical core "
+                   "each, everything else (tritonserver, its stubs, the client) to the other cores; both sides alike")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     a = p.parse_args(argv)
+    if a.rounds < 1 or a.repeats < 1:
+        p.error(f"--rounds and --repeats must be at least 1 (got {a.rounds}, {a.repeats})")
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
@@ -304,22 +308,27 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     rows: dict[str, list[dict]] = {"engine_alone": [], "served": []}
     phase = {name: {"cpu_s": {}, "wall_s": 0.0} for name in rows}
-    rounds, server, pinned = [], {}, None
+    rounds, server = [], {}
+    plan = core_plan() if a.pin else None
+    if plan:
+        print(f"--pin: engine process on CPU {sorted(plan['engine'])}, its target worker ranks on "
+              f"{sorted(plan['target worker ranks'])}, everything else on {sorted(plan['rest'])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp, contextlib.ExitStack() as stack:
         print("engine alone: loading, warm-up ...", flush=True)
         passes = {"engine_alone": stack.enter_context(engine_alone(a, prompts))}
         print("served: starting tritonserver, warm-up ...", flush=True)
         passes["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), server))
-        if a.pin:  # both engines on the same two cores (they never run at once), all else elsewhere
-            plan = core_plan()
-            pinned = {"engine alone": pin(os.getpid(), plan, main_thread_only=True, prune="tritonserver"),
-                      "served": pin(server["pid"], plan)}
-            print(f"pinned: {pinned}", flush=True)
+        if plan:  # the served engine's process and worker rank to their cores, tritonserver and its stubs elsewhere
+            pin(server["pid"], plan)
         for r in range(a.rounds):
             order = ["engine_alone", "served"][::-1 if r % 2 else 1]  # alternate who goes first: drift cancels
             tps = {}
             for name in order:
+                if plan:  # this process: the engine alone's process on its core, or the client's elsewhere
+                    pin(os.getpid(), plan, plan["engine"] if name == "engine_alone" else plan["rest"], prune="tritonserver")
                 got, cpu = passes[name]()
+                for row in got:
+                    row["round"] = r
                 rows[name] += got
                 phase[name]["wall_s"] += cpu["wall_s"]
                 for k, v in cpu["cpu_s"].items():
@@ -340,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(s, len(engine))
     result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
                        "wall_s": round(time.monotonic() - t0, 1), "startup_s": server.get("startup_s"),
-                       "pinned": pinned},
+                       "pinned": {k: sorted(v) for k, v in plan.items()} if plan else None},
               "summary": s, "engine": engine, "served": served}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "tritonserver.log").write_text(server.get("log_tail", ""))
