@@ -304,3 +304,20 @@ def test_stop_is_clean_and_leaves_no_process(server):
     assert not _group_members(server.pid)
     assert "successfully unloaded 'spec_decode'" in server.log_tail(20000)
     assert not os.path.exists(f"/proc/{server.pid}")
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch, tmp_path):
+    import socket
+
+    from splitspec import server
+
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text("32768\t60999\n")
+    monkeypatch.setattr(server, "EPHEMERAL_RANGE_FILE", rng)
+    ports = server.free_ports(3)
+    assert len(set(ports)) == 3 and all(server.LOWEST_PICKED_PORT <= p < 32768 for p in ports)
+    for p in ports:  # still free after free_ports released them
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+    monkeypatch.setattr(server, "EPHEMERAL_RANGE_FILE", tmp_path / "missing")  # not Linux: the OS picks
+    assert len(set(server.free_ports(3))) == 3

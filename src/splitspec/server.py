@@ -161,20 +161,40 @@ def server_env(install: TritonInstall | None = None, extra_lib_dirs: tuple[Path,
     return env
 
 
+#: Linux's range of ephemeral ports (outgoing connections and port-0 binds draw from it).
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: Lowest port :func:`free_ports` picks outside the ephemeral range.
+LOWEST_PICKED_PORT = 20000
+
+
 def free_ports(n: int = 1) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1 that are free right now (the OS picks them)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
+    """``n`` distinct TCP ports on 127.0.0.1 that are free right now.
+
+    Where the kernel's ephemeral range is known (Linux: ``/proc/sys/net/ipv4/ip_local_port_range``), they are
+    picked at random below it, from :data:`LOWEST_PICKED_PORT`: a port from that range can be handed to
+    another socket — an outgoing connection, the engine's TCPStore or gloo sockets binding port 0 — in the
+    seconds before tritonserver, which binds its ports only after loading its models, takes it. Elsewhere
+    the OS picks (port 0).
+    """
+    import random  # noqa: PLC0415
+
+    try:
+        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(LOWEST_PICKED_PORT, low), min(200, low - LOWEST_PICKED_PORT)) if low > LOWEST_PICKED_PORT + n else []
+    with contextlib.ExitStack() as stack:  # each socket stays bound until all are picked: distinct ports
+        ports: list[int] = []
+        for port in [*candidates, *[0] * n]:
+            if len(ports) == n:
+                break
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((LOCALHOST, 0))
+            try:
+                s.bind((LOCALHOST, port))
+            except OSError:
+                continue
             ports.append(s.getsockname()[1])
         return ports
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    return free_ports(1)[0]
 
 
 def _check_port_free(port: int, what: str) -> None:
