@@ -259,11 +259,11 @@ def print_table(s: dict, n: int) -> None:
             ("ms per request (mean)", f"{s['engine_ms_per_request']:.1f}", f"{s['served_ms_per_request']:.1f}"),
             ("TTFT ms (mean)", f"{s['engine_ttft_ms']:.1f}", f"{s['served_ttft_ms']:.1f}"),
             ("output tokens", str(s["engine_tokens"]), str(s["served_tokens"]))]
-    print(f"\n{'batch 1, ' + str(n) + ' requests':28s} {'engine alone':>14s} {'served (gRPC)':>14s}")
+    print(f"\n{'batch 1, ' + str(n) + ' requests each':28s} {'engine alone':>14s} {'served (gRPC)':>14s}")
     for name, e, v in rows:
         print(f"{name:28s} {e:>14s} {v:>14s}")
     print(f"ratio served / engine: {s['ratio_served_to_engine']:.3f}  (Triton's share of the time: "
-          f"{1 - s['ratio_served_to_engine']:.1%}); per round: {', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))}"
+          f"{1 - s['ratio_served_to_engine']:.1%}; negative: served ran faster); per round: {', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))}"
           f" (median {s['ratio_median_of_rounds']:.3f})")
     print(f"per request: outside the engine {s['outside_engine_ms_per_request']:.1f} ms, engine slower inside "
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
@@ -282,22 +282,24 @@ def print_table(s: dict, n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="engines/demo", help="built engines (target/ + drafter/, tokenizer in target/)")
-    p.add_argument("-k", type=int, default=4, help="draft tokens per cycle")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per cycle (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (default 128)")
     p.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
     p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks, e.g. 0 or 0,1 (default: CPU)")
     p.add_argument("--draft-device-id", default="", help="GPU of a TP1 drafter (default: target rank 0's)")
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
-    p.add_argument("--repeats", type=int, default=1, help="times the prompts are run in each pass")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of one pass alone and one served (order alternating)")
+    p.add_argument("--repeats", type=int, default=1, help="times the prompts are run in each pass (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of one pass alone and one served, the order alternating (default 3)")
     p.add_argument("--pin", action="store_true", help="pin the engine's process and its worker ranks to a physical core "
-                   "each, everything else (tritonserver, its stubs, the client) to the other cores; both sides alike")
+                   "each, everything else (tritonserver, its stubs, the client) to the other cores; both sides alike (needs ≥ 4 "
+                   "physical cores)")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     a = p.parse_args(argv)
     if a.rounds < 1 or a.repeats < 1:
         p.error(f"--rounds and --repeats must be at least 1 (got {a.rounds}, {a.repeats})")
+    plan = core_plan() if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
@@ -309,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict]] = {"engine_alone": [], "served": []}
     phase = {name: {"cpu_s": {}, "wall_s": 0.0} for name in rows}
     rounds, server = [], {}
-    plan = core_plan() if a.pin else None
     if plan:
         print(f"--pin: engine process on CPU {sorted(plan['engine'])}, its target worker ranks on "
               f"{sorted(plan['target worker ranks'])}, everything else on {sorted(plan['rest'])}", flush=True)
