@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -176,8 +177,6 @@ def free_ports(n: int = 1) -> list[int]:
     seconds before tritonserver, which binds its ports only after loading its models, takes it. Elsewhere
     the OS picks (port 0).
     """
-    import random  # noqa: PLC0415
-
     try:
         low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
