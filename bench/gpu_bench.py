@@ -191,12 +191,12 @@ def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kimi_experts(tp: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random bf16 routed experts of one Kimi-K2 rank at expert-TP ``tp``: w13 [384, 4096/tp, 7168],
-    w2 [384, 7168, 2048/tp]."""
+def kimi_experts(tp: int, g: torch.Generator, n: int = 384) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 experts of one Kimi-K2 rank at expert-TP ``tp``: w13 [n, 4096/tp, 7168], w2 [n, 7168, 2048/tp]
+    (n = 384: the routed experts; n = 1: the shared expert)."""
     I = 2048 // tp
-    return (torch.randn(384, 2 * I, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5,
-            torch.randn(384, 7168, I, dtype=torch.bfloat16, device="cuda", generator=g) * I ** -0.5)
+    return (torch.randn(n, 2 * I, 7168, dtype=torch.bfloat16, device="cuda", generator=g) * 7168 ** -0.5,
+            torch.randn(n, 7168, I, dtype=torch.bfloat16, device="cuda", generator=g) * I ** -0.5)
 
 
 def routed_tokens(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,7 +209,10 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
     """Routed experts alone at Kimi-K2 shapes (384 experts, 8 per token, hidden 7168, intermediate 2048 / TP):
     the fused decode kernels against the grouped GEMMs by token count, both at their bytes (distinct experts
     × expert bytes) over the measured bandwidth. First a sweep of the fused kernels' block sizes at 1 and 4
-    tokens, every TP shape, whose best configuration (lowest summed time) is then used for the rest of the run."""
+    tokens, every TP shape — at 1 token with the shared expert in the kernels, as the engine runs them (its 9th
+    pair changes how the grid fills the GPU). The best configurations (lowest time summed over the TP shapes:
+    gate_up's at 1 token and at 4 tokens, down's over both) then serve the rest of the run; the best per shape is
+    reported too."""
     from splitspec import fused_moe
     from splitspec.models.target import grouped_experts
 
@@ -217,22 +220,32 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
     out = {"sweep": [], "rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = {tp: kimi_experts(tp, g) for tp in tps}
-    blocks = [(n, k, w, st) for n in (8, 16, 32) for k in (256, 512) for w in (4, 8) for st in (2, 4) if n * k <= 8192]
+    shared = {tp: tuple(w[0] for w in kimi_experts(tp, g, 1)) for tp in tps}
+    blocks = {"gate_up": [(n, k, w, st) for n in (8, 16, 32) for k in (512, 1024) for w in (4, 8) for st in (3, 4)
+                          if n * k <= 16384],
+              "down": [(n, k, w, st) for n in (8, 16) for k in (256, 512) for w in (4, 8) for st in (2, 4)]}
     problems = {T: routed_tokens(T, g) for T in (1, 4)}
     totals = {}
     for which in ("gate_up", "down"):
-        for cfg in blocks:
+        for cfg in blocks[which]:
             ms = {}
             for (T, (x, ids, wts)), tp in itertools.product(problems.items(), tps):
                 kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
-                ms[f"tp{tp}_T{T}"] = timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, *weights[tp], **kw))
-            totals.setdefault(which, {})[cfg] = sum(ms.values())
+                sh = shared[tp] if T == 1 else ()
+                ms[f"tp{tp}_T{T}"] = timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, *weights[tp], *sh, **kw))
+            for T in (problems if which == "gate_up" else ("all",)):
+                totals.setdefault((which, T), {})[cfg] = sum(v for n, v in ms.items() if T == "all" or n.endswith(f"_T{T}"))
             out["sweep"].append({"kernel": which, "config": cfg} | {f"ms_{n}": v for n, v in ms.items()})
             print(json.dumps(out["sweep"][-1]), flush=True)
-    fused_moe.GATE_UP_CONFIG = min(totals["gate_up"], key=totals["gate_up"].get)
-    fused_moe.DOWN_CONFIG = min(totals["down"], key=totals["down"].get)
-    out["chosen"] = {"gate_up": fused_moe.GATE_UP_CONFIG, "down": fused_moe.DOWN_CONFIG}
-    print("chosen", out["chosen"], flush=True)
+    best = lambda key: min(totals[key], key=totals[key].get)  # noqa: E731
+    fused_moe.GATE_UP_CONFIG_ONE_TOKEN, fused_moe.GATE_UP_CONFIG = best(("gate_up", 1)), best(("gate_up", 4))
+    fused_moe.DOWN_CONFIG = best(("down", "all"))
+    out["chosen"] = {"gate_up_one_token": fused_moe.GATE_UP_CONFIG_ONE_TOKEN, "gate_up": fused_moe.GATE_UP_CONFIG,
+                     "down": fused_moe.DOWN_CONFIG}
+    out["best_by_shape"] = {which: {key: min(rows, key=lambda r: r[key])["config"] for key in rows[0] if key.startswith("ms_")}
+                            for which in ("gate_up", "down")
+                            for rows in [[r for r in out["sweep"] if r["kernel"] == which]]}
+    print("chosen", out["chosen"], "best by shape", out["best_by_shape"], flush=True)
     for tp in tps:
         w13, w2 = weights[tp]
         expert_bytes = w13[0].nbytes + w2[0].nbytes
@@ -249,7 +262,7 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
                     "fused_in_engine": T <= fused_moe.MAX_TOKENS}
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
-    del weights
+    del weights, shared
     torch.cuda.empty_cache()
     return out
 
@@ -455,6 +468,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=48, help="steady cycles timed per configuration (sweep and tuner)")
     ap.add_argument("--layer-tp", default="1,2,8", help="TP shard shapes timed per layer (on one GPU)")
     ap.add_argument("--layer-k", default="0,1,3,5", help="k values of the per-layer timings")
+    ap.add_argument("--moe-tp", default="1,2,8", help="TP shard shapes of the MoE kernel sweep (its best configuration serves the later sections)")
     ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
     ap.add_argument("--reuse", default="", help="earlier gpu_bench.json: take bandwidth, allreduce and distinct_experts from it")
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
@@ -492,11 +506,13 @@ def main() -> None:
         section("distinct_experts", out)(distinct_experts)()
     bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
     if "moe_kernel" not in skip and not a.dry_run:
-        section("moe_kernel", out)(moe_kernel)(bw, [1, 2])
+        section("moe_kernel", out)(moe_kernel)(bw, [int(x) for x in a.moe_tp.split(",")])
     if "moe_fp8" not in skip and not a.dry_run:
         section("moe_fp8", out)(moe_fp8)(bw)
     if "layers" not in skip and not a.dry_run:
-        ar = {ngpu: RESULTS["allreduce"]["rows"][1]["graph_us"]} if "rows" in RESULTS.get("allreduce", {}) else {}
+        # the all-reduce of the group it was measured on (a reused one may come from a machine with more GPUs)
+        ar = ({RESULTS["allreduce"].get("world", ngpu): RESULTS["allreduce"]["rows"][1]["graph_us"]}
+              if "rows" in RESULTS.get("allreduce", {}) else {})
         section("layers", out)(layer_costs)([int(x) for x in a.layer_tp.split(",")], [int(x) for x in a.batches.split(",")],
                                             [int(x) for x in a.layer_k.split(",")], bw, ar)
     if a.hang_dump_s:

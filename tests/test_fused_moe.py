@@ -131,14 +131,22 @@ def test_fp8_weights_are_scaled_per_tile(fp8, block, I_s):
     assert (out.double() - loop_reference(x, local, weights, *dense)).abs().max().item() < 1e-5
 
 
-def test_default_configs_on_larger_shapes():
-    """The shipped block sizes (not SMALL) over shapes that are not multiples of them."""
+def test_default_configs_on_larger_shapes(monkeypatch):
+    """The shipped block sizes (not SMALL) over shapes that are not multiples of them: two tokens, then one token
+    with a shared expert (the batch-1 decode step), which gets GATE_UP_CONFIG_ONE_TOKEN."""
     g = torch.Generator().manual_seed(1)
     x, w13, w2 = randn(2, 300, g=g), randn(4, 2 * 40, 300, g=g) / 300 ** 0.5, randn(4, 300, 40, g=g) / 40 ** 0.5
+    shared = randn(2 * 24, 300, g=g) / 300 ** 0.5, randn(300, 24, g=g) / 24 ** 0.5
     local = torch.randint(0, 4, (2, 2), generator=g).to(DEVICE)
     weights = torch.rand(2, 2, generator=g).to(DEVICE)
+    used = []
+    op = fused_moe._experts_op
+    monkeypatch.setattr(fused_moe, "_experts_op", lambda *a: used.append(tuple(a[-2])) or op(*a))
     out = fused_moe.fused_experts(x, local, weights, w13, w2)
     assert (out.double() - loop_reference(x, local, weights, w13, w2)).abs().max().item() < 1e-5
+    one = fused_moe.fused_experts(x[:1], local[:1], weights[:1], w13, w2, *shared)
+    assert (one.double() - loop_reference(x[:1], local[:1], weights[:1], w13, w2, *shared)).abs().max().item() < 1e-5
+    assert used == [fused_moe.GATE_UP_CONFIG, fused_moe.GATE_UP_CONFIG_ONE_TOKEN]
 
 
 def test_fp8_with_the_shipped_configs():
@@ -150,9 +158,10 @@ def test_fp8_with_the_shipped_configs():
     weights = torch.rand(2, 2, generator=g).to(DEVICE)
     block = (16, 128)
     q, sc = zip(*(quant.quantize_fp8(w, block) for w in (w13, w2)))
-    out = fused_moe.fused_experts(x, local, weights, *q, scales=(*sc, None, None), fp8_block=block)
     dense = [quant.dequantize_fp8(a, b, block) for a, b in zip(q, sc)]
-    assert (out.double() - loop_reference(x, local, weights, *dense)).abs().max().item() < 1e-5
+    for t in (slice(None), slice(0, 1)):  # two tokens, and one (GATE_UP_CONFIG_ONE_TOKEN's 8-row program blocks)
+        out = fused_moe.fused_experts(x[t], local[t], weights[t], *q, scales=(*sc, None, None), fp8_block=block)
+        assert (out.double() - loop_reference(x[t], local[t], weights[t], *dense)).abs().max().item() < 1e-5
 
 
 def router(n_experts=20, top_k=4, normalize=True, scaling=2.5, seed=3):

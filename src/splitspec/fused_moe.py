@@ -15,9 +15,11 @@ with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton k
    times its activation and routing weight, then the shared expert's, summed in float32.
 
 No sort, no atomics: each token's sum over its experts depends only on that token (batch-invariant,
-deterministic) — the kernels give a token the same bits alone, in a batch or inside a k+1-token verify. (The
-layer around them is not bit-invariant: the shared expert joins the kernels only for a single token, and the
-cuBLAS projections and the grouped GEMMs above :data:`MAX_TOKENS` round by batch size.) Pairs routed to another
+deterministic) — with one block configuration the kernels give a token the same bits alone, in a batch or inside
+a k+1-token verify. (By default a single token gets a configuration of its own, :data:`GATE_UP_CONFIG_ONE_TOKEN`,
+which sums in another order; and the layer around them is not bit-invariant either: the shared expert joins the
+kernels only for a single token, and the cuBLAS projections and the grouped GEMMs above :data:`MAX_TOKENS` round
+by batch size.) Pairs routed to another
 rank's experts (ids outside [0, E_local)) are skipped without reading anything. A pair reads its expert's weights even
 when another pair of the batch has the same expert, so past a few tokens per expert the grouped GEMMs win;
 :func:`use_fused` draws that line (:data:`MAX_TOKENS`). For the same reason the shared expert (and a dense MLP,
@@ -45,9 +47,12 @@ except ImportError:
 #: GEMMs (each distinct expert once, ~65–70% of bandwidth) catch up (bench/gpu_bench.py, section moe_kernel).
 MAX_TOKENS = 16
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of ``gate_up`` and ``down``: the fastest at 1 and 4 tokens of a sweep on
-#: H200 at Kimi-K2 shapes (hidden 7168, intermediate 2048 and 1024; bench/gpu_bench.py, section moe_kernel).
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of ``gate_up`` for two or more tokens, of ``gate_up`` for a single token
+#: (a decode step at batch 1: its pairs are the 8 routed experts and the shared expert, whose ninth pair changes how
+#: the grid fills the GPU) and of ``down``: the fastest of a sweep on H200 at Kimi-K2 shapes (hidden 7168,
+#: intermediate 2048, 1024 and 256: TP1, TP2, TP8; bench/gpu_bench.py, section moe_kernel).
 GATE_UP_CONFIG = (16, 512, 4, 4)
+GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3)
 DOWN_CONFIG = (16, 256, 8, 4)
 
 
@@ -280,7 +285,9 @@ def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w
     (w13, w2, shared_w13, shared_w2; None for a float weight) of ``fp8_block`` (rows, cols) elements — read as
     FP8 and scaled in registers, never dequantised to memory. Returns [T, H] dtype d:
     Σ_slots weight · w2[e] (silu(gate) · up) (+ the shared expert's), accumulated in float32. The configs
-    (BLOCK_N, BLOCK_K, num_warps, num_stages) override :data:`GATE_UP_CONFIG` / :data:`DOWN_CONFIG` (for sweeps).
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) override :data:`GATE_UP_CONFIG` (:data:`GATE_UP_CONFIG_ONE_TOKEN`
+    when T = 1) / :data:`DOWN_CONFIG` (for sweeps).
     """
+    gate_up_config = gate_up_config or (GATE_UP_CONFIG_ONE_TOKEN if x.shape[0] == 1 else GATE_UP_CONFIG)
     return _experts_op(x, local, weights, w13, w2, shared_w13, shared_w2, list(scales), list(fp8_block or ()),
-                       list(gate_up_config or GATE_UP_CONFIG), list(down_config or DOWN_CONFIG))
+                       list(gate_up_config), list(down_config or DOWN_CONFIG))
