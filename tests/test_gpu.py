@@ -1,14 +1,17 @@
 """The engine's GPU path (NCCL tensor parallelism, CUDA graphs per batch bucket): greedy speculative decoding on
 GPU gives exactly the tokens of target-only greedy decoding on GPU, for both draft placements, with the
 speculative cycles replayed from CUDA graphs. Runs where CUDA exists (the target at TP2 on two GPUs, TP1 on
-one, where only the TP1 drafter is a distinct placement); skipped elsewhere."""
+one, where only the TP1 drafter is a distinct placement); skipped elsewhere. With two GPUs also the TP1 drafter
+on a GPU of its own, cycles run by the serving loop's thread (:class:`EngineLoop`)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.runtime import EngineLoop, Request, SpeculativeEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,3 +35,47 @@ def test_speculative_greedy_on_gpu_equals_target_only(engines_for, placement):
             assert got == ref, f"{placement}, k={k}: speculative output differs from target-only greedy"
             # a new k means new static shapes: its draft and verify cycles were captured as graphs
             assert len(eng.group.rank0.graphs.graphs) > before, f"{placement}, k={k}: no CUDA graph captured"
+
+
+def _through_loop(eng: SpeculativeEngine, requests: list[Request]) -> list[tuple[list[int], float]]:
+    """Run ``requests`` together on an :class:`EngineLoop` (the serving path's thread); (tokens, acceptance length) each."""
+    out: dict[int, list[int]] = {}
+    last: dict[int, object] = {}
+    done = threading.Semaphore(0)
+    loop = EngineLoop(eng)
+    try:
+        def on_event(i, ev):  # the loop's thread: record only (an exception here would stop the loop)
+            out.setdefault(i, []).extend(ev.token_ids)
+            if ev.finished:
+                last[i] = ev
+                done.release()
+
+        for i, req in enumerate(requests):
+            loop.submit(req, lambda ev, i=i: on_event(i, ev))
+        for _ in requests:
+            assert done.acquire(timeout=300), "a request did not finish"
+    finally:
+        loop.stop()
+    assert all(last[i].error is None for i in last), [last[i].error for i in last]
+    return [(out[i], last[i].stats.acceptance_length) for i in range(len(requests))]
+
+
+@pytest.mark.timeout(600)
+def test_drafter_on_its_own_gpu(engines_for):
+    """Target TP1 on GPU 1, drafter on GPU 0 (not the target's, and not the first-captured device): the draft graphs
+    must be captured on the drafter's GPU and the verify graphs on the target's. Greedy speculation equals
+    target-only greedy, on the loading thread and on the serving loop's thread (whose current device starts as
+    GPU 0); the drafts are live (a graph that recorded nothing replays capture-time drafts: acceptance ~1)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with SpeculativeEngine.load(engines_for(1), target_device_ids=[1], draft_device_id=0, draft_tp=1, max_batch_size=2) as eng:
+        ids = [eng.tokenizer.encode(p) for p in PROMPTS]
+        ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
+        spec = eng.run([Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])
+        assert [r.token_ids for r in spec] == ref, "drafter on its own GPU: speculative output differs from target-only greedy"
+        runner = eng.group.rank0
+        assert runner.draft_graphs is not runner.graphs and runner.draft_graphs.graphs, "no draft graph on the drafter's GPU"
+        assert min(r.stats.acceptance_length for r in spec) > 1.5, \
+            f"acceptance lengths {[r.stats.acceptance_length for r in spec]}: the drafts look stale"
+        looped = _through_loop(eng, [Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])
+        assert [g for g, _ in looped] == ref, "through the serving loop: speculative output differs from target-only greedy"

@@ -147,7 +147,7 @@ class RankRunner:
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
-        self.graphs = GraphCache(device)
+        self.graphs = self.draft_graphs = GraphCache(device)  # draft_graphs: the TP1 drafter's, on its own device
         if self.graphs.on and os.environ.get("SPLITSPEC_COMPILE", "1") == "1":
             self.target.compile()  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
@@ -166,6 +166,8 @@ class RankRunner:
             dw = shard_drafter(dw, dcfg, rank if draft_tp > 1 else 0, draft_tp)
             self.drafter = DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm())
             self.dcache = DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp)
+            if torch.device(ddev) != torch.device(device):
+                self.draft_graphs = GraphCache(ddev)
             self.capture = tuple(dmeta["capture_points"])
             if any(p > self.cfg.num_hidden_layers for p in self.capture):
                 raise ConfigError(f"drafter capture points {self.capture} exceed the target's {self.cfg.num_hidden_layers} layers")
@@ -229,8 +231,9 @@ class RankRunner:
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
         S = self.window_for(plan)
-        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S)
-        aux = torch.cat([self.aux[w.sid] for w in ws])
+        ext = padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], S, dev,
+                     scratch_row=self.scratch_row, pad_to=Bp)
+        aux = torch.cat([self.aux[w.sid] for w in ws]).to(dev)  # the target's hidden states, on the drafter's device
         aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
         last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)], device=dev)
         # step i (1..k−1) drafts at position start − 1 + i; padding rows write the scratch row
@@ -249,7 +252,7 @@ class RankRunner:
                 out.append(m.propose(logits))
             return torch.stack(out, 1)
 
-        drafts = self.graphs.run(("draft", Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
+        drafts = self.draft_graphs.run(("draft", Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
                                  first_step, real)
         return drafts.clone()  # graph outputs are overwritten by the next replay
 
@@ -342,24 +345,37 @@ def bucket(batch: int) -> int:
 
 
 class GraphCache:
-    """CUDA graphs of static-shape functions, captured on first use per key (eager on CPU or when
+    """CUDA graphs of static-shape functions on one device, captured on first use per key (eager on CPU or when
     ``SPLITSPEC_CUDA_GRAPHS=0``). Inputs are copied into the graph's static buffers before each replay;
-    outputs are the graph's static output tensors (valid until the next replay of the same key)."""
+    outputs are the graph's static output tensors (valid until the next replay of the same key). Capture and
+    replay run with ``device`` current, whatever the calling thread's current device, and capture on a stream
+    of this device: ``torch.cuda.graph``'s default capture stream is one per process, made on the device
+    current at the first capture, and a graph captured on another device's stream records none of this
+    device's kernels (its replays then return the capture-time outputs)."""
 
     def __init__(self, device: str):
         self.on = device.startswith("cuda") and os.environ.get("SPLITSPEC_CUDA_GRAPHS", "1") == "1"
+        self.device = torch.device(device)
         self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.on else None
+        self.pool = self.capture_stream = None
+        if self.on:
+            with torch.cuda.device(self.device):
+                self.pool = torch.cuda.graph_pool_handle()
+                self.capture_stream = torch.cuda.Stream()
 
     def clear(self) -> None:
         """Drop every graph (before the process group they captured collectives of is destroyed)."""
         if self.on:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         self.graphs.clear()
 
     def run(self, key, fn, *inputs):
         if not self.on:
             return fn(*inputs)
+        with torch.cuda.device(self.device):
+            return self._run(key, fn, *inputs)
+
+    def _run(self, key, fn, *inputs):
         entry = self.graphs.get(key)
         if entry is None:
             static = [x.clone() for x in inputs]
@@ -369,7 +385,7 @@ class GraphCache:
                 fn(*static)  # warm-up outside the graph (allocator, lazy init)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 outputs = fn(*static)
             entry = self.graphs[key] = (graph, static, outputs)
         graph, static, outputs = entry
@@ -586,3 +602,4 @@ class Group:
         runner = getattr(self, "rank0", None)
         if runner is not None:
             runner.graphs.clear()
+            runner.draft_graphs.clear()

@@ -607,6 +607,9 @@ class EngineLoop:
             self._wake.notify()
 
     def _run(self) -> None:
+        device = self.engine.group.devices[0]
+        if device.startswith("cuda"):  # a new thread's current device is GPU 0, whatever the loading thread set
+            torch.cuda.set_device(device)
         while True:
             with self._wake:
                 while not self._stop and not self.engine.has_work():
