@@ -65,7 +65,9 @@ def test_drafter_on_its_own_gpu(engines_for):
     """Target TP1 on GPU 1, drafter on GPU 0 (not the target's, and not the first-captured device): the draft graphs
     must be captured on the drafter's GPU and the verify graphs on the target's. Greedy speculation equals
     target-only greedy, on the loading thread and on the serving loop's thread (whose current device starts as
-    GPU 0); the drafts are live (a graph that recorded nothing replays capture-time drafts: acceptance ~1)."""
+    GPU 0). On the loading thread the drafts are live (a graph that recorded nothing replays capture-time drafts:
+    acceptance ~1); through the loop only the tokens are checked: in its one GPU run so far every request there
+    had acceptance 1.0, not yet explained."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     with SpeculativeEngine.load(engines_for(1), target_device_ids=[1], draft_device_id=0, draft_tp=1, max_batch_size=2) as eng:

@@ -165,3 +165,22 @@ def test_target_group_reports_dead_worker(engines_for):
             group.run(CyclePlan([SeqWork(0, [0], "prefill", 0, [1, 2, 3])]))
     finally:
         group.close()
+
+
+def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for):
+    """A KeyboardInterrupt between broadcast_object_list's two broadcasts (size, bytes) leaves the worker expecting
+    bytes; a shutdown plan would reach it as its size header (UnpicklingError, a traceback). close() kills instead,
+    at once, and still leaves the group so that another can be made."""
+    import time
+
+    from splitspec.engine import SHUTDOWN_WAIT_S, CyclePlan, SeqWork
+
+    group = Group(engines_for(2))
+    procs = list(group.procs)
+    group.run(CyclePlan([SeqWork(0, [0], "prefill", 0, [1, 2, 3])]))  # the group works
+    group._sending_plan = True  # as left by an interrupted _send_plan
+    t0 = time.monotonic()
+    group.close()
+    assert time.monotonic() - t0 < SHUTDOWN_WAIT_S  # no wait for a shutdown plan
+    assert [p.returncode for p in procs] == [-9]  # killed, not ended by an error
+    Group(engines_for(2)).close()  # the process group was left: a new one can be made

@@ -219,8 +219,8 @@ class RankRunner:
         need = max(w.start for w in plan.work) + plan.padded_k + 1
         return min(self.window, max(256, 1 << (need - 1).bit_length()))
 
-    def _padded(self, seqs, pad_to: int, window: int):
-        return padded(seqs, window, self.device, scratch_row=self.scratch_row, pad_to=pad_to)
+    def _padded(self, seqs, pad_to: int, window: int, device: str | torch.device | None = None):
+        return padded(seqs, window, device or self.device, scratch_row=self.scratch_row, pad_to=pad_to)
 
     def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
         """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
@@ -231,8 +231,7 @@ class RankRunner:
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
         S = self.window_for(plan)
-        ext = padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], S, dev,
-                     scratch_row=self.scratch_row, pad_to=Bp)
+        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S, dev)
         aux = torch.cat([self.aux[w.sid] for w in ws]).to(dev)  # the target's hidden states, on the drafter's device
         aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
         last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)], device=dev)
@@ -465,6 +464,7 @@ class Group:
         self.procs: list[subprocess.Popen] = []
         self.control = None
         self.closed = False
+        self._sending_plan = False  # a plan broadcast started and did not finish (interrupted: see close())
         cuda = self.devices[0].startswith("cuda")
         if cuda:
             torch.cuda.set_device(self.devices[0])
@@ -535,10 +535,12 @@ class Group:
         if plan.padded_k is not None:
             t0 = time.perf_counter()
             drafts = r0.draft_padded(plan) if (self.draft_tp == 1 and plan.padded_k) else None
+            if drafts is not None:  # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator
+                drafts = drafts.to(r0.device)  # (execute_padded's sync then also waits for the draft graph)
             draft_ms = (time.perf_counter() - t0) * 1e3
             if self.world > 1:
                 self.check_workers()
-                dist.broadcast_object_list([plan], 0, group=self.control)
+                self._send_plan(plan)
                 if drafts is not None:
                     dist.broadcast(drafts, 0)
             out = r0.execute_padded(plan, drafts)
@@ -551,11 +553,19 @@ class Group:
         draft_ms = (time.perf_counter() - t0) * 1e3
         if self.world > 1:
             self.check_workers()
-            dist.broadcast_object_list([plan], 0, group=self.control)
+            self._send_plan(plan)
         out = r0.execute(plan)
         if self.draft_tp == 1:
             out.draft_ms = draft_ms
         return out
+
+    def _send_plan(self, plan: CyclePlan) -> None:
+        """Broadcast ``plan`` to the workers. ``broadcast_object_list`` is two broadcasts (size, then bytes): a
+        KeyboardInterrupt between them leaves the workers expecting bytes, and a shutdown plan sent after it
+        would be unpickled from its size header — so :meth:`close` kills the workers instead."""
+        self._sending_plan = True
+        dist.broadcast_object_list([plan], 0, group=self.control)
+        self._sending_plan = False
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -572,28 +582,31 @@ class Group:
             return
         self.closed = True
         if self.world > 1 and dist.is_initialized():
-            sent = threading.Event()
+            t = None
+            if not self._sending_plan:  # else the control group is mid-message (see _send_plan): kill the workers
+                sent = threading.Event()
 
-            def shutdown() -> None:
-                try:
-                    self.check_workers()
-                    dist.broadcast_object_list([CyclePlan(work=[], shutdown=True)], 0, group=self.control)
-                    sent.set()
-                    for p in self.procs:
-                        p.wait(timeout=10)
-                except Exception:
-                    pass
+                def shutdown() -> None:
+                    try:
+                        self.check_workers()
+                        dist.broadcast_object_list([CyclePlan(work=[], shutdown=True)], 0, group=self.control)
+                        sent.set()
+                        for p in self.procs:
+                            p.wait(timeout=10)
+                    except Exception:
+                        pass
 
-            # in a thread: after an interrupted cycle a worker may sit in a collective and never take the
-            # shutdown plan; killing it then releases the broadcast
-            t = threading.Thread(target=shutdown, name="splitspec-group-shutdown", daemon=True)
-            t.start()
-            if sent.wait(timeout=SHUTDOWN_WAIT_S):  # taken: let the workers exit on their own
-                t.join(timeout=10)
+                # in a thread: after an interrupted cycle a worker may sit in a collective and never take the
+                # shutdown plan; killing it then releases the broadcast
+                t = threading.Thread(target=shutdown, name="splitspec-group-shutdown", daemon=True)
+                t.start()
+                if sent.wait(timeout=SHUTDOWN_WAIT_S):  # taken: let the workers exit on their own
+                    t.join(timeout=10)
             self._kill()
-            t.join(timeout=5)
+            if t is not None:
+                t.join(timeout=5)
             self._release_graphs()
-            if not t.is_alive():  # else leaving the group could block as well; the process is ending anyway
+            if t is None or not t.is_alive():  # else leaving the group could block as well; the process is ending anyway
                 dist.destroy_process_group()
         self._kill()
         self.procs = []

@@ -31,6 +31,8 @@ when Triton is imported; the tests use it to check the arithmetic without a GPU)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 try:  # comes with CUDA builds of PyTorch; CPU-only installs may lack it
@@ -191,21 +193,27 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
     tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+def _on(x: torch.Tensor):
+    """Context making x's GPU current: Triton launches on the current device, whatever its arguments' device."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 @torch.library.custom_op("splitspec::route", mutates_args=())
 def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
               normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    T, H = x.shape
-    E = gate.shape[0]
-    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    # two experts' rows per program, each read in one go: the gate is ~5–11 MB, too little to hide load latency in a loop
-    _router_logits[(T, triton.cdiv(E, 2))](x.contiguous(), gate.contiguous(), logits, H, E, BLOCK_E=2,
-                                           BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                      BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                      num_warps=1)  # one warp: its reductions need no shared memory
-    return weights, ids
+    with _on(x):
+        T, H = x.shape
+        E = gate.shape[0]
+        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        # two experts' rows per program, each read in one go: the gate is ~5–11 MB, too little to hide load latency in a loop
+        _router_logits[(T, triton.cdiv(E, 2))](x.contiguous(), gate.contiguous(), logits, H, E, BLOCK_E=2,
+                                               BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
+        ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+        _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                          BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize,
+                          num_warps=1)  # one warp: its reductions need no shared memory
+        return weights, ids
 
 
 @_route_op.register_fake
@@ -230,39 +238,40 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
 def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, scales: list[torch.Tensor | None],
                 fp8_block: list[int], gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
-    T, H = x.shape
-    top_k = local.shape[1]
-    E, I = w13.shape[0], w2.shape[-1]
-    shared = shared_w13 is not None
-    ws13, ws2 = (shared_w13, shared_w2) if shared else (w13[0], w2[0])  # unused pointers when not shared
-    I_s = ws2.shape[-1] if shared else 0
-    s13, s2, ss13, ss2 = (s if s is None else s.contiguous() for s in scales)
-    x, w13, w2, ws13, ws2 = (t.contiguous() for t in (x, w13, w2, ws13, ws2))
-    ids = local.to(torch.int32).contiguous()
-    BS0, BS1 = fp8_block or (1, 1)
-    width = max(I, I_s)
-    act = torch.empty(T * (top_k + shared), width, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    (gu_n, gu_k, gu_warps, gu_stages), (dn_n, dn_k, dn_warps, dn_stages) = gate_up_config, down_config
+    with _on(x):
+        T, H = x.shape
+        top_k = local.shape[1]
+        E, I = w13.shape[0], w2.shape[-1]
+        shared = shared_w13 is not None
+        ws13, ws2 = (shared_w13, shared_w2) if shared else (w13[0], w2[0])  # unused pointers when not shared
+        I_s = ws2.shape[-1] if shared else 0
+        s13, s2, ss13, ss2 = (s if s is None else s.contiguous() for s in scales)
+        x, w13, w2, ws13, ws2 = (t.contiguous() for t in (x, w13, w2, ws13, ws2))
+        ids = local.to(torch.int32).contiguous()
+        BS0, BS1 = fp8_block or (1, 1)
+        width = max(I, I_s)
+        act = torch.empty(T * (top_k + shared), width, dtype=torch.float32, device=x.device)
+        out = torch.empty_like(x)
+        (gu_n, gu_k, gu_warps, gu_stages), (dn_n, dn_k, dn_warps, dn_stages) = gate_up_config, down_config
 
-    def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
-        s, ss = (w if s is None else s), (ws if ss is None else ss)
-        return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
+        def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
+            s, ss = (w if s is None else s), (ws if ss is None else ss)
+            return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
 
-    (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
-    _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
-        x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2),
-        ws13.stride(-2), *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
-        # each program's gate rows lie in one tile row, and so do its up rows
-        ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,
-        BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
-    (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
-    _down[(T, triton.cdiv(H, dn_n))](
-        act, ids, weights.to(torch.float32).contiguous(), w2, ws2, p2, ps2, out, H, I, I_s, E, top_k, T * top_k,
-        w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1, width, SHARED=shared, FP8=s2 is not None,
-        SHARED_FP8=ss2 is not None, ONE_ROW_TILE=BS0 % dn_n == 0, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps,
-        num_stages=dn_stages)
-    return out
+        (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
+        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
+            x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2),
+            ws13.stride(-2), *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
+            # each program's gate rows lie in one tile row, and so do its up rows
+            ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,
+            BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
+        (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
+        _down[(T, triton.cdiv(H, dn_n))](
+            act, ids, weights.to(torch.float32).contiguous(), w2, ws2, p2, ps2, out, H, I, I_s, E, top_k, T * top_k,
+            w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1, width, SHARED=shared, FP8=s2 is not None,
+            SHARED_FP8=ss2 is not None, ONE_ROW_TILE=BS0 % dn_n == 0, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps,
+            num_stages=dn_stages)
+        return out
 
 
 @_experts_op.register_fake
