@@ -225,26 +225,27 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
                           if n * k <= 16384],
               "down": [(n, k, w, st) for n in (8, 16) for k in (256, 512) for w in (4, 8) for st in (2, 4)]}
     problems = {T: routed_tokens(T, g) for T in (1, 4)}
-    totals = {}
     for which in ("gate_up", "down"):
         for cfg in blocks[which]:
-            ms = {}
+            row = {"kernel": which, "config": cfg}
             for (T, (x, ids, wts)), tp in itertools.product(problems.items(), tps):
                 kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
                 sh = shared[tp] if T == 1 else ()
-                ms[f"tp{tp}_T{T}"] = timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, *weights[tp], *sh, **kw))
-            for T in (problems if which == "gate_up" else ("all",)):
-                totals.setdefault((which, T), {})[cfg] = sum(v for n, v in ms.items() if T == "all" or n.endswith(f"_T{T}"))
-            out["sweep"].append({"kernel": which, "config": cfg} | {f"ms_{n}": v for n, v in ms.items()})
-            print(json.dumps(out["sweep"][-1]), flush=True)
-    best = lambda key: min(totals[key], key=totals[key].get)  # noqa: E731
-    fused_moe.GATE_UP_CONFIG_ONE_TOKEN, fused_moe.GATE_UP_CONFIG = best(("gate_up", 1)), best(("gate_up", 4))
-    fused_moe.DOWN_CONFIG = best(("down", "all"))
+                row[f"ms_tp{tp}_T{T}"] = timed_graph(lambda: fused_moe.fused_experts(x, ids, wts, *weights[tp], *sh, **kw))
+            out["sweep"].append(row)
+            print(json.dumps(row), flush=True)
+
+    def fastest(which: str, suffix: str = "") -> tuple[int, int, int, int]:
+        """The configuration of ``which`` with the lowest time summed over its ms_* columns ending in ``suffix``."""
+        rows = [r for r in out["sweep"] if r["kernel"] == which]
+        return min(rows, key=lambda r: sum(v for n, v in r.items() if n.startswith("ms_") and n.endswith(suffix)))["config"]
+
+    fused_moe.GATE_UP_CONFIG_ONE_TOKEN, fused_moe.GATE_UP_CONFIG = fastest("gate_up", "_T1"), fastest("gate_up", "_T4")
+    fused_moe.DOWN_CONFIG = fastest("down")
     out["chosen"] = {"gate_up_one_token": fused_moe.GATE_UP_CONFIG_ONE_TOKEN, "gate_up": fused_moe.GATE_UP_CONFIG,
                      "down": fused_moe.DOWN_CONFIG}
-    out["best_by_shape"] = {which: {key: min(rows, key=lambda r: r[key])["config"] for key in rows[0] if key.startswith("ms_")}
-                            for which in ("gate_up", "down")
-                            for rows in [[r for r in out["sweep"] if r["kernel"] == which]]}
+    shapes = [f"_tp{tp}_T{T}" for T in problems for tp in tps]
+    out["best_by_shape"] = {which: {f"ms{sh}": fastest(which, sh) for sh in shapes} for which in ("gate_up", "down")}
     print("chosen", out["chosen"], "best by shape", out["best_by_shape"], flush=True)
     for tp in tps:
         w13, w2 = weights[tp]
