@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from splitspec.engine import EngineError
-from splitspec.engine_process import EngineProcess
+from splitspec.engine_process import EngineProcess, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.runtime import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "x"]
@@ -28,6 +28,7 @@ class Events:
         self.failed: list[str] = []
 
     def on_cycle(self, events, cycle_stats):
+        assert cycle_stats is None or isinstance(cycle_stats, CycleStats)
         self.cycles += cycle_stats is not None
         for sid, ev, _finishing in events:
             self.by_sid.setdefault(sid, []).append(ev)
@@ -37,6 +38,18 @@ class Events:
     def wait(self, sid, timeout_s=120):
         assert self.done.setdefault(sid, threading.Event()).wait(timeout_s), f"request {sid} did not finish"
         return self.by_sid[sid]
+
+
+def test_events_and_cycle_stats_cross_as_tuples_unchanged():
+    stats = RequestStats(num_prompt_tokens=5, num_output_tokens=9, num_cycles=3, acceptance_length=3.0,
+                         accepted_per_position=[3, 2, 1], draft_ms=1.5, verify_ms=2.5, ttft_ms=4.0, e2e_ms=9.5,
+                         queue_ms=0.1, synthetic=True)
+    events = [RequestOutput(7, [1, 2, 3], "abc", False), RequestOutput(7, [4], "d", True, "length", stats),
+              RequestOutput(8, [], "", True, "error", None, "worker died")]
+    for i, ev in enumerate(events):
+        assert unpack_event(pack_event(40 + i, ev, i == 0)) == (40 + i, ev, i == 0)
+    cs = CycleStats(2, 17, 1.25, 3.5, [4, 1], [1, 1, 0], 12, 96, 3)
+    assert CycleStats(*pack_cycle_stats(cs)) == cs and pack_cycle_stats(None) is None
 
 
 @pytest.fixture(scope="module")

@@ -26,17 +26,23 @@ Messages (pickled tuples)::
                     ("submit", sid, Request)   ("cancel", sid)   ("stop",)
     engine → host   ("ready", info)   ("load_failed", error class name, message)
                     ("accepted", sid)   ("rejected", sid, error class name, message)
-                    ("cycle", [(sid, RequestOutput, finishing)], CycleStats | None, gauges)   one per cycle
+                    ("cycle", [event tuple], CycleStats tuple | None, gauges)   one per cycle
                     ("failed", message)   the engine stopped serving (a target worker died)
 
-``sid`` is the host's id of a request. ``finishing``: the event's request finished in the same cycle (its
-final event follows in the same message).
+``sid`` is the host's id of a request. An event crosses as a tuple of plain values (:func:`pack_event`:
+``(sid, RequestOutput's fields with its stats as a tuple, finishing)``), a :class:`CycleStats` as the tuple of
+its fields, and the engine's messages are pickled with the standard pickler. A one-event cycle message then
+pickles in 0.7 µs instead of 7 µs as dataclasses through ``Connection.send`` (``multiprocessing``'s pickler),
+in a loop; on the loop thread, right after a cycle's work, 15 µs instead of 48 µs (2-core CPU machine).
+``finishing``: the event's request finished in the same cycle (its final event follows in the same message).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -50,11 +56,33 @@ from typing import Callable
 from splitspec import errors
 from splitspec.engine import EngineError
 from splitspec.errors import SplitspecError
+from splitspec.runtime import CycleStats, RequestOutput, RequestStats
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
 HEALTH_CHECK_S = 0.2
 #: Seconds a submit waits for the engine process's answer.
 SUBMIT_TIMEOUT_S = 60.0
+
+
+_REQUEST_STATS = tuple(f.name for f in dataclasses.fields(RequestStats))
+_CYCLE_STATS = tuple(f.name for f in dataclasses.fields(CycleStats))
+
+
+def pack_event(sid: int, ev: RequestOutput, finishing: bool) -> tuple:
+    """An engine event as a tuple of plain values, for the cycle message (undone by :func:`unpack_event`)."""
+    stats = None if ev.stats is None else tuple(getattr(ev.stats, f) for f in _REQUEST_STATS)
+    return sid, ev.request_id, ev.token_ids, ev.text, ev.finished, ev.finish_reason, stats, ev.error, finishing
+
+
+def unpack_event(t: tuple) -> tuple[int, RequestOutput, bool]:
+    """``(sid, RequestOutput, finishing)`` from a tuple of :func:`pack_event`."""
+    sid, rid, ids, text, finished, reason, stats, error, finishing = t
+    return sid, RequestOutput(rid, ids, text, finished, reason, None if stats is None else RequestStats(*stats), error), finishing
+
+
+def pack_cycle_stats(cs: CycleStats | None) -> tuple | None:
+    """A :class:`CycleStats` as the tuple of its fields (``CycleStats(*t)`` undoes it)."""
+    return None if cs is None else tuple(getattr(cs, f) for f in _CYCLE_STATS)
 
 
 def _error(kind: str, message: str) -> SplitspecError:
@@ -175,7 +203,7 @@ class EngineProcess:
             kind = msg[0]
             if kind == "cycle":
                 self.gauges = msg[3]
-                self.on_cycle(msg[1], msg[2])
+                self.on_cycle([unpack_event(t) for t in msg[1]], None if msg[2] is None else CycleStats(*msg[2]))
             elif kind in ("accepted", "rejected"):
                 with self._lock:
                     waiter = self._replies.pop(msg[1], None)
@@ -262,18 +290,19 @@ def serve(conn: Connection) -> int:
         world = eng.group.world
         torch.set_num_threads(cpu_threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world - 1)))
     send_lock, lock = threading.Lock(), threading.Lock()
-    pending: list = []  # (sid, RequestOutput, finishing) of the running cycle
+    pending: list = []  # pack_event tuples of the running cycle
     last_cycle: list = [None]
     rids: dict[int, int] = {}  # sid -> engine request id, while running
 
     def send(msg) -> None:
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)  # read by Connection.recv
         with send_lock:
-            conn.send(msg)
+            conn.send_bytes(data)
 
     def on_event(sid: int, ev) -> None:  # the loop thread
         finishing = not ev.finished and ev.request_id not in eng.seqs
         with lock:
-            pending.append((sid, ev, finishing))
+            pending.append(pack_event(sid, ev, finishing))
         if ev.finished:
             rids.pop(sid, None)
 
@@ -283,7 +312,7 @@ def serve(conn: Connection) -> int:
             pending.clear()
         cs, last_cycle[0] = last_cycle[0], None
         if events or cs is not None:
-            send(("cycle", events, cs, {"active": eng.num_active, "queued": eng.num_queued,
+            send(("cycle", events, pack_cycle_stats(cs), {"active": eng.num_active, "queued": eng.num_queued,
                                         "kv_used": eng.alloc.used, "kv_total": eng.alloc.num_blocks}))
 
     eng.on_cycle = lambda cs: last_cycle.__setitem__(0, cs)
