@@ -23,6 +23,11 @@ MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
 TEMPLATE_NAME = "config.pbtxt.in"
 #: Largest max_tokens a request may ask for.
 MAX_TOKENS_LIMIT = 4096
+#: Seconds between two ``is_cancelled()`` checks of one stream, in ``spec_decode`` (requests sent to it directly)
+#: and ``postprocessing`` (ensemble streams). Each check is an IPC round trip between the Python backend's stub
+#: and tritonserver (0.1–0.25 ms); neither model checks a stream's first response, which would delay its first
+#: tokens. A cancellation is noticed within this time, plus a cycle.
+CANCEL_POLL_S = 0.05
 
 
 def template_repo() -> Path:

@@ -10,11 +10,15 @@ Cancellation: when a client cancels an ensemble stream (gRPC cancel, or an HTTP
 ``generate_stream`` connection closed), Triton 2.51 marks the ensemble's *next* step requests
 cancelled but not the spec_decode step already running. This model sees the cancelled request
 first, so it tells spec_decode (a BLS request with ``cancel_stream_id``), which frees the
-sequence's slot and KV blocks at its next cycle. Each stream is forwarded once.
+sequence's slot and KV blocks at its next cycle. Each stream is forwarded once. ``is_cancelled()``
+is an IPC round trip to tritonserver, so a stream's requests are checked at most every
+``CANCEL_POLL_S`` (:mod:`splitspec.repo`), its first not at all, and requests without ``stream_id``
+(nothing to forward) never.
 """
 
 import collections
 import json
+import time
 import traceback
 from pathlib import Path
 
@@ -22,10 +26,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.errors import SplitspecError
+from splitspec.repo import CANCEL_POLL_S
 from splitspec.tokenizer import ChatTokenizer
 
-#: How many recently cancelled stream ids are remembered (so each is forwarded once).
-RECENT_CANCELLED = 1024
+#: How many stream ids are remembered: recently cancelled ones (each is forwarded once), and the time of
+#: each recent stream's next cancellation check.
+RECENT_STREAMS = 1024
 
 
 def _error_response(message, code="INVALID_ARG"):
@@ -47,18 +53,20 @@ class TritonPythonModel:
             raise SplitspecError("postprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
         self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir))
         self.cancel_model = params.get("cancel_model", "spec_decode") or "spec_decode"
-        self.cancelled = collections.OrderedDict()
+        self.cancelled = collections.OrderedDict()  # stream_id -> True, forwarded
+        self.next_check = collections.OrderedDict()  # stream_id -> time.monotonic() of its next is_cancelled()
 
     def execute(self, requests):
         """Answer every request (an error response for a bad one); never raises."""
         responses = []
         for request in requests:
             try:
-                if request.is_cancelled():
+                sid = self._stream_id(request)
+                if sid is not None and self._check_due(sid) and request.is_cancelled():
                     # answered normally all the same: an error response here leaves the cancelled
                     # ensemble request waiting forever for spec_decode's last response (Triton 2.51),
                     # which blocks unloading the models
-                    self._forward_cancel(request)
+                    self._forward_cancel(sid)
                 responses.append(self._execute_one(request))
             except SplitspecError as e:
                 responses.append(_error_response(f"postprocessing: {e}"))
@@ -82,16 +90,36 @@ class TritonPythonModel:
         out = pb_utils.Tensor("text_output", np.array([text], dtype=np.object_))
         return pb_utils.InferenceResponse(output_tensors=[out])
 
-    def _forward_cancel(self, request):
-        """Ask spec_decode to cancel the stream this (cancelled) request belongs to; once per stream."""
+    @staticmethod
+    def _stream_id(request):
+        """The request's ``stream_id`` input (spec_decode's id of the stream), or None without one."""
         t = pb_utils.get_input_tensor_by_name(request, "stream_id")
         if t is None:
-            return
-        sid = int(t.as_numpy().reshape(-1)[0])
+            return None
+        a = t.as_numpy().reshape(-1)
+        if a.size != 1:
+            raise SplitspecError(f"stream_id: expected one value, got {a.size}")
+        return int(a[0])
+
+    def _check_due(self, sid):
+        """Whether stream ``sid``'s request is to be checked for cancellation now (not its first; then every
+        ``CANCEL_POLL_S``)."""
+        now = time.monotonic()
+        due = self.next_check.get(sid)
+        if due is not None and now < due:
+            return False
+        self.next_check[sid] = now + CANCEL_POLL_S
+        self.next_check.move_to_end(sid)
+        while len(self.next_check) > RECENT_STREAMS:
+            self.next_check.popitem(last=False)
+        return due is not None
+
+    def _forward_cancel(self, sid):
+        """Ask spec_decode to cancel stream ``sid`` (its request here was cancelled); once per stream."""
         if sid in self.cancelled:
             return
         self.cancelled[sid] = True
-        while len(self.cancelled) > RECENT_CANCELLED:
+        while len(self.cancelled) > RECENT_STREAMS:
             self.cancelled.popitem(last=False)
         try:
             bls = pb_utils.InferenceRequest(

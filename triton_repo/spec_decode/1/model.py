@@ -18,7 +18,7 @@ Threads of the instance:
   tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
   ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. It takes every queued event at once, so when it falls
   behind the engine a stream's queued deltas leave as one response. It polls ``is_cancelled()`` (an IPC
-  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle.
+  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and not before its first response.
 - the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
   (:mod:`splitspec.metrics`). The engine process checks the target's worker processes itself.
 
@@ -58,6 +58,7 @@ from splitspec.engine import EngineError
 from splitspec.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.metrics import MetricsCollector, TritonMetricsExporter
+from splitspec.repo import CANCEL_POLL_S
 from splitspec.runtime import Request, RequestOutput
 from splitspec.sampling import SamplingParams
 
@@ -70,8 +71,6 @@ TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-#: Seconds between two ``is_cancelled()`` polls of one request.
-CANCEL_POLL_S = 0.05
 RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
                  "models again through the repository API)")
 
@@ -139,7 +138,7 @@ class _Stream:
         self.done = False  # the final response (or an error) was sent
         self.cancelled = False
         self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
-        self.next_poll = 0.0  # time.monotonic() of the next is_cancelled() poll
+        self.next_poll = time.monotonic() + CANCEL_POLL_S  # of the next is_cancelled() poll (none before the first response)
 
 
 class TritonPythonModel:
