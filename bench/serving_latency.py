@@ -30,13 +30,12 @@ import threading
 import time
 from pathlib import Path
 
-import requests
 
+from splitspec.bench import TRITON_MODELS, model_stats, stats_delta
 from splitspec.client import stream_grpc
 from splitspec.repo import render_repo
 from splitspec.server import TritonServer
 
-MODELS = ("ensemble", "preprocessing", "spec_decode", "postprocessing")
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(root):", "class Stack:\n    def push(self, item):",
            "for i in range(10):\n    print(", "# Copyright 2001 Python Software Foundation.\n\"\"\"Path utilities.\"\"\"\n",
            "while True:", "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n", "x = "]
@@ -72,28 +71,6 @@ def one_request(grpc: str, prompt: str, max_tokens: int, k: int | None) -> dict:
     first, last = arrivals[0][0], arrivals[-1][0]
     return {"ttft": first, "e2e": e2e, "tokens": tokens, "responses": len(arrivals),
             "itl": (last - first) / (tokens - 1) if tokens > 1 else None, **final}
-
-
-def model_stats(http: str) -> dict:
-    """{model: inference_stats} from Triton's statistics endpoint."""
-    out = {}
-    for m in MODELS:
-        r = requests.get(f"{http}/v2/models/{m}/stats", timeout=10)
-        r.raise_for_status()
-        out[m] = r.json()["model_stats"][0]["inference_stats"]
-    return out
-
-
-def stats_delta(before: dict, after: dict) -> dict:
-    """{model: {phase: (count, ms)}} between two snapshots."""
-    out = {}
-    for m in MODELS:
-        out[m] = {}
-        for phase in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
-            b, a = before[m].get(phase, {}), after[m].get(phase, {})
-            out[m][phase] = (int(a.get("count", 0)) - int(b.get("count", 0)),
-                             (int(a.get("ns", 0)) - int(b.get("ns", 0))) / 1e6)
-    return out
 
 
 def run_level(grpc: str, http: str, concurrency: int, n_requests: int, max_tokens: int, k: int | None) -> None:
@@ -150,7 +127,7 @@ def run_level(grpc: str, http: str, concurrency: int, n_requests: int, max_token
     print(f"  end-to-end                   {summary([r['e2e'] - r['e2e_ms'] for r in results])}")
     n = len(results)
     print(f"Triton per-model statistics over the run (ms per request; {responses / n:.1f} responses per request)")
-    for m in MODELS:
+    for m in TRITON_MODELS:
         d = delta[m]
         parts = [f"{phase} {ms / n:7.2f}" for phase, (count, ms) in d.items() if phase != "success" and count]
         calls = d["compute_infer"][0]

@@ -1,19 +1,30 @@
 #!/usr/bin/env python3
 """Triton's share at batch 1: output tokens/s through the served ensemble against the engine alone.
 
-Both are loaded side by side, then measured in alternating passes, so that a drift of the machine's speed
-(the demo engine's cycle is host-bound: one core's clock) falls on both alike:
+Both are loaded side by side and measured request by request, each request run in every phase back to back,
+the order flipped from one request to the next, so that a drift of the machine's speed (the demo engine's
+cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) falls on every phase alike:
 
-1. Engine alone: ``SpeculativeEngine.load`` in this process.
-2. Served: a repository rendered for the same engines and settings (k, devices, draft_tp, batch and
-   KV limits), tritonserver started; requests streamed over one open gRPC stream (``return_stats``),
-   each timed from sending to the final response.
-3. After a warm-up of each (a short request per prompt), ``--rounds`` rounds of one pass each (the
-   prompts, ``--repeats`` times, one request at a time, greedy, ``max_tokens``); the order within a
-   round alternates. While one side runs, the other is idle.
+1. Engine alone (``engine_alone``): ``SpeculativeEngine.load`` in this process, cycles stepped on the main
+   thread.
+2. Served (``served``): a repository rendered for the same engines and settings (k, devices, draft_tp,
+   batch and KV limits), tritonserver started; requests streamed over one open gRPC stream
+   (``return_stats``), each timed from sending to the final response.
+3. After a warm-up of each (a short request per prompt), ``--rounds`` times every prompt (one request at a
+   time, greedy, ``max_tokens``). While one phase runs, the others are idle.
 
-tokens/s = output tokens of all requests / the sum of their wall times. The served path keeps the
-tokenizer's end-of-turn tokens (a request cannot turn them off), so both phases stop on them and count
+``--also`` adds steps between the two, to find where a difference comes from:
+
+- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.EngineLoop` (cycles on a
+  background thread, as in the served engine's process);
+- ``engine_process``: :class:`splitspec.engine_process.EngineProcess` started from this process (the served
+  engine's own process, its loop thread and its per-cycle messages, without Triton);
+- ``engine_process_triton_env``: the same, started with the environment tritonserver gets
+  (:func:`splitspec.server.server_env`: its library path first).
+
+tokens/s = output tokens of all requests / the sum of their wall times; each phase's ratio is to the engine
+alone's, with a 95% bootstrap interval over the request pairs. The served path keeps the
+tokenizer's end-of-turn tokens (a request cannot turn them off), so every phase stops on them and counts
 the tokens actually produced; greedy outputs are compared token for token. Per request the served
 latency splits into the engine's own submit → finish time inside ``spec_decode`` (``e2e_ms``) and the
 rest (outside the engine: gRPC, preprocessing, execute, one postprocessing call per response).
@@ -33,24 +44,34 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
 
-from splitspec.bench import StreamWorker, engine_info, machine_info  # noqa: E402
+from splitspec.bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
+from splitspec.engine_process import EngineProcess  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
 from splitspec.perf import Prompt, load_prompts  # noqa: E402
 from splitspec.repo import render_repo  # noqa: E402
-from splitspec.runtime import Request, SpeculativeEngine  # noqa: E402
-from splitspec.server import TritonServer  # noqa: E402
+from splitspec.runtime import EngineLoop, Request, RequestStats, SpeculativeEngine  # noqa: E402
+from splitspec.server import TritonServer, server_env  # noqa: E402
+from splitspec.tokenizer import ChatTokenizer  # noqa: E402
+
+#: The phases ``--phases`` may name, in the order they are set up (see the module docstring).
+PHASES = ("engine_alone", "engine_loop", "engine_process", "engine_process_triton_env", "served")
+#: Phases whose engine runs in this process (pinned, with ``--pin``, to the engine's core while they run).
+IN_PROCESS = ("engine_alone", "engine_loop")
 
 #: Output tokens of each warm-up request (one per prompt, before measuring).
 WARMUP_TOKENS = 8
@@ -61,11 +82,11 @@ def _sha(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def process_tree(root_pid: int, root_role: str | None = None, prune: str | None = None) -> Iterator[tuple[int, str, str, list[int]]]:
+def process_tree(root_pid: int, root_role: str | None = None, prune: Collection[int] = ()) -> Iterator[tuple[int, str, str, list[int]]]:
     """The processes under ``root_pid`` (Linux ``/proc``), root first, as ``(pid, role, stat line, thread ids)``.
     role: "engine" (the engine process, or ``root_role`` for the root itself), "target worker ranks", else the
-    command name (tritonserver, the backend stubs, ...). A process whose command name is ``prune`` is left out
-    with its subtree. Processes and threads that exit while being read are skipped."""
+    command name (tritonserver, the backend stubs, ...). The processes in ``prune`` (pids) are left out with
+    their subtrees. Processes and threads that exit while being read are skipped."""
     stack = [root_pid]
     while stack:
         pid = stack.pop()
@@ -75,9 +96,9 @@ def process_tree(root_pid: int, root_role: str | None = None, prune: str | None 
             tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
         except (OSError, ValueError):  # the process is gone
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        if comm == prune:
+        if pid in prune:
             continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
         for tid in tids:  # a thread that exits meanwhile must not hide the process or its other children
             try:
                 stack += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
@@ -88,7 +109,7 @@ def process_tree(root_pid: int, root_role: str | None = None, prune: str | None 
         yield pid, role, stat, tids
 
 
-def cpu_seconds(root_pid: int, root_role: str | None = None, prune: str | None = None) -> dict[str, float]:
+def cpu_seconds(root_pid: int, root_role: str | None = None, prune: Collection[int] = ()) -> dict[str, float]:
     """User + system CPU seconds so far of the processes of :func:`process_tree`, summed by role."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -119,7 +140,7 @@ def core_plan() -> dict[str, set[int]]:
             "rest": set(allowed) - engine - workers}
 
 
-def pin(root_pid: int, plan: dict[str, set[int]], root_cpus: set[int] | None = None, prune: str | None = None) -> None:
+def pin(root_pid: int, plan: dict[str, set[int]], root_cpus: set[int] | None = None, prune: Collection[int] = ()) -> None:
     """Set the CPU affinity of every thread of :func:`process_tree` by role (:func:`core_plan`): the engine
     process and the target worker ranks to their cores, all else to ``plan["rest"]``; with ``root_cpus``, the
     root process (all its threads) to those instead.
@@ -141,66 +162,175 @@ def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(before.keys() | after.keys())}
 
 
-@contextlib.contextmanager
-def engine_alone(a: argparse.Namespace, prompts: list[Prompt]) -> Iterator[Callable[[], tuple[list[dict], dict]]]:
-    """Load the engine in this process and warm it up (a request of :data:`WARMUP_TOKENS` per prompt); yield a
-    function that runs one measured pass: ``a.repeats`` times the prompts, one request at a time, greedy,
-    ``a.max_tokens``. The engine is closed (its GPUs freed) on exit.
+#: Seconds one request may take before the benchmark gives up.
+REQUEST_TIMEOUT_S = 600.0
 
-    A pass returns one dict per request: ``tokens``, ``wall_ms`` (submit → finished, this process), ``ttft_ms`` and
-    ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases, summed),
-    ``acceptance_length``, ``finish_reason``, ``output_sha``; and ``{"cpu_s": ..., "wall_s": ...}``: CPU seconds of
-    this process (role "engine") and its worker ranks during the pass (:func:`cpu_spent`), and the wall seconds.
+
+@dataclass
+class Phase:
+    """One way of running the engines. ``run(i)`` runs prompt ``i`` once (greedy, ``max_tokens``) and returns its
+    row; ``cpu()`` reads the CPU seconds of the phase's processes by role (:func:`cpu_seconds`); ``in_process``:
+    the engine steps on this process's threads (with ``--pin``, this process then sits on the engine's core)."""
+
+    run: Callable[[int], dict]
+    cpu: Callable[[], dict[str, float]]
+    in_process: bool = False
+
+
+def _row(p: Prompt, token_ids: list[int], stats: RequestStats, finish_reason: str, wall_s: float) -> dict:
+    """One request of an in-engine phase: ``tokens``, ``wall_ms`` (submit → finished, seen by this process),
+    ``ttft_ms`` and ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases,
+    summed), ``acceptance_length``, ``finish_reason``, ``output_sha``."""
+    return {"prompt_id": p.id, "tokens": len(token_ids), "wall_ms": wall_s * 1e3, "ttft_ms": stats.ttft_ms,
+            "e2e_ms": stats.e2e_ms, "draft_verify_ms": stats.draft_ms + stats.verify_ms,
+            "acceptance_length": stats.acceptance_length, "finish_reason": finish_reason, "output_sha": _sha(token_ids)}
+
+
+class _Collector:
+    """A request's events (a callback on the engine's side), gathered until its final one."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.final = None
+        self.done = threading.Event()
+
+    def __call__(self, ev) -> None:
+        self.tokens += ev.token_ids
+        if ev.finished:
+            self.final = ev
+            self.done.set()
+
+    def wait(self) -> tuple[list[int], RequestStats, str]:
+        """(token ids, stats, finish reason) once finished. Raises RuntimeError on a failed or timed-out request."""
+        if not self.done.wait(REQUEST_TIMEOUT_S):
+            raise RuntimeError(f"a request did not finish within {REQUEST_TIMEOUT_S:.0f} s")
+        if self.final.error:
+            raise RuntimeError(f"a request failed: {self.final.error}")
+        return self.tokens, self.final.stats, self.final.finish_reason
+
+
+def _load_kwargs(a: argparse.Namespace) -> dict:
+    """:meth:`SpeculativeEngine.load` keyword arguments for the settings in ``a``."""
+    return {"target_device_ids": [int(x) for x in a.device_ids.split(",")] if a.device_ids else None,
+            "draft_device_id": int(a.draft_device_id) if a.draft_device_id else None, "draft_tp": a.draft_tp,
+            "num_draft_tokens": a.k, "max_batch_size": a.max_batch_size, "kv_tokens": a.kv_tokens}
+
+
+@contextlib.contextmanager
+def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str, int]) -> Iterator[dict[str, Phase]]:
+    """Load the engine in this process and warm it up (a request of :data:`WARMUP_TOKENS` per prompt); yield two
+    phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.generate.run_closed_loop`),
+    ``"engine_loop"`` on the thread of an :class:`EngineLoop` started for the request (before its clock starts)
+    and stopped after it. The engine is closed (its GPUs freed) on exit.
+
+    Their CPU seconds are this process's (role "engine") and its worker ranks', without the processes whose pids
+    are the values of ``others`` (tritonserver, engine processes) and their subtrees.
     """
-    ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
-    eng = SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
-                                 draft_device_id=int(a.draft_device_id) if a.draft_device_id else None,
-                                 max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens)
+    kw = _load_kwargs(a)
+    eng = SpeculativeEngine.load(Path(a.engines), **kw)
     try:
         reqs = [Request(encode_prompt(eng.tokenizer, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
         for req in reqs:  # warm-up: every prompt's prefill shape, a few decode cycles
             run_closed_loop(eng, [Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k)], 1)
 
-        def run_pass() -> tuple[list[dict], dict]:
-            out = []
-            cpu0, t0 = cpu_seconds(os.getpid(), "engine", prune="tritonserver"), time.perf_counter()
-            for p, req in zip(prompts * a.repeats, reqs * a.repeats):
-                [r], wall = run_closed_loop(eng, [req], 1)
-                out.append({"prompt_id": p.id, "tokens": len(r.token_ids), "wall_ms": wall * 1e3, "ttft_ms": r.stats.ttft_ms,
-                            "e2e_ms": r.stats.e2e_ms, "draft_verify_ms": r.stats.draft_ms + r.stats.verify_ms,
-                            "acceptance_length": r.stats.acceptance_length,
-                            "finish_reason": r.finish_reason, "output_sha": _sha(r.token_ids)})
-            return out, {"cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid(), "engine", prune="tritonserver")), "wall_s": time.perf_counter() - t0}
+        def cpu() -> dict[str, float]:
+            return cpu_seconds(os.getpid(), "engine", prune=set(others.values()))
 
-        yield run_pass
+        def stepped(i: int) -> dict:
+            [r], wall = run_closed_loop(eng, [reqs[i]], 1)
+            return _row(prompts[i], r.token_ids, r.stats, r.finish_reason, wall)
+
+        def looped(i: int) -> dict:
+            loop, c = EngineLoop(eng), _Collector()
+            try:
+                t = time.perf_counter()
+                loop.submit(reqs[i], c)
+                tokens, stats, reason = c.wait()
+                return _row(prompts[i], tokens, stats, reason, time.perf_counter() - t)
+            finally:
+                loop.stop()
+
+        yield {"engine_alone": Phase(stepped, cpu, True), "engine_loop": Phase(looped, cpu, True)}
     finally:
         eng.close()
-        del eng
+        eng = None  # the passes hold it through their closures: let its GPU tensors go
         gc.collect()
-        if ids:
+        if kw["target_device_ids"]:
             import torch  # noqa: PLC0415
 
             torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
-def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, server: dict) -> Iterator[Callable[[], tuple[list[dict], dict]]]:
-    """Serve the same engines with tritonserver (a repository rendered with the same settings) and warm it up as
-    :func:`engine_alone`; yield a function that runs one measured pass, streamed over one open gRPC stream
-    (``return_stats``), each request timed from sending to its final response. Once started, ``server`` gets
-    ``startup_s`` (seconds to ready) and ``pid`` (tritonserver's); on exit the server stops and ``server`` gets
-    ``log_tail``.
+def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, str] | None, others: dict[str, int],
+                   name: str) -> Iterator[Phase]:
+    """Start :class:`EngineProcess` (with ``env``; None: this process's) on the same engines and settings, as
+    ``spec_decode`` does, and warm it up as :func:`engine_alone`; yield its phase (``wall_ms``: submit → the final
+    event read here; CPU seconds: the engine process's, role "engine", and its worker ranks'). ``others[name]``
+    holds its pid while it runs.
+    """
+    collectors: dict[int, _Collector] = {}
 
-    A pass returns one dict per request: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms``
-    (client: sent → first tokens), ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from
-    ``return_stats``), ``draft_verify_ms``, ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``;
-    and ``{"cpu_s": ..., "wall_s": ...}`` for tritonserver and its process tree, by role (:func:`cpu_spent`).
+    def on_cycle(events, _stats) -> None:  # the reader thread
+        for sid, ev, _ in events:
+            collectors[sid](ev)
+
+    saved = dict(os.environ)
+    if env is not None:  # EngineProcess starts its child with os.environ
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        proc = EngineProcess(Path(a.engines), on_cycle, lambda m: print(f"  {name}: engine failed: {m}", flush=True),
+                             **_load_kwargs(a), synthetic_acceptance=None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    others[name] = proc.pid
+    try:
+        tok = ChatTokenizer.from_dir(Path(a.engines) / "target")
+        reqs = [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
+        sids = itertools.count(1)
+
+        def one(req: Request) -> tuple[list[int], RequestStats, str]:
+            sid = next(sids)
+            collectors[sid] = c = _Collector()
+            try:
+                proc.submit(sid, req)
+                return c.wait()
+            finally:
+                collectors.pop(sid, None)
+
+        def run(i: int) -> dict:
+            t = time.perf_counter()
+            tokens, stats, reason = one(reqs[i])
+            return _row(prompts[i], tokens, stats, reason, time.perf_counter() - t)
+
+        for req in reqs:
+            one(Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k))
+        yield Phase(run, lambda: cpu_seconds(proc.pid))
+    finally:
+        proc.close()
+        others.pop(name, None)
+
+
+@contextlib.contextmanager
+def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, others: dict[str, int], server: dict) -> Iterator[Phase]:
+    """Serve the same engines with tritonserver (a repository rendered with the same settings) and warm it up as
+    :func:`engine_alone`; yield its phase: requests streamed over one open gRPC stream (``return_stats``), each
+    timed from sending to its final response; CPU seconds: tritonserver's process tree, by role. Once started,
+    ``server`` gets ``startup_s`` (seconds to ready) and ``pid`` (tritonserver's, also ``others["served"]``); on exit
+    the server stops and ``server`` gets ``log_tail``.
+
+    A row: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms`` (client: sent → first tokens),
+    ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from ``return_stats``), ``draft_verify_ms``,
+    ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``.
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
                        kv_tokens=a.kv_tokens)
     with TritonServer(repo, exit_timeout_s=10) as srv:
         server["startup_s"], server["pid"] = srv.startup_s, srv.pid
+        others["served"] = srv.pid
         print(f"  tritonserver ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
         worker = StreamWorker(srv.grpc_address)
         kw = {"draft_tp": a.draft_tp, "concurrency": 1}
@@ -208,20 +338,21 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, serve
             for p in prompts:  # warm-up, as for the engine alone
                 worker.run(p, WARMUP_TOKENS, a.k, block=-1, **kw)
 
-            def run_pass() -> tuple[list[dict], dict]:
-                cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
-                recs = [worker.run(p, a.max_tokens, a.k, block=0, **kw) for p in prompts * a.repeats]
-                cpu = {"cpu_s": cpu_spent(cpu0, cpu_seconds(srv.pid)), "wall_s": time.perf_counter() - t0}
-                return [{"prompt_id": r.prompt_id, "tokens": r.num_output_tokens, "wall_ms": r.latency_ms,
-                         "ttft_ms": r.ttft_ms, "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms,
-                         "draft_verify_ms": r.draft_ms + r.verify_ms, "responses": len(r.token_times_ms),
-                         "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason,
-                         "output_sha": r.output_sha} for r in recs], cpu
+            def run(i: int) -> dict:
+                r = worker.run(prompts[i], a.max_tokens, a.k, block=0, **kw)
+                return {"prompt_id": r.prompt_id, "tokens": r.num_output_tokens, "wall_ms": r.latency_ms,
+                        "ttft_ms": r.ttft_ms, "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms,
+                        "draft_verify_ms": r.draft_ms + r.verify_ms, "responses": len(r.token_times_ms),
+                        "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason,
+                        "output_sha": r.output_sha}
 
-            yield run_pass
+            before = model_stats(srv.http_url)
+            yield Phase(run, lambda: cpu_seconds(srv.pid))
+            server["model_stats"] = stats_delta(before, model_stats(srv.http_url))
         finally:
             worker.close()
             server["log_tail"] = srv.log_tail(20000)
+            others.pop("served", None)
 
 
 def tokens_per_s(rows: list[dict]) -> float:
@@ -253,6 +384,33 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
     }
 
 
+def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of tokens_per_s(rows) / tokens_per_s(engine): the request pairs (row i, engine i; the
+    same prompt, run back to back) resampled with replacement ``resamples`` times (percentile method)."""
+    import numpy as np  # noqa: PLC0415
+
+    tok = np.array([[r["tokens"], e["tokens"]] for r, e in zip(rows, engine)], dtype=float)
+    wall = np.array([[r["wall_ms"], e["wall_ms"]] for r, e in zip(rows, engine)], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(tok), size=(resamples, len(tok)))
+    t, w = tok[idx].sum(axis=1), wall[idx].sum(axis=1)  # (resamples, 2)
+    ratio = (t[:, 0] / w[:, 0]) / (t[:, 1] / w[:, 1])
+    return [float(x) for x in np.percentile(ratio, [2.5, 97.5])]
+
+
+def phase_summary(rows: list[dict], engine: list[dict]) -> dict:
+    """Figures of an in-engine phase of ``--also`` against the engine alone's rows (same requests, same order):
+    tokens/s and their ratio; ms per request (means): wall, the engine's own e2e, its draft + verify and the rest,
+    and how much longer its e2e was than alone's."""
+    mean = statistics.fmean
+    tps = tokens_per_s(rows)
+    return {"tokens_per_s": tps, "ratio_to_engine_alone": tps / tokens_per_s(engine), "ratio_ci95": ratio_ci95(rows, engine),
+            "ms_per_request": mean(r["wall_ms"] for r in rows), "e2e_ms_per_request": mean(r["e2e_ms"] for r in rows),
+            "draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in rows),
+            "rest_ms_per_request": mean(r["e2e_ms"] - r["draft_verify_ms"] for r in rows),
+            "slower_than_alone_ms_per_request": mean(r["e2e_ms"] - e["e2e_ms"] for r, e in zip(rows, engine)),
+            "outputs_differing": sum(r["output_sha"] != e["output_sha"] for r, e in zip(rows, engine))}
+
+
 def print_table(s: dict, n: int) -> None:
     """Print the summary of :func:`summarize` for ``n`` requests."""
     rows = [("output tokens/s", f"{s['engine_tokens_per_s']:.1f}", f"{s['served_tokens_per_s']:.1f}"),
@@ -262,9 +420,11 @@ def print_table(s: dict, n: int) -> None:
     print(f"\n{'batch 1, ' + str(n) + ' requests each':28s} {'engine alone':>14s} {'served (gRPC)':>14s}")
     for name, e, v in rows:
         print(f"{name:28s} {e:>14s} {v:>14s}")
-    print(f"ratio served / engine: {s['ratio_served_to_engine']:.3f}  (Triton's share of the time: "
-          f"{1 - s['ratio_served_to_engine']:.1%}; negative: served ran faster); per round: {', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))}"
-          f" (median {s['ratio_median_of_rounds']:.3f})")
+    lo, hi = s["ratio_ci95"]
+    print(f"ratio served / engine: {s['ratio_served_to_engine']:.3f}, 95% interval {lo:.3f}–{hi:.3f} (Triton's share of "
+          f"the time: {1 - s['ratio_served_to_engine']:.1%}; negative: served ran faster); per round: "
+          f"{', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))} (median {s['ratio_median_of_rounds']:.3f}); "
+          f"median over request pairs {s['request_ratio_median']:.3f}")
     print(f"per request: outside the engine {s['outside_engine_ms_per_request']:.1f} ms, engine slower inside "
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
@@ -277,6 +437,15 @@ def print_table(s: dict, n: int) -> None:
           f"served (tritonserver and its process tree): {fmt(s['cores_busy_served'])}")
     print(f"CPU ms per output token: alone: {fmt(s['cpu_ms_per_output_token_engine_alone'])}; "
           f"served: {fmt(s['cpu_ms_per_output_token_served'])}")
+    for m, d in s.get("triton_models_per_request", {}).items():
+        print(f"  Triton, per served request: {m:15s} {d['executions']:5.1f} executions, " + ", ".join(
+            f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in d.items() if k != "executions"))
+    for name, ph in s["phases"].items():
+        print(f"{name}: {ph['tokens_per_s']:.1f} tok/s, ratio to alone {ph['ratio_to_engine_alone']:.3f} "
+              f"({ph['ratio_ci95'][0]:.3f}–{ph['ratio_ci95'][1]:.3f}); per request "
+              f"e2e {ph['e2e_ms_per_request']:.1f} ms ({ph['slower_than_alone_ms_per_request']:+.1f} against alone: draft + "
+              f"verify {ph['draft_verify_ms_per_request']:.1f}, rest {ph['rest_ms_per_request']:.1f}); CPU ms per output "
+              f"token {fmt(s['cpu_ms_per_output_token_' + name])}; outputs differing {ph['outputs_differing']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,70 +457,93 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks, e.g. 0 or 0,1 (default: CPU)")
     p.add_argument("--draft-device-id", default="", help="GPU of a TP1 drafter (default: target rank 0's)")
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
-    p.add_argument("--repeats", type=int, default=1, help="times the prompts are run in each pass (default 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of one pass alone and one served, the order alternating (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="times every prompt is run in every phase (default 3)")
+    p.add_argument("--also", default="", help="phases measured besides engine_alone and served, comma-separated: "
+                   f"{', '.join(PHASES[1:-1])} (see the module docstring)")
     p.add_argument("--pin", action="store_true", help="pin the engine's process and its worker ranks to a physical core "
-                   "each, everything else (tritonserver, its stubs, the client) to the other cores; both sides alike (needs ≥ 4 "
-                   "physical cores)")
+                   "each, everything else (tritonserver, its stubs, the client) to the other cores; every phase alike "
+                   "(needs ≥ 4 physical cores)")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     a = p.parse_args(argv)
-    if a.rounds < 1 or a.repeats < 1:
-        p.error(f"--rounds and --repeats must be at least 1 (got {a.rounds}, {a.repeats})")
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1 (got {a.rounds})")
+    also = {x for x in a.also.split(",") if x}
+    if bad := sorted(also - set(PHASES[1:-1])):
+        p.error(f"--also: unknown phase(s) {', '.join(bad)}; expected some of {', '.join(PHASES[1:-1])}")
+    a.also = [x for x in PHASES if x in also]  # each once, in the order they are set up
     plan = core_plan() if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(prompts)} prompts x {a.repeats}, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
+    print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()
-    rows: dict[str, list[dict]] = {"engine_alone": [], "served": []}
-    phase = {name: {"cpu_s": {}, "wall_s": 0.0} for name in rows}
-    rounds, server = [], {}
+    names = ["engine_alone", *a.also, "served"]
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    cpu_s: dict[str, dict[str, float]] = {name: {} for name in names}
+    server, others = {}, {}
     if plan:
         print(f"--pin: engine process on CPU {sorted(plan['engine'])}, its target worker ranks on "
               f"{sorted(plan['target worker ranks'])}, everything else on {sorted(plan['rest'])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp, contextlib.ExitStack() as stack:
         print("engine alone: loading, warm-up ...", flush=True)
-        passes = {"engine_alone": stack.enter_context(engine_alone(a, prompts))}
+        phases = stack.enter_context(engine_alone(a, prompts, others))
+        for name in a.also:
+            if name.startswith("engine_process"):
+                print(f"{name}: starting the engine process, warm-up ...", flush=True)
+                env = server_env() if name == "engine_process_triton_env" else None
+                phases[name] = stack.enter_context(engine_process(a, prompts, env, others, name))
         print("served: starting tritonserver, warm-up ...", flush=True)
-        passes["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), server))
+        phases["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), others, server))
         if plan:  # the served engine's process and worker rank to their cores, tritonserver and its stubs elsewhere
             pin(server["pid"], plan)
+        here = None  # where this process is pinned: True on the engine's core
         for r in range(a.rounds):
-            order = ["engine_alone", "served"][::-1 if r % 2 else 1]  # alternate who goes first: drift cancels
-            tps = {}
-            for name in order:
-                if plan:  # this process: the engine alone's process on its core, or the client's elsewhere
-                    pin(os.getpid(), plan, plan["engine"] if name == "engine_alone" else plan["rest"], prune="tritonserver")
-                got, cpu = passes[name]()
-                for row in got:
-                    row["round"] = r
-                rows[name] += got
-                phase[name]["wall_s"] += cpu["wall_s"]
-                for k, v in cpu["cpu_s"].items():
-                    phase[name]["cpu_s"][k] = phase[name]["cpu_s"].get(k, 0.0) + v
-                tps[name] = tokens_per_s(got)
-            rounds.append({"round": r, "order": order, "engine_tokens_per_s": tps["engine_alone"],
-                           "served_tokens_per_s": tps["served"], "ratio": tps["served"] / tps["engine_alone"]})
-            print(f"round {r + 1}/{a.rounds}: engine alone {tps['engine_alone']:.1f} tok/s, served {tps['served']:.1f} "
-                  f"tok/s, ratio {rounds[-1]['ratio']:.3f}", flush=True)
+            for i in range(len(prompts)):
+                # each request in every phase back to back, the order flipped from one request to the next: a
+                # drift of the machine's speed falls on every phase alike
+                for name in names[::-1 if (r * len(prompts) + i) % 2 else 1]:
+                    ph = phases[name]
+                    if plan and here is not ph.in_process:  # the in-process engine on its core, the client elsewhere
+                        # (an engine process started from here keeps its core: role "engine")
+                        pin(os.getpid(), plan, plan["engine"] if ph.in_process else plan["rest"], prune={server["pid"]})
+                        here = ph.in_process
+                    before = ph.cpu()
+                    row = ph.run(i)
+                    for k, v in cpu_spent(before, ph.cpu()).items():
+                        cpu_s[name][k] = cpu_s[name].get(k, 0.0) + v
+                    rows[name].append(row | {"round": r})
+            got = {n: tokens_per_s(rows[n][-len(prompts):]) for n in names}
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{n} {got[n]:.1f} tok/s" for n in names)
+                  + f"; served / alone {got['served'] / got['engine_alone']:.3f}", flush=True)
     engine, served = rows["engine_alone"], rows["served"]
     s = summarize(engine, served)
+    rounds = [{"round": r, **{f"{n}_tokens_per_s": tokens_per_s([x for x in rows[n] if x["round"] == r]) for n in names}}
+              for r in range(a.rounds)]
+    for x in rounds:
+        x["ratio"] = x["served_tokens_per_s"] / x["engine_alone_tokens_per_s"]
     ratios = [x["ratio"] for x in rounds]
-    s |= {"rounds": rounds, "ratio_median_of_rounds": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
-    for name in rows:
-        tokens = sum(r["tokens"] for r in rows[name])
-        s[f"cores_busy_{name}"] = {k: round(v / phase[name]["wall_s"], 3) for k, v in phase[name]["cpu_s"].items()}
-        s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in phase[name]["cpu_s"].items()}
+    s |= {"ratio_ci95": ratio_ci95(served, engine), "rounds": rounds, "ratio_median_of_rounds": statistics.median(ratios),
+          "ratio_min": min(ratios), "ratio_max": max(ratios),
+          "request_ratio_median": statistics.median(e["wall_ms"] / v["wall_ms"] for e, v in zip(engine, served))}
+    for name in names:
+        tokens, wall_s = sum(r["tokens"] for r in rows[name]), sum(r["wall_ms"] for r in rows[name]) / 1e3
+        s[f"cores_busy_{name}"] = {k: round(v / wall_s, 3) for k, v in cpu_s[name].items()}
+        s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in cpu_s[name].items()}
+    s["phases"] = {name: phase_summary(rows[name], engine) for name in a.also}
+    if "model_stats" in server:  # per served request: executions and ms by phase of each model of the ensemble
+        s["triton_models_per_request"] = {m: {"executions": d["compute_infer"][0] / len(served),
+                                              **{f"{ph}_ms": ms / len(served) for ph, (_, ms) in d.items() if ph != "success"}}
+                                          for m, d in server["model_stats"].items()}
     print_table(s, len(engine))
     result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
                        "wall_s": round(time.monotonic() - t0, 1), "startup_s": server.get("startup_s"),
                        "pinned": {k: sorted(v) for k, v in plan.items()} if plan else None},
-              "summary": s, "engine": engine, "served": served}
+              "summary": s, "engine": engine, "served": served, **{name: rows[name] for name in a.also}}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "tritonserver.log").write_text(server.get("log_tail", ""))
     print(f"results: {out / 'results.json'}")

@@ -229,6 +229,40 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return out
 
 
+#: The repository's models, as Triton names them (``/v2/models/<name>/stats``).
+TRITON_MODELS = ("ensemble", "preprocessing", "spec_decode", "postprocessing")
+#: Phases of a model's ``inference_stats`` (Triton's statistics extension), each a count and nanoseconds.
+STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+def model_stats(http: str) -> dict[str, dict]:
+    """``{model: inference_stats}`` of :data:`TRITON_MODELS` from Triton's statistics endpoint (cumulative since
+    the model loaded; ``{phase: {"count": n, "ns": total}}``).
+
+    Raises:
+        requests.HTTPError: a model is not served (or the endpoint answered with an error).
+    """
+    out = {}
+    with requests.Session() as s:
+        s.trust_env = False  # localhost only: never through a proxy
+        for m in TRITON_MODELS:
+            r = s.get(f"{http}/v2/models/{m}/stats", timeout=10)
+            r.raise_for_status()
+            out[m] = r.json()["model_stats"][0]["inference_stats"]
+    return out
+
+
+def stats_delta(before: dict, after: dict) -> dict[str, dict[str, tuple[int, float]]]:
+    """``{model: {phase: (count, ms)}}`` between two :func:`model_stats` snapshots."""
+    out = {}
+    for m in TRITON_MODELS:
+        out[m] = {}
+        for phase in STATS_PHASES:
+            b, a = before[m].get(phase, {}), after[m].get(phase, {})
+            out[m][phase] = (int(a.get("count", 0)) - int(b.get("count", 0)), (int(a.get("ns", 0)) - int(b.get("ns", 0))) / 1e6)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The client
 # --------------------------------------------------------------------------------------------
