@@ -30,7 +30,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from splitspec.bench import TRITON_MODELS, model_stats, stats_delta
 from splitspec.client import stream_grpc
 from splitspec.repo import render_repo

@@ -23,7 +23,7 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
   (:func:`splitspec.server.server_env`: its library path first).
 
 tokens/s = output tokens of all requests / the sum of their wall times; each phase's ratio is to the engine
-alone's, with a 95% bootstrap interval over the request pairs. The served path keeps the
+alone's, with a 95% bootstrap interval (request pairs grouped by prompt, prompts resampled). The served path keeps the
 tokenizer's end-of-turn tokens (a request cannot turn them off), so every phase stops on them and counts
 the tokens actually produced; greedy outputs are compared token for token. Per request the served
 latency splits into the engine's own submit → finish time inside ``spec_decode`` (``e2e_ms``) and the
@@ -64,14 +64,13 @@ from splitspec.engine_process import EngineProcess  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
 from splitspec.perf import Prompt, load_prompts  # noqa: E402
 from splitspec.repo import render_repo  # noqa: E402
-from splitspec.runtime import EngineLoop, Request, RequestStats, SpeculativeEngine  # noqa: E402
+from splitspec.runtime import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
 from splitspec.server import TritonServer, server_env  # noqa: E402
 from splitspec.tokenizer import ChatTokenizer  # noqa: E402
 
-#: The phases ``--phases`` may name, in the order they are set up (see the module docstring).
+#: The phases, in the order they are set up (see the module docstring); ``--also`` names those between the first
+#: and the last, which always run.
 PHASES = ("engine_alone", "engine_loop", "engine_process", "engine_process_triton_env", "served")
-#: Phases whose engine runs in this process (pinned, with ``--pin``, to the engine's core while they run).
-IN_PROCESS = ("engine_alone", "engine_loop")
 
 #: Output tokens of each warm-up request (one per prompt, before measuring).
 WARMUP_TOKENS = 8
@@ -223,8 +222,9 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
     ``"engine_loop"`` on the thread of an :class:`EngineLoop` started for the request (before its clock starts)
     and stopped after it. The engine is closed (its GPUs freed) on exit.
 
-    Their CPU seconds are this process's (role "engine") and its worker ranks', without the processes whose pids
-    are the values of ``others`` (tritonserver, engine processes) and their subtrees.
+    Their CPU seconds are this process's (role "engine": all its threads, the gRPC client's and engine processes'
+    reader threads too, idle then) and its worker ranks', without the processes whose pids are the values of
+    ``others`` (tritonserver, engine processes) and their subtrees.
     """
     kw = _load_kwargs(a)
     eng = SpeculativeEngine.load(Path(a.engines), **kw)
@@ -266,25 +266,24 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
                    name: str) -> Iterator[Phase]:
     """Start :class:`EngineProcess` (with ``env``; None: this process's) on the same engines and settings, as
     ``spec_decode`` does, and warm it up as :func:`engine_alone`; yield its phase (``wall_ms``: submit → the final
-    event read here; CPU seconds: the engine process's, role "engine", and its worker ranks'). ``others[name]``
-    holds its pid while it runs.
+    event read here). Its CPU seconds are the engine process's (role "engine") and its worker ranks', not this
+    process's reader thread (which unpickles the cycle messages; ``served`` counts ``spec_decode``'s stub, which
+    does that and more). ``others[name]`` holds its pid while it runs.
     """
     collectors: dict[int, _Collector] = {}
 
     def on_cycle(events, _stats) -> None:  # the reader thread
         for sid, ev, _ in events:
-            collectors[sid](ev)
+            c = collectors.get(sid)
+            if c is not None:  # None: a request given up on (timed out)
+                c(ev)
 
-    saved = dict(os.environ)
-    if env is not None:  # EngineProcess starts its child with os.environ
-        os.environ.clear()
-        os.environ.update(env)
-    try:
-        proc = EngineProcess(Path(a.engines), on_cycle, lambda m: print(f"  {name}: engine failed: {m}", flush=True),
-                             **_load_kwargs(a), synthetic_acceptance=None)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    def on_failed(message: str) -> None:  # the engine process stopped serving: end every waiting request
+        print(f"  {name}: engine failed: {message}", flush=True)
+        for sid, c in list(collectors.items()):
+            c(RequestOutput(sid, [], "", True, "error", None, message))
+
+    proc = EngineProcess(Path(a.engines), on_cycle, on_failed, env=env, **_load_kwargs(a), synthetic_acceptance=None)
     others[name] = proc.pid
     try:
         tok = ChatTokenizer.from_dir(Path(a.engines) / "target")
@@ -385,15 +384,19 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
 
 
 def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of tokens_per_s(rows) / tokens_per_s(engine): the request pairs (row i, engine i; the
-    same prompt, run back to back) resampled with replacement ``resamples`` times (percentile method)."""
+    """95% bootstrap interval of tokens_per_s(rows) / tokens_per_s(engine) (percentile method). The request pairs
+    (row i, engine i: the same prompt, run back to back) are grouped by prompt, and the prompts resampled with
+    replacement ``resamples`` times: a prompt's requests in different rounds are alike, not independent draws."""
     import numpy as np  # noqa: PLC0415
 
-    tok = np.array([[r["tokens"], e["tokens"]] for r, e in zip(rows, engine)], dtype=float)
-    wall = np.array([[r["wall_ms"], e["wall_ms"]] for r, e in zip(rows, engine)], dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(tok), size=(resamples, len(tok)))
-    t, w = tok[idx].sum(axis=1), wall[idx].sum(axis=1)  # (resamples, 2)
-    ratio = (t[:, 0] / w[:, 0]) / (t[:, 1] / w[:, 1])
+    ids = sorted({r["prompt_id"] for r in rows})
+    at = {p: i for i, p in enumerate(ids)}
+    sums = np.zeros((len(ids), 4))  # per prompt: tokens and wall ms of rows, then of engine
+    for r, e in zip(rows, engine):
+        sums[at[r["prompt_id"]]] += (r["tokens"], r["wall_ms"], e["tokens"], e["wall_ms"])
+    idx = np.random.default_rng(seed).integers(0, len(ids), size=(resamples, len(ids)))
+    t = sums[idx].sum(axis=1)  # (resamples, 4)
+    ratio = (t[:, 0] / t[:, 1]) / (t[:, 2] / t[:, 3])
     return [float(x) for x in np.percentile(ratio, [2.5, 97.5])]
 
 
@@ -506,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(prompts)):
                 # each request in every phase back to back, the order flipped from one request to the next: a
                 # drift of the machine's speed falls on every phase alike
-                for name in names[::-1 if (r * len(prompts) + i) % 2 else 1]:
+                for name in names[::-1 if (r + i) % 2 else 1]:
                     ph = phases[name]
                     if plan and here is not ph.in_process:  # the in-process engine on its core, the client elsewhere
                         # (an engine process started from here keeps its core: role "engine")

@@ -51,12 +51,12 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from splitspec import errors
 from splitspec.engine import EngineError
 from splitspec.errors import SplitspecError
-from splitspec.runtime import CycleStats, RequestOutput, RequestStats
+from splitspec.runtime import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
 HEALTH_CHECK_S = 0.2
@@ -69,7 +69,9 @@ _CYCLE_STATS = tuple(f.name for f in dataclasses.fields(CycleStats))
 
 
 def pack_event(sid: int, ev: RequestOutput, finishing: bool) -> tuple:
-    """An engine event as a tuple of plain values, for the cycle message (undone by :func:`unpack_event`)."""
+    """An engine event as a tuple of plain values, for the cycle message (undone by :func:`unpack_event`):
+    ``(sid, request_id, token_ids, text, finished, finish_reason, stats, error, finishing)``, ``stats`` the tuple
+    of the :class:`RequestStats` fields in declaration order, or None."""
     stats = None if ev.stats is None else tuple(getattr(ev.stats, f) for f in _REQUEST_STATS)
     return sid, ev.request_id, ev.token_ids, ev.text, ev.finished, ev.finish_reason, stats, ev.error, finishing
 
@@ -104,13 +106,15 @@ class EngineProcess:
         engines_dir: the built engines; ``load_kwargs`` go to :meth:`SpeculativeEngine.load`.
         cpu_threads: intra-op threads of a CPU engine's rank 0 (None: its share of the cores less one,
             which Triton's processes need).
+        env: the engine process's environment (None: this process's).
     Raises:
         the engine's load error (ConfigError, CheckpointError, EngineError, ...) with its message;
         EngineError if the process exits or is not ready within ``start_timeout_s``.
     """
 
     def __init__(self, engines_dir: Path, on_cycle: Callable, on_failed: Callable[[str], None],
-                 start_timeout_s: float = 900.0, cpu_threads: int | None = None, **load_kwargs):
+                 start_timeout_s: float = 900.0, cpu_threads: int | None = None, env: Mapping[str, str] | None = None,
+                 **load_kwargs):
         self.on_cycle, self.on_failed = on_cycle, on_failed
         self.closed = False
         self.error: str | None = None  # why the engine stopped serving
@@ -120,7 +124,8 @@ class EngineProcess:
         ours, theirs = socket.socketpair()
         try:
             cmd = [sys.executable, "-m", "splitspec.engine_process", "--fd", str(theirs.fileno())]
-            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),),
+                                         env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"))
         finally:
             theirs.close()
         self.pid = self.proc.pid
@@ -276,8 +281,6 @@ def serve(conn: Connection) -> int:
     """Body of the engine process: load the engines, run the loop, relay requests and events until told
     to stop or the host goes away."""
     import torch
-
-    from splitspec.runtime import EngineLoop, SpeculativeEngine
 
     _, engines_dir, kwargs = conn.recv()
     cpu_threads = kwargs.pop("cpu_threads", None)

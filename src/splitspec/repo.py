@@ -25,8 +25,8 @@ TEMPLATE_NAME = "config.pbtxt.in"
 MAX_TOKENS_LIMIT = 4096
 #: Seconds between two ``is_cancelled()`` checks of one stream, in ``spec_decode`` (requests sent to it directly)
 #: and ``postprocessing`` (ensemble streams). Each check is an IPC round trip between the Python backend's stub
-#: and tritonserver (0.1–0.25 ms); neither model checks a stream's first response, which would delay its first
-#: tokens. A cancellation is noticed within this time, plus a cycle.
+#: and tritonserver (0.1–0.25 ms): postprocessing never checks a stream's first response, spec_decode checks
+#: after sending a response, not before it.
 CANCEL_POLL_S = 0.05
 
 

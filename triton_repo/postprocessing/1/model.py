@@ -30,7 +30,7 @@ from splitspec.repo import CANCEL_POLL_S
 from splitspec.tokenizer import ChatTokenizer
 
 #: How many stream ids are remembered: recently cancelled ones (each is forwarded once), and the time of
-#: each recent stream's next cancellation check.
+#: each recently seen stream's next cancellation check (more than any batch: spec_decode's streams at once).
 RECENT_STREAMS = 1024
 
 
@@ -62,7 +62,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 sid = self._stream_id(request)
-                if sid is not None and self._check_due(sid) and request.is_cancelled():
+                if sid is not None and sid not in self.cancelled and self._check_due(sid) and request.is_cancelled():
                     # answered normally all the same: an error response here leaves the cancelled
                     # ensemble request waiting forever for spec_decode's last response (Triton 2.51),
                     # which blocks unloading the models
@@ -106,10 +106,11 @@ class TritonPythonModel:
         ``CANCEL_POLL_S``)."""
         now = time.monotonic()
         due = self.next_check.get(sid)
-        if due is not None and now < due:
-            return False
+        if due is not None:
+            self.next_check.move_to_end(sid)  # least recently seen first: a live stream is never the one dropped
+            if now < due:
+                return False
         self.next_check[sid] = now + CANCEL_POLL_S
-        self.next_check.move_to_end(sid)
         while len(self.next_check) > RECENT_STREAMS:
             self.next_check.popitem(last=False)
         return due is not None

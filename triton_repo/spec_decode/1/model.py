@@ -18,7 +18,8 @@ Threads of the instance:
   tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
   ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. It takes every queued event at once, so when it falls
   behind the engine a stream's queued deltas leave as one response. It polls ``is_cancelled()`` (an IPC
-  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and not before its first response.
+  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
+  response, never before it.
 - the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
   (:mod:`splitspec.metrics`). The engine process checks the target's worker processes itself.
 
@@ -29,7 +30,7 @@ for it (unless token ids were asked for).
 
 Cancellation: a client that cancels a gRPC stream or drops an HTTP ``generate_stream`` connection
 cancels the ensemble request; Triton 2.51 does not pass that on to this already running step, but it
-marks the *next* postprocessing request cancelled. Postprocessing then sends this model a control
+marks the later postprocessing requests cancelled. Postprocessing (asking at most every ``CANCEL_POLL_S`` per stream) then sends this model a control
 request carrying the stream's ``stream_id`` (input ``cancel_stream_id``), and the engine frees the
 sequence's batch slot and KV blocks at the start of its next cycle. Requests sent to this model
 directly are cancelled through ``is_cancelled()`` (noticed within ``CANCEL_POLL_S`` and a cycle).
@@ -138,7 +139,7 @@ class _Stream:
         self.done = False  # the final response (or an error) was sent
         self.cancelled = False
         self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
-        self.next_poll = time.monotonic() + CANCEL_POLL_S  # of the next is_cancelled() poll (none before the first response)
+        self.next_poll = time.monotonic() + CANCEL_POLL_S  # of the next is_cancelled() poll
 
 
 class TritonPythonModel:
@@ -393,13 +394,12 @@ class TritonPythonModel:
         if not ev.finished:
             if st.cancelled or hold:
                 return
-            now = time.monotonic()
-            if now >= st.next_poll:  # a request sent to this model directly may have been cancelled
-                st.next_poll = now + CANCEL_POLL_S
-                if self._client_cancelled(st):
-                    return
             if st.stream and (st.text or (st.want_ids and st.ids)):
                 self._send(st, None)
+            now = time.monotonic()
+            if now >= st.next_poll:  # a request sent to this model directly may have been cancelled; asked after
+                st.next_poll = now + CANCEL_POLL_S  # the response, which the IPC round trip then never delays
+                self._client_cancelled(st)
             return
         self.collector.on_finished(ev.finish_reason, ev.stats)
         if ev.finish_reason == "cancelled" and st.cancel_cycle is not None:
