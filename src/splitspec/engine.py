@@ -608,6 +608,8 @@ class Group:
             self._release_graphs()
             if t is None or not t.is_alive():  # else leaving the group could block as well; the process is ending anyway
                 dist.destroy_process_group()
+        else:  # one rank: its graphs (and their memory pools) go now, not whenever the runner is collected
+            self._release_graphs()
         self._kill()
         self.procs = []
 
