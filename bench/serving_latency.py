@@ -30,9 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-from splitspec.bench import TRITON_MODELS, model_stats, stats_delta
+from splitspec.bench import model_stats, stats_delta
 from splitspec.client import stream_grpc
-from splitspec.repo import render_repo
+from splitspec.repo import MODELS, render_repo
 from splitspec.server import TritonServer
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(root):", "class Stack:\n    def push(self, item):",
@@ -126,7 +126,7 @@ def run_level(grpc: str, http: str, concurrency: int, n_requests: int, max_token
     print(f"  end-to-end                   {summary([r['e2e'] - r['e2e_ms'] for r in results])}")
     n = len(results)
     print(f"Triton per-model statistics over the run (ms per request; {responses / n:.1f} responses per request)")
-    for m in TRITON_MODELS:
+    for m in MODELS:
         d = delta[m]
         parts = [f"{phase} {ms / n:7.2f}" for phase, (count, ms) in d.items() if phase != "success" and count]
         calls = d["compute_infer"][0]

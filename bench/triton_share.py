@@ -208,6 +208,13 @@ class _Collector:
         return self.tokens, self.final.stats, self.final.finish_reason
 
 
+def _requests(a: argparse.Namespace, tok, prompts: list[Prompt]) -> tuple[list[Request], list[Request]]:
+    """The measured requests (greedy, ``a.max_tokens``, k = ``a.k``), one per prompt, and their warm-ups (the same
+    prompts, :data:`WARMUP_TOKENS` each: every prompt's prefill shape and a few decode cycles)."""
+    reqs = [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
+    return reqs, [Request(r.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k) for r in reqs]
+
+
 def _load_kwargs(a: argparse.Namespace) -> dict:
     """:meth:`SpeculativeEngine.load` keyword arguments for the settings in ``a``."""
     return {"target_device_ids": [int(x) for x in a.device_ids.split(",")] if a.device_ids else None,
@@ -229,9 +236,9 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
     kw = _load_kwargs(a)
     eng = SpeculativeEngine.load(Path(a.engines), **kw)
     try:
-        reqs = [Request(encode_prompt(eng.tokenizer, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
-        for req in reqs:  # warm-up: every prompt's prefill shape, a few decode cycles
-            run_closed_loop(eng, [Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k)], 1)
+        reqs, warm_up = _requests(a, eng.tokenizer, prompts)
+        for req in warm_up:
+            run_closed_loop(eng, [req], 1)
 
         def cpu() -> dict[str, float]:
             return cpu_seconds(os.getpid(), "engine", prune=set(others.values()))
@@ -286,8 +293,7 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
     proc = EngineProcess(Path(a.engines), on_cycle, on_failed, env=env, **_load_kwargs(a), synthetic_acceptance=None)
     others[name] = proc.pid
     try:
-        tok = ChatTokenizer.from_dir(Path(a.engines) / "target")
-        reqs = [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
+        reqs, warm_up = _requests(a, ChatTokenizer.from_dir(Path(a.engines) / "target"), prompts)
         sids = itertools.count(1)
 
         def one(req: Request) -> tuple[list[int], RequestStats, str]:
@@ -304,8 +310,8 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
             tokens, stats, reason = one(reqs[i])
             return _row(prompts[i], tokens, stats, reason, time.perf_counter() - t)
 
-        for req in reqs:
-            one(Request(req.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k))
+        for req in warm_up:
+            one(req)
         yield Phase(run, lambda: cpu_seconds(proc.pid))
     finally:
         proc.close()

@@ -61,6 +61,7 @@ import requests
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.io import write_atomic
 from splitspec.perf import PROJECT_ROOT, Prompt, load_prompts, parse_levels
+from splitspec.repo import MODELS
 from splitspec.server import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
@@ -229,14 +230,12 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return out
 
 
-#: The repository's models, as Triton names them (``/v2/models/<name>/stats``).
-TRITON_MODELS = ("ensemble", "preprocessing", "spec_decode", "postprocessing")
 #: Phases of a model's ``inference_stats`` (Triton's statistics extension), each a count and nanoseconds.
 STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 def model_stats(http: str) -> dict[str, dict]:
-    """``{model: inference_stats}`` of :data:`TRITON_MODELS` from Triton's statistics endpoint (cumulative since
+    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.repo.MODELS`) from Triton's statistics endpoint (cumulative since
     the model loaded; ``{phase: {"count": n, "ns": total}}``).
 
     Raises:
@@ -245,7 +244,7 @@ def model_stats(http: str) -> dict[str, dict]:
     out = {}
     with requests.Session() as s:
         s.trust_env = False  # localhost only: never through a proxy
-        for m in TRITON_MODELS:
+        for m in MODELS:
             r = s.get(f"{http}/v2/models/{m}/stats", timeout=10)
             r.raise_for_status()
             out[m] = r.json()["model_stats"][0]["inference_stats"]
@@ -255,7 +254,7 @@ def model_stats(http: str) -> dict[str, dict]:
 def stats_delta(before: dict, after: dict) -> dict[str, dict[str, tuple[int, float]]]:
     """``{model: {phase: (count, ms)}}`` between two :func:`model_stats` snapshots."""
     out = {}
-    for m in TRITON_MODELS:
+    for m in MODELS:
         out[m] = {}
         for phase in STATS_PHASES:
             b, a = before[m].get(phase, {}), after[m].get(phase, {})

@@ -581,8 +581,8 @@ class Group:
         if self.closed:
             return
         self.closed = True
-        if self.world > 1 and dist.is_initialized():
-            t = None
+        group, t = self.world > 1 and dist.is_initialized(), None
+        if group:
             if not self._sending_plan:  # else the control group is mid-message (see _send_plan): kill the workers
                 sent = threading.Event()
 
@@ -605,11 +605,11 @@ class Group:
             self._kill()
             if t is not None:
                 t.join(timeout=5)
-            self._release_graphs()
-            if t is None or not t.is_alive():  # else leaving the group could block as well; the process is ending anyway
-                dist.destroy_process_group()
-        else:  # one rank: its graphs (and their memory pools) go now, not whenever the runner is collected
-            self._release_graphs()
+        # the graphs (and their memory pools) go now, with one rank too, not whenever the runner is collected; with a
+        # group, after its workers and before leaving it (they hold its collectives)
+        self._release_graphs()
+        if group and (t is None or not t.is_alive()):  # else leaving the group could block as well; the process is ending anyway
+            dist.destroy_process_group()
         self._kill()
         self.procs = []
 
