@@ -10,7 +10,8 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 2. Served (``served``): a repository rendered for the same engines and settings (k, devices, draft_tp,
    batch and KV limits), tritonserver started; requests streamed over one open gRPC stream
    (``return_stats``), each timed from sending to the final response.
-3. After a warm-up of each (a short request per prompt), ``--rounds`` times every prompt (one request at a
+3. After a warm-up of each (every measured request once: each prompt's prefill shape and every key window its
+   decode cycles reach, whose CUDA graphs are captured on first use), ``--rounds`` times every prompt (one request at a
    time, greedy, ``max_tokens``). While one phase runs, the others are idle.
 
 ``--also`` adds steps between the two, to find where a difference comes from:
@@ -72,8 +73,6 @@ from splitspec.tokenizer import ChatTokenizer  # noqa: E402
 #: and the last, which always run.
 PHASES = ("engine_alone", "engine_loop", "engine_process", "engine_process_triton_env", "served")
 
-#: Output tokens of each warm-up request (one per prompt, before measuring).
-WARMUP_TOKENS = 8
 
 
 def _sha(ids: list[int]) -> str:
@@ -178,10 +177,10 @@ class Phase:
 
 def _row(p: Prompt, token_ids: list[int], stats: RequestStats, finish_reason: str, wall_s: float) -> dict:
     """One request of an in-engine phase: ``tokens``, ``wall_ms`` (submit → finished, seen by this process),
-    ``ttft_ms`` and ``e2e_ms`` (the engine's own), ``draft_verify_ms`` (its cycles' draft and verify phases,
+    ``ttft_ms`` and ``e2e_ms`` (the engine's own), ``cycles`` (its decode cycles), ``draft_verify_ms`` (its cycles' draft and verify phases,
     summed), ``acceptance_length``, ``finish_reason``, ``output_sha``."""
     return {"prompt_id": p.id, "tokens": len(token_ids), "wall_ms": wall_s * 1e3, "ttft_ms": stats.ttft_ms,
-            "e2e_ms": stats.e2e_ms, "draft_verify_ms": stats.draft_ms + stats.verify_ms,
+            "e2e_ms": stats.e2e_ms, "cycles": stats.num_cycles, "draft_verify_ms": stats.draft_ms + stats.verify_ms,
             "acceptance_length": stats.acceptance_length, "finish_reason": finish_reason, "output_sha": _sha(token_ids)}
 
 
@@ -208,11 +207,10 @@ class _Collector:
         return self.tokens, self.final.stats, self.final.finish_reason
 
 
-def _requests(a: argparse.Namespace, tok, prompts: list[Prompt]) -> tuple[list[Request], list[Request]]:
-    """The measured requests (greedy, ``a.max_tokens``, k = ``a.k``), one per prompt, and their warm-ups (the same
-    prompts, :data:`WARMUP_TOKENS` each: every prompt's prefill shape and a few decode cycles)."""
-    reqs = [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
-    return reqs, [Request(r.prompt_ids, WARMUP_TOKENS, num_draft_tokens=a.k) for r in reqs]
+def _requests(a: argparse.Namespace, tok, prompts: list[Prompt]) -> list[Request]:
+    """The measured requests (greedy, ``a.max_tokens``, k = ``a.k``), one per prompt; each phase runs them all once
+    to warm up."""
+    return [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
 
 
 def _load_kwargs(a: argparse.Namespace) -> dict:
@@ -224,7 +222,7 @@ def _load_kwargs(a: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str, int]) -> Iterator[dict[str, Phase]]:
-    """Load the engine in this process and warm it up (a request of :data:`WARMUP_TOKENS` per prompt); yield two
+    """Load the engine in this process and warm it up (every measured request once); yield two
     phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.generate.run_closed_loop`),
     ``"engine_loop"`` on the thread of an :class:`EngineLoop` started for the request (before its clock starts)
     and stopped after it. The engine is closed (its GPUs freed) on exit.
@@ -236,8 +234,8 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
     kw = _load_kwargs(a)
     eng = SpeculativeEngine.load(Path(a.engines), **kw)
     try:
-        reqs, warm_up = _requests(a, eng.tokenizer, prompts)
-        for req in warm_up:
+        reqs = _requests(a, eng.tokenizer, prompts)
+        for req in reqs:
             run_closed_loop(eng, [req], 1)
 
         def cpu() -> dict[str, float]:
@@ -293,7 +291,7 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
     proc = EngineProcess(Path(a.engines), on_cycle, on_failed, env=env, **_load_kwargs(a), synthetic_acceptance=None)
     others[name] = proc.pid
     try:
-        reqs, warm_up = _requests(a, ChatTokenizer.from_dir(Path(a.engines) / "target"), prompts)
+        reqs = _requests(a, ChatTokenizer.from_dir(Path(a.engines) / "target"), prompts)
         sids = itertools.count(1)
 
         def one(req: Request) -> tuple[list[int], RequestStats, str]:
@@ -310,7 +308,7 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
             tokens, stats, reason = one(reqs[i])
             return _row(prompts[i], tokens, stats, reason, time.perf_counter() - t)
 
-        for req in warm_up:
+        for req in reqs:
             one(req)
         yield Phase(run, lambda: cpu_seconds(proc.pid))
     finally:
@@ -341,7 +339,7 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
         kw = {"draft_tp": a.draft_tp, "concurrency": 1}
         try:
             for p in prompts:  # warm-up, as for the engine alone
-                worker.run(p, WARMUP_TOKENS, a.k, block=-1, **kw)
+                worker.run(p, a.max_tokens, a.k, block=-1, **kw)
 
             def run(i: int) -> dict:
                 r = worker.run(prompts[i], a.max_tokens, a.k, block=0, **kw)
@@ -386,6 +384,7 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
         "served_responses_per_request": mean(r["responses"] for r in served),
         "acceptance_length": mean(r["acceptance_length"] for r in engine),
         "outputs_differing": sum(e["output_sha"] != s["output_sha"] for e, s in zip(engine, served)),
+        "excess": excess_split(served, engine),
     }
 
 
@@ -406,6 +405,25 @@ def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed
     return [float(x) for x in np.percentile(ratio, [2.5, 97.5])]
 
 
+def excess_split(rows: list[dict], engine: list[dict]) -> dict:
+    """How much longer ``rows``' requests took than the engine alone's (the same requests, pairwise), split by least
+    squares into a part per request and a part per decode cycle: ``wall_ms - engine wall_ms ≈ per_request_ms +
+    per_cycle_ms · cycles`` (cycles: the engine alone's count; greedy outputs are the same). With
+    ``engine_ms_per_cycle`` (the engine alone's wall time per cycle, request time included) the ratio of a request of
+    ``n`` cycles follows as ``n·t / (n·t + per_request_ms + n·per_cycle_ms)``; ``asymptotic_ratio`` is its limit.
+    Needs requests of different lengths (``--max-tokens`` above what some prompts stop at); None values otherwise."""
+    import numpy as np  # noqa: PLC0415
+
+    n = np.array([e["cycles"] for e in engine], dtype=float)
+    extra = np.array([r["wall_ms"] - e["wall_ms"] for r, e in zip(rows, engine)])
+    t = sum(e["wall_ms"] for e in engine) / n.sum()
+    if np.ptp(n) == 0:
+        return {"per_request_ms": None, "per_cycle_ms": None, "engine_ms_per_cycle": float(t), "asymptotic_ratio": None}
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), extra, rcond=None)
+    return {"per_request_ms": float(a), "per_cycle_ms": float(b), "engine_ms_per_cycle": float(t),
+            "asymptotic_ratio": float(t / (t + b))}
+
+
 def phase_summary(rows: list[dict], engine: list[dict]) -> dict:
     """Figures of an in-engine phase of ``--also`` against the engine alone's rows (same requests, same order):
     tokens/s and their ratio; ms per request (means): wall, the engine's own e2e, its draft + verify and the rest,
@@ -417,7 +435,16 @@ def phase_summary(rows: list[dict], engine: list[dict]) -> dict:
             "draft_verify_ms_per_request": mean(r["draft_verify_ms"] for r in rows),
             "rest_ms_per_request": mean(r["e2e_ms"] - r["draft_verify_ms"] for r in rows),
             "slower_than_alone_ms_per_request": mean(r["e2e_ms"] - e["e2e_ms"] for r, e in zip(rows, engine)),
+            "excess": excess_split(rows, engine),
             "outputs_differing": sum(r["output_sha"] != e["output_sha"] for r, e in zip(rows, engine))}
+
+
+def excess_text(x: dict) -> str:
+    """One line for :func:`excess_split`'s figures."""
+    if x["per_request_ms"] is None:
+        return "excess over alone not split (every request ran the same number of cycles)"
+    return (f"excess over alone ≈ {x['per_request_ms']:+.2f} ms per request {x['per_cycle_ms']:+.3f} ms per cycle "
+            f"(alone: {x['engine_ms_per_cycle']:.2f} ms per cycle; ratio for long requests → {x['asymptotic_ratio']:.3f})")
 
 
 def print_table(s: dict, n: int) -> None:
@@ -438,6 +465,7 @@ def print_table(s: dict, n: int) -> None:
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
           f"greedy outputs differing: {s['outputs_differing']}")
+    print(f"served: {excess_text(s['excess'])}")
     print(f"inside the engine, per request: draft + verify {s['engine_draft_verify_ms_per_request']:.1f} ms alone, "
           f"{s['served_draft_verify_ms_per_request']:.1f} ms served; the rest of its time {s['engine_rest_ms_per_request']:.1f} "
           f"ms alone, {s['served_rest_ms_per_request']:.1f} ms served")
@@ -454,7 +482,46 @@ def print_table(s: dict, n: int) -> None:
               f"({ph['ratio_ci95'][0]:.3f}–{ph['ratio_ci95'][1]:.3f}); per request "
               f"e2e {ph['e2e_ms_per_request']:.1f} ms ({ph['slower_than_alone_ms_per_request']:+.1f} against alone: draft + "
               f"verify {ph['draft_verify_ms_per_request']:.1f}, rest {ph['rest_ms_per_request']:.1f}); CPU ms per output "
-              f"token {fmt(s['cpu_ms_per_output_token_' + name])}; outputs differing {ph['outputs_differing']}")
+              f"token {fmt(s['cpu_ms_per_output_token_' + name])}; outputs differing {ph['outputs_differing']}; "
+              f"{excess_text(ph['excess'])}")
+
+
+def plot_excess(result: dict, path: Path) -> Path | None:
+    """Scatter of each phase's excess over the engine alone (ms per request) against the request's cycles, with the
+    :func:`excess_split` line, as PNG at ``path``. Returns None (and says why) without matplotlib (the GPU image may
+    lack it: ``--replot`` draws it later from ``results.json``)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print(f"no matplotlib here: no plot (bench/triton_share.py --replot {path.parent / 'results.json'} draws it)")
+        return None
+    engine = result["engine"]
+    if any("cycles" not in e for e in engine):
+        print("these results have no cycle counts (written before they were recorded): no plot")
+        return None
+    s = result["summary"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in [*s.get("phases", {}), "served"]:
+        rows, x = result[name], (s if name == "served" else s["phases"][name])["excess"]
+        n = [e["cycles"] for e in engine]
+        pts = ax.scatter(n, [r["wall_ms"] - e["wall_ms"] for r, e in zip(rows, engine)], s=8, alpha=0.5, label=name)
+        if x["per_cycle_ms"] is not None:
+            ax.plot([0, max(n)], [x["per_request_ms"], x["per_request_ms"] + x["per_cycle_ms"] * max(n)],
+                    color=pts.get_facecolor()[0][:3],
+                    label=f"{name}: {x['per_request_ms']:+.2f} ms {x['per_cycle_ms']:+.3f} ms/cycle")
+    ax.axhline(0, color="grey", lw=0.5)
+    meta = result["meta"]["settings"]
+    ax.set(xlabel="decode cycles of the request (engine alone)", ylabel="wall time over the engine alone's (ms)",
+           title=f"Triton's share at batch 1: ratio {s['ratio_served_to_engine']:.3f} "
+                 f"(k={meta['k']}, max_tokens {meta['max_tokens']}, devices {meta['device_ids'] or 'cpu'})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,7 +542,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
+    p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
+                   "results.json (beside it, excess.png) and exit")
     a = p.parse_args(argv)
+    if a.replot:
+        path = Path(a.replot)
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--replot {path}: cannot read it as JSON ({e})")
+        if not {"meta", "summary", "engine", "served"} <= result.keys():
+            p.error(f"--replot {path}: not a results.json of this script (needs meta, summary, engine, served)")
+        done = plot_excess(result, path.with_name("excess.png"))
+        if done:
+            print(f"plot: {done}")
+        return 0 if done else 1
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1 (got {a.rounds})")
     also = {x for x in a.also.split(",") if x}
@@ -556,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "tritonserver.log").write_text(server.get("log_tail", ""))
     print(f"results: {out / 'results.json'}")
+    if done := plot_excess(result, out / "excess.png"):
+        print(f"plot: {done}")
     return 0
 
 
