@@ -483,8 +483,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
     skip = set(a.skip.split(","))
+    from splitspec.bench import git_commit
+
     RESULTS["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(ngpu)] if not a.dry_run else ["cpu"],
-                          "torch": torch.__version__, "python": sys.version.split()[0],
+                          "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit(),
+                          "argv": sys.argv[1:], "splitspec_env": {k: v for k, v in os.environ.items() if k.startswith("SPLITSPEC_")},
                           "inductor_env": {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}}
     if a.dry_run:
         os.environ["SPLITSPEC_PADDED"] = "1"

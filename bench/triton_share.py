@@ -36,7 +36,9 @@ rest (outside the engine: gRPC, preprocessing, execute, one postprocessing call 
 On a GPU machine without network: ``make gpu-carry`` here, carry ``.carry`` (and the models or engines),
 ``bash scripts/gpu_setup.sh`` there, then run with ``/tmp/tsenv/bin/python``.
 
-Prints a table and writes ``results.json`` to ``--out``.
+Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``excess`` split per request and per
+cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
+from a file) and ``tritonserver.log``.
 """
 
 from __future__ import annotations
@@ -411,23 +413,35 @@ def excess_split(rows: list[dict], engine: list[dict]) -> dict:
     per_cycle_ms · cycles`` (cycles: the engine alone's count; greedy outputs are the same). With
     ``engine_ms_per_cycle`` (the engine alone's wall time per cycle, request time included) the ratio of a request of
     ``n`` cycles follows as ``n·t / (n·t + per_request_ms + n·per_cycle_ms)``; ``asymptotic_ratio`` is its limit.
-    Needs requests of different lengths (``--max-tokens`` above what some prompts stop at); None values otherwise."""
+
+    The intercept rests on the spread of the requests' lengths: with the demo prompts most requests run to
+    ``max_tokens`` and only a few prompts stop early, so those few prompts set it. All four values are None when the
+    split is undefined (fewer than 3 requests, no cycles, all requests of one length, values not finite);
+    ``asymptotic_ratio`` also when ``t + per_cycle_ms`` is not positive.
+
+    Raises:
+        ValueError: ``rows`` and ``engine`` differ in length.
+    """
     import numpy as np  # noqa: PLC0415
 
+    if len(rows) != len(engine):
+        raise ValueError(f"excess_split: {len(rows)} rows against {len(engine)} of the engine alone")
+    none = {"per_request_ms": None, "per_cycle_ms": None, "engine_ms_per_cycle": None, "asymptotic_ratio": None}
     n = np.array([e["cycles"] for e in engine], dtype=float)
-    extra = np.array([r["wall_ms"] - e["wall_ms"] for r, e in zip(rows, engine)])
-    t = sum(e["wall_ms"] for e in engine) / n.sum()
-    if np.ptp(n) == 0:
-        return {"per_request_ms": None, "per_cycle_ms": None, "engine_ms_per_cycle": float(t), "asymptotic_ratio": None}
+    extra = np.array([r["wall_ms"] - e["wall_ms"] for r, e in zip(rows, engine)], dtype=float)
+    if len(n) < 3 or n.sum() <= 0 or not (np.isfinite(n).all() and np.isfinite(extra).all()) or np.ptp(n) == 0:
+        return none
+    t = float(sum(e["wall_ms"] for e in engine) / n.sum())
     (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), extra, rcond=None)
-    return {"per_request_ms": float(a), "per_cycle_ms": float(b), "engine_ms_per_cycle": float(t),
-            "asymptotic_ratio": float(t / (t + b))}
+    return {"per_request_ms": float(a), "per_cycle_ms": float(b), "engine_ms_per_cycle": t,
+            "asymptotic_ratio": t / (t + b) if t + b > 0 else None}
 
 
 def phase_summary(rows: list[dict], engine: list[dict]) -> dict:
     """Figures of an in-engine phase of ``--also`` against the engine alone's rows (same requests, same order):
-    tokens/s and their ratio; ms per request (means): wall, the engine's own e2e, its draft + verify and the rest,
-    and how much longer its e2e was than alone's."""
+    tokens/s, their ratio and its 95% interval (:func:`ratio_ci95`); ms per request (means): wall, the engine's own
+    e2e, its draft + verify and the rest, and how much longer its e2e was than alone's; the excess split
+    (:func:`excess_split`); how many greedy outputs differ."""
     mean = statistics.fmean
     tps = tokens_per_s(rows)
     return {"tokens_per_s": tps, "ratio_to_engine_alone": tps / tokens_per_s(engine), "ratio_ci95": ratio_ci95(rows, engine),
@@ -442,9 +456,10 @@ def phase_summary(rows: list[dict], engine: list[dict]) -> dict:
 def excess_text(x: dict) -> str:
     """One line for :func:`excess_split`'s figures."""
     if x["per_request_ms"] is None:
-        return "excess over alone not split (every request ran the same number of cycles)"
+        return "excess over alone not split (too few requests, or all of one length)"
+    limit = "—" if x["asymptotic_ratio"] is None else f"{x['asymptotic_ratio']:.3f}"
     return (f"excess over alone ≈ {x['per_request_ms']:+.2f} ms per request {x['per_cycle_ms']:+.3f} ms per cycle "
-            f"(alone: {x['engine_ms_per_cycle']:.2f} ms per cycle; ratio for long requests → {x['asymptotic_ratio']:.3f})")
+            f"(alone: {x['engine_ms_per_cycle']:.2f} ms per cycle; ratio for long requests → {limit})")
 
 
 def print_table(s: dict, n: int) -> None:
@@ -486,37 +501,61 @@ def print_table(s: dict, n: int) -> None:
               f"{excess_text(ph['excess'])}")
 
 
+def _phase_rows(result: dict, name: str, n: int | None) -> list[dict]:
+    """``result[name]``: request rows with numeric ``wall_ms`` and ``tokens`` (and ``cycles`` for the engine alone's),
+    ``n`` of them when given. Raises ValueError naming the phase and what is wrong."""
+    rows = result.get(name)
+    need = ("wall_ms", "tokens", "cycles") if name == "engine" else ("wall_ms", "tokens")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"'{name}': expected a non-empty list of request rows")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or any(not isinstance(r.get(k), (int, float)) for k in need):
+            if name == "engine" and isinstance(r, dict) and "cycles" not in r:
+                raise ValueError("'engine': its rows have no 'cycles' (results written before cycle counts were recorded)")
+            raise ValueError(f"'{name}' row {i}: expected numbers under {', '.join(need)}")
+    if n is not None and len(rows) != n:
+        raise ValueError(f"'{name}': {len(rows)} rows, but the engine alone has {n}")
+    return rows
+
+
 def plot_excess(result: dict, path: Path) -> Path | None:
     """Scatter of each phase's excess over the engine alone (ms per request) against the request's cycles, with the
-    :func:`excess_split` line, as PNG at ``path``. Returns None (and says why) without matplotlib (the GPU image may
-    lack it: ``--replot`` draws it later from ``results.json``)."""
+    :func:`excess_split` line, as PNG at ``path``; from the request rows of a ``results.json`` (``engine``, ``served``
+    and any ``--also`` phases). Returns None (and says why) without matplotlib (the GPU image may lack it:
+    ``--replot`` draws it later).
+
+    Raises:
+        ValueError: ``result`` is not this script's results (a phase's rows missing or malformed).
+    """
+    if not isinstance(result, dict):
+        raise ValueError(f"expected a JSON object with the request rows, got {type(result).__name__}")
+    engine = _phase_rows(result, "engine", None)
+    phases = {name: _phase_rows(result, name, len(engine)) for name in [*PHASES[1:-1], "served"] if name in result}
+    if "served" not in phases:
+        raise ValueError("'served': missing")
     try:
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        print(f"no matplotlib here: no plot (bench/triton_share.py --replot {path.parent / 'results.json'} draws it)")
+        print(f"no matplotlib here: no plot (bench/triton_share.py --replot {path.with_suffix('.json')} draws it)")
         return None
-    engine = result["engine"]
-    if any("cycles" not in e for e in engine):
-        print("these results have no cycle counts (written before they were recorded): no plot")
-        return None
-    s = result["summary"]
+    n = [e["cycles"] for e in engine]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in [*s.get("phases", {}), "served"]:
-        rows, x = result[name], (s if name == "served" else s["phases"][name])["excess"]
-        n = [e["cycles"] for e in engine]
+    for name, rows in phases.items():
+        x = excess_split(rows, engine)
         pts = ax.scatter(n, [r["wall_ms"] - e["wall_ms"] for r, e in zip(rows, engine)], s=8, alpha=0.5, label=name)
         if x["per_cycle_ms"] is not None:
             ax.plot([0, max(n)], [x["per_request_ms"], x["per_request_ms"] + x["per_cycle_ms"] * max(n)],
                     color=pts.get_facecolor()[0][:3],
                     label=f"{name}: {x['per_request_ms']:+.2f} ms {x['per_cycle_ms']:+.3f} ms/cycle")
     ax.axhline(0, color="grey", lw=0.5)
-    meta = result["meta"]["settings"]
+    meta = result.get("meta", {}).get("settings", {}) if isinstance(result.get("meta"), dict) else {}
+    ratio = tokens_per_s(phases["served"]) / tokens_per_s(engine)
     ax.set(xlabel="decode cycles of the request (engine alone)", ylabel="wall time over the engine alone's (ms)",
-           title=f"Triton's share at batch 1: ratio {s['ratio_served_to_engine']:.3f} "
-                 f"(k={meta['k']}, max_tokens {meta['max_tokens']}, devices {meta['device_ids'] or 'cpu'})")
+           title=f"Triton's share at batch 1: ratio {ratio:.3f} (k={meta.get('k', '?')}, max_tokens "
+                 f"{meta.get('max_tokens', '?')}, devices {meta.get('device_ids') or 'cpu'})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -543,17 +582,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
-                   "results.json (beside it, excess.png) and exit")
+                   "results (beside the file, the same name with .png) and exit")
     a = p.parse_args(argv)
     if a.replot:
         path = Path(a.replot)
         try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            p.error(f"--replot {path}: cannot read it as JSON ({e})")
-        if not {"meta", "summary", "engine", "served"} <= result.keys():
-            p.error(f"--replot {path}: not a results.json of this script (needs meta, summary, engine, served)")
-        done = plot_excess(result, path.with_name("excess.png"))
+            done = plot_excess(json.loads(path.read_text()), path.with_suffix(".png"))
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--replot {path}: cannot read it ({e})")
+        except json.JSONDecodeError as e:
+            p.error(f"--replot {path}: not JSON ({e})")
+        except ValueError as e:  # not this script's results
+            p.error(f"--replot {path}: {e}")
         if done:
             print(f"plot: {done}")
         return 0 if done else 1
@@ -637,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "tritonserver.log").write_text(server.get("log_tail", ""))
     print(f"results: {out / 'results.json'}")
-    if done := plot_excess(result, out / "excess.png"):
+    if done := plot_excess(result, out / "results.png"):
         print(f"plot: {done}")
     return 0
 

@@ -125,7 +125,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git_commit() -> dict:
+def git_commit() -> dict:
+    """``{"commit": HEAD's hash or None, "dirty": whether tracked files differ from it}`` of this checkout."""
+
     def git(*args: str) -> str:
         try:
             r = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=20)
@@ -163,7 +165,7 @@ def machine_info() -> dict:
             "versions": {"torch": torch_v, "numpy": _version("numpy"), "tritonclient": _version("tritonclient"),
                          "nvidia-pytriton": _version("nvidia-pytriton"), "genai-perf": _version("genai-perf"),
                          "splitspec": _version("splitspec")},
-            "git": _git_commit()}
+            "git": git_commit()}
 
 
 def engine_info(engines: Path) -> dict:

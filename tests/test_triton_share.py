@@ -1,0 +1,78 @@
+"""bench/triton_share.py's analysis: the split of the served excess into a part per request and a part per cycle
+(checked against rows built from a known line), and ``--replot``'s answers to files that are not its results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "triton_share.py"
+
+
+@pytest.fixture(scope="module")
+def ts():
+    spec = importlib.util.spec_from_file_location("triton_share", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["triton_share"] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(cycles: list[int], ms_per_cycle: float, per_request: float, per_cycle: float) -> tuple[list[dict], list[dict]]:
+    """Engine-alone rows of ``cycles`` at ``ms_per_cycle``, and rows slower by ``per_request + per_cycle · cycles``."""
+    engine = [{"cycles": n, "wall_ms": 5.0 + ms_per_cycle * n, "tokens": 4 * n + 1} for n in cycles]
+    slower = [{"wall_ms": e["wall_ms"] + per_request + per_cycle * e["cycles"], "tokens": e["tokens"]} for e in engine]
+    return slower, engine
+
+
+def test_excess_split_recovers_a_known_line(ts):
+    rows, engine = _rows([2, 6, 27, 31, 35, 38], 3.6, 4.5, 0.08)
+    x = ts.excess_split(rows, engine)
+    assert x["per_request_ms"] == pytest.approx(4.5, abs=1e-9)
+    assert x["per_cycle_ms"] == pytest.approx(0.08, abs=1e-9)
+    t = sum(e["wall_ms"] for e in engine) / sum(e["cycles"] for e in engine)  # 5 ms per request spread over cycles
+    assert x["engine_ms_per_cycle"] == pytest.approx(t)
+    assert x["asymptotic_ratio"] == pytest.approx(t / (t + 0.08))
+    # a request of n cycles: n·t / (n·t + a + b·n), as the docstring says, tends to the asymptotic ratio
+    n = 1e9
+    assert n * t / (n * t + 4.5 + 0.08 * n) == pytest.approx(x["asymptotic_ratio"])
+
+
+@pytest.mark.parametrize("cycles", [[30, 30, 30], [5, 9], [0, 0, 0]])
+def test_excess_split_is_undefined_without_spread(ts, cycles):
+    rows, engine = _rows(cycles, 3.6, 4.5, 0.08)
+    assert set(ts.excess_split(rows, engine).values()) == {None}
+
+
+def test_excess_split_refuses_nan_and_mismatched_rows(ts):
+    rows, engine = _rows([2, 6, 27, 31], 3.6, 4.5, 0.08)
+    rows[1]["wall_ms"] = math.nan
+    assert set(ts.excess_split(rows, engine).values()) == {None}
+    with pytest.raises(ValueError, match="3 rows against 4"):
+        ts.excess_split(rows[:3], engine)
+
+
+def test_replot_draws_results_and_names_what_is_wrong(ts, tmp_path, capsys):
+    served, engine = _rows([2, 6, 27, 31, 35], 3.6, 4.5, 0.08)
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"meta": {"settings": {"k": 4, "max_tokens": 128, "device_ids": "0,1"}},
+                                "engine": engine, "served": served, "engine_process": engine}))
+    assert ts.main(["--replot", str(good)]) == 0
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    cases = {"missing.json": (None, "cannot read it"), "bad.json": ("nope", "not JSON"),
+             "list.json": ("[1, 2]", "expected a JSON object"),
+             "old.json": (json.dumps({"engine": [{"wall_ms": 1.0, "tokens": 3}], "served": []}), "no 'cycles'"),
+             "short.json": (json.dumps({"engine": engine, "served": served[:2]}), "'served': 2 rows, but the engine alone has 5"),
+             "no_served.json": (json.dumps({"engine": engine}), "'served': missing")}
+    for name, (text, why) in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            ts.main(["--replot", str(tmp_path / name)])
+        assert e.value.code == 2
+        assert why in capsys.readouterr().err, name
