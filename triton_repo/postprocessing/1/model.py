@@ -34,6 +34,15 @@ from splitspec.tokenizer import ChatTokenizer
 RECENT_STREAMS = 1024
 
 
+def _remember(recent, key, value):
+    """Set ``recent[key] = value`` as the most recently seen of the ordered dict ``recent``, forgetting the least
+    recently seen keys beyond :data:`RECENT_STREAMS`."""
+    recent[key] = value
+    recent.move_to_end(key)
+    while len(recent) > RECENT_STREAMS:
+        recent.popitem(last=False)
+
+
 def _error_response(message, code="INVALID_ARG"):
     """An InferenceResponse carrying ``message`` as a Triton error (INVALID_ARG → HTTP 400)."""
     c = getattr(pb_utils.TritonError, code, None)
@@ -106,22 +115,17 @@ class TritonPythonModel:
         ``CANCEL_POLL_S``)."""
         now = time.monotonic()
         due = self.next_check.get(sid)
-        if due is not None:
+        if due is not None and now < due:
             self.next_check.move_to_end(sid)  # least recently seen first: a live stream is never the one dropped
-            if now < due:
-                return False
-        self.next_check[sid] = now + CANCEL_POLL_S
-        while len(self.next_check) > RECENT_STREAMS:
-            self.next_check.popitem(last=False)
+            return False
+        _remember(self.next_check, sid, now + CANCEL_POLL_S)
         return due is not None
 
     def _forward_cancel(self, sid):
         """Ask spec_decode to cancel stream ``sid`` (its request here was cancelled); once per stream."""
         if sid in self.cancelled:
             return
-        self.cancelled[sid] = True
-        while len(self.cancelled) > RECENT_STREAMS:
-            self.cancelled.popitem(last=False)
+        _remember(self.cancelled, sid, True)
         try:
             bls = pb_utils.InferenceRequest(
                 model_name=self.cancel_model,
