@@ -38,7 +38,10 @@ On a GPU machine without network: ``make gpu-carry`` here, carry ``.carry`` (and
 
 Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``excess`` split per request and per
 cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
-from a file) and ``tritonserver.log``.
+from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests (``trace.json``)
+and splits each served request's latency by step of the ensemble (:mod:`splitspec.triton_trace`: gRPC in,
+preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC out), in its row (``path_ms``) and
+on average (``served_path_ms_per_request``).
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 from splitspec.bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
 from splitspec.engine_process import EngineProcess  # noqa: E402
+from splitspec.errors import SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
 from splitspec.perf import Prompt, load_prompts  # noqa: E402
 from splitspec.repo import render_repo  # noqa: E402
 from splitspec.runtime import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
 from splitspec.server import TritonServer, server_env  # noqa: E402
 from splitspec.tokenizer import ChatTokenizer  # noqa: E402
+from splitspec.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
 
 #: The phases, in the order they are set up (see the module docstring); ``--also`` names those between the first
 #: and the last, which always run.
@@ -328,12 +333,15 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
 
     A row: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms`` (client: sent → first tokens),
     ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from ``return_stats``), ``draft_verify_ms``,
-    ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``.
+    ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``, ``request_id``, ``sent_ns`` (when it was
+    sent: ``time.perf_counter_ns()``). With ``a.trace_file`` tritonserver traces every request's timestamps into it
+    (:mod:`splitspec.triton_trace`; written when the server stops).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
                        kv_tokens=a.kv_tokens)
-    with TritonServer(repo, exit_timeout_s=10) as srv:
+    trace = trace_args(Path(a.trace_file)) if a.trace_file else ()
+    with TritonServer(repo, exit_timeout_s=10, extra_args=trace) as srv:
         server["startup_s"], server["pid"] = srv.startup_s, srv.pid
         others["served"] = srv.pid
         print(f"  tritonserver ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
@@ -349,7 +357,7 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
                         "ttft_ms": r.ttft_ms, "engine_e2e_ms": r.engine_e2e_ms, "engine_ttft_ms": r.engine_ttft_ms,
                         "draft_verify_ms": r.draft_ms + r.verify_ms, "responses": len(r.token_times_ms),
                         "acceptance_length": r.acceptance_length, "finish_reason": r.finish_reason,
-                        "output_sha": r.output_sha}
+                        "output_sha": r.output_sha, "request_id": r.request_id, "sent_ns": r.sent_ns}
 
             before = model_stats(srv.http_url)
             yield Phase(run, lambda: cpu_seconds(srv.pid))
@@ -358,6 +366,19 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
             worker.close()
             server["log_tail"] = srv.log_tail(20000)
             others.pop("served", None)
+
+
+def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
+    """Give each served row its ``path_ms`` (:func:`splitspec.triton_trace.request_path`: its latency split by step of
+    the ensemble, from the trace file ``path``); returns the parts' means over the rows (ms per request), and
+    ``responses`` per request. Raises SplitspecError when a row's request has no trace or a step's is incomplete."""
+    traces = load_traces(path)
+    for r in served:
+        if r["request_id"] not in traces:
+            raise SplitspecError(f"{path}: no trace of request {r['request_id']!r}")
+        r["path_ms"] = request_path(traces[r["request_id"]], r["sent_ns"], r["wall_ms"], r["engine_e2e_ms"])
+    keys = (*PATH_PARTS, "responses", "preprocessing_execute", "last_postprocessing_execute")
+    return {k: statistics.fmean(r["path_ms"][k] for r in served) for k in keys}
 
 
 def tokens_per_s(rows: list[dict]) -> float:
@@ -481,6 +502,10 @@ def print_table(s: dict, n: int) -> None:
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
           f"greedy outputs differing: {s['outputs_differing']}")
     print(f"served: {excess_text(s['excess'])}")
+    if path := s.get("served_path_ms_per_request"):
+        print("served, ms per request by step (Triton's traces): " + " → ".join(f"{k} {path[k]:.2f}" for k in PATH_PARTS)
+              + f"; of which preprocessing's execute {path['preprocessing_execute']:.2f}, the last postprocessing's "
+              f"{path['last_postprocessing_execute']:.2f}; {path['responses']:.1f} responses")
     print(f"inside the engine, per request: draft + verify {s['engine_draft_verify_ms_per_request']:.1f} ms alone, "
           f"{s['served_draft_verify_ms_per_request']:.1f} ms served; the rest of its time {s['engine_rest_ms_per_request']:.1f} "
           f"ms alone, {s['served_rest_ms_per_request']:.1f} ms served")
@@ -580,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(needs ≥ 4 physical cores)")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
+    p.add_argument("--trace", action="store_true", help="trace every served request with Triton's trace API "
+                   "(timestamps; <out>/trace.json) and split its time by step of the ensemble (splitspec.triton_trace)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
                    "results (beside the file, the same name with .png) and exit")
@@ -606,9 +633,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = core_plan() if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
-    prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
+    try:
+        prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
+    except SplitspecError as e:
+        p.error(f"--prompts: {e}")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    a.trace_file = str((out / "trace.json").resolve()) if a.trace else None
     print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()
@@ -665,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         s[f"cores_busy_{name}"] = {k: round(v / wall_s, 3) for k, v in cpu_s[name].items()}
         s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in cpu_s[name].items()}
     s["phases"] = {name: phase_summary(rows[name], engine) for name in a.also}
+    if a.trace:
+        s["served_path_ms_per_request"] = trace_paths(Path(a.trace_file), served)
     if "model_stats" in server:  # per served request: executions and ms by phase of each model of the ensemble
         s["triton_models_per_request"] = {m: {"executions": d["compute_infer"][0] / len(served),
                                               **{f"{ph}_ms": ms / len(served) for ph, (_, ms) in d.items() if ph != "success"}}

@@ -282,6 +282,8 @@ class RequestRecord:
         num_output_tokens, acceptance_length, accepted_per_position, draft_ms, verify_ms,
         engine_ttft_ms, engine_e2e_ms, queue_ms, finish_reason: from ``return_stats``.
         output_sha: SHA-1 of the output token ids (greedy outputs are compared across k).
+        request_id: the id it was sent with; sent_ns: when (``time.perf_counter_ns()``: ``CLOCK_MONOTONIC`` on
+            Linux, the clock of Triton's trace timestamps, :mod:`splitspec.triton_trace`); "" and 0 when not known.
     """
 
     draft_tp: int
@@ -302,6 +304,8 @@ class RequestRecord:
     queue_ms: float | None
     finish_reason: str | None
     output_sha: str
+    request_id: str = ""
+    sent_ns: int = 0
 
     @property
     def cycles(self) -> int:
@@ -357,7 +361,8 @@ class StreamWorker:
         times: list[tuple[float, int]] = []
         ids: list[int] = []
         final: dict = {}
-        t0 = time.perf_counter()
+        sent_ns = time.perf_counter_ns()
+        t0 = sent_ns / 1e9
         self.client.async_stream_infer("ensemble", inputs, request_id=rid, enable_empty_final_response=True)
         while True:
             try:
@@ -396,7 +401,7 @@ class StreamWorker:
             draft_ms=float(final.get("draft_ms", 0.0)), verify_ms=float(final.get("verify_ms", 0.0)),
             engine_ttft_ms=final.get("ttft_ms"), engine_e2e_ms=final.get("e2e_ms"), queue_ms=final.get("queue_ms"),
             finish_reason=final.get("finish_reason"),
-            output_sha=hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16])
+            output_sha=hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16], request_id=rid, sent_ns=sent_ns)
 
 
 # --------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def load_prompts(path: Path | None = None, tokenizer_dir: Path | None = None) ->
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs):
             raise ConfigError(f"{where}: expected a non-empty 'prompt' string or 'messages' "
-                              "(a list of {{\"role\": ..., \"content\": ...}})")
+                              "(a list of {\"role\": ..., \"content\": ...})")
         if len(msgs) == 1 and msgs[0]["role"] == "user":
             out.append(Prompt(pid, msgs[0]["content"], True))
             continue
