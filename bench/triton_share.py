@@ -38,8 +38,9 @@ On a GPU machine without network: ``make gpu-carry`` here, carry ``.carry`` (and
 
 Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``excess`` split per request and per
 cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
-from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests (``trace.json``)
-and splits each served request's latency by step of the ensemble (:mod:`splitspec.triton_trace`: gRPC in,
+from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
+(``trace/trace.json.<index>``) and splits each served request's latency by step of the ensemble
+(:mod:`splitspec.triton_trace`: gRPC in,
 preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC out), in its row (``path_ms``) and
 on average (``served_path_ms_per_request``).
 """
@@ -606,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--trace", action="store_true", help="trace every served request with Triton's trace API "
-                   "(timestamps; <out>/trace.json) and split its time by step of the ensemble (splitspec.triton_trace)")
+                   "(timestamps; <out>/trace/) and split its time by step of the ensemble (splitspec.triton_trace)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
                    "results (beside the file, the same name with .png) and exit")
@@ -639,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts: {e}")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    a.trace_file = str((out / "trace.json").resolve()) if a.trace else None
+    a.trace_file = str((out / "trace" / "trace.json").resolve()) if a.trace else None
+    if a.trace:
+        (out / "trace").mkdir(exist_ok=True)
     print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()
@@ -697,7 +700,11 @@ def main(argv: list[str] | None = None) -> int:
         s[f"cpu_ms_per_output_token_{name}"] = {k: round(1e3 * v / tokens, 3) for k, v in cpu_s[name].items()}
     s["phases"] = {name: phase_summary(rows[name], engine) for name in a.also}
     if a.trace:
-        s["served_path_ms_per_request"] = trace_paths(Path(a.trace_file), served)
+        try:
+            s["served_path_ms_per_request"] = trace_paths(Path(a.trace_file), served)
+        except SplitspecError as e:  # the measurements stand without it
+            s["served_path_error"] = str(e)
+            print(f"--trace: no split by step: {e}", flush=True)
     if "model_stats" in server:  # per served request: executions and ms by phase of each model of the ensemble
         s["triton_models_per_request"] = {m: {"executions": d["compute_infer"][0] / len(served),
                                               **{f"{ph}_ms": ms / len(served) for ph, (_, ms) in d.items() if ph != "success"}}

@@ -16,6 +16,7 @@ from splitspec.errors import SplitspecError
 from splitspec.triton_trace import PATH_PARTS, TIMESTAMPS, load_traces, request_path
 
 MS = 1_000_000  # ns
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "triton_share.py"
 
 
 def _entries(tid: int, model: str, rid: str, parent: int | None, start_ms: float, end_ms: float) -> list[dict]:
@@ -49,6 +50,12 @@ def test_request_path_splits_a_known_timeline(tmp_path):
     f.write_text(json.dumps(entries[::-1]))  # order in the file does not matter
     traces = load_traces(f)
     assert sorted(traces) == ["r-1", "r-2"]
+    split = tmp_path / "split" / "trace.json"  # as Triton writes with log-frequency=1: one file per request
+    split.parent.mkdir()
+    (split.parent / "trace.json.10").write_text(json.dumps(_request("r-1", 10, 1000.0, responses=3)))
+    (split.parent / "trace.json.9").write_text(json.dumps(_request("r-2", 20, 2000.0, responses=1)))
+    (split.parent / "trace.json.notes").write_text("not a trace")
+    assert sorted(load_traces(split)) == ["r-1", "r-2"]
     p = request_path(traces["r-1"], sent_ns=1000 * MS, latency_ms=103.6, engine_e2e_ms=100.0)
     want = {"grpc_in": 0.5, "preprocessing": 1.0, "spec_decode": 1.0, "engine": 100.0, "postprocessing": 0.8,
             "grpc_out": 0.3}
@@ -73,7 +80,7 @@ def test_load_traces_names_what_is_wrong(tmp_path, content, needle):
     with pytest.raises(SplitspecError, match=needle) as e:
         load_traces(f)
     assert str(f) in str(e.value)
-    with pytest.raises(SplitspecError, match="cannot read"):
+    with pytest.raises(SplitspecError, match="no trace file"):
         load_traces(tmp_path / "missing.json")
 
 
@@ -88,7 +95,7 @@ def test_request_path_names_a_missing_step(tmp_path):
 @pytest.mark.server
 @pytest.mark.slow
 def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
-    spec = importlib.util.spec_from_file_location("triton_share_trace", Path(__file__).resolve().parent.parent / "bench" / "triton_share.py")
+    spec = importlib.util.spec_from_file_location("triton_share_trace", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["triton_share_trace"] = mod
     spec.loader.exec_module(mod)
@@ -99,7 +106,7 @@ def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
     assert mod.main(["--engines", str(built_engines), "--max-tokens", "8", "--rounds", "1", "--trace", "-k", "2",
                      "--prompts", str(prompts), "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
-    assert (out / "trace.json").stat().st_size > 0
+    assert list((out / "trace").glob("trace.json.*"))
     for r in result["served"]:
         p = r["path_ms"]
         assert math.fsum(p[k] for k in PATH_PARTS) == pytest.approx(r["wall_ms"], abs=1e-3)

@@ -4,7 +4,9 @@ tritonserver started with :func:`trace_args` records, for every request of every
 trace API (``--trace-config level=TIMESTAMPS``): ``REQUEST_START``, ``QUEUE_START``, ``COMPUTE_START``,
 ``COMPUTE_INPUT_END``, ``COMPUTE_OUTPUT_START``, ``COMPUTE_END``, ``REQUEST_END``, in ns of the steady clock. On
 Linux that is ``CLOCK_MONOTONIC``, the clock of :func:`time.perf_counter_ns`, so a client's own times line up with
-them. Triton 2.51 writes the traces at shutdown (``log_frequency=0``) as one JSON list: per trace id one entry naming
+them. With ``log-frequency=1`` Triton 2.51 writes each ensemble request's traces, once all are complete, to a file of
+its own, ``<file>.<index>`` (a request still open at shutdown goes to the next index then; with the default
+``log-frequency=0`` nothing is written before a clean shutdown). Each file is a JSON list: per trace id one entry naming
 the model (``id``, ``model_name``, ``request_id``; ``parent_id`` for the request of an ensemble step) and entries
 carrying ``timestamps`` (a list of ``{"name", "ns"}``). A streamed ensemble request has one trace of the ensemble,
 one of each of preprocessing and ``spec_decode`` and one of postprocessing per response.
@@ -37,9 +39,18 @@ PATH_PARTS = ("grpc_in", "preprocessing", "spec_decode", "engine", "postprocessi
 
 
 def trace_args(path: Path) -> tuple[str, ...]:
-    """tritonserver arguments that trace every request's timestamps into ``path`` (JSON, written at shutdown)."""
+    """tritonserver arguments that trace every request's timestamps into files ``<path>.<index>`` (JSON, one per
+    ensemble request, written as soon as its traces are complete)."""
     return ("--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1", "--trace-config", "count=-1",
-            "--trace-config", "log_frequency=0", "--trace-config", f"triton,file={path}")
+            "--trace-config", "triton,log-frequency=1", "--trace-config", f"triton,file={path}")
+
+
+def trace_files(path: Path) -> list[Path]:
+    """The files Triton wrote for ``--trace-config triton,file=<path>``: ``path`` itself if it exists, and every
+    ``<path>.<index>``, in index order."""
+    path = Path(path)
+    numbered = [p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()]
+    return ([path] if path.is_file() else []) + sorted(numbered, key=lambda p: int(p.suffix[1:]))
 
 
 @dataclass
@@ -78,14 +89,7 @@ class RequestTrace:
         return [s for s in self.steps if s.model == model]
 
 
-def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrace]:
-    """Read a trace file of :func:`trace_args`; returns each ``ensemble`` request's traces by its request id.
-
-    Raises:
-        SplitspecError: the file cannot be read, is not JSON, or is not a list of trace entries (naming the file
-            and the entry).
-    """
-    path = Path(path)
+def _entries(path: Path) -> list:
     try:
         entries = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as e:
@@ -94,17 +98,32 @@ def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrac
         raise SplitspecError(f"{path}: not JSON ({e})") from None
     if not isinstance(entries, list):
         raise SplitspecError(f"{path}: expected a JSON list of trace entries, got {type(entries).__name__}")
+    return entries
+
+
+def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrace]:
+    """Read the trace files of :func:`trace_args` (:func:`trace_files`); returns each ``ensemble`` request's traces
+    by its request id.
+
+    Raises:
+        SplitspecError: there is no trace file, or one cannot be read, is not JSON, or is not a list of trace entries
+            (naming the file and the entry).
+    """
+    files = trace_files(Path(path))
+    if not files:
+        raise SplitspecError(f"{path}: no trace file (neither it nor {Path(path).name}.<index>)")
     traces: dict[int, ModelTrace] = {}
     times: list[tuple[int, str, int]] = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or not isinstance(e.get("id"), int):
-            raise SplitspecError(f"{path}: entry {i}: expected an object with an integer 'id'")
-        if "model_name" in e:
-            traces[e["id"]] = ModelTrace(str(e["model_name"]), str(e.get("request_id", "")), e.get("parent_id"))
-        for t in e.get("timestamps", []):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("ns"), int):
-                raise SplitspecError(f"{path}: entry {i}: expected timestamps as {{'name': str, 'ns': int}}, got {t!r}")
-            times.append((e["id"], t["name"], t["ns"]))
+    for f in files:
+        for i, e in enumerate(_entries(f)):
+            if not isinstance(e, dict) or not isinstance(e.get("id"), int):
+                raise SplitspecError(f"{f}: entry {i}: expected an object with an integer 'id'")
+            if "model_name" in e:
+                traces[e["id"]] = ModelTrace(str(e["model_name"]), str(e.get("request_id", "")), e.get("parent_id"))
+            for t in e.get("timestamps", []):
+                if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("ns"), int):
+                    raise SplitspecError(f"{f}: entry {i}: expected timestamps as {{'name': str, 'ns': int}}, got {t!r}")
+                times.append((e["id"], t["name"], t["ns"]))
     for tid, name, ns in times:
         if tid in traces:
             traces[tid].ns.setdefault(name, []).append(ns)
