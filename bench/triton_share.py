@@ -335,8 +335,8 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
     A row: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms`` (client: sent → first tokens),
     ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from ``return_stats``), ``draft_verify_ms``,
     ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``, ``request_id``, ``sent_ns`` (when it was
-    sent: ``time.perf_counter_ns()``). With ``a.trace_file`` tritonserver traces every request's timestamps into it
-    (:mod:`splitspec.triton_trace`; written when the server stops).
+    sent: ``time.perf_counter_ns()``). With ``a.trace_file`` tritonserver traces every request's timestamps into
+    ``<trace_file>.<index>`` (:mod:`splitspec.triton_trace`; each request's file is written once it is complete).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
@@ -373,12 +373,14 @@ def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
     """Give each served row its ``path_ms`` (:func:`splitspec.triton_trace.request_path`: its latency split by step of
     the ensemble, from the trace file ``path``); returns the parts' means over the rows (ms per request), and
     ``responses`` per request. Raises SplitspecError when a row's request has no trace or a step's is incomplete."""
+    if not served:
+        raise SplitspecError("no served requests to split")
     traces = load_traces(path)
     for r in served:
         if r["request_id"] not in traces:
             raise SplitspecError(f"{path}: no trace of request {r['request_id']!r}")
         r["path_ms"] = request_path(traces[r["request_id"]], r["sent_ns"], r["wall_ms"], r["engine_e2e_ms"])
-    keys = (*PATH_PARTS, "responses", "preprocessing_execute", "last_postprocessing_execute")
+    keys = (*PATH_PARTS, "responses", "preprocessing_execute", "first_postprocessing_execute", "last_postprocessing_execute")
     return {k: statistics.fmean(r["path_ms"][k] for r in served) for k in keys}
 
 
@@ -505,7 +507,8 @@ def print_table(s: dict, n: int) -> None:
     print(f"served: {excess_text(s['excess'])}")
     if path := s.get("served_path_ms_per_request"):
         print("served, ms per request by step (Triton's traces): " + " → ".join(f"{k} {path[k]:.2f}" for k in PATH_PARTS)
-              + f"; of which preprocessing's execute {path['preprocessing_execute']:.2f}, the last postprocessing's "
+              + f"; round trips to a stub with its execute: preprocessing's {path['preprocessing_execute']:.2f}, "
+              f"postprocessing's of the first response {path['first_postprocessing_execute']:.2f} and of the last "
               f"{path['last_postprocessing_execute']:.2f}; {path['responses']:.1f} responses")
     print(f"inside the engine, per request: draft + verify {s['engine_draft_verify_ms_per_request']:.1f} ms alone, "
           f"{s['served_draft_verify_ms_per_request']:.1f} ms served; the rest of its time {s['engine_rest_ms_per_request']:.1f} "
@@ -643,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     a.trace_file = str((out / "trace" / "trace.json").resolve()) if a.trace else None
     if a.trace:
         (out / "trace").mkdir(exist_ok=True)
+        if any((out / "trace").iterdir()):  # trace ids restart with each server: two runs' files do not mix
+            p.error(f"--trace: {out / 'trace'} holds files of an earlier run; give another --out or remove them")
     print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()

@@ -25,6 +25,7 @@ which add up to it:
 
 from __future__ import annotations
 
+import glob
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ from splitspec.errors import SplitspecError
 #: Triton's timestamps of a request, in the order they occur.
 TIMESTAMPS = ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START",
               "COMPUTE_END", "REQUEST_END")
-#: The parts of :func:`request_path`, in the order a request passes them.
+#: The parts of :func:`request_path`, in the order of the time line (the engine's time lies inside ``spec_decode``'s
+#: request: that part is what is left of it around the engine).
 PATH_PARTS = ("grpc_in", "preprocessing", "spec_decode", "engine", "postprocessing", "grpc_out")
 
 
@@ -47,10 +49,12 @@ def trace_args(path: Path) -> tuple[str, ...]:
 
 def trace_files(path: Path) -> list[Path]:
     """The files Triton wrote for ``--trace-config triton,file=<path>``: ``path`` itself if it exists, and every
-    ``<path>.<index>``, in index order."""
+    ``<path>.<index>`` (index: ASCII digits), in index order. Never raises; [] when there are none."""
     path = Path(path)
-    numbered = [p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()]
-    return ([path] if path.is_file() else []) + sorted(numbered, key=lambda p: int(p.suffix[1:]))
+    cut = len(path.name) + 1
+    numbered = [p for p in path.parent.glob(glob.escape(path.name) + ".*")
+                if p.name[cut:].isascii() and p.name[cut:].isdigit()]
+    return ([path] if path.is_file() else []) + sorted(numbered, key=lambda p: int(p.name[cut:]))
 
 
 @dataclass
@@ -85,7 +89,7 @@ class RequestTrace:
     steps: list[ModelTrace]
 
     def step(self, model: str) -> list[ModelTrace]:
-        """The traces of step ``model``, in order."""
+        """The traces of step ``model``, in order ([] when it has none; never raises)."""
         return [s for s in self.steps if s.model == model]
 
 
@@ -102,12 +106,13 @@ def _entries(path: Path) -> list:
 
 
 def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrace]:
-    """Read the trace files of :func:`trace_args` (:func:`trace_files`); returns each ``ensemble`` request's traces
-    by its request id.
+    """Read the trace files of one server run (:func:`trace_args`, :func:`trace_files`); returns each ``ensemble``
+    request's traces by its request id. Timestamps of a trace id no entry names a model for are left out.
 
     Raises:
-        SplitspecError: there is no trace file, or one cannot be read, is not JSON, or is not a list of trace entries
-            (naming the file and the entry).
+        SplitspecError: there is no trace file, or one cannot be read, is not JSON, or is not a list of trace entries;
+            an entry is malformed; a trace id names two models or an ensemble request id occurs twice (files of two
+            server runs mixed: Triton counts trace ids from 1 in each). The file and entry are named.
     """
     files = trace_files(Path(path))
     if not files:
@@ -116,44 +121,66 @@ def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrac
     times: list[tuple[int, str, int]] = []
     for f in files:
         for i, e in enumerate(_entries(f)):
+            where = f"{f}: entry {i}"
             if not isinstance(e, dict) or not isinstance(e.get("id"), int):
-                raise SplitspecError(f"{f}: entry {i}: expected an object with an integer 'id'")
+                raise SplitspecError(f"{where}: expected an object with an integer 'id'")
             if "model_name" in e:
-                traces[e["id"]] = ModelTrace(str(e["model_name"]), str(e.get("request_id", "")), e.get("parent_id"))
-            for t in e.get("timestamps", []):
+                parent = e.get("parent_id")
+                if parent is not None and not isinstance(parent, int):
+                    raise SplitspecError(f"{where}: 'parent_id' = {parent!r}, expected an integer")
+                if e["id"] in traces:
+                    raise SplitspecError(f"{where}: trace id {e['id']} named twice (traces of two server runs mixed?)")
+                traces[e["id"]] = ModelTrace(str(e["model_name"]), str(e.get("request_id", "")), parent)
+            stamps = e.get("timestamps", [])
+            if not isinstance(stamps, list):
+                raise SplitspecError(f"{where}: 'timestamps' is {type(stamps).__name__}, expected a list")
+            for t in stamps:
                 if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not isinstance(t.get("ns"), int):
-                    raise SplitspecError(f"{f}: entry {i}: expected timestamps as {{'name': str, 'ns': int}}, got {t!r}")
+                    raise SplitspecError(f"{where}: expected timestamps as {{'name': str, 'ns': int}}, got {t!r}")
                 times.append((e["id"], t["name"], t["ns"]))
     for tid, name, ns in times:
         if tid in traces:
             traces[tid].ns.setdefault(name, []).append(ns)
+    children: dict[int, list[ModelTrace]] = {}
+    for t in traces.values():
+        if t.parent is not None:
+            children.setdefault(t.parent, []).append(t)
     out: dict[str, RequestTrace] = {}
     for tid, t in traces.items():
         if t.model == ensemble and t.parent is None:
-            steps = [s for s in traces.values() if s.parent == tid]
-            steps.sort(key=lambda s: s.ns.get("REQUEST_START", [0])[0])
+            if t.request_id in out:
+                raise SplitspecError(f"{path}: ensemble request {t.request_id!r} traced twice (traces of two server "
+                                     "runs mixed, or requests sent without distinct ids?)")
+            steps = sorted(children.get(tid, []), key=lambda s: s.ns.get("REQUEST_START", [0])[0])
             out[t.request_id] = RequestTrace(t, steps)
     return out
 
 
 def request_path(trace: RequestTrace, sent_ns: int, latency_ms: float, engine_e2e_ms: float) -> dict[str, float]:
-    """A streamed request's client latency split into the consecutive parts of :data:`PATH_PARTS` (ms; they add up to
-    ``latency_ms``), see the module docstring. Also ``responses`` (postprocessing requests: one per response) and, in
-    ms, ``preprocessing_execute`` and ``last_postprocessing_execute`` (``COMPUTE_INPUT_END`` →
-    ``COMPUTE_OUTPUT_START``: the round trip to the model's stub, its ``execute`` included).
+    """A streamed request's client latency split into the parts of :data:`PATH_PARTS` (ms; they add up to
+    ``latency_ms``), see the module docstring. A part can come out slightly negative (a few tens of µs): Triton takes
+    a step's ``REQUEST_END`` after its response has left, so the client may have it first. Also ``responses``
+    (postprocessing requests: one per response; a count) and, in ms, the round trip to a model's stub with its
+    ``execute`` (``COMPUTE_INPUT_END`` → ``COMPUTE_OUTPUT_START``) of preprocessing, of the first response's
+    postprocessing and of the last's: ``preprocessing_execute``, ``first_postprocessing_execute``,
+    ``last_postprocessing_execute``.
 
     Args:
         trace: the request's traces (:func:`load_traces`).
         sent_ns: when the client sent it (:func:`time.perf_counter_ns`); latency_ms: sent → final response.
         engine_e2e_ms: the engine's own submit → finish time.
     Raises:
-        SplitspecError: a step or timestamp is missing (naming it).
+        SplitspecError: a step or timestamp is missing, or ``engine_e2e_ms`` is not a number (naming it).
     """
+    rid = trace.ensemble.request_id
+    if not isinstance(engine_e2e_ms, (int, float)) or isinstance(engine_e2e_ms, bool):
+        raise SplitspecError(f"request {rid!r}: the engine's e2e time is {engine_e2e_ms!r}, expected ms (return_stats)")
     pre, spec, post = trace.step("preprocessing"), trace.step("spec_decode"), trace.step("postprocessing")
     for name, got in (("preprocessing", pre), ("spec_decode", spec), ("postprocessing", post)):
         if not got:
-            raise SplitspecError(f"request {trace.ensemble.request_id!r}: no trace of its {name} step")
-    last = max(post, key=lambda t: t.first("REQUEST_START"))
+            raise SplitspecError(f"request {rid!r}: no trace of its {name} step")
+    post = sorted(post, key=lambda t: t.first("REQUEST_START"))
+    first, last = post[0], post[-1]
     ms = lambda a, b: (b - a) / 1e6  # noqa: E731
     start, spec_start = trace.ensemble.first("REQUEST_START"), spec[0].first("REQUEST_START")
     post_start, post_end = last.first("REQUEST_START"), last.last("REQUEST_END")
@@ -162,4 +189,4 @@ def request_path(trace: RequestTrace, sent_ns: int, latency_ms: float, engine_e2
              "postprocessing": ms(post_start, post_end), "grpc_out": latency_ms - ms(sent_ns, post_end)}
     execute = lambda t: ms(t.first("COMPUTE_INPUT_END"), t.first("COMPUTE_OUTPUT_START"))  # noqa: E731
     return parts | {"responses": len(post), "preprocessing_execute": execute(pre[0]),
-                    "last_postprocessing_execute": execute(last)}
+                    "first_postprocessing_execute": execute(first), "last_postprocessing_execute": execute(last)}
