@@ -288,7 +288,7 @@ def test_cancel_frees_slot_and_kv_while_others_stream(srv, tok, reference, proto
                  10, "the cancelled stream to leave the batch")
     freed_s = time.monotonic() - t0
     assert metric_value(m, "splitspec_kv_used_blocks") < kv_both
-    # the finish is counted by the sender thread, which may publish it one export (0.2 s) after the slot is freed
+    # the finish is counted by the reader thread, which may publish it one export (0.2 s) after the slot is freed
     cancelled = lambda m: (metric_value(m, "splitspec_requests_total", finish_reason="cancelled")  # noqa: E731
                            - metric_value(before, "splitspec_requests_total", finish_reason="cancelled"))
     m2 = wait_for(lambda: (lambda m: m if cancelled(m) >= 1 else None)(scrape(srv)), 10, "the cancellation to be counted")

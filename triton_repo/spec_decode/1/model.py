@@ -13,12 +13,12 @@ Threads of the instance:
 - Triton's (``execute``): validates a request and submits it to the engine process (a round trip, not
   a wait for generation).
 - the reader (:class:`EngineProcess`): receives each engine cycle's events in one message, records the
-  cycle's statistics and puts the events on the sender's queue.
-- the sender: turns events into responses — one per cycle when the request streams (the text and
-  tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
-  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. It takes every queued event at once, so when it falls
-  behind the engine a stream's queued deltas leave as one response. It polls ``is_cancelled()`` (an IPC
-  round trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
+  cycle's statistics and turns the events into responses — one per cycle when the request streams (the
+  text and tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
+  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. Sending on the thread that receives saves a hand-over to
+  another thread on every response's path (Triton's traces on 2 × H200: docs/performance.md). When it
+  falls behind the engine, cycle messages wait in the socket. It polls ``is_cancelled()`` (an IPC round
+  trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
   response, never before it.
 - the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
   (:mod:`splitspec.metrics`). The engine process checks the target's worker processes itself.
@@ -45,7 +45,6 @@ Errors in a request are answered with INVALID_ARG (HTTP 400) naming the input; `
 """
 
 import json
-import queue
 import random
 import threading
 import time
@@ -146,7 +145,8 @@ class TritonPythonModel:
     """Hosts the speculative engine (target leader + drafter) and streams its output."""
 
     def initialize(self, args):
-        """Load the engines and start the loop, sender and monitor threads; raises to fail the model load."""
+        """Load the engines (the engine process and its reader thread) and start the monitor thread; raises to fail
+        the model load."""
         cfg = json.loads(args["model_config"])
         self.model_name = args.get("model_name", cfg.get("name", "spec_decode"))
         params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
@@ -179,7 +179,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.streams = {}  # stream_id -> _Stream, while open
         self.failure = None  # why the engine stopped serving
-        self.outbox = queue.SimpleQueue()  # (stream, RequestOutput, finishing) for the sender thread
+        self.send_lock = threading.RLock()  # one thread sends at a time: the reader, or finalize once it has stopped
         self.stopping = threading.Event()
         self._rng = random.SystemRandom()
         self.collector = MetricsCollector()
@@ -200,16 +200,14 @@ class TritonPythonModel:
             raise
 
     def _start(self, target_ids, draft_ids, synthetic):
-        """Start the sender and monitor threads and the metrics (after the engine loaded)."""
+        """Start the monitor thread and the metrics (after the engine loaded)."""
         if synthetic is not None:
             pb_utils.Logger.log_warn(f"spec_decode: BENCHMARK MODE: draft tokens are accepted with probabilities "
                                      f"{synthetic} regardless of their value; outputs are NOT the target's")
         info = self.engine.info
         k = f"{info['k_by_batch']} by batch bucket (tuning.json)" if info["k_by_batch"] else info["k"]
         self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
-        self.sender_thread = threading.Thread(target=self._send_loop, name="spec_decode-sender", daemon=True)
         self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
-        self.sender_thread.start()
         self.monitor_thread.start()
         pb_utils.Logger.log_info(
             f"spec_decode: engines {self.engines_dir} loaded (k={k}, max_batch_size "
@@ -331,7 +329,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ responses out
 
     def _on_cycle(self, events, cycle_stats):
-        """Reader thread, once per engine cycle: record the cycle and hand its events to the sender thread.
+        """Reader thread, once per engine cycle: record the cycle and send its responses.
 
         ``events``: ``(stream_id, RequestOutput, finishing)``; ``finishing``: the request already finished in
         this cycle (its final event follows at once), so this delta is merged into the final response
@@ -343,28 +341,19 @@ class TritonPythonModel:
             items = [(self.streams.get(sid), ev, finishing) for sid, ev, finishing in events]
         for st, ev, finishing in items:
             if st is not None:
-                self.outbox.put((st, ev, finishing))
+                self._handle(st, ev, finishing)
 
-    def _send_loop(self):
-        while True:
-            items = [self.outbox.get()]
-            while True:  # and whatever else is queued: a stream's deltas before its last event here are merged
-                try:
-                    items.append(self.outbox.get_nowait())
-                except queue.Empty:
-                    break
-            last = {id(item[0]): i for i, item in enumerate(items) if item is not None}
-            for i, item in enumerate(items):
-                if item is None:
+    def _handle(self, st, ev, hold):
+        """Deliver one event of ``st`` (:meth:`_deliver`); a failure to send ends the stream with an error response
+        instead of reaching the caller."""
+        with self.send_lock:
+            try:
+                self._deliver(st, ev, hold)
+            except Exception as e:
+                if self._client_cancelled(st):
                     return
-                st, ev, finishing = item
-                try:
-                    self._deliver(st, ev, finishing or last[id(st)] != i)
-                except Exception as e:
-                    if self._client_cancelled(st):
-                        continue
-                    pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
-                    self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
+                pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
+                self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
 
     def _client_cancelled(self, st):
         """True (and the stream cancelled) when ``st``'s request was cancelled through Triton."""
@@ -460,8 +449,8 @@ class TritonPythonModel:
             open_streams = list(self.streams.values())
         pb_utils.Logger.log_error(f"spec_decode: engine failed: {message}; failing {len(open_streams)} open "
                                   f"request(s) and unloading the model")
-        for st in open_streams:  # the sender thread answers them (it adds the recovery hint)
-            self.outbox.put((st, RequestOutput(-1, [], "", True, "error", None, message), False))
+        for st in open_streams:  # answered with the recovery hint (_deliver)
+            self._handle(st, RequestOutput(-1, [], "", True, "error", None, message), False)
         threading.Thread(target=self._unload_self, name="spec_decode-unload", daemon=True).start()
 
     def _unload_self(self):
@@ -495,14 +484,11 @@ class TritonPythonModel:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
-        if getattr(self, "sender_thread", None) is not None:
+        if getattr(self, "monitor_thread", None) is not None:
             with self.lock:
                 open_streams = list(self.streams.values())
-            for st in open_streams:
-                self.outbox.put((st, RequestOutput(-1, [], "", True, "error", None,
-                                                   "the model is being unloaded"), False))
-            self.outbox.put(None)
-            self.sender_thread.join(timeout=10)
+            for st in open_streams:  # the engine process is gone: no other thread sends any more
+                self._handle(st, RequestOutput(-1, [], "", True, "error", None, "the model is being unloaded"), False)
             self.monitor_thread.join(timeout=10)
         exporter, self.exporter = getattr(self, "exporter", None), None
         if exporter is not None:
