@@ -188,11 +188,18 @@ class EngineProcess:
             raise _error(reply[2], reply[3])
 
     def cancel(self, sid: int) -> None:
-        """Cancel request ``sid``; its slot and KV are freed at the start of the engine's next cycle."""
-        try:
-            self._send(("cancel", sid))
-        except OSError:
-            pass
+        """Cancel request ``sid``; its slot and KV are freed at the start of the engine's next cycle. Never blocks:
+        a short-lived thread writes the message, so the reader thread, which ``on_cycle`` may call this from, keeps
+        draining the engine's messages even when the socket toward the engine is full (the engine process's main
+        thread, which reads it, can itself wait on a full socket toward the reader). A cancellation written before
+        its request's submit is ignored; submit's caller cancels again once the engine has it."""
+        def write() -> None:
+            try:
+                self._send(("cancel", sid))
+            except OSError:
+                pass
+
+        threading.Thread(target=write, name="splitspec-engine-cancel", daemon=True).start()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -260,6 +260,8 @@ class TritonPythonModel:
         except BaseException:
             with self.lock:
                 self.streams.pop(st.sid, None)
+            if st.done:  # the engine failed meanwhile, and _engine_failed already sent this request its error
+                return
             raise
         if st.cancelled:  # cancelled while the engine process took it: make sure it got the cancellation
             self.engine.cancel(st.sid)
@@ -343,17 +345,21 @@ class TritonPythonModel:
             if st is not None:
                 self._handle(st, ev, finishing)
 
-    def _handle(self, st, ev, hold):
+    def _handle(self, st, ev, hold, wait_s=-1):
         """Deliver one event of ``st`` (:meth:`_deliver`); a failure to send ends the stream with an error response
-        instead of reaching the caller."""
-        with self.send_lock:
-            try:
-                self._deliver(st, ev, hold)
-            except Exception as e:
-                if self._client_cancelled(st):
-                    return
+        instead of reaching the caller. Returns False (nothing sent) when another thread kept ``send_lock`` for
+        ``wait_s`` seconds (-1: wait as long as it takes)."""
+        if not self.send_lock.acquire(timeout=wait_s):
+            return False
+        try:
+            self._deliver(st, ev, hold)
+        except Exception as e:
+            if not self._client_cancelled(st):
                 pb_utils.Logger.log_error(f"spec_decode: sending a response failed: {traceback.format_exc()}")
                 self._close(st, error=f"spec_decode: internal error: {type(e).__name__}: {e}", code="INTERNAL")
+        finally:
+            self.send_lock.release()
+        return True
 
     def _client_cancelled(self, st):
         """True (and the stream cancelled) when ``st``'s request was cancelled through Triton."""
@@ -487,8 +493,13 @@ class TritonPythonModel:
         if getattr(self, "monitor_thread", None) is not None:
             with self.lock:
                 open_streams = list(self.streams.values())
-            for st in open_streams:  # the engine process is gone: no other thread sends any more
-                self._handle(st, RequestOutput(-1, [], "", True, "error", None, "the model is being unloaded"), False)
+            deadline = time.monotonic() + 10  # the engine process is gone: at most the reader's last send is under way
+            for st in open_streams:
+                ev = RequestOutput(-1, [], "", True, "error", None, "the model is being unloaded")
+                if not self._handle(st, ev, False, wait_s=max(0.0, deadline - time.monotonic())):
+                    pb_utils.Logger.log_warn("spec_decode: finalize: a response being sent did not finish within "
+                                             "10 s; the open requests get no error response")
+                    break
             self.monitor_thread.join(timeout=10)
         exporter, self.exporter = getattr(self, "exporter", None), None
         if exporter is not None:
