@@ -140,6 +140,8 @@ def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
         for k in ("grpc_in", "preprocessing", "spec_decode", "postprocessing"):
             assert 0 < p[k] < r["wall_ms"] - p["engine"], (k, p)
         assert p["grpc_in"] + p["preprocessing"] < r["ttft_ms"]
-        assert -0.5 < p["grpc_out"] < r["wall_ms"] - p["engine"]  # Triton ends a step after its response leaves
+        # Triton records the last step's REQUEST_END after its response has left (gRPC out can be negative: −0.9 ms
+        # seen on a busy 2-core machine), but the client cannot have the final response before that step started
+        assert 0 < p["postprocessing"] + p["grpc_out"] < r["wall_ms"] - p["engine"]
     mean = result["summary"]["served_path_ms_per_request"]
     assert set(PATH_PARTS) <= set(mean)

@@ -158,8 +158,9 @@ def load_traces(path: Path, ensemble: str = "ensemble") -> dict[str, RequestTrac
 
 def request_path(trace: RequestTrace, sent_ns: int, latency_ms: float, engine_e2e_ms: float) -> dict[str, float]:
     """A streamed request's client latency split into the parts of :data:`PATH_PARTS` (ms; they add up to
-    ``latency_ms``), see the module docstring. A part can come out slightly negative (a few tens of µs): Triton takes
-    a step's ``REQUEST_END`` after its response has left, so the client may have it first. Also ``responses``
+    ``latency_ms``), see the module docstring. ``grpc_out`` can come out negative: Triton takes a step's
+    ``REQUEST_END`` after its response has left, so the client may have it first (by up to 0.09 ms on the H200
+    host, 0.9 ms on a busy 2-core machine). Also ``responses``
     (postprocessing requests: one per response; a count) and, in ms, the round trip to a model's stub with its
     ``execute`` (``COMPUTE_INPUT_END`` → ``COMPUTE_OUTPUT_START``) of preprocessing, of the first response's
     postprocessing and of the last's: ``preprocessing_execute``, ``first_postprocessing_execute``,
