@@ -40,9 +40,8 @@ Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``exc
 cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
 from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
 (``trace/trace.json.<index>``) and splits each served request's latency by step of the ensemble
-(:mod:`splitspec.triton_trace`: gRPC in,
-preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC out), in its row (``path_ms``) and
-on average (``served_path_ms_per_request``).
+(:mod:`splitspec.triton_trace`: gRPC in, preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC
+out), in its row (``path_ms``) and on average (``served_path_ms_per_request``).
 """
 
 from __future__ import annotations
@@ -185,8 +184,8 @@ class Phase:
 
 def _row(p: Prompt, token_ids: list[int], stats: RequestStats, finish_reason: str, wall_s: float) -> dict:
     """One request of an in-engine phase: ``tokens``, ``wall_ms`` (submit → finished, seen by this process),
-    ``ttft_ms`` and ``e2e_ms`` (the engine's own), ``cycles`` (its decode cycles), ``draft_verify_ms`` (its cycles' draft and verify phases,
-    summed), ``acceptance_length``, ``finish_reason``, ``output_sha``."""
+    ``ttft_ms`` and ``e2e_ms`` (the engine's own), ``cycles`` (its decode cycles), ``draft_verify_ms`` (its cycles'
+    draft and verify phases, summed), ``acceptance_length``, ``finish_reason``, ``output_sha``."""
     return {"prompt_id": p.id, "tokens": len(token_ids), "wall_ms": wall_s * 1e3, "ttft_ms": stats.ttft_ms,
             "e2e_ms": stats.e2e_ms, "cycles": stats.num_cycles, "draft_verify_ms": stats.draft_ms + stats.verify_ms,
             "acceptance_length": stats.acceptance_length, "finish_reason": finish_reason, "output_sha": _sha(token_ids)}
@@ -371,8 +370,9 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
 
 def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
     """Give each served row its ``path_ms`` (:func:`splitspec.triton_trace.request_path`: its latency split by step of
-    the ensemble, from the trace file ``path``); returns the parts' means over the rows (ms per request), and
-    ``responses`` per request. Raises SplitspecError when a row's request has no trace or a step's is incomplete."""
+    the ensemble, from the trace files ``path``); returns the mean of each of its figures over the rows (ms per
+    request; ``responses`` per request). Raises SplitspecError when a row's request has no trace or a step's is
+    incomplete."""
     if not served:
         raise SplitspecError("no served requests to split")
     traces = load_traces(path)
@@ -380,8 +380,7 @@ def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
         if r["request_id"] not in traces:
             raise SplitspecError(f"{path}: no trace of request {r['request_id']!r}")
         r["path_ms"] = request_path(traces[r["request_id"]], r["sent_ns"], r["wall_ms"], r["engine_e2e_ms"])
-    keys = (*PATH_PARTS, "responses", "preprocessing_execute", "first_postprocessing_execute", "last_postprocessing_execute")
-    return {k: statistics.fmean(r["path_ms"][k] for r in served) for k in keys}
+    return {k: statistics.fmean(r["path_ms"][k] for r in served) for k in served[0]["path_ms"]}
 
 
 def tokens_per_s(rows: list[dict]) -> float:
@@ -643,11 +642,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts: {e}")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    a.trace_file = str((out / "trace" / "trace.json").resolve()) if a.trace else None
+    a.trace_file = None
     if a.trace:
-        (out / "trace").mkdir(exist_ok=True)
-        if any((out / "trace").iterdir()):  # trace ids restart with each server: two runs' files do not mix
-            p.error(f"--trace: {out / 'trace'} holds files of an earlier run; give another --out or remove them")
+        trace_dir = out / "trace"
+        trace_dir.mkdir(exist_ok=True)
+        if any(trace_dir.iterdir()):  # trace ids restart with each server: two runs' files do not mix
+            p.error(f"--trace: {trace_dir} holds files of an earlier run; give another --out or remove them")
+        a.trace_file = str((trace_dir / "trace.json").resolve())
     print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()

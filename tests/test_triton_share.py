@@ -76,3 +76,18 @@ def test_replot_draws_results_and_names_what_is_wrong(ts, tmp_path, capsys):
             ts.main(["--replot", str(tmp_path / name)])
         assert e.value.code == 2
         assert why in capsys.readouterr().err, name
+
+
+def test_bad_prompts_and_a_used_trace_folder_are_refused_before_loading(ts, built_engines, tmp_path, capsys):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"id": "a", "text": "no prompt key"}\n')
+    used = tmp_path / "out"
+    (used / "trace").mkdir(parents=True)
+    (used / "trace" / "trace.json.0").write_text("[]")
+    for argv, why in ((["--prompts", str(bad)], "--prompts: " + str(bad) + ":1: expected a non-empty 'prompt' string"),
+                      (["--trace", "--out", str(used)], f"--trace: {used / 'trace'} holds files of an earlier run")):
+        with pytest.raises(SystemExit) as e:
+            ts.main(["--engines", str(built_engines), *argv])
+        assert e.value.code == 2
+        assert why in capsys.readouterr().err
+    assert not (used / "results.json").exists()  # nothing measured, nothing written

@@ -237,8 +237,8 @@ STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_o
 
 
 def model_stats(http: str) -> dict[str, dict]:
-    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.repo.MODELS`) from Triton's statistics endpoint (cumulative since
-    the model loaded; ``{phase: {"count": n, "ns": total}}``).
+    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.repo.MODELS`) from Triton's
+    statistics endpoint (cumulative since the model loaded; ``{phase: {"count": n, "ns": total}}``).
 
     Raises:
         requests.HTTPError: a model is not served (or the endpoint answered with an error).
