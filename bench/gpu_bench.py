@@ -441,7 +441,7 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
 
 
 def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], sweep: list[dict], cycles: int,
-                  dry_run: bool = False) -> dict:
+                  loads: int = 2, dry_run: bool = False) -> dict:
     """Run ``splitspec tune --verify`` on the synthetic engines of one sweep, then score its choice against that
     sweep (an independent, exhaustive measurement of every placement × k, 16-token prompts) as well as against
     the tuner's own second sweep (the evaluation prompts): chosen config's tokens/s over the best."""
@@ -450,7 +450,7 @@ def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: l
 
     choice = tune(tmp / f"kimi-tp{tp}-m{moe_layers}", batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
                   max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE,
-                  verify=True, cycles=cycles)
+                  verify=True, cycles=cycles, loads=loads)
     sc, sc_emitted = score(choice, sweep, batches), score(choice, sweep, batches, "tokens_per_s")
     for B, r in sc.items():
         print(f"tune B={B}: chosen ×{r['chosen_over_best']:.3f} of the sweep's best (draft_tp={r['best']['draft_tp']}, k={r['best']['k']}), "
@@ -472,6 +472,7 @@ def main() -> None:
     ap.add_argument("--moe-tp", default="1,2,8", help="comma list: TP shard shapes of the MoE kernel sweep; the block "
                     "configurations fastest summed over them serve the later sections (not run with --dry-run)")
     ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
+    ap.add_argument("--tune-loads", type=int, default=4, help="the tuner's engine loads per placement (`splitspec tune --loads`)")
     ap.add_argument("--reuse", default="", help="earlier gpu_bench.json: take bandwidth, allreduce and distinct_experts from it")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness, bandwidth, allreduce, experts "
                     "(distinct_experts), moe_kernel, moe_fp8, layers")
@@ -534,7 +535,7 @@ def main() -> None:
             key = f"engine_tp{tp}_moe{m}"
             if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):
                 section("tune", out)(tune_vs_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                    [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.cycles, a.dry_run)
+                                                    [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.cycles, a.tune_loads, a.dry_run)
     print("done", flush=True)
     os._exit(0)  # leftover NCCL/gloo threads must not hold the process open
 

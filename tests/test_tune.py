@@ -239,3 +239,33 @@ def test_ctrl_c_during_tune_stops_it_and_its_workers_promptly(built_engines, tmp
     left = subprocess.run(["pgrep", "-f", str(eng_dir)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left: {left}"
     assert not (eng_dir / "tuning.json").exists() and not list(eng_dir.glob(".tuning.*"))
+
+
+def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeypatch):
+    """measure loads A B B A A B …; each row's cycle is the mean of its loads' medians over all its cycles."""
+    from splitspec import tune as tune_mod
+
+    order, real_load = [], SpeculativeEngine.load
+    monkeypatch.setattr(tune_mod.SpeculativeEngine, "load",
+                        lambda *a, **kw: order.append(kw["draft_tp"]) or real_load(*a, **kw))
+    rows = tune_mod.measure(built_engines, [1, 2], [1], [0, 1], ["def f(x):"], 64, None, [0.9], cycles=7, loads=3)
+    assert order == [1, 2, 2, 1, 1, 2]
+    assert {(r["draft_tp"], r["k"]) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    for r in rows:
+        assert r["n"] == 7 and len(r["cycle_ms_by_load"]) == 3
+        assert r["cycle_ms"] == pytest.approx(sum(r["cycle_ms_by_load"]) / 3)
+    with pytest.raises(ConfigError, match="loads = 3"):
+        tune(built_engines, [1], [0, 1], tmp_path / "none.txt", cycles=2, loads=3)
+
+
+def test_row_is_the_mean_of_each_loads_median():
+    from types import SimpleNamespace
+
+    from splitspec.tune import _row
+
+    st = lambda e: SimpleNamespace(emitted=[e], accepted_by_position=[e - 1], draft_ms=1.0, verify_ms=2.0)  # noqa: E731
+    by_load = [[(10.0, st(2)), (30.0, st(2)), (11.0, st(1))], [(20.0, st(2)), (21.0, st(1))]]
+    r = _row(1, 1, by_load)
+    assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
+    assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
+    assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)

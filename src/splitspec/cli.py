@@ -73,7 +73,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
     from splitspec.perf import parse_levels
 
     tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
-         a.max_seq_len, device_ids, synthetic, a.verify, a.cycles)
+         a.max_seq_len, device_ids, synthetic, a.verify, a.cycles, a.loads)
 
 
 def _cmd_repo(a: argparse.Namespace) -> None:
@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-k", default="0,1,2,3,4,5", help="draft tokens per cycle to try; must include 0 (speculation off)")
     s.add_argument("--max-seq-len", type=int, default=512, help="KV tokens per sequence (prompts are cut to half of it)")
     s.add_argument("--cycles", type=int, default=48, help="steady cycles timed per placement, batch and k (more: less noise)")
+    s.add_argument("--loads", type=int, default=2, help="engine loads per placement, alternating between placements; the cycles are spread over them")
     s.add_argument("--verify", action="store_true", help="measure everything twice; score the choice against the second sweep")
     s.add_argument("--device", default="cpu", help="cpu, or cuda:0,1,... (one GPU per target rank)")
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...",

@@ -5,7 +5,9 @@ group), each batch bucket B and each k, keeps B sequences decoding (prompts from
 real acceptance of the engines' drafter — or a synthetic acceptance profile, labelled) and times steady
 cycles: every sequence decoding, no prefill, CUDA graphs captured. k is what a cycle's cost and yield depend
 on, so steady cycles are what the choice is about (admission and prefill cost the same whatever k is).
-Tokens/s = tokens emitted per cycle / median cycle time; the configurations are timed in interleaved passes.
+Tokens/s = tokens emitted per cycle / median cycle time; the configurations are timed in interleaved passes,
+and each placement's engines are loaded several times, alternating with the other placement's (an engine
+load's own speed varies by several percent).
 Placement is fixed per deployment: the one kept is the one whose worst bucket falls least short of that
 bucket's best; for each bucket the fastest k under it is chosen, and k = 0 (speculation off) wherever
 speculation does not beat it. ``verify`` measures everything a second time and scores the choice against
@@ -49,11 +51,17 @@ def _steady_round(eng: SpeculativeEngine, used: list[list[int]], k: int, n: int,
     return [(t, s) for t, s in zip(times, stats) if s.decode_seqs == len(used) and s.prefill_tokens == 0][warmup:warmup + n]
 
 
-def _row(B: int, k: int, steady: list[tuple]) -> dict:
-    wall = sorted(t for t, _ in steady)[len(steady) // 2]  # median: host jitter spikes are not the configuration's cost
+def _row(B: int, k: int, by_load: list[list[tuple]]) -> dict:
+    """One configuration's row from its steady ``(wall ms, CycleStats)`` samples, one list per engine load:
+    cycle_ms is the mean over loads of each load's median (a median: host jitter spikes are not the
+    configuration's cost; a mean over loads: each load counts alike), cycle_ms_by_load those medians."""
+    steady = [x for load in by_load for x in load]
+    by_load_ms = [sorted(t for t, _ in load)[len(load) // 2] for load in by_load if load]
+    wall = sum(by_load_ms) / len(by_load_ms)
     emitted = sum(sum(s.emitted) for _, s in steady) / len(steady)
     accepted = [sum(s.accepted_by_position[j] for _, s in steady) for j in range(k)]
     return {"batch": B, "k": k, "cycle_ms": wall, "cycle_ms_mean": sum(t for t, _ in steady) / len(steady),
+            "cycle_ms_by_load": by_load_ms,
             "draft_ms": sum(s.draft_ms for _, s in steady) / len(steady), "verify_ms": sum(s.verify_ms for _, s in steady) / len(steady),
             "tokens_per_cycle": emitted, "tokens_per_s": emitted / wall * 1e3, "acceptance_length": emitted / B, "n": len(steady),
             "accepted_by_position": accepted}
@@ -83,6 +91,34 @@ def pool_acceptance(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int], ks: list[int], cycles: int,
+            passes: int, warmup: int, max_seq_len: int | None) -> dict[tuple, list]:
+    """Steady ``(wall ms, CycleStats)`` samples of every (B, k) on one loaded engine, ``cycles`` each,
+    gathered in ``passes`` interleaved passes over all (B, k) (see :func:`sweep_engine`)."""
+    from splitspec.errors import ConfigError
+
+    limit = min(max_seq_len or eng.max_seq_len, eng.max_seq_len)
+    plan = {}
+    for B in batches:
+        used = [prompts[i % len(prompts)] for i in range(B)]
+        for k in ks:
+            per_round = (limit - max(map(len, used)) - k - 9) // (k + 1) - warmup - 3
+            if per_round < 1:
+                raise ConfigError(f"steady cycles: prompts of {max(map(len, used))} tokens leave no room for a steady "
+                                  f"cycle at k = {k} within max_seq_len = {limit}")
+            plan[B, k] = (used, per_round)
+    samples: dict[tuple, list] = {key: [] for key in plan}
+    for i in range(passes):
+        for (B, k), (used, per_round) in plan.items():
+            want = cycles * (i + 1) // passes  # cumulative share after this pass
+            while len(samples[B, k]) < want:
+                got = _steady_round(eng, used, k, min(per_round, want - len(samples[B, k])), warmup)
+                if not got:
+                    break
+                samples[B, k] += got
+    return samples
+
+
 def sweep_engine(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int], ks: list[int], cycles: int = 48,
                  passes: int = 8, warmup: int = 3, max_seq_len: int | None = None, on_row=None) -> list[dict]:
     """Time steady cycles of every (B, k) on one loaded engine: B sequences (``prompts`` token ids, cycled)
@@ -103,53 +139,50 @@ def sweep_engine(eng: SpeculativeEngine, prompts: list[list[int]], batches: list
     the tuner compares. ``on_row(row)`` is called for each row at the end. Raises ConfigError when not even
     one steady cycle fits in max_seq_len after the longest prompt.
     """
-    from splitspec.errors import ConfigError
-
-    limit = min(max_seq_len or eng.max_seq_len, eng.max_seq_len)
-    plan = {}
-    for B in batches:
-        used = [prompts[i % len(prompts)] for i in range(B)]
-        for k in ks:
-            per_round = (limit - max(map(len, used)) - k - 9) // (k + 1) - warmup - 3
-            if per_round < 1:
-                raise ConfigError(f"steady cycles: prompts of {max(map(len, used))} tokens leave no room for a steady "
-                                  f"cycle at k = {k} within max_seq_len = {limit}")
-            plan[B, k] = (used, per_round)
-    samples: dict[tuple, list] = {key: [] for key in plan}
-    rows = []
-    for i in range(passes):
-        for (B, k), (used, per_round) in plan.items():
-            want = cycles * (i + 1) // passes  # cumulative share after this pass
-            while len(samples[B, k]) < want:
-                got = _steady_round(eng, used, k, min(per_round, want - len(samples[B, k])), warmup)
-                if not got:
-                    break
-                samples[B, k] += got
-            if i == passes - 1 and samples[B, k]:
-                rows.append(_row(B, k, samples[B, k]))
-    pool_acceptance(rows)
+    samples = _gather(eng, prompts, batches, ks, cycles, passes, warmup, max_seq_len)
+    rows = pool_acceptance([_row(B, k, [s]) for (B, k), s in samples.items() if s])
     for row in rows:
         if on_row is not None:
             on_row(row)
     return rows
 
 
-def measure(engines_dir: Path, draft_tp: int, batches: list[int], ks: list[int], prompts: list[str], max_seq_len: int,
-            device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48) -> list[dict]:
-    """Steady-cycle rows (see :func:`sweep_engine`) for every (B, k) at one placement; one engine load."""
-    with SpeculativeEngine.load(engines_dir, target_device_ids=device_ids, draft_tp=draft_tp, num_draft_tokens=0,
-                                max_batch_size=max(batches), kv_tokens=max(batches) * max_seq_len, synthetic_acceptance=synthetic) as eng:
-        tok = eng.tokenizer
-        encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
-        ids = [encode(p)[-(max_seq_len // 2):] for p in prompts]
-
-        def show(row: dict) -> None:
-            print(f"  draft_tp={draft_tp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s_pooled']:8.1f} tok/s "
+def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[str], max_seq_len: int,
+            device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48, loads: int = 2,
+            label: str = "measuring") -> list[dict]:
+    """Steady-cycle rows (see :func:`sweep_engine`) for every placement (draft_tp) × B × k, each placement's
+    engines loaded ``loads`` times in the order A B B A A B … (reversed every other time): each load
+    gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms is the
+    mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
+    cycle, even k = 0, moved 5–9% from one load to the next — and a slow stretch of the machine would
+    otherwise land on one placement only; alternating loads shares both between the placements compared.
+    Returns the rows with ``draft_tp`` added, acceptance pooled per placement."""
+    share = lambda i: cycles * (i + 1) // loads - cycles * i // loads  # noqa: E731
+    by_load: dict[tuple, list] = {}
+    ids: list[list[int]] = []
+    for i in range(loads):
+        for dtp in placements if i % 2 == 0 else placements[::-1]:
+            print(f"{label}: draft_tp={dtp}, engine load {i + 1} of {loads} ...", flush=True)
+            with SpeculativeEngine.load(engines_dir, target_device_ids=device_ids, draft_tp=dtp, num_draft_tokens=0,
+                                        max_batch_size=max(batches), kv_tokens=max(batches) * max_seq_len,
+                                        synthetic_acceptance=synthetic) as eng:
+                if not ids:
+                    tok = eng.tokenizer
+                    encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
+                    ids = [encode(p)[-(max_seq_len // 2):] for p in prompts]
+                got = _gather(eng, ids, batches, ks, share(i), max(1, 8 // loads), 3, max_seq_len)
+            for (B, k), samples in got.items():
+                by_load.setdefault((dtp, B, k), []).append(samples)
+    rows = []
+    for dtp in placements:
+        mine = pool_acceptance([_row(B, k, s) for (d, B, k), s in by_load.items() if d == dtp and any(s)])
+        for row in mine:
+            print(f"  draft_tp={dtp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s_pooled']:8.1f} tok/s "
                   f"(acceptance pooled over k {row['expected_acceptance_length']:.2f}; this row's own {row['acceptance_length']:.2f}: "
-                  f"{row['tokens_per_s']:.1f} tok/s), cycle {row['cycle_ms']:.2f} ms", flush=True)
-
-        rows = sweep_engine(eng, ids, batches, ks, cycles, max_seq_len=max_seq_len, on_row=show)
-    return [{"draft_tp": draft_tp} | r for r in rows]
+                  f"{row['tokens_per_s']:.1f} tok/s), cycle {row['cycle_ms']:.2f} ms "
+                  f"(by load {' '.join(f'{t:.2f}' for t in row['cycle_ms_by_load'])})", flush=True)
+        rows += [{"draft_tp": dtp} | r for r in mine]
+    return rows
 
 
 def choose(rows: list[dict], batches: list[int]) -> dict:
@@ -188,16 +221,17 @@ def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METR
 
 def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Path, max_seq_len: int = 512,
          device_ids: list[int] | None = None, synthetic: list[float] | None = None, verify: bool = False,
-         cycles: int = 48) -> dict:
+         cycles: int = 48, loads: int = 2) -> dict:
     """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
-    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`sweep_engine`).
+    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`sweep_engine`), spread over
+    ``loads`` engine loads per placement, alternating between placements (see :func:`measure`).
     Raises ConfigError, before measuring, for an empty batch or k list, a batch, k or max_seq_len above the
-    engines' limits, cycles < 1, a bad prompts file, or an engines folder where tuning.json cannot be written."""
+    engines' limits, loads < 1, cycles < loads, a bad prompts file, or an engines folder where tuning.json cannot be written."""
     from splitspec.errors import ConfigError
 
-    if cycles < 1:
-        raise ConfigError(f"tune: cycles = {cycles}, expected ≥ 1")
+    if loads < 1 or cycles < loads:
+        raise ConfigError(f"tune: cycles = {cycles} over loads = {loads}, expected loads ≥ 1 and at least one cycle per load")
     if not batches or min(batches) < 1 or not ks or min(ks) < 0 or 0 not in ks:
         raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
     engines_dir = Path(engines_dir)
@@ -213,11 +247,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     prompts = read_prompts(prompts_file)
 
     def sweep(label: str) -> list[dict]:
-        rows = []
-        for dtp in sorted({1, tp}):
-            print(f"{label}: draft_tp={dtp} ...", flush=True)
-            rows += measure(engines_dir, dtp, batches, ks, prompts, max_seq_len, device_ids, synthetic, cycles)
-        return rows
+        return measure(engines_dir, sorted({1, tp}), batches, ks, prompts, max_seq_len, device_ids, synthetic, cycles, loads, label)
 
     rows = sweep("measuring")
     choice = choose(rows, batches)
