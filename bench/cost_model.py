@@ -137,14 +137,16 @@ def kimi_report(d: dict) -> None:
 def tune_report(t: dict) -> None:
     """The tuner's choice scored against the file's exhaustive sweep and against its own second sweep."""
     c = t["choice"]
-    print(f"\n### Tuner: drafter TP{c['draft_tp']}, k by batch {c['k_by_batch']}\n")
+    # files of the tuner that kept one placement for all buckets have draft_tp instead of draft_tp_by_batch
+    dtp = {B: c["draft_tp_by_batch"][B] if "draft_tp_by_batch" in c else c["draft_tp"] for B in c["k_by_batch"]}
+    print(f"\n### Tuner: by batch bucket, drafter TP {dtp}, k {c['k_by_batch']}\n")
     print("Scores use tokens/s with acceptance pooled over k (splitspec.tune.pool_acceptance); in brackets, with each "
           "row's own acceptance (the sweep table above).\n")
     print("| batch | tuner's choice | sweep's best | chosen / best | chosen / no speculation | second sweep: chosen / best |")
     print("|---|---|---|---|---|---|")
     for B, r in t["score"].items():
         v, e, ve = t["verification"]["score"][B], t["score_emitted"][B], t["verification"]["score_emitted"][B]
-        print(f"| {B} | TP{c['draft_tp']}, k = {c['k_by_batch'][B]} | TP{r['best']['draft_tp']}, k = {r['best']['k']} | "
+        print(f"| {B} | TP{dtp[B]}, k = {c['k_by_batch'][B]} | TP{r['best']['draft_tp']}, k = {r['best']['k']} | "
               f"{r['chosen_over_best']:.3f} ({e['chosen_over_best']:.3f}) | ×{r['chosen_over_no_speculation']:.2f} "
               f"(×{e['chosen_over_no_speculation']:.2f}) | {v['chosen_over_best']:.3f} ({ve['chosen_over_best']:.3f}) |")
 

@@ -459,6 +459,45 @@ def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: l
             "score": sc, "score_emitted": sc_emitted, "verification": choice["verification"]}
 
 
+def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles: int, prompt_tokens: int = 256,
+                dry_run: bool = False) -> dict:
+    """What a change of draft placement costs: both placements loaded on the synthetic engines of one sweep,
+    ``batch`` sequences of ``prompt_tokens``-token prompts decoding with k draft tokens; steady cycles drafted
+    always by the split drafter, always by the sharded one, and by each in turn — every cycle then first
+    moves the drafter K/V rows of all ``batch`` sequences (``RankRunner.switch_placement``). Medians of
+    ``cycles`` steady cycles each, the three modes interleaved over 4 passes. ``switch_ms``: alternating minus
+    the mean of the two fixed modes, the cost of one switch; ``kv_bytes_moved``: K and V rows per switch."""
+    import statistics
+
+    from splitspec.engine import Group
+    from splitspec.kv import BLOCK_SIZE
+    from splitspec.runtime import SpeculativeEngine
+    from splitspec.synthetic import KIMI_DRAFTER_PROFILE
+    from splitspec.tune import _steady_round
+
+    if tp == 1:
+        return {"skipped": "TP1: one placement"}
+    group = Group(tmp / f"kimi-tp{tp}-m{moe_layers}", None if dry_run else list(range(tp)), (1, tp), kv_tokens=batch * 1024)
+    modes = {"draft_tp=1": [1], f"draft_tp={tp}": [tp], "alternating": [1, tp]}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    with SpeculativeEngine(group, 0, batch, synthetic_acceptance=KIMI_DRAFTER_PROFILE) as eng:
+        prompts = [[1 + i] * prompt_tokens for i in range(batch)]
+        for _ in range(4):
+            for mode, turns in modes.items():
+                order = itertools.cycle(turns)
+                eng.draft_tp_for = lambda b, order=order: next(order)
+                times[mode] += [t for t, _ in _steady_round(eng, prompts, k, -(-cycles // 4), 3)]
+        dcache = group.rank0.slots[tp][1]
+        need = prompt_tokens + (-(-cycles // 4) + 6) * (k + 1) + 8  # the blocks _steady_round's requests hold
+        rows = batch * -(-need // BLOCK_SIZE) * BLOCK_SIZE
+    out = {m: statistics.median(t) for m, t in times.items()} | {"n": {m: len(t) for m, t in times.items()}}
+    out |= {"batch": batch, "k": k, "prompt_tokens": prompt_tokens,
+            "switch_ms": out["alternating"] - (out["draft_tp=1"] + out[f"draft_tp={tp}"]) / 2,
+            "kv_bytes_moved": rows * 2 * dcache.k[0].numel() * tp * dcache.k.element_size()}
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default="bench/results/gpu", help="results folder (gpu_bench.json, PNG plots)")
@@ -536,6 +575,8 @@ def main() -> None:
             if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):
                 section("tune", out)(tune_vs_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
                                                     [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.cycles, a.tune_loads, a.dry_run)
+                section("switch_cost", out)(switch_cost)(tmp, tp, m, max(int(x) for x in a.batches.split(",")), 3, a.cycles,
+                                                         dry_run=a.dry_run)
     print("done", flush=True)
     os._exit(0)  # leftover NCCL/gloo threads must not hold the process open
 

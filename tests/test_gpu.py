@@ -2,7 +2,8 @@
 GPU gives exactly the tokens of target-only greedy decoding on GPU, for both draft placements, with the
 speculative cycles replayed from CUDA graphs. Runs where CUDA exists (the target at TP2 on two GPUs, TP1 on
 one, where only the TP1 drafter is a distinct placement); skipped elsewhere. With two GPUs also the TP1 drafter
-on a GPU of its own, cycles run by the serving loop's thread (:class:`EngineLoop`)."""
+on a GPU of its own, cycles run by the serving loop's thread (:class:`EngineLoop`), and both placements loaded
+with the drafting one switched every cycle."""
 
 from __future__ import annotations
 
@@ -118,6 +119,42 @@ def test_speculative_greedy_on_gpu_equals_target_only(engines_for, placement):
             assert got == ref, f"{placement}, k={k}: speculative output differs from target-only greedy"
             # a new k means new static shapes: its draft and verify cycles were captured as graphs
             assert len(eng.group.rank0.graphs.graphs) > before, f"{placement}, k={k}: no CUDA graph captured"
+
+
+@pytest.mark.timeout(600)
+def test_switching_placement_every_cycle_on_gpu(engines_for, tmp_path):
+    """Both placements loaded (tuning.json per bucket), the drafting one switched every cycle: the drafter K/V moves
+    between the TP1 and sharded layouts over NCCL and every cycle drafts what the TP1 drafter alone drafts, in the
+    CUDA-graph path; the output is target-only greedy."""
+    import itertools
+    import json
+    import shutil
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    eng_dir = tmp_path / "e"
+    shutil.copytree(engines_for(2), eng_dir)
+    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "2": 2}, "k_by_batch": {"1": 3, "2": 3}}))
+    runs = {}
+    for name, dtp in (("alone", 1), ("switching", None)):
+        with SpeculativeEngine.load(eng_dir, target_device_ids=[0, 1], draft_tp=dtp, max_batch_size=2) as eng:
+            ids = [eng.tokenizer.encode(p) for p in PROMPTS]
+            ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
+            placed, turns = [], itertools.cycle([2, 1])
+            if dtp is None:
+                assert eng.group.placements == (1, 2)
+                eng.draft_tp_for = lambda batch: next(turns)
+                eng.on_cycle = lambda stats: placed.append(eng.group.draft_tp)
+            drafts = _recorded(eng)
+            got = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])]
+            assert got == ref, f"{name}: speculative output differs from target-only greedy"
+            runs[name] = (drafts, placed, len(eng.group.rank0.graphs.graphs))
+    (alone, _, _), (switching, placed, graphs) = runs["alone"], runs["switching"]
+    assert sum(a != b for a, b in zip(placed, placed[1:])) > 20 and graphs > 0
+    assert len([c for c in alone if any(c)]) > 10
+    for i, (a, b) in enumerate(zip(switching, alone)):
+        assert a == b, f"cycle {i} (draft_tp {placed[i] if i < len(placed) else '?'}): drafts {a} differ from the TP1 drafter alone's {b}"
+    assert len(switching) == len(alone)
 
 
 @pytest.mark.timeout(600)

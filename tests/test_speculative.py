@@ -184,3 +184,41 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
     assert time.monotonic() - t0 < SHUTDOWN_WAIT_S  # no wait for a shutdown plan
     assert [p.returncode for p in procs] == [-9]  # killed, not ended by an error
     Group(engines_for(2)).close()  # the process group was left: a new one can be made
+
+
+def _recording_drafts(eng) -> list:
+    """Make ``eng`` record every cycle's drafts (``{sequence: [draft ids]}`` as CycleOutput gives them)."""
+    seen, run = [], eng.group.run
+    eng.group.run = lambda plan: seen.append((out := run(plan)).drafts) or out
+    return seen
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, tok, reference, padded, monkeypatch, tmp_path):
+    """Both placements loaded (per-bucket placement from tuning.json) and the drafting one switched on every
+    cycle: the drafter K/V moves between the TP1 and sharded layouts, so every cycle's drafts are those of the
+    TP1 drafter alone (the test pair's drafter is untrained: its drafts hang on the K/V it attends, not on
+    being right), and the output is target-only greedy."""
+    import itertools
+    import json
+    import shutil
+
+    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
+    eng_dir = tmp_path / "e"
+    shutil.copytree(built_engines, eng_dir)
+    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "2": 2}, "k_by_batch": {"1": 3, "2": 3}}))
+    with SpeculativeEngine.load(eng_dir, draft_tp=1) as eng:
+        assert eng.group.placements == (1,) and not eng.draft_tp_by_batch and eng.k_by_batch == {}  # tuned per bucket: not for TP1 alone
+        alone = _recording_drafts(eng)
+        for p in PROMPTS:
+            eng.generate(tok.encode(p), 24, num_draft_tokens=3, stop_token_ids=set())
+    with SpeculativeEngine.load(eng_dir) as eng:
+        assert eng.group.placements == (1, 2) and eng.draft_tp_by_batch == {1: 1, 2: 2} and eng.k_by_batch == {1: 3, 2: 3}
+        drafts, placed, turns = _recording_drafts(eng), [], itertools.cycle([2, 1])
+        eng.draft_tp_for = lambda batch: next(turns)
+        eng.on_cycle = lambda stats: placed.append(eng.group.draft_tp)
+        for p in PROMPTS:
+            assert eng.generate(tok.encode(p), 24, stop_token_ids=set()).token_ids == reference[p]
+    assert placed.count(1) > 10 and placed.count(2) > 10 and sum(a != b for a, b in zip(placed, placed[1:])) > 40
+    assert [list(d.values()) for d in drafts] == [list(d.values()) for d in alone]
+    assert sum(len(d) for c in alone for d in c.values()) > 60

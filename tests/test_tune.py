@@ -19,11 +19,12 @@ def _row(dtp, B, k, tps):
 
 def test_choice_turns_speculation_off_where_it_does_not_pay():
     rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 25), _row(2, 1, 0, 10), _row(2, 1, 3, 20),
-            _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
+            _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 95)]
     c = choose(rows, [1, 16])
-    assert c["draft_tp"] == 1 and c["k_by_batch"] == {"1": 3, "16": 0}
+    # batch 16: no speculation wins; its placement is batch 1's, so that nothing switches for it
+    assert c == {"draft_tp_by_batch": {"1": 1, "16": 1}, "k_by_batch": {"1": 3, "16": 0}}
     sc = score(c, rows, [1, 16])
-    assert sc["16"]["chosen_over_best"] == pytest.approx(100 / 120) and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
+    assert sc["16"]["chosen_over_best"] == 1.0 and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
 
 
 def test_pooled_acceptance_rates_by_position():
@@ -41,24 +42,27 @@ def test_pooled_acceptance_rates_by_position():
     assert rows[0]["tokens_per_s_pooled"] == pytest.approx(2 / 1.0 * 1e3)
 
 
-def test_placement_is_the_one_whose_worst_bucket_loses_least():
-    # draft_tp=1 wins batch 1 by 4% but loses batch 16 by 25%: draft_tp=2 is kept for every bucket
+def test_each_bucket_gets_its_fastest_placement_and_k():
+    # the split drafter wins batch 1, the sharded one batch 16; a tie goes to the split one, then the smaller k
     rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 25), _row(2, 1, 0, 10), _row(2, 1, 3, 24),
-            _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
-    c = choose(rows, [1, 16])
-    assert c["draft_tp"] == 2 and c["k_by_batch"] == {"1": 3, "16": 3}
-    sc = score(c, rows, [1, 16])
-    assert sc["1"]["chosen_over_best"] == pytest.approx(24 / 25) and sc["16"]["chosen_over_best"] == 1.0
-    # a tie goes to the split placement
-    assert choose([_row(1, 1, 0, 10), _row(2, 1, 0, 10)], [1])["draft_tp"] == 1
+            _row(1, 16, 0, 100), _row(1, 16, 3, 110), _row(2, 16, 0, 100), _row(2, 16, 3, 120), _row(2, 16, 4, 120),
+            _row(1, 4, 0, 50), _row(1, 4, 2, 60), _row(2, 4, 2, 60)]
+    c = choose(rows, [1, 4, 16])
+    assert c == {"draft_tp_by_batch": {"1": 1, "4": 1, "16": 2}, "k_by_batch": {"1": 3, "4": 2, "16": 3}}
+    sc = score(c, rows, [1, 4, 16])
+    assert all(s["chosen_over_best"] == 1.0 for s in sc.values())
+    assert sc["16"]["chosen_over_no_speculation"] == pytest.approx(1.2)
+    # scored against another sweep in which batch 16's placements swapped
+    other = [dict(r, tokens_per_s_pooled=130 if (r["draft_tp"], r["batch"], r["k"]) == (1, 16, 3) else r["tokens_per_s_pooled"]) for r in rows]
+    assert score(c, other, [16])["16"]["chosen_over_best"] == pytest.approx(120 / 130)
 
 
 def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
-    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp": 1, "k_by_batch": {"1": 3, "2": 0}}))
+    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp": 1, "k_by_batch": {"1": 3, "2": 0}}))  # one placement, older form
     with SpeculativeEngine.load(eng_dir) as eng:
-        assert eng.group.draft_tp == 1 and eng.default_k() == 3
+        assert eng.group.placements == (1,) and eng.default_k() == 3
         a = eng.submit(Request([1, 2, 3], 4, stop_token_ids=set()))
         b = eng.submit(Request([1, 2, 3], 4, stop_token_ids=set()))
         assert eng.seqs[a].k == 3 and eng.seqs[b].k == 0
@@ -107,7 +111,10 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
 
 @pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
                                  {"draft_tp": 1, "k_by_batch": {"1": -3}}, {"draft_tp": 1, "k_by_batch": []}, [1, 2],
-                                 {"draft_tp": 1, "k_by_batch": {"²": 2}}, {"draft_tp": 1, "k_by_batch": {"1": 2, "01": 3}}])
+                                 {"draft_tp": 1, "k_by_batch": {"²": 2}}, {"draft_tp": 1, "k_by_batch": {"1": 2, "01": 3}},
+                                 {"draft_tp_by_batch": {"1": 1}, "k_by_batch": {"1": 2, "4": 3}},
+                                 {"draft_tp_by_batch": {"1": 0}, "k_by_batch": {"1": 2}}, {"draft_tp_by_batch": [1], "k_by_batch": {"1": 2}},
+                                 {"k_by_batch": {"1": 2}}])
 def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     from splitspec.errors import SplitspecError
     from splitspec.runtime import read_tuning
@@ -142,7 +149,8 @@ def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
     for bad, why in (({"draft_tp": 1, "k_by_batch": {"1": 99}}, "max_draft_len"),
-                     ({"draft_tp": _tp(built_engines) + 1, "k_by_batch": {"1": 2}}, "tp_size")):
+                     ({"draft_tp": _tp(built_engines) + 1, "k_by_batch": {"1": 2}}, "tp_size"),
+                     ({"draft_tp_by_batch": {"1": 1, "4": _tp(built_engines) + 1}, "k_by_batch": {"1": 2, "4": 2}}, "tp_size")):
         (eng_dir / "tuning.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=f"tuning.json.*{why}"):
             read_tuning(eng_dir)
@@ -171,6 +179,17 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
     proc = EngineProcess(eng_dir, lambda *a: None, lambda m: None, draft_tp=tp, num_draft_tokens=None)
     try:
         assert proc.info["k_by_batch"] == {1: 3, 4: 0} and proc.info["draft_tp"] == tp
+    finally:
+        proc.close()
+    # tuned per bucket with both placements: the engine loads both and follows the file
+    (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "4": tp}, "k_by_batch": {"1": 3, "4": 2}}))
+    repo = render_repo(eng_dir, tmp_path / "r5")
+    assert setting(repo, "draft_tp") == ("" if tp > 1 else "1") and setting(repo, "num_draft_tokens") == ""
+    repo = render_repo(eng_dir, tmp_path / "r6", draft_tp=tp)
+    assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == ("4" if tp > 1 else "")
+    proc = EngineProcess(eng_dir, lambda *a: None, lambda m: None, draft_tp=None, num_draft_tokens=None)  # what "" gives
+    try:
+        assert proc.info["draft_tp_by_batch"] == ({1: 1, 4: tp} if tp > 1 else {}) and proc.info["k_by_batch"] == {1: 3, 4: 2}
     finally:
         proc.close()
     (eng_dir / "tuning.json").unlink()

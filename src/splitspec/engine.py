@@ -12,7 +12,10 @@ other ranks as the next plan (accepted counts and tokens), so ranks never diverg
 Draft placement: ``draft_tp=1`` — the drafter lives on the leader only (its own device, default target
 rank 0's), it drafts before the plan is sent, and workers only verify. ``draft_tp=N`` — the drafter is
 sharded over the target's group (the layout SGLang/vLLM/TensorRT-LLM use): every rank drafts with its
-shard, paying the group's collectives on every draft step.
+shard, paying the group's collectives on every draft step. Both can be loaded at once (per batch-size
+bucket placement, ``splitspec tune``): each plan names the placement that drafts it, and a change of
+placement first moves the decoding sequences' drafter K/V rows into the other layout
+(:meth:`RankRunner.switch_placement`).
 """
 
 from __future__ import annotations
@@ -99,13 +102,17 @@ class SeqWork:
 
 @dataclass
 class CyclePlan:
-    """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending."""
+    """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending.
+    ``draft_tp``: the placement that drafts (None: the one drafting so far); ``placement_switch``: this
+    message only makes ``draft_tp`` the drafting placement (:meth:`RankRunner.switch_placement`)."""
 
     work: list[SeqWork]
     finished: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] | None = None
     shutdown: bool = False
     padded_k: int | None = None  # set by the leader: a steady decode cycle run in the static-shape form
+    draft_tp: int | None = None
+    placement_switch: bool = False
 
 
 @dataclass
@@ -131,10 +138,11 @@ class RankRunner:
     Args:
         engines_dir: folder with ``target/`` and ``drafter/`` engines.
         rank, world: position in the target's group; ``comm`` its collectives.
-        draft_tp: 1 (drafter on the leader, at ``draft_device``) or world (sharded over the group).
+        placements: the draft_tp values loaded, each 1 (drafter on the leader, at ``draft_device``) or world
+            (sharded over the group); the first drafts until :meth:`switch_placement`.
     """
 
-    def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, draft_tp: int,
+    def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
                  draft_device: str | None = None, kv_tokens: int | None = None):
         engines_dir = Path(engines_dir)
         meta = read_engine_meta(engines_dir / "target", "target")
@@ -147,7 +155,7 @@ class RankRunner:
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
-        self.graphs = self.draft_graphs = GraphCache(device)  # draft_graphs: the TP1 drafter's, on its own device
+        self.graphs = GraphCache(device)
         if self.graphs.on and os.environ.get("SPLITSPEC_COMPILE", "1") == "1":
             self.target.compile()  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
@@ -155,23 +163,66 @@ class RankRunner:
         self.scratch_row = self.kv_blocks * BLOCK_SIZE
         self.window = -(-self.limits["max_seq_len"] // BLOCK_SIZE) * BLOCK_SIZE
         self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
-        self.drafter = self.dcache = None
+        self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
         self.aux: dict[int, torch.Tensor] = {}
-        if draft_tp == world or rank == 0:
+        # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
+        self.slots: dict[int, tuple[DrafterModel, DrafterKVCache, GraphCache]] = {}
+        for draft_tp in dict.fromkeys(placements):
+            if draft_tp != world and rank != 0:
+                continue
             dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
             dcfg = DrafterConfig.from_dict(dmeta["config"])
             ddev = device if draft_tp > 1 else (draft_device or device)
             dw = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
             dw = shard_drafter(dw, dcfg, rank if draft_tp > 1 else 0, draft_tp)
-            self.drafter = DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm())
-            self.dcache = DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp)
-            if torch.device(ddev) != torch.device(device):
-                self.draft_graphs = GraphCache(ddev)
+            graphs = GraphCache(ddev) if torch.device(ddev) != torch.device(device) else self.graphs
+            self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
+                                    DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
             self.capture = tuple(dmeta["capture_points"])
             if any(p > self.cfg.num_hidden_layers for p in self.capture):
                 raise ConfigError(f"drafter capture points {self.capture} exceed the target's {self.cfg.num_hidden_layers} layers")
+        self._use(placements[0])
+
+    def _use(self, draft_tp: int) -> None:
+        """Draft with the drafter of placement ``draft_tp`` from now on (None here: a TP1 drafter on rank 0)."""
         self.draft_tp = draft_tp
+        self.drafter, self.dcache, self.draft_graphs = self.slots.get(draft_tp, (None, None, self.graphs))
+
+    def switch_placement(self, draft_tp: int, work: list[SeqWork]) -> None:
+        """Make placement ``draft_tp`` the drafting one, on every rank of the group at once (collectives).
+
+        Moves the drafter K/V rows of every decode work's blocks (all a sequence's drafter K/V: it is written
+        while decoding only) from the layout of the placement drafting so far to the other: TP1 [rows, H, D]
+        on rank 0 → shard r [rows, H/N, D] (a broadcast from rank 0, each rank keeping heads r·H/N..), or the
+        shards → TP1 (an all-gather, rank 0 concatenating by head, :func:`shard_drafter`'s order). A no-op
+        when ``draft_tp`` drafts already. Raises ConfigError for a placement not loaded here."""
+        old = self.draft_tp
+        if draft_tp == old:
+            return
+        if draft_tp not in self.slots and not (draft_tp == 1 and self.rank != 0):
+            raise ConfigError(f"draft_tp = {draft_tp}: not loaded (placements here: {sorted(self.slots)})")
+        blocks = sorted({b for w in work if w.kind == "decode" for b in w.blocks})
+        if blocks:
+            shard = self.slots[self.world][1]
+            rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
+            for name in ("k", "v"):
+                local = getattr(shard, name)
+                if old == 1:
+                    if self.rank == 0:
+                        full = getattr(self.slots[1][1], name)
+                        full = full[rows.to(full.device)].to(self.device)
+                    else:
+                        full = local.new_empty((len(rows), local.shape[1] * self.world, local.shape[2]))
+                    dist.broadcast(full, 0)
+                    local[rows] = full.chunk(self.world, 1)[self.rank]
+                else:
+                    parts = [torch.empty_like(local[rows]) for _ in range(self.world)]
+                    dist.all_gather(parts, local[rows].contiguous())
+                    if self.rank == 0:
+                        full = getattr(self.slots[1][1], name)
+                        full[rows.to(full.device)] = torch.cat(parts, 1).to(full.device)
+        self._use(draft_tp)
 
     def draft_phase(self, plan: CyclePlan) -> dict[int, list[int]]:
         """Extend the drafter over last cycle's accepted tokens, then draft: k tokens per decode work."""
@@ -251,7 +302,7 @@ class RankRunner:
                 out.append(m.propose(logits))
             return torch.stack(out, 1)
 
-        drafts = self.draft_graphs.run(("draft", Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
+        drafts = self.draft_graphs.run(("draft", self.draft_tp, Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
                                  first_step, real)
         return drafts.clone()  # graph outputs are overwritten by the next replay
 
@@ -398,7 +449,7 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, draft_tp: int,
+def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, placements: tuple[int, ...],
                 kv_tokens: int | None = None) -> None:
     """Body of a worker rank: join the group, load its shards, execute plans until shutdown."""
     torch.set_num_threads(_threads_per_rank(world))
@@ -409,7 +460,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, draft_tp, kv_tokens=kv_tokens)
+    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, placements, kv_tokens=kv_tokens)
     store.set(f"ready/{rank}", "1")
     with torch.inference_mode():
         while True:
@@ -419,9 +470,12 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
             if plan.shutdown:
                 runner.graphs.clear()
                 break
+            if plan.placement_switch:
+                runner.switch_placement(plan.draft_tp, plan.work)
+                continue
             if plan.padded_k is not None:
                 drafts = None
-                if draft_tp == 1 and plan.padded_k:
+                if runner.draft_tp == 1 and plan.padded_k:
                     drafts = torch.empty(bucket(len(plan.work)), plan.padded_k, dtype=torch.int64, device=device)
                     dist.broadcast(drafts, 0)
                 for sid in plan.finished:
@@ -438,18 +492,21 @@ class Group:
     Args:
         engines_dir: folder with built ``target/`` and ``drafter/`` engines.
         device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
-        draft_tp: 1 or the target's TP size. draft_device_id: GPU of a TP1 drafter (None: rank 0's).
+        draft_tp: 1 or the target's TP size, or a tuple of both to load both placements (the first drafts until
+            a plan names the other). draft_device_id: GPU of a TP1 drafter (None: rank 0's).
     Raises:
         ConfigError: a placement the engines cannot take. EngineError: a worker fails to start or dies.
     """
 
-    def __init__(self, engines_dir: Path, device_ids: list[int] | None = None, draft_tp: int = 1,
+    def __init__(self, engines_dir: Path, device_ids: list[int] | None = None, draft_tp: int | tuple[int, ...] = 1,
                  draft_device_id: int | None = None, kv_tokens: int | None = None, start_timeout_s: float = 300.0):
         self.engines_dir = Path(engines_dir)
         meta = read_engine_meta(self.engines_dir / "target", "target")
         self.world = int(meta["mapping"]["tp_size"])
-        if draft_tp not in (1, self.world):
-            raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (split placement) or {self.world} (sharded over the target's TP group)")
+        self.placements = tuple(dict.fromkeys((draft_tp,) if isinstance(draft_tp, int) else draft_tp))
+        for dtp in self.placements or (None,):
+            if dtp not in (1, self.world):
+                raise ConfigError(f"draft_tp = {dtp}: expected 1 (split placement) or {self.world} (sharded over the target's TP group)")
         if device_ids and len(device_ids) != self.world:
             raise ConfigError(f"target engine is TP{self.world} but {len(device_ids)} target device ids were given")
         if device_ids and (not torch.cuda.is_available() or max(device_ids) >= torch.cuda.device_count()):
@@ -458,7 +515,6 @@ class Group:
         draft_device = f"cuda:{draft_device_id}" if draft_device_id is not None else None
         if draft_device and not device_ids:
             raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
-        self.draft_tp = draft_tp
         # steady decode cycles in the static-shape form: always on GPU (CUDA graphs), opt-in on CPU
         self.padded = bool(device_ids) or os.environ.get("SPLITSPEC_PADDED") == "1"
         self.procs: list[subprocess.Popen] = []
@@ -477,7 +533,7 @@ class Group:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "splitspec.worker", "--engines", str(self.engines_dir), "--rank", str(r),
                      "--world", str(self.world), "--store-port", str(self.store.port), "--device", self.devices[r],
-                     "--draft-tp", str(draft_tp), "--kv-tokens", str(kv_tokens or 0)], env=env))
+                     "--draft-tp", ",".join(map(str, self.placements)), "--kv-tokens", str(kv_tokens or 0)], env=env))
             torch.set_num_threads(_threads_per_rank(self.world))
             try:
                 # join only once every worker is up: init_process_group cannot notice a worker that died
@@ -490,7 +546,7 @@ class Group:
                 self._kill()
                 raise
         try:
-            self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], draft_tp, draft_device, kv_tokens)
+            self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], self.placements, draft_device, kv_tokens)
             self._wait_for("ready", start_timeout_s)
         except BaseException:
             self.close()
@@ -508,6 +564,11 @@ class Group:
                 if time.monotonic() > deadline:
                     raise EngineError(f"target worker rank {r} did not become {what} in {timeout_s:.0f} s")
                 time.sleep(0.05)
+
+    @property
+    def draft_tp(self) -> int:
+        """The placement drafting now (1 or the target's TP size)."""
+        return self.rank0.draft_tp
 
     @property
     def cfg(self) -> TargetConfig:
@@ -528,13 +589,20 @@ class Group:
         if self.closed:
             raise EngineError("the engine is closed")
         r0 = self.rank0
+        if plan.draft_tp is not None and plan.draft_tp != r0.draft_tp:
+            if plan.draft_tp not in self.placements:
+                raise ConfigError(f"draft_tp = {plan.draft_tp}: not loaded (placements {list(self.placements)})")
+            if self.world > 1:
+                self.check_workers()
+                self._send_plan(CyclePlan(plan.work, draft_tp=plan.draft_tp, placement_switch=True))
+            r0.switch_placement(plan.draft_tp, plan.work)
         if self.padded:
             for sid in plan.finished:
                 r0.aux.pop(sid, None)
             plan.padded_k = r0.padded_k(plan)
         if plan.padded_k is not None:
             t0 = time.perf_counter()
-            drafts = r0.draft_padded(plan) if (self.draft_tp == 1 and plan.padded_k) else None
+            drafts = r0.draft_padded(plan) if (r0.draft_tp == 1 and plan.padded_k) else None
             if drafts is not None:  # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator
                 drafts = drafts.to(r0.device)  # (execute_padded's sync then also waits for the draft graph)
             draft_ms = (time.perf_counter() - t0) * 1e3
@@ -544,18 +612,18 @@ class Group:
                 if drafts is not None:
                     dist.broadcast(drafts, 0)
             out = r0.execute_padded(plan, drafts)
-            if self.draft_tp == 1:
+            if r0.draft_tp == 1:
                 out.draft_ms += draft_ms
             return out
         t0 = time.perf_counter()
-        if self.draft_tp == 1 and r0.drafter is not None:
+        if r0.draft_tp == 1 and r0.drafter is not None:
             plan.drafts = r0.draft_phase(plan)
         draft_ms = (time.perf_counter() - t0) * 1e3
         if self.world > 1:
             self.check_workers()
             self._send_plan(plan)
         out = r0.execute(plan)
-        if self.draft_tp == 1:
+        if r0.draft_tp == 1:
             out.draft_ms = draft_ms
         return out
 
@@ -616,5 +684,5 @@ class Group:
     def _release_graphs(self) -> None:
         runner = getattr(self, "rank0", None)
         if runner is not None:
-            runner.graphs.clear()
-            runner.draft_graphs.clear()
+            for graphs in {id(g): g for g in [runner.graphs] + [slot[2] for slot in runner.slots.values()]}.values():
+                graphs.clear()

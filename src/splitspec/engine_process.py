@@ -333,7 +333,7 @@ def serve(conn: Connection) -> int:
                         "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
                         "block_size": eng.alloc.block_size, "worker_pids": [p.pid for p in eng.group.procs],
                         "torch_threads": torch.get_num_threads(), "draft_tp": eng.group.draft_tp,
-                        "k": eng.num_draft_tokens, "k_by_batch": eng.k_by_batch}))
+                        "draft_tp_by_batch": eng.draft_tp_by_batch, "k": eng.num_draft_tokens, "k_by_batch": eng.k_by_batch}))
         next_check = time.monotonic() + HEALTH_CHECK_S
         while True:
             if conn.poll(HEALTH_CHECK_S):

@@ -120,7 +120,7 @@ def main(a: argparse.Namespace) -> None:
         emitted = sum(r.stats.acceptance_length * r.stats.num_cycles for r in results)
         k_used = a.num_draft_tokens if a.num_draft_tokens is not None else (f"by batch {eng.k_by_batch} (tuning.json)" if eng.k_by_batch
                                                                              else eng.num_draft_tokens)
-        print(f"== {len(results)} requests, concurrency {a.concurrency}, k={k_used}, draft_tp={eng.group.draft_tp}: "
+        print(f"== {len(results)} requests, concurrency {a.concurrency}, k={k_used}, draft_tp={eng.draft_tp_by_batch or eng.group.draft_tp}: "
               f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
               f"mean acceptance length {emitted / max(cycles, 1):.2f}")
         if a.check:

@@ -102,11 +102,12 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
             folder also receives a copy of the models' code.
         num_draft_tokens: default draft tokens per cycle (k ≥ 0; 0: no speculation); None: the k per batch bucket of
-            ``engines_dir/tuning.json`` (``splitspec tune``) when it was tuned for this draft_tp
-            (the parameter is then left empty and the engine reads the file), else 4.
+            ``engines_dir/tuning.json`` (``splitspec tune``) when every bucket was tuned for the placement
+            served (the parameter is then left empty and the engine reads the file), else 4.
         target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
         draft_device_id: GPU id of the TP1 drafter; empty: target rank 0's device.
-        draft_tp: drafter tensor-parallel size (1, or the target's TP size); None: tuning.json's, else 1.
+        draft_tp: drafter tensor-parallel size (1, or the target's TP size); None: tuning.json's placement per
+            batch bucket (left empty when the buckets' placements differ: the engine loads both), else 1.
         max_batch_size: sequences ``spec_decode`` decodes together (continuous batching);
             None: the engine's ``max_batch_size``.
         kv_tokens: KV-cache budget in tokens shared by all sequences; None: the engine's
@@ -144,22 +145,24 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         raise ConfigError(f"draft_device_id = {draft_device_id!r}: expected one GPU id (or empty)")
     if drf_ids and not tgt_ids:
         raise ConfigError(f"draft_device_id = {draft_device_id!r} needs target_device_ids too (empty means CPU)")
-    if draft_tp is None:
-        draft_tp = int(tuning["draft_tp"]) if tuning else 1
+    tuned = set(tuning["draft_tp_by_batch"].values()) if tuning else {1}
+    per_bucket = draft_tp is None and len(tuned) > 1  # "": the engine follows tuning.json bucket by bucket
+    if draft_tp is None and not per_bucket:
+        draft_tp = tuned.pop()
     # k: as given; else "" (the engine takes tuning.json's k per batch bucket) where tuning.json was made
-    # for this placement; else 4
+    # for the placement(s) served; else 4
     k_value = str(num_draft_tokens) if num_draft_tokens is not None else (
-        "" if tuning and int(tuning["draft_tp"]) == draft_tp else "4")
-    if isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1:
+        "" if tuning and (per_bucket or set(tuning["draft_tp_by_batch"].values()) == {draft_tp}) else "4")
+    if not per_bucket and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1):
         raise ConfigError(f"draft_tp = {draft_tp!r}: expected an integer >= 1")
     tp = _find_int(target, "tp_size")
     if tp is not None:
         if tgt_ids and len(tgt_ids) != tp:
             raise ConfigError(f"target_device_ids = {target_device_ids!r} lists {len(tgt_ids)} GPUs, but the "
                               f"target engine has tp_size {tp} ({engines_dir / 'target' / 'engine.json'})")
-        if draft_tp not in (1, tp):
+        if not per_bucket and draft_tp not in (1, tp):
             raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (own device) or the target's tp_size {tp}")
-    if draft_tp > 1 and drf_ids:
+    if not per_bucket and draft_tp > 1 and drf_ids:
         raise ConfigError("draft_device_id applies to a TP1 drafter only; with draft_tp > 1 the drafter "
                           "runs on target_device_ids")
 
@@ -180,7 +183,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         "num_draft_tokens": k_value,
         "target_device_ids": ",".join(map(str, tgt_ids)),
         "draft_device_id": ",".join(map(str, drf_ids)),
-        "draft_tp": str(draft_tp),
+        "draft_tp": "" if per_bucket else str(draft_tp),
         "max_tokens_limit": str(MAX_TOKENS_LIMIT),
         "max_batch_size": batch_value,
         "kv_tokens": kv_value,

@@ -210,6 +210,7 @@ class SpeculativeEngine:
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[RequestOutput], None]] = {}
         self.k_by_batch: dict[int, int] = {}
+        self.draft_tp_by_batch: dict[int, int] = {}  # several placements loaded: which drafts per batch bucket
         self.on_cycle: Callable[[CycleStats], None] | None = None
         self.last_cycle: CycleStats | None = None
 
@@ -221,24 +222,28 @@ class SpeculativeEngine:
         """Start the target group, load the drafter, and return the engine (see the class docstring).
 
         ``draft_tp`` / ``num_draft_tokens`` left None take the choice ``splitspec tune`` wrote to
-        ``engines_dir/tuning.json`` (k per batch-size bucket), else draft_tp 1 and k 4.
+        ``engines_dir/tuning.json`` (placement and k per batch-size bucket: where the buckets' placements
+        differ, both are loaded and each cycle drafts with its bucket's), else draft_tp 1 and k 4. With
+        ``draft_tp`` given, k follows tuning.json only where every bucket was tuned for that placement.
         """
         engines_dir = Path(engines_dir)
         tuning = read_tuning(engines_dir) if draft_tp is None or num_draft_tokens is None else None  # not read when unused
-        if draft_tp is None:
-            draft_tp = int(tuning["draft_tp"]) if tuning else 1
+        tuned = {int(b): int(d) for b, d in tuning["draft_tp_by_batch"].items()} if tuning else {}
+        placements = (draft_tp,) if draft_tp is not None else tuple(sorted(set(tuned.values()))) or (1,)
         tok = None
         tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
         if (tdir / "tokenizer.json").exists():
             from splitspec.tokenizer import ChatTokenizer
 
             tok = ChatTokenizer.from_dir(tdir)
-        group = Group(engines_dir, target_device_ids, draft_tp, draft_device_id, kv_tokens)
+        group = Group(engines_dir, target_device_ids, placements, draft_device_id, kv_tokens)
         try:
             eng = cls(group, 4 if num_draft_tokens is None else num_draft_tokens, max_batch_size, max_prefill_tokens, tok,
                       synthetic_acceptance)
-            if num_draft_tokens is None and tuning and tuning["draft_tp"] == draft_tp:
+            if num_draft_tokens is None and tuning and set(tuned.values()) <= set(placements):
                 eng.k_by_batch = {int(b): int(k) for b, k in tuning["k_by_batch"].items()}
+            if len(placements) > 1:
+                eng.draft_tp_by_batch = tuned
             return eng
         except BaseException:
             group.close()
@@ -261,9 +266,12 @@ class SpeculativeEngine:
         queued + this request), else the deployment's default."""
         if not self.k_by_batch:
             return self.num_draft_tokens
-        batch = len(self.running) + len(self.waiting) + 1
-        fitting = [b for b in sorted(self.k_by_batch) if b >= batch]
-        return self.k_by_batch[fitting[0] if fitting else max(self.k_by_batch)]
+        return _by_bucket(self.k_by_batch, len(self.running) + len(self.waiting) + 1)
+
+    def draft_tp_for(self, batch: int) -> int:
+        """The placement that drafts a cycle of ``batch`` decoding sequences: the tuned one of its bucket
+        where several are loaded, else the one loaded."""
+        return _by_bucket(self.draft_tp_by_batch, batch) if self.draft_tp_by_batch else self.group.draft_tp
 
     def _check_k(self, k: int) -> None:
         if not 0 <= k <= self.max_draft_len:
@@ -438,7 +446,8 @@ class SpeculativeEngine:
                 work.append(SeqWork(seq.id, seq.blocks, "prefill", seq.prefilled,
                                     seq.req.prompt_ids[seq.prefilled:seq.prefilled + chunk], final=seq.prefilled + chunk == p))
         if work:
-            plan = CyclePlan(work, finished=self._finished_ids)
+            drafting = sum(w.kind == "decode" and w.k > 0 for w in work)  # none: the drafting placement stays
+            plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self.draft_tp_for(drafting) if drafting else None)
             self._finished_ids = []
             out = self.group.run(plan)
             events += self._decide(work, out)
@@ -543,32 +552,47 @@ class SpeculativeEngine:
                     return GenerationResult(toks, text, e.finish_reason, e.stats)
 
 
+def _by_bucket(table: dict[int, int], batch: int) -> int:
+    """``table``'s value for the smallest bucket ≥ ``batch``, or the largest bucket's."""
+    fitting = [b for b in sorted(table) if b >= batch]
+    return table[fitting[0] if fitting else max(table)]
+
+
 def read_tuning(engines_dir: Path) -> dict | None:
     """``engines_dir/tuning.json`` written by ``splitspec tune``, or None if there is none.
 
-    Raises ConfigError naming the file when a field is missing or of the wrong type, a k exceeds the
-    engines' max_draft_len, or draft_tp is neither 1 nor the target's tp_size (``target/engine.json``)."""
+    Fields: ``k_by_batch`` {"batch": k} and either ``draft_tp_by_batch`` {"batch": draft_tp} (the same
+    buckets) or ``draft_tp`` (one placement for every bucket); the result always has
+    ``draft_tp_by_batch``. Raises ConfigError naming the file when a field is missing or of the wrong
+    type, a k exceeds the engines' max_draft_len, or a draft_tp is neither 1 nor the target's tp_size
+    (``target/engine.json``)."""
     path = Path(engines_dir) / "tuning.json"
     if not path.exists():
         return None
     from splitspec.io import read_json
 
     t = read_json(path)
-    if not isinstance(t, dict) or "draft_tp" not in t or "k_by_batch" not in t:
-        raise ConfigError(f"{path}: expected fields 'draft_tp' and 'k_by_batch'")
+    if not isinstance(t, dict) or "k_by_batch" not in t or not ("draft_tp" in t or "draft_tp_by_batch" in t):
+        raise ConfigError(f"{path}: expected fields 'k_by_batch' and 'draft_tp_by_batch' (or 'draft_tp')")
     ok = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo  # noqa: E731
-    if not ok(t["draft_tp"], 1):
-        raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
     kb = t["k_by_batch"]
     canonical = lambda b: isinstance(b, str) and b.isascii() and b.isdigit() and b == str(int(b)) and int(b) >= 1  # noqa: E731
     if not isinstance(kb, dict) or not kb or not all(canonical(b) and ok(k, 0) for b, k in kb.items()):
         raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{\"batch ≥ 1\" (decimal, no leading zeros): k ≥ 0, ...}}")
+    if "draft_tp_by_batch" in t:
+        db = t["draft_tp_by_batch"]
+        if not isinstance(db, dict) or set(db) != set(kb) or not all(ok(d, 1) for d in db.values()):
+            raise ConfigError(f"{path}: draft_tp_by_batch = {db!r}, expected a positive draft_tp for each bucket of k_by_batch {sorted(kb)}")
+    elif not ok(t["draft_tp"], 1):
+        raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
+    else:
+        t["draft_tp_by_batch"] = dict.fromkeys(kb, t["draft_tp"])
     target = Path(engines_dir) / "target"
     if (target / "engine.json").exists():
         meta = read_engine_meta(target, "target")
         tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
-        if t["draft_tp"] not in (1, tp):
-            raise ConfigError(f"{path}: draft_tp = {t['draft_tp']}, expected 1 or the target's tp_size {tp}")
+        if not set(t["draft_tp_by_batch"].values()) <= {1, tp}:
+            raise ConfigError(f"{path}: draft_tp = {sorted(set(t['draft_tp_by_batch'].values()))}, expected 1 or the target's tp_size {tp}")
         if max(kb.values()) > max_k:
             raise ConfigError(f"{path}: k_by_batch = {kb!r} exceeds the engines' max_draft_len {max_k}")
     return t

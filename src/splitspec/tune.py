@@ -8,10 +8,11 @@ on, so steady cycles are what the choice is about (admission and prefill cost th
 Tokens/s = tokens emitted per cycle / median cycle time; the configurations are timed in interleaved passes,
 and each placement's engines are loaded several times, alternating with the other placement's (an engine
 load's own speed varies by several percent).
-Placement is fixed per deployment: the one kept is the one whose worst bucket falls least short of that
-bucket's best; for each bucket the fastest k under it is chosen, and k = 0 (speculation off) wherever
-speculation does not beat it. ``verify`` measures everything a second time and scores the choice against
-that independent exhaustive sweep. Written atomically to ``engines_dir/tuning.json``, which
+Each bucket gets its fastest (placement, k), k = 0 (speculation off) wherever speculation does not beat
+it; where the buckets' placements differ the engine loads both drafters and each cycle drafts with its
+bucket's (:meth:`splitspec.engine.RankRunner.switch_placement` moves the drafter K/V on a change).
+``verify`` measures everything a second time and scores the choice against that independent exhaustive
+sweep. Written atomically to ``engines_dir/tuning.json``, which
 ``SpeculativeEngine.load`` reads.
 """
 
@@ -186,22 +187,16 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
 
 
 def choose(rows: list[dict], batches: list[int]) -> dict:
-    """The placement, fixed per deployment, whose worst bucket loses least against that bucket's best (any
-    placement): max over placements of min over buckets of best(placement, B) / best(B); ties go to the
-    smaller draft_tp. Per bucket, the fastest k under it, 0 where speculation does not beat k = 0."""
-    best = lambda rs: max(rs, key=lambda r: r[METRIC])  # noqa: E731
-    top = {B: best([r for r in rows if r["batch"] == B])[METRIC] for B in batches}
-
-    def worst(dtp: int) -> float:
-        return min(best([r for r in rows if r["batch"] == B and r["draft_tp"] == dtp])[METRIC] / top[B] for B in batches)
-
-    placement = max(sorted({r["draft_tp"] for r in rows}), key=lambda dtp: (worst(dtp), -dtp))
-    k_by_batch = {}
-    for B in batches:
-        mine = [r for r in rows if r["batch"] == B and r["draft_tp"] == placement]
-        fastest, off = best(mine), next(r for r in mine if r["k"] == 0)
-        k_by_batch[str(B)] = fastest["k"] if fastest[METRIC] > off[METRIC] else 0
-    return {"draft_tp": placement, "k_by_batch": k_by_batch}
+    """Per bucket, the fastest (placement, k) of ``rows``; ties go to the smaller draft_tp, then the smaller
+    k. Where k = 0 (no speculation) wins, the placement does not draft: it is the previous bucket's (the
+    smallest placement for the first bucket), so that nothing switches for it. Returns
+    ``{"draft_tp_by_batch": {"B": draft_tp}, "k_by_batch": {"B": k}}``."""
+    placement, k_by_batch, prev = {}, {}, min(r["draft_tp"] for r in rows)
+    for B in sorted(batches):
+        top = max((r for r in rows if r["batch"] == B), key=lambda r: (r[METRIC], -r["draft_tp"], -r["k"]))
+        k_by_batch[str(B)] = top["k"]
+        placement[str(B)] = prev = top["draft_tp"] if top["k"] else prev
+    return {"draft_tp_by_batch": placement, "k_by_batch": k_by_batch}
 
 
 def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METRIC) -> dict:
@@ -212,10 +207,11 @@ def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METR
         mine = [r for r in rows if r["batch"] == B]
         pick = lambda dtp, k: next(r for r in mine if r["draft_tp"] == dtp and r["k"] == k)  # noqa: E731
         top = max(mine, key=lambda r: r[metric])
-        chosen = pick(choice["draft_tp"], int(choice["k_by_batch"][str(B)]))
+        dtp = int(choice["draft_tp_by_batch"][str(B)])
+        chosen = pick(dtp, int(choice["k_by_batch"][str(B)]))
         out[str(B)] = {"chosen_tokens_per_s": chosen[metric], "best": {"draft_tp": top["draft_tp"], "k": top["k"], "tokens_per_s": top[metric]},
                        "chosen_over_best": chosen[metric] / top[metric],
-                       "chosen_over_no_speculation": chosen[metric] / pick(choice["draft_tp"], 0)[metric]}
+                       "chosen_over_no_speculation": chosen[metric] / pick(dtp, 0)[metric]}
     return out
 
 
@@ -252,11 +248,6 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     rows = sweep("measuring")
     choice = choose(rows, batches)
     detail = score(choice, rows, batches)
-    for B, s in detail.items():
-        if s["chosen_over_best"] < 0.95:
-            print(f"note: at batch {B} the kept placement (draft_tp={choice['draft_tp']}, one for all buckets) gives "
-                  f"×{s['chosen_over_best']:.2f} of this sweep's best (draft_tp={s['best']['draft_tp']}, k={s['best']['k']}); "
-                  "on a noisy machine, re-run with --verify")
     result = choice | {"measured": rows, "detail": detail, "synthetic_acceptance": synthetic,
                        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": os.uname().machine}
     if verify:
@@ -271,5 +262,5 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
         write_atomic(engines_dir / "tuning.json", json.dumps(result, indent=2), mode=None)  # mode like the engine files
     except OSError as e:
         raise ConfigError(f"tune: could not write {engines_dir / 'tuning.json'} ({e.strerror or e})") from None
-    print(f"tuned: draft_tp={choice['draft_tp']}, k by batch bucket {choice['k_by_batch']} → {engines_dir / 'tuning.json'}")
+    print(f"tuned: by batch bucket, draft_tp {choice['draft_tp_by_batch']} and k {choice['k_by_batch']} → {engines_dir / 'tuning.json'}")
     return result

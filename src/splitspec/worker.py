@@ -1,5 +1,5 @@
 """Entry point of a target worker rank:
-``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp N]``."""
+``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``."""
 
 import signal
 
@@ -22,11 +22,12 @@ def main() -> None:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--draft-tp", type=int, default=1)
+    p.add_argument("--draft-tp", default="1", help="comma list: the drafter placements loaded (1 and/or N)")
     p.add_argument("--kv-tokens", type=int, default=0, help="KV token budget (0: the engine's default)")
     a = p.parse_args()
     try:
-        worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, a.draft_tp, a.kv_tokens or None)
+        worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, tuple(int(x) for x in a.draft_tp.split(",")),
+                    a.kv_tokens or None)
     except RuntimeError as e:
         if "Connection closed by peer" not in str(e):
             raise

@@ -213,7 +213,8 @@ class TritonPythonModel:
             f"spec_decode: engines {self.engines_dir} loaded (k={k}, max_batch_size "
             f"{info['max_batch_size']}, KV {info['kv_blocks']} blocks of {info['block_size']} tokens, "
             f"max_seq_len {info['max_seq_len']}, target devices {target_ids or 'cpu'}, draft device "
-            f"{draft_ids or 'rank 0'}, draft_tp {info['draft_tp']}); engine process pid {self.engine.pid} "
+            f"{draft_ids or 'rank 0'}, draft_tp {info['draft_tp_by_batch'] or info['draft_tp']}"
+            f"{' by batch bucket (tuning.json)' if info['draft_tp_by_batch'] else ''}); engine process pid {self.engine.pid} "
             f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}")
 
     # ------------------------------------------------------------------ requests in
