@@ -466,7 +466,8 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
     always by the split drafter, always by the sharded one, and by each in turn — every cycle then first
     moves the drafter K/V rows of all ``batch`` sequences (``RankRunner.switch_placement``). Medians of
     ``cycles`` steady cycles each, the three modes interleaved over 4 passes. ``switch_ms``: alternating minus
-    the mean of the two fixed modes, the cost of one switch; ``kv_bytes_moved``: K and V rows per switch."""
+    the mean of the two fixed modes, the cost of one switch; ``kv_bytes_moved``: K and V bytes per switch at
+    the first steady cycle (a lower bound: the contexts grow by ≥ 1 token per cycle)."""
     import statistics
 
     from splitspec.engine import Group
@@ -488,8 +489,8 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
                 eng.draft_tp_for = lambda b, order=order: next(order)
                 times[mode] += [t for t, _ in _steady_round(eng, prompts, k, -(-cycles // 4), 3)]
         dcache = group.rank0.slots[tp][1]
-        need = prompt_tokens + (-(-cycles // 4) + 6) * (k + 1) + 8  # the blocks _steady_round's requests hold
-        rows = batch * -(-need // BLOCK_SIZE) * BLOCK_SIZE
+        steady = prompt_tokens + 3 * (k + 1)  # a sequence's drafter K/V after the warm-up (≥ 1 token per cycle)
+        rows = batch * -(-steady // BLOCK_SIZE) * BLOCK_SIZE  # at least this much, whole blocks
     out = {m: statistics.median(t) for m, t in times.items()} | {"n": {m: len(t) for m, t in times.items()}}
     out |= {"batch": batch, "k": k, "prompt_tokens": prompt_tokens,
             "switch_ms": out["alternating"] - (out["draft_tp=1"] + out[f"draft_tp={tp}"]) / 2,

@@ -192,17 +192,19 @@ class RankRunner:
     def switch_placement(self, draft_tp: int, work: list[SeqWork]) -> None:
         """Make placement ``draft_tp`` the drafting one, on every rank of the group at once (collectives).
 
-        Moves the drafter K/V rows of every decode work's blocks (all a sequence's drafter K/V: it is written
-        while decoding only) from the layout of the placement drafting so far to the other: TP1 [rows, H, D]
-        on rank 0 → shard r [rows, H/N, D] (a broadcast from rank 0, each rank keeping heads r·H/N..), or the
-        shards → TP1 (an all-gather, rank 0 concatenating by head, :func:`shard_drafter`'s order). A no-op
-        when ``draft_tp`` drafts already. Raises ConfigError for a placement not loaded here."""
+        Moves the drafter K/V rows of every decode work — a sequence's drafter K/V is written while decoding
+        only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks are moved —
+        from the layout of the placement drafting so far to the other: TP1 [rows, H, D] on rank 0 → shard r
+        [rows, H/N, D] (a broadcast from rank 0, each rank keeping heads r·H/N..), or the shards → TP1 (an
+        all-gather, rank 0 concatenating by head, :func:`shard_drafter`'s order). A no-op when ``draft_tp``
+        drafts already. Raises ConfigError for a placement not loaded here."""
         old = self.draft_tp
         if draft_tp == old:
             return
         if draft_tp not in self.slots and not (draft_tp == 1 and self.rank != 0):
             raise ConfigError(f"draft_tp = {draft_tp}: not loaded (placements here: {sorted(self.slots)})")
-        blocks = sorted({b for w in work if w.kind == "decode" for b in w.blocks})
+        # the blocks holding each decoding sequence's drafter K/V so far: positions 0 .. extend_start − 1
+        blocks = [b for w in work if w.kind == "decode" for b in w.blocks[:-(-w.extend_start // BLOCK_SIZE)]]
         if blocks:
             shard = self.slots[self.world][1]
             rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
