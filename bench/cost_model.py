@@ -167,6 +167,13 @@ def main(paths: list[str]) -> None:
             kimi_report(d)
         if "verification" in d.get("tune", {}):
             tune_report(d["tune"])
+            if all("cycle_ms_by_load" in r for r in d["tune"]["tuner_rows"]):  # each row over several engine loads
+                tp, moe_layers = (int(x) for x in d["machine"]["argv"][d["machine"]["argv"].index("--tune") + 1].split(","))
+                for label, key in (("the tuner's sweep", "tuner_rows"), ("its second sweep", "verification")):
+                    rs = d["tune"][key] if key == "tuner_rows" else d["tune"][key]["measured"]
+                    loads = len(rs[0]["cycle_ms_by_load"])
+                    fit_report(f"{label} ({loads} engine loads per placement, the evaluation prompts)",
+                               [{"tp": tp, "moe_layers": moe_layers} | r for r in rs])
 
 
 if __name__ == "__main__":
