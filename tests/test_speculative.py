@@ -9,7 +9,7 @@ import torch
 
 from splitspec.engine import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime import SpeculativeEngine
+from splitspec.runtime import Request, SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"]
@@ -198,7 +198,9 @@ def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, t
     """Both placements loaded (per-bucket placement from tuning.json) and the drafting one switched on every
     cycle: the drafter K/V moves between the TP1 and sharded layouts, so every cycle's drafts are those of the
     TP1 drafter alone (the test pair's drafter is untrained: its drafts hang on the K/V it attends, not on
-    being right), and the output is target-only greedy."""
+    being right), and the output is target-only greedy — one sequence at a time, then two together with a
+    third admitted (prefilled) while they draft, one of them not drafting (k = 0). Then the default
+    hysteresis: a placement wanted for fewer than ``switch_after`` cycles in a row never drafts."""
     import itertools
     import json
     import shutil
@@ -207,18 +209,28 @@ def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, t
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "2": 2}, "k_by_batch": {"1": 3, "2": 3}}))
+    batch = [Request(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set()) for p, k in zip(PROMPTS * 2, (3, 0, 2))]
     with SpeculativeEngine.load(eng_dir, draft_tp=1) as eng:
         assert eng.group.placements == (1,) and not eng.draft_tp_by_batch and eng.k_by_batch == {}  # tuned per bucket: not for TP1 alone
         alone = _recording_drafts(eng)
         for p in PROMPTS:
             eng.generate(tok.encode(p), 24, num_draft_tokens=3, stop_token_ids=set())
+        batched = [r.token_ids for r in eng.run(batch)]
     with SpeculativeEngine.load(eng_dir) as eng:
         assert eng.group.placements == (1, 2) and eng.draft_tp_by_batch == {1: 1, 2: 2} and eng.k_by_batch == {1: 3, 2: 3}
         drafts, placed, turns = _recording_drafts(eng), [], itertools.cycle([2, 1])
-        eng.draft_tp_for = lambda batch: next(turns)
+        eng.draft_tp_for, eng.switch_after = lambda batch: next(turns), 1
         eng.on_cycle = lambda stats: placed.append(eng.group.draft_tp)
         for p in PROMPTS:
             assert eng.generate(tok.encode(p), 24, stop_token_ids=set()).token_ids == reference[p]
+        assert [r.token_ids for r in eng.run(batch)] == batched
+        assert batched[:2] == [reference[p] for p in PROMPTS]
+        eng.switch_after, before = 3, len(placed)  # the default: every other cycle wanting a switch is not enough
+        eng.generate(tok.encode(PROMPTS[0]), 12, num_draft_tokens=2, stop_token_ids=set())
+        assert len(set(placed[before:])) == 1
+        eng.draft_tp_for = lambda batch: 3 - eng.group.draft_tp  # always the other: the third drafting cycle switches
+        eng.generate(tok.encode(PROMPTS[0]), 12, num_draft_tokens=2, stop_token_ids=set())
+        assert len(set(placed[before:])) == 2
     assert placed.count(1) > 10 and placed.count(2) > 10 and sum(a != b for a, b in zip(placed, placed[1:])) > 40
-    assert [list(d.values()) for d in drafts] == [list(d.values()) for d in alone]
+    assert [list(d.values()) for d in drafts[:len(alone)]] == [list(d.values()) for d in alone]
     assert sum(len(d) for c in alone for d in c.values()) > 60

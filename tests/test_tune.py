@@ -25,6 +25,11 @@ def test_choice_turns_speculation_off_where_it_does_not_pay():
     assert c == {"draft_tp_by_batch": {"1": 1, "16": 1}, "k_by_batch": {"1": 3, "16": 0}}
     sc = score(c, rows, [1, 16])
     assert sc["16"]["chosen_over_best"] == 1.0 and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
+    # batch 1 does not draft: it takes the nearest drafting bucket's placement, so only the sharded drafter is loaded
+    rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 9), _row(2, 1, 0, 10), _row(2, 1, 3, 9),
+            _row(1, 4, 0, 40), _row(1, 4, 3, 41), _row(2, 4, 0, 40), _row(2, 4, 3, 45),
+            _row(1, 16, 0, 100), _row(1, 16, 3, 110), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
+    assert choose(rows, [1, 4, 16]) == {"draft_tp_by_batch": {"1": 2, "4": 2, "16": 2}, "k_by_batch": {"1": 0, "4": 3, "16": 3}}
 
 
 def test_pooled_acceptance_rates_by_position():

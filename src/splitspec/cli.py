@@ -85,7 +85,7 @@ def _cmd_repo(a: argparse.Namespace) -> None:
                       draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
                       kv_tokens=a.kv_tokens, synthetic_acceptance=a.synthetic_acceptance)
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
-    dtp = repo_setting(out, "spec_decode", "draft_tp")
+    dtp = repo_setting(out, "spec_decode", "draft_tp") or "per batch bucket"
     why = " (tuning.json)" if a.draft_tp is None and (Path(a.engines) / "tuning.json").exists() else ""
     print(f"rendered {out}: draft_tp {dtp}{why}, k {k}")
 
@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
     s.add_argument("--draft-tp", type=int, default=None,
-                   help="1 = drafter on its own (split placement); N = sharded over the target's group (default: tuning.json's, else 1)")
+                   help="1 = drafter on its own (split placement); N = sharded over the target's group (default: tuning.json's "
+                        "per batch bucket, both loaded where the buckets' differ; else 1)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
     s.add_argument("--draft-tp", type=int, default=None,
                    help="1 = drafter on its own (split placement); N = sharded over the target's group "
-                        "(default: tuning.json's, else 1)")
+                        "(default: tuning.json's per batch bucket, both loaded where the buckets' differ; else 1)")
     s.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences decoded together (default: the engine's max_batch_size)")
     s.add_argument("--kv-tokens", type=int, default=None,
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hard limit per level and tool (s); the tool is killed after it")
     s.add_argument("-k", type=int, default=None,
                    help="draft tokens per cycle of the rendered repository (default: tuning.json's per batch bucket, else 4)")
-    s.add_argument("--draft-tp", type=int, default=None, help="drafter placement of the rendered repository (default: tuning.json's, else 1)")
+    s.add_argument("--draft-tp", type=int, default=None, help="drafter placement of the rendered repository (default: tuning.json's per batch bucket, else 1)")
     s.add_argument("--out", default=None, help="results folder (default perf_results/<timestamp>)")
     s.set_defaults(func=_cmd_perf)
 

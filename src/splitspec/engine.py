@@ -192,8 +192,8 @@ class RankRunner:
     def switch_placement(self, draft_tp: int, work: list[SeqWork]) -> None:
         """Make placement ``draft_tp`` the drafting one, on every rank of the group at once (collectives).
 
-        Moves the drafter K/V rows of every decode work — a sequence's drafter K/V is written while decoding
-        only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks are moved —
+        Moves the drafter K/V rows of every decode work with k > 0 — a sequence's drafter K/V is written while
+        it drafts only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks move —
         from the layout of the placement drafting so far to the other: TP1 [rows, H, D] on rank 0 → shard r
         [rows, H/N, D] (a broadcast from rank 0, each rank keeping heads r·H/N..), or the shards → TP1 (an
         all-gather, rank 0 concatenating by head, :func:`shard_drafter`'s order). A no-op when ``draft_tp``
@@ -203,8 +203,8 @@ class RankRunner:
             return
         if draft_tp not in self.slots and not (draft_tp == 1 and self.rank != 0):
             raise ConfigError(f"draft_tp = {draft_tp}: not loaded (placements here: {sorted(self.slots)})")
-        # the blocks holding each decoding sequence's drafter K/V so far: positions 0 .. extend_start − 1
-        blocks = [b for w in work if w.kind == "decode" for b in w.blocks[:-(-w.extend_start // BLOCK_SIZE)]]
+        # the blocks holding each drafting sequence's drafter K/V so far: positions 0 .. extend_start − 1
+        blocks = [b for w in work if w.kind == "decode" and w.k > 0 for b in w.blocks[:-(-w.extend_start // BLOCK_SIZE)]]
         if blocks:
             shard = self.slots[self.world][1]
             rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
@@ -219,8 +219,9 @@ class RankRunner:
                     dist.broadcast(full, 0)
                     local[rows] = full.chunk(self.world, 1)[self.rank]
                 else:
-                    parts = [torch.empty_like(local[rows]) for _ in range(self.world)]
-                    dist.all_gather(parts, local[rows].contiguous())
+                    mine = local[rows]
+                    parts = [torch.empty_like(mine) for _ in range(self.world)]
+                    dist.all_gather(parts, mine)
                     if self.rank == 0:
                         full = getattr(self.slots[1][1], name)
                         full[rows.to(full.device)] = torch.cat(parts, 1).to(full.device)
@@ -587,17 +588,26 @@ class Group:
                 raise EngineError(f"target worker rank {r} (pid {p.pid}) exited with status {p.returncode}")
 
     def run(self, plan: CyclePlan) -> CycleOutput:
-        """Execute one cycle on every rank and return rank 0's output."""
+        """Execute one cycle on every rank and return rank 0's output. A change of placement (``plan.draft_tp``)
+        comes first, on every rank (:meth:`RankRunner.switch_placement`); its host time counts as draft time."""
         if self.closed:
             raise EngineError("the engine is closed")
-        r0 = self.rank0
+        r0, switch_ms = self.rank0, 0.0
         if plan.draft_tp is not None and plan.draft_tp != r0.draft_tp:
             if plan.draft_tp not in self.placements:
                 raise ConfigError(f"draft_tp = {plan.draft_tp}: not loaded (placements {list(self.placements)})")
+            t0 = time.perf_counter()
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(CyclePlan(plan.work, draft_tp=plan.draft_tp, placement_switch=True))
             r0.switch_placement(plan.draft_tp, plan.work)
+            switch_ms = (time.perf_counter() - t0) * 1e3
+        out = self._cycle(plan)
+        out.draft_ms += switch_ms
+        return out
+
+    def _cycle(self, plan: CyclePlan) -> CycleOutput:
+        r0 = self.rank0
         if self.padded:
             for sid in plan.finished:
                 r0.aux.pop(sid, None)

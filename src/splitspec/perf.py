@@ -707,7 +707,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "repo": str(repo_dir), "max_tokens": max_tokens,
             "prompts": str(prompts_path or DEFAULT_PROMPTS), "num_prompts": len(prompts),
             "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens") or "tuning.json's per batch bucket",
-            "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp"), "max_batch_size": batch,
+            "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp") or "tuning.json's per batch bucket", "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
             "genai_perf": _version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
     from splitspec.bench import machine_info  # noqa: PLC0415

@@ -172,7 +172,8 @@ class SpeculativeEngine:
         engines_dir: folder with ``target/`` and ``drafter/`` engines (``splitspec build``).
         target_device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
         draft_device_id: GPU of a TP1 drafter (None: target rank 0's device).
-        draft_tp: 1 (split placement, default) or N (drafter sharded over the target's group).
+        draft_tp: 1 (split placement, default) or N (drafter sharded over the target's group); left None with a
+            tuning.json whose buckets' placements differ, both are loaded and each cycle drafts with its bucket's.
         num_draft_tokens: default k per request (0 disables speculation).
         kv_tokens: KV-cache token budget (default: engine max_batch_size × max_seq_len).
         max_batch_size: sequences decoded at once (default: the engine's).
@@ -211,6 +212,8 @@ class SpeculativeEngine:
         self._callbacks: dict[int, Callable[[RequestOutput], None]] = {}
         self.k_by_batch: dict[int, int] = {}
         self.draft_tp_by_batch: dict[int, int] = {}  # several placements loaded: which drafts per batch bucket
+        self.switch_after = SWITCH_AFTER_CYCLES
+        self._wanting_other = 0  # consecutive drafting cycles whose bucket wanted the other placement
         self.on_cycle: Callable[[CycleStats], None] | None = None
         self.last_cycle: CycleStats | None = None
 
@@ -269,9 +272,22 @@ class SpeculativeEngine:
         return _by_bucket(self.k_by_batch, len(self.running) + len(self.waiting) + 1)
 
     def draft_tp_for(self, batch: int) -> int:
-        """The placement that drafts a cycle of ``batch`` decoding sequences: the tuned one of its bucket
-        where several are loaded, else the one loaded."""
+        """The placement wanted for a cycle of ``batch`` drafting sequences: the tuned one of its bucket where
+        several are loaded, else the one loaded."""
         return _by_bucket(self.draft_tp_by_batch, batch) if self.draft_tp_by_batch else self.group.draft_tp
+
+    def _placement(self, drafting: int) -> int | None:
+        """The placement this cycle drafts with: the one drafting so far until ``switch_after`` consecutive
+        drafting cycles have wanted the other (:meth:`draft_tp_for`), so that a batch hovering at a bucket's
+        edge does not pay a switch every cycle. None (no change) when nothing drafts."""
+        if not drafting:
+            return None
+        now, want = self.group.draft_tp, self.draft_tp_for(drafting)
+        self._wanting_other = self._wanting_other + 1 if want != now else 0
+        if self._wanting_other < max(1, self.switch_after):
+            return now
+        self._wanting_other = 0
+        return want
 
     def _check_k(self, k: int) -> None:
         if not 0 <= k <= self.max_draft_len:
@@ -447,7 +463,7 @@ class SpeculativeEngine:
                                     seq.req.prompt_ids[seq.prefilled:seq.prefilled + chunk], final=seq.prefilled + chunk == p))
         if work:
             drafting = sum(w.kind == "decode" and w.k > 0 for w in work)  # none: the drafting placement stays
-            plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self.draft_tp_for(drafting) if drafting else None)
+            plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self._placement(drafting))
             self._finished_ids = []
             out = self.group.run(plan)
             events += self._decide(work, out)
@@ -552,6 +568,11 @@ class SpeculativeEngine:
                     return GenerationResult(toks, text, e.finish_reason, e.stats)
 
 
+#: Consecutive drafting cycles that must want the other placement before it drafts: on 2 × H200 a switch costs
+#: 1.7 ms at batch 16 and the better placement there saves 0.6–1.0 ms per cycle (docs/performance.md).
+SWITCH_AFTER_CYCLES = 3
+
+
 def _by_bucket(table: dict[int, int], batch: int) -> int:
     """``table``'s value for the smallest bucket ≥ ``batch``, or the largest bucket's."""
     fitting = [b for b in sorted(table) if b >= batch]
@@ -572,8 +593,8 @@ def read_tuning(engines_dir: Path) -> dict | None:
     from splitspec.io import read_json
 
     t = read_json(path)
-    if not isinstance(t, dict) or "k_by_batch" not in t or not ("draft_tp" in t or "draft_tp_by_batch" in t):
-        raise ConfigError(f"{path}: expected fields 'k_by_batch' and 'draft_tp_by_batch' (or 'draft_tp')")
+    if not isinstance(t, dict) or "k_by_batch" not in t or ("draft_tp" in t) == ("draft_tp_by_batch" in t):
+        raise ConfigError(f"{path}: expected fields 'k_by_batch' and one of 'draft_tp_by_batch' or 'draft_tp'")
     ok = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo  # noqa: E731
     kb = t["k_by_batch"]
     canonical = lambda b: isinstance(b, str) and b.isascii() and b.isdigit() and b == str(int(b)) and int(b) >= 1  # noqa: E731
@@ -591,8 +612,10 @@ def read_tuning(engines_dir: Path) -> dict | None:
     if (target / "engine.json").exists():
         meta = read_engine_meta(target, "target")
         tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
-        if not set(t["draft_tp_by_batch"].values()) <= {1, tp}:
-            raise ConfigError(f"{path}: draft_tp = {sorted(set(t['draft_tp_by_batch'].values()))}, expected 1 or the target's tp_size {tp}")
+        bad = {b: d for b, d in t["draft_tp_by_batch"].items() if d not in (1, tp)}
+        if bad:
+            field = "draft_tp_by_batch" if "draft_tp" not in t else "draft_tp"
+            raise ConfigError(f"{path}: {field} {bad if field == 'draft_tp_by_batch' else t['draft_tp']}: expected 1 or the target's tp_size {tp}")
         if max(kb.values()) > max_k:
             raise ConfigError(f"{path}: k_by_batch = {kb!r} exceeds the engines' max_draft_len {max_k}")
     return t

@@ -155,7 +155,7 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
     engines loaded ``loads`` times in the order A B B A A B … (reversed every other time): each load
     gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms is the
     mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
-    cycle, even k = 0, moved 5–9% from one load to the next — and a slow stretch of the machine would
+    median cycle, even k = 0, moved 5–15% from one load to the next — and a slow stretch of the machine would
     otherwise land on one placement only; alternating loads shares both between the placements compared.
     Returns the rows with ``draft_tp`` added, acceptance pooled per placement."""
     share = lambda i: cycles * (i + 1) // loads - cycles * i // loads  # noqa: E731
@@ -188,15 +188,15 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
 
 def choose(rows: list[dict], batches: list[int]) -> dict:
     """Per bucket, the fastest (placement, k) of ``rows``; ties go to the smaller draft_tp, then the smaller
-    k. Where k = 0 (no speculation) wins, the placement does not draft: it is the previous bucket's (the
-    smallest placement for the first bucket), so that nothing switches for it. Returns
-    ``{"draft_tp_by_batch": {"B": draft_tp}, "k_by_batch": {"B": k}}``."""
-    placement, k_by_batch, prev = {}, {}, min(r["draft_tp"] for r in rows)
-    for B in sorted(batches):
-        top = max((r for r in rows if r["batch"] == B), key=lambda r: (r[METRIC], -r["draft_tp"], -r["k"]))
-        k_by_batch[str(B)] = top["k"]
-        placement[str(B)] = prev = top["draft_tp"] if top["k"] else prev
-    return {"draft_tp_by_batch": placement, "k_by_batch": k_by_batch}
+    k. Where k = 0 (no speculation) wins, the bucket does not draft: its placement is the nearest drafting
+    bucket's (the smaller one on a tie; the smallest placement if no bucket drafts), so that it neither loads
+    a drafter nor switches for nothing. Returns ``{"draft_tp_by_batch": {"B": draft_tp}, "k_by_batch": {"B": k}}``."""
+    top = {B: max((r for r in rows if r["batch"] == B), key=lambda r: (r[METRIC], -r["draft_tp"], -r["k"])) for B in sorted(batches)}
+    drafting = [B for B, r in top.items() if r["k"]]
+    fallback = min(r["draft_tp"] for r in rows)
+    return {"draft_tp_by_batch": {str(B): top[min(drafting, key=lambda d: (abs(d - B), d))]["draft_tp"] if drafting else fallback
+                                  for B in top},
+            "k_by_batch": {str(B): r["k"] for B, r in top.items()}}
 
 
 def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METRIC) -> dict:
