@@ -119,7 +119,8 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
                                  {"draft_tp": 1, "k_by_batch": {"²": 2}}, {"draft_tp": 1, "k_by_batch": {"1": 2, "01": 3}},
                                  {"draft_tp_by_batch": {"1": 1}, "k_by_batch": {"1": 2, "4": 3}},
                                  {"draft_tp_by_batch": {"1": 0}, "k_by_batch": {"1": 2}}, {"draft_tp_by_batch": [1], "k_by_batch": {"1": 2}},
-                                 {"k_by_batch": {"1": 2}}])
+                                 {"k_by_batch": {"1": 2}}, {"draft_tp": 1, "draft_tp_by_batch": {"1": 1}, "k_by_batch": {"1": 2}},
+                                 {"draft_tp": 1, "k_by_batch": {"9" * 5000: 2}}])
 def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     from splitspec.errors import SplitspecError
     from splitspec.runtime import read_tuning
@@ -130,6 +131,14 @@ def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     (tmp_path / "tuning.json").unlink()
     (tmp_path / "tuning.json").mkdir()
     with pytest.raises(SplitspecError, match="tuning.json: cannot be read"):
+        read_tuning(tmp_path)
+    (tmp_path / "tuning.json").rmdir()
+    (tmp_path / "tuning.json").symlink_to(tmp_path / "gone.json")  # dangling: not silently "no tuning"
+    with pytest.raises(SplitspecError, match="tuning.json: cannot be read"):
+        read_tuning(tmp_path)
+    (tmp_path / "tuning.json").unlink()
+    (tmp_path / "tuning.json").write_text('{"draft_tp": 1, "k_by_batch": {"1": ' + "9" * 5000 + "}}")  # beyond int()'s digits
+    with pytest.raises(SplitspecError, match="tuning.json: not valid JSON"):
         read_tuning(tmp_path)
 
 

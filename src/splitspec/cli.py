@@ -64,6 +64,8 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         except ValueError:
             raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}s") from None
 
+    if a.device != "cpu" and not a.device.startswith("cuda:"):
+        raise ConfigError(f"--device {a.device!r}: expected cpu or cuda:0,1,...")
     device_ids = numbers("--device", a.device.removeprefix("cuda:")) if a.device.startswith("cuda") else None
     synthetic = numbers("--synthetic-acceptance", a.synthetic_acceptance, float) if a.synthetic_acceptance else None
     if not Path(a.engines).is_dir():

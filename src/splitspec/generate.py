@@ -99,7 +99,12 @@ def main(a: argparse.Namespace) -> None:
         raise ConfigError(f"--concurrency = {a.concurrency}, expected ≥ 1")
     engines = Path(a.engines)
     prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
-    device_ids = [int(x) for x in a.device.removeprefix("cuda:").split(",")] if a.device.startswith("cuda") else None
+    try:
+        device_ids = None if a.device == "cpu" else [int(x) for x in a.device.removeprefix("cuda:").split(",")]
+    except ValueError:
+        device_ids = []
+    if device_ids is not None and (not a.device.startswith("cuda:") or not device_ids):
+        raise ConfigError(f"--device {a.device!r}: expected cpu or cuda:0,1,... (one GPU per target rank)")
     with SpeculativeEngine.load(engines, target_device_ids=device_ids, draft_tp=a.draft_tp,
                                 num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1)) as eng:
         tok = eng.tokenizer

@@ -54,8 +54,8 @@ def read_json(path: Path) -> dict:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # malformed, not UTF-8, an integer too long to convert, nested too deep
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     except OSError as e:  # a folder, no permission, ...
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):

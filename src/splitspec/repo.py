@@ -145,6 +145,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         raise ConfigError(f"draft_device_id = {draft_device_id!r}: expected one GPU id (or empty)")
     if drf_ids and not tgt_ids:
         raise ConfigError(f"draft_device_id = {draft_device_id!r} needs target_device_ids too (empty means CPU)")
+    draft_tp_given = draft_tp is not None
     tuned = set(tuning["draft_tp_by_batch"].values()) if tuning else {1}
     per_bucket = draft_tp is None and len(tuned) > 1  # "": the engine follows tuning.json bucket by bucket
     if draft_tp is None and not per_bucket:
@@ -163,7 +164,8 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         if not per_bucket and draft_tp not in (1, tp):
             raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (own device) or the target's tp_size {tp}")
     if not per_bucket and draft_tp > 1 and drf_ids:
-        raise ConfigError("draft_device_id applies to a TP1 drafter only; with draft_tp > 1 the drafter "
+        where = "" if draft_tp_given else f" (draft_tp {draft_tp} from {engines_dir / 'tuning.json'})"
+        raise ConfigError(f"draft_device_id applies to a TP1 drafter only; with draft_tp > 1{where} the drafter "
                           "runs on target_device_ids")
 
     synthetic_value = ""

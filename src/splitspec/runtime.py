@@ -588,8 +588,10 @@ def read_tuning(engines_dir: Path) -> dict | None:
     type, a k exceeds the engines' max_draft_len, or a draft_tp is neither 1 nor the target's tp_size
     (``target/engine.json``)."""
     path = Path(engines_dir) / "tuning.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
+    if not path.is_file():  # a folder, a FIFO (reading it would wait), a dangling link
+        raise ConfigError(f"{path}: cannot be read (not a regular file)")
     from splitspec.io import read_json
 
     t = read_json(path)
@@ -597,13 +599,14 @@ def read_tuning(engines_dir: Path) -> dict | None:
         raise ConfigError(f"{path}: expected fields 'k_by_batch' and one of 'draft_tp_by_batch' or 'draft_tp'")
     ok = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo  # noqa: E731
     kb = t["k_by_batch"]
-    canonical = lambda b: isinstance(b, str) and b.isascii() and b.isdigit() and b == str(int(b)) and int(b) >= 1  # noqa: E731
+    canonical = lambda b: (isinstance(b, str) and b.isascii() and b.isdigit() and len(b) <= 9  # noqa: E731
+                           and b == str(int(b)) and int(b) >= 1)
     if not isinstance(kb, dict) or not kb or not all(canonical(b) and ok(k, 0) for b, k in kb.items()):
-        raise ConfigError(f"{path}: k_by_batch = {kb!r}, expected {{\"batch ≥ 1\" (decimal, no leading zeros): k ≥ 0, ...}}")
+        raise ConfigError(f"{path}: k_by_batch = {repr(kb)[:200]}, expected {{\"batch ≥ 1\" (decimal, no leading zeros): k ≥ 0, ...}}")
     if "draft_tp_by_batch" in t:
         db = t["draft_tp_by_batch"]
         if not isinstance(db, dict) or set(db) != set(kb) or not all(ok(d, 1) for d in db.values()):
-            raise ConfigError(f"{path}: draft_tp_by_batch = {db!r}, expected a positive draft_tp for each bucket of k_by_batch {sorted(kb)}")
+            raise ConfigError(f"{path}: draft_tp_by_batch = {repr(db)[:200]}, expected a positive draft_tp for each bucket of k_by_batch {sorted(kb)}")
     elif not ok(t["draft_tp"], 1):
         raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
     else:
