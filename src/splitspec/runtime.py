@@ -232,7 +232,8 @@ class SpeculativeEngine:
         engines_dir = Path(engines_dir)
         tuning = read_tuning(engines_dir) if draft_tp is None or num_draft_tokens is None else None  # not read when unused
         tuned = {int(b): int(d) for b, d in tuning["draft_tp_by_batch"].items()} if tuning else {}
-        placements = (draft_tp,) if draft_tp is not None else tuple(sorted(set(tuned.values()))) or (1,)
+        # with both, the smallest bucket's placement drafts first
+        placements = (draft_tp,) if draft_tp is not None else tuple(sorted(set(tuned.values()), key=lambda d: (d != tuned[min(tuned)], d))) or (1,)
         tok = None
         tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
         if (tdir / "tokenizer.json").exists():
