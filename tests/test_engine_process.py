@@ -47,7 +47,7 @@ def test_events_and_cycle_stats_cross_as_tuples_unchanged():
               RequestOutput(8, [], "", True, "error", None, "worker died")]
     for i, ev in enumerate(events):
         assert unpack_event(pack_event(40 + i, ev, i == 0)) == (40 + i, ev, i == 0)
-    cs = CycleStats(2, 17, 1.25, 3.5, [4, 1], [1, 1, 0], 12, 96, 3)
+    cs = CycleStats(2, 17, 1.25, 3.5, [4, 1], [1, 1, 0], 12, 96, 3, 2, True)
     assert CycleStats(*pack_cycle_stats(cs)) == cs and pack_cycle_stats(None) is None
 
 

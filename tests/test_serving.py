@@ -402,6 +402,9 @@ def test_metrics_appear_and_move(srv):
     for name in ("splitspec_cycles_total", "splitspec_draft_ms_count", "splitspec_verify_ms_count",
                  "splitspec_output_tokens_total", "splitspec_prefill_tokens_total", "splitspec_verified_sequences_total"):
         assert metric_value(after, name) > metric_value(before, name), name
+    # one placement served (the split drafter): its drafting cycles counted, no switch
+    assert metric_value(after, "splitspec_draft_cycles_total", draft_tp="1") > metric_value(before, "splitspec_draft_cycles_total", draft_tp="1")
+    assert metric_value(after, "splitspec_placement_switches_total") == 0
     emitted = sum(metric_value(after, "splitspec_sequence_cycles_total", emitted=str(n))
                   - metric_value(before, "splitspec_sequence_cycles_total", emitted=str(n)) for n in range(1, K + 2))
     verified = metric_value(after, "splitspec_verified_sequences_total") - metric_value(before, "splitspec_verified_sequences_total")

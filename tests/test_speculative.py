@@ -220,7 +220,8 @@ def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, t
         assert eng.group.placements == (1, 2) and eng.draft_tp_by_batch == {1: 1, 2: 2} and eng.k_by_batch == {1: 3, 2: 3}
         drafts, placed, turns = _recording_drafts(eng), [], itertools.cycle([2, 1])
         eng.draft_tp_for, eng.switch_after = lambda batch: next(turns), 1
-        eng.on_cycle = lambda stats: placed.append(eng.group.draft_tp)
+        cycles = []
+        eng.on_cycle = lambda stats: cycles.append(stats) or (stats.draft_tp and placed.append(stats.draft_tp))
         for p in PROMPTS:
             assert eng.generate(tok.encode(p), 24, stop_token_ids=set()).token_ids == reference[p]
         assert [r.token_ids for r in eng.run(batch)] == batched
@@ -232,5 +233,8 @@ def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, t
         eng.generate(tok.encode(PROMPTS[0]), 12, num_draft_tokens=2, stop_token_ids=set())
         assert len(set(placed[before:])) == 2
     assert placed.count(1) > 10 and placed.count(2) > 10 and sum(a != b for a, b in zip(placed, placed[1:])) > 40
+    # what the metrics count: the placement each drafting cycle drafted with, and the cycles where it changed
+    assert sum(c.switched for c in cycles) == sum(a != b for a, b in zip(placed, placed[1:])) + (placed[0] != 1)
+    assert all(c.draft_tp == 0 for c in cycles if not c.decode_seqs)
     assert [list(d.values()) for d in drafts[:len(alone)]] == [list(d.values()) for d in alone]
     assert sum(len(d) for c in alone for d in c.values()) > 60

@@ -112,7 +112,10 @@ def main(a: argparse.Namespace) -> None:
             raise ConfigError(f"{engines}/target: no tokenizer files beside the engine")
         sp = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
         reqs = [Request(encode_prompt(tok, p, a.chat), a.max_tokens, sp, a.num_draft_tokens) for p in prompts]
+        placed: list[tuple[int, bool]] = []  # each cycle's (placement that drafted, 0: none; whether it switched)
+        eng.on_cycle = lambda cs: placed.append((cs.draft_tp, cs.switched))
         results, wall = run_closed_loop(eng, reqs, a.concurrency)
+        eng.on_cycle = None
         for p, r in zip(prompts, results):
             s = r.stats
             shown = p if isinstance(p, str) else p[-1]["content"]
@@ -128,6 +131,9 @@ def main(a: argparse.Namespace) -> None:
         print(f"== {len(results)} requests, concurrency {a.concurrency}, k={k_used}, draft_tp={eng.draft_tp_by_batch or eng.group.draft_tp}: "
               f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
               f"mean acceptance length {emitted / max(cycles, 1):.2f}")
+        if eng.draft_tp_by_batch:
+            by = ", ".join(f"draft_tp={d}: {sum(p == d for p, _ in placed)}" for d in sorted(eng.group.placements))
+            print(f"   cycles drafted by placement: {by}; placement switches: {sum(s for _, s in placed)}")
         if a.check:
             if a.temperature > 0:
                 raise ConfigError("--check compares greedy outputs: use temperature 0")

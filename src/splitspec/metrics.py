@@ -55,6 +55,8 @@ class Pending:
     acceptance_lengths: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     queue_ms: list[float] = field(default_factory=list)
+    draft_cycles: dict[int, int] = field(default_factory=dict)  # draft_tp -> cycles it drafted
+    placement_switches: int = 0
 
     def empty(self) -> bool:
         return not (self.cycles or self.finished)
@@ -88,6 +90,9 @@ class MetricsCollector:
                 p.accepted_by_position += [0] * (len(cs.accepted_by_position) - len(p.accepted_by_position))
             for i, a in enumerate(cs.accepted_by_position):
                 p.accepted_by_position[i] += a
+            if cs.draft_tp:
+                p.draft_cycles[cs.draft_tp] = p.draft_cycles.get(cs.draft_tp, 0) + 1
+            p.placement_switches += int(cs.switched)
             if len(p.verify_ms) < self.max_samples:
                 if cs.decode_seqs:
                     p.draft_ms.append(cs.draft_ms)
@@ -126,6 +131,10 @@ FAMILIES = {
                  "Sequences verified, summed over cycles (acceptance rate at position i = "
                  "accepted_draft_tokens_total{position=i} / verified_sequences_total when all requests use the same k)"),
     "cycles": ("splitspec_cycles_total", "COUNTER", "Engine cycles (one batched draft phase + one batched verify forward)"),
+    "draft_cycles": ("splitspec_draft_cycles_total", "COUNTER",
+                     "Cycles that drafted, by the draft placement that drafted them (label draft_tp: 1 = split, N = sharded)"),
+    "switches": ("splitspec_placement_switches_total", "COUNTER",
+                 "Changes of draft placement (tuning.json per batch bucket; each moves the drafting sequences' drafter K/V)"),
     "output_tokens": ("splitspec_output_tokens_total", "COUNTER", "Tokens emitted by verify forwards"),
     "prefill_tokens": ("splitspec_prefill_tokens_total", "COUNTER", "Prompt tokens prefilled"),
     "requests": ("splitspec_requests_total", "COUNTER",
@@ -178,8 +187,9 @@ class TritonMetricsExporter:
                                 for n in range(1, max_draft_len + 2)}
         self.accepted = {i: f["accepted"].Metric(labels={**lab, "position": str(i + 1)}) for i in range(max_draft_len)}
         self.requests = {r: f["requests"].Metric(labels={**lab, "finish_reason": r}) for r in FINISH_REASONS}
+        self.draft_cycles: dict[int, object] = {}  # by draft_tp, made when first seen
         self.scalars = {key: f[key].Metric(labels=lab) for key in
-                        ("verified", "cycles", "output_tokens", "prefill_tokens",
+                        ("verified", "cycles", "switches", "output_tokens", "prefill_tokens",
                          "active", "queued", "kv_used", "kv_total", "kv_usage", "healthy")}
         self.scalars["healthy"].set(1.0)
 
@@ -201,6 +211,12 @@ class TritonMetricsExporter:
             for i, a in enumerate(p.accepted_by_position[: self.max_draft_len]):
                 if a:
                     self.accepted[i].increment(float(a))
+            for dtp, count in p.draft_cycles.items():
+                if dtp not in self.draft_cycles:
+                    self.draft_cycles[dtp] = self.families["draft_cycles"].Metric(labels={**self.labels, "draft_tp": str(dtp)})
+                self.draft_cycles[dtp].increment(float(count))
+            if p.placement_switches:
+                s["switches"].increment(float(p.placement_switches))
             for v in p.draft_ms:
                 self.draft_ms.observe(v)
             for v in p.verify_ms:
@@ -225,7 +241,7 @@ class TritonMetricsExporter:
         """Drop the metrics, then their families (Triton requires this order)."""
         for name in ("acceptance", "draft_ms", "verify_ms", "batch", "ttft_ms", "queue_ms"):
             setattr(self, name, None)
-        self.sequence_cycles = self.accepted = self.requests = self.scalars = {}
+        self.sequence_cycles = self.accepted = self.requests = self.scalars = self.draft_cycles = {}
         self.families = {}
 
 

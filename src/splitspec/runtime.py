@@ -119,7 +119,8 @@ class GenerationResult:
 @dataclass
 class CycleStats:
     """One cycle: sequences decoding / prefilling, draft and verify time (ms), tokens emitted per decoding
-    sequence, accepted drafts by position, KV blocks used/total, queued requests."""
+    sequence, accepted drafts by position, KV blocks used/total, queued requests, the placement that drafted
+    (``draft_tp``; 0: nothing drafted) and whether it took over from the other one this cycle (``switched``)."""
 
     decode_seqs: int
     prefill_tokens: int
@@ -130,6 +131,8 @@ class CycleStats:
     kv_used_blocks: int
     kv_total_blocks: int
     queued: int
+    draft_tp: int = 0
+    switched: bool = False
 
 
 class _Sequence:
@@ -465,16 +468,17 @@ class SpeculativeEngine:
         if work:
             drafting = sum(w.kind == "decode" and w.k > 0 for w in work)  # none: the drafting placement stays
             plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self._placement(drafting))
+            switched = plan.draft_tp not in (None, self.group.draft_tp)
             self._finished_ids = []
             out = self.group.run(plan)
-            events += self._decide(work, out)
+            events += self._decide(work, out, self.group.draft_tp if drafting else 0, switched)
         for e in events:
             cb = self._callbacks.pop(e.request_id, None) if e.finished else self._callbacks.get(e.request_id)
             if cb:
                 cb(e)
         return events
 
-    def _decide(self, work: list[SeqWork], out) -> list[RequestOutput]:
+    def _decide(self, work: list[SeqWork], out, draft_tp: int, switched: bool) -> list[RequestOutput]:
         events, row = [], 0
         emitted, accepted_pos, prefill_tokens = [], [0] * self.max_draft_len, 0
         for w in work:
@@ -517,7 +521,7 @@ class SpeculativeEngine:
             for i in range(min(a, emitted[-1])):
                 accepted_pos[i] += 1
         self.last_cycle = CycleStats(len(emitted), prefill_tokens, out.draft_ms, out.verify_ms, emitted, accepted_pos,
-                                     self.alloc.used, self.alloc.num_blocks, len(self.waiting))
+                                     self.alloc.used, self.alloc.num_blocks, len(self.waiting), draft_tp, switched)
         if self.on_cycle:
             self.on_cycle(self.last_cycle)
         return events
