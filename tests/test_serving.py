@@ -383,7 +383,12 @@ def test_bad_requests_get_clear_errors_while_a_stream_continues(srv, tok, refere
 
 
 def test_metrics_appear_and_move(srv):
-    before = scrape(srv)
+    # a server just started may not have exported yet (every metrics_interval_s)
+    def exported():
+        m = scrape(srv)
+        return m if metric_value(m, "splitspec_kv_total_blocks") else None
+
+    before = wait_for(exported, 10, "the first metrics export")
     for name in ("splitspec_acceptance_length_count", "splitspec_sequence_cycles_total",
                  "splitspec_accepted_draft_tokens_total", "splitspec_draft_ms_count", "splitspec_verify_ms_count",
                  "splitspec_active_sequences", "splitspec_queued_requests", "splitspec_kv_used_blocks",

@@ -74,6 +74,13 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         raise ConfigError(f"--max-seq-len = {a.max_seq_len}, expected ≥ 32 tokens")
     from splitspec.perf import parse_levels
 
+    if a.batches is None:  # the default buckets, capped at what the engines take
+        from splitspec.engine import read_engine_meta
+
+        limit = int(read_engine_meta(Path(a.engines) / "target", "target")["limits"]["max_batch_size"])
+        a.batches = ",".join(map(str, sorted({min(b, limit) for b in (1, 4, 16)})))
+        if limit < 16:
+            print(f"batch buckets {a.batches} (the engines' max_batch_size is {limit})")
     tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
          a.max_seq_len, device_ids, synthetic, a.verify, a.cycles, a.loads)
 
@@ -194,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tune", help="measure draft placement and k per batch bucket here; write engines/…/tuning.json")
     s.add_argument("--engines", default="engines/demo", help="built engines; tuning.json is written here")
     s.add_argument("--prompts", default="eval/prompts.jsonl", help="prompts whose decoding is timed (acceptance is real)")
-    s.add_argument("--batches", default="1,4,16", help="batch-size buckets (sequences decoding together)")
+    s.add_argument("--batches", default=None,
+                   help="batch-size buckets (sequences decoding together; default 1,4,16, capped at the engines' max_batch_size)")
     s.add_argument("-k", default="0,1,2,3,4,5", help="draft tokens per cycle to try; must include 0 (speculation off)")
     s.add_argument("--max-seq-len", type=int, default=512, help="KV tokens per sequence (prompts are cut to half of it)")
     s.add_argument("--cycles", type=int, default=48, help="steady cycles timed per placement, batch and k (more: less noise)")
