@@ -187,6 +187,18 @@ def test_render_repo_rejects_bad_placement(engines, tmp_path):
         render_repo(engines, tmp_path / "r", num_draft_tokens=999)
 
 
+@pytest.mark.parametrize("blocker", ["spec_decode", "postprocessing/1", "ensemble/config.pbtxt/"])
+def test_render_repo_refuses_a_blocked_destination_before_writing(engines, tmp_path, blocker):
+    """A file where a model folder goes (or a folder where a config goes): refused, and nothing written."""
+    out = tmp_path / "r"
+    (out / blocker.rstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+    (out / blocker).mkdir() if blocker.endswith("/") else (out / blocker).touch()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(ConfigError, match="cannot write the repository there"):
+        render_repo(engines, out, num_draft_tokens=K)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 # ---------------------------------------------------------------------------------------------
 # Against one served repository
 # ---------------------------------------------------------------------------------------------

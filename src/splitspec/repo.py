@@ -197,12 +197,19 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
 
     src = template_repo()
     in_place = src == out_dir
-    for model in MODELS:
+    texts = {}
+    for model in MODELS:  # everything rendered and every destination checked before anything is written
         tpl_path = src / model / TEMPLATE_NAME
         try:
-            text = Template(tpl_path.read_text(encoding="utf-8")).substitute(values)
+            texts[model] = Template(tpl_path.read_text(encoding="utf-8")).substitute(values)
         except (KeyError, ValueError) as e:
             raise ConfigError(f"{tpl_path}: bad placeholder {e}") from None
+        for path, folder in ((out_dir, True), (out_dir / model, True), (out_dir / model / "1", True),
+                             (out_dir / model / "config.pbtxt", False)):
+            if path.exists() and path.is_dir() != folder:
+                raise ConfigError(f"out_dir (--out) {out_dir}: cannot write the repository there ({path} is "
+                                  f"{'a file' if folder else 'a folder'}; expected {'a folder' if folder else 'a file'})")
+    for model, text in texts.items():
         try:
             if not in_place:
                 _copy_model_code(src / model, out_dir / model)
