@@ -302,3 +302,12 @@ def test_row_is_the_mean_of_each_loads_median():
     assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
     assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
     assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)
+
+
+@pytest.mark.parametrize("command", ["tune", "generate"])
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "cuda:", "cuda:0,,1", "gpu:0"])
+def test_bad_device_is_refused_naming_it(built_engines, capsys, command, device):
+    from splitspec.cli import main as cli_main
+
+    assert cli_main([command, "--engines", str(built_engines), "--device", device]) == 2
+    assert f"--device {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err

@@ -54,9 +54,9 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 
 
 def _cmd_tune(a: argparse.Namespace) -> None:
-    from splitspec.tune import tune
-
     from splitspec.errors import ConfigError
+    from splitspec.generate import parse_device
+    from splitspec.tune import tune
 
     def numbers(flag: str, text: str, kind=int) -> list:
         try:
@@ -64,9 +64,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         except ValueError:
             raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}s") from None
 
-    if a.device != "cpu" and not a.device.startswith("cuda:"):
-        raise ConfigError(f"--device {a.device!r}: expected cpu or cuda:0,1,...")
-    device_ids = numbers("--device", a.device.removeprefix("cuda:")) if a.device.startswith("cuda") else None
+    device_ids = parse_device(a.device)
     synthetic = numbers("--synthetic-acceptance", a.synthetic_acceptance, float) if a.synthetic_acceptance else None
     if not Path(a.engines).is_dir():
         raise ConfigError(f"--engines {a.engines}: not a folder of built engines")

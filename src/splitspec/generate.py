@@ -94,17 +94,26 @@ def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency
     return [results[i] for i in range(len(requests))], time.perf_counter() - t0
 
 
+def parse_device(text: str, flag: str = "--device") -> list[int] | None:
+    """``"cpu"`` → None; ``"cuda:0,1"`` → [0, 1] (one GPU per target rank).
+
+    Raises:
+        ConfigError: anything else (names ``flag``).
+    """
+    if text == "cpu":
+        return None
+    ids = text.removeprefix("cuda:").split(",")
+    if not text.startswith("cuda:") or not all(i.isascii() and i.isdigit() for i in ids):
+        raise ConfigError(f"{flag} {text!r}: expected cpu or cuda:0,1,... (one GPU per target rank)")
+    return [int(i) for i in ids]
+
+
 def main(a: argparse.Namespace) -> None:
     if a.concurrency < 1:
         raise ConfigError(f"--concurrency = {a.concurrency}, expected ≥ 1")
     engines = Path(a.engines)
     prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
-    try:
-        device_ids = None if a.device == "cpu" else [int(x) for x in a.device.removeprefix("cuda:").split(",")]
-    except ValueError:
-        device_ids = []
-    if device_ids is not None and (not a.device.startswith("cuda:") or not device_ids):
-        raise ConfigError(f"--device {a.device!r}: expected cpu or cuda:0,1,... (one GPU per target rank)")
+    device_ids = parse_device(a.device)
     with SpeculativeEngine.load(engines, target_device_ids=device_ids, draft_tp=a.draft_tp,
                                 num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1)) as eng:
         tok = eng.tokenizer
