@@ -149,11 +149,11 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
     tuned = set(tuning["draft_tp_by_batch"].values()) if tuning else {1}
     per_bucket = draft_tp is None and len(tuned) > 1  # "": the engine follows tuning.json bucket by bucket
     if draft_tp is None and not per_bucket:
-        draft_tp = tuned.pop()
+        (draft_tp,) = tuned
     # k: as given; else "" (the engine takes tuning.json's k per batch bucket) where tuning.json was made
     # for the placement(s) served; else 4
     k_value = str(num_draft_tokens) if num_draft_tokens is not None else (
-        "" if tuning and (per_bucket or set(tuning["draft_tp_by_batch"].values()) == {draft_tp}) else "4")
+        "" if tuning and (per_bucket or tuned == {draft_tp}) else "4")
     if not per_bucket and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1):
         raise ConfigError(f"draft_tp = {draft_tp!r}: expected an integer >= 1")
     tp = _find_int(target, "tp_size")
