@@ -168,20 +168,22 @@ class RankRunner:
         self.aux: dict[int, torch.Tensor] = {}
         # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
         self.slots: dict[int, tuple[DrafterModel, DrafterKVCache, GraphCache]] = {}
-        for draft_tp in dict.fromkeys(placements):
-            if draft_tp != world and rank != 0:
-                continue
+        here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
+        if here:
             dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
             dcfg = DrafterConfig.from_dict(dmeta["config"])
-            ddev = device if draft_tp > 1 else (draft_device or device)
-            dw = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
-            dw = shard_drafter(dw, dcfg, rank if draft_tp > 1 else 0, draft_tp)
-            graphs = GraphCache(ddev) if torch.device(ddev) != torch.device(device) else self.graphs
-            self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
-                                    DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
             self.capture = tuple(dmeta["capture_points"])
             if any(p > self.cfg.num_hidden_layers for p in self.capture):
                 raise ConfigError(f"drafter capture points {self.capture} exceed the target's {self.cfg.num_hidden_layers} layers")
+        loaded: dict[str, dict[str, torch.Tensor]] = {}  # the drafter's weights, read once per device (a shard's views share them)
+        for draft_tp in here:
+            ddev = device if draft_tp > 1 else (draft_device or device)
+            if ddev not in loaded:
+                loaded[ddev] = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
+            dw = shard_drafter(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
+            graphs = GraphCache(ddev) if torch.device(ddev) != torch.device(device) else self.graphs
+            self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
+                                    DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:
