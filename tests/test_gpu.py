@@ -143,7 +143,7 @@ def test_switching_placement_every_cycle_on_gpu(engines_for, tmp_path):
             placed, turns = [], itertools.cycle([2, 1])
             if dtp is None:
                 assert eng.group.placements == (1, 2)
-                eng.draft_tp_for = lambda batch: next(turns)
+                eng.draft_tp_for, eng.switch_after = lambda batch: next(turns), 1  # no hysteresis: switch every cycle
                 eng.on_cycle = lambda stats: placed.append(eng.group.draft_tp)
             drafts = _recorded(eng)
             got = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])]
