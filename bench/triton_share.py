@@ -13,6 +13,11 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 3. After a warm-up of each (every measured request once: each prompt's prefill shape and every key window its
    decode cycles reach, whose CUDA graphs are captured on first use), ``--rounds`` times every prompt (one request at a
    time, greedy, ``max_tokens``). While one phase runs, the others are idle.
+4. ``--loads N`` does all of this N times, each time with the engines loaded afresh (the engine alone first, then
+   tritonserver; the other way round on every second load). An engine load runs at a speed of its own: the same
+   configuration's cycle moved 5–15% from one load to the next on the GPU (docs/performance.md), as much as
+   Triton's whole share, so one load of each compares two draws of that noise. The figures pool all loads; the
+   95% interval resamples loads, then prompts within them; ``loads`` in the summary holds each load's own.
 
 ``--also`` adds steps between the two, to find where a difference comes from:
 
@@ -39,7 +44,7 @@ On a GPU machine without network: ``make gpu-carry`` here, carry ``.carry`` (and
 Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``excess`` split per request and per
 cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
 from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
-(``trace/trace.json.<index>``) and splits each served request's latency by step of the ensemble
+(``trace/load-<n>/trace.json.<index>``, one folder per load's server) and splits each served request's latency by step of the ensemble
 (:mod:`splitspec.triton_trace`: gRPC in, preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC
 out), in its row (``path_ms``) and on average (``served_path_ms_per_request``).
 """
@@ -69,6 +74,7 @@ from splitspec.bench import StreamWorker, engine_info, machine_info, model_stats
 from splitspec.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
+from splitspec.io import write_atomic  # noqa: E402
 from splitspec.perf import Prompt, load_prompts  # noqa: E402
 from splitspec.repo import render_repo  # noqa: E402
 from splitspec.runtime import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
@@ -324,7 +330,8 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
 
 
 @contextlib.contextmanager
-def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, others: dict[str, int], server: dict) -> Iterator[Phase]:
+def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, others: dict[str, int], server: dict,
+                  trace_file: Path | None = None) -> Iterator[Phase]:
     """Serve the same engines with tritonserver (a repository rendered with the same settings) and warm it up as
     :func:`engine_alone`; yield its phase: requests streamed over one open gRPC stream (``return_stats``), each
     timed from sending to its final response; CPU seconds: tritonserver's process tree, by role. Once started,
@@ -334,13 +341,13 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
     A row: ``tokens``, ``wall_ms`` (client: sent → final response), ``ttft_ms`` (client: sent → first tokens),
     ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from ``return_stats``), ``draft_verify_ms``,
     ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``, ``request_id``, ``sent_ns`` (when it was
-    sent: ``time.perf_counter_ns()``). With ``a.trace_file`` tritonserver traces every request's timestamps into
+    sent: ``time.perf_counter_ns()``). With ``trace_file`` tritonserver traces every request's timestamps into
     ``<trace_file>.<index>`` (:mod:`splitspec.triton_trace`; each request's file is written once it is complete).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
                        kv_tokens=a.kv_tokens)
-    trace = trace_args(Path(a.trace_file)) if a.trace_file else ()
+    trace = trace_args(trace_file) if trace_file else ()
     with TritonServer(repo, exit_timeout_s=10, extra_args=trace) as srv:
         server["startup_s"], server["pid"] = srv.startup_s, srv.pid
         others["served"] = srv.pid
@@ -368,11 +375,10 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
             others.pop("served", None)
 
 
-def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
+def trace_paths(path: Path, served: list[dict]) -> None:
     """Give each served row its ``path_ms`` (:func:`splitspec.triton_trace.request_path`: its latency split by step of
-    the ensemble, from the trace files ``path``); returns the mean of each of its figures over the rows (ms per
-    request; ``responses`` per request). Raises SplitspecError when a row's request has no trace or a step's is
-    incomplete."""
+    the ensemble, from the trace files ``path`` of the server that served it). Raises SplitspecError when a row's
+    request has no trace or a step's is incomplete."""
     if not served:
         raise SplitspecError("no served requests to split")
     traces = load_traces(path)
@@ -380,7 +386,6 @@ def trace_paths(path: Path, served: list[dict]) -> dict[str, float]:
         if r["request_id"] not in traces:
             raise SplitspecError(f"{path}: no trace of request {r['request_id']!r}")
         r["path_ms"] = request_path(traces[r["request_id"]], r["sent_ns"], r["wall_ms"], r["engine_e2e_ms"])
-    return {k: statistics.fmean(r["path_ms"][k] for r in served) for k in served[0]["path_ms"]}
 
 
 def tokens_per_s(rows: list[dict]) -> float:
@@ -416,16 +421,21 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
 def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed: int = 0) -> list[float]:
     """95% bootstrap interval of tokens_per_s(rows) / tokens_per_s(engine) (percentile method). The request pairs
     (row i, engine i: the same prompt, run back to back) are grouped by prompt, and the prompts resampled with
-    replacement ``resamples`` times: a prompt's requests in different rounds are alike, not independent draws."""
+    replacement ``resamples`` times: a prompt's requests in different rounds are alike, not independent draws. Rows
+    of several engine loads (their ``load``) are resampled in two stages, loads first, then prompts within each drawn
+    load: a load runs at a speed of its own, so its requests are not independent draws either."""
     import numpy as np  # noqa: PLC0415
 
+    loads = sorted({r.get("load", 0) for r in rows})
     ids = sorted({r["prompt_id"] for r in rows})
-    at = {p: i for i, p in enumerate(ids)}
-    sums = np.zeros((len(ids), 4))  # per prompt: tokens and wall ms of rows, then of engine
+    at_l, at_p = {x: i for i, x in enumerate(loads)}, {p: i for i, p in enumerate(ids)}
+    sums = np.zeros((len(loads), len(ids), 4))  # per load and prompt: tokens and wall ms of rows, then of engine
     for r, e in zip(rows, engine):
-        sums[at[r["prompt_id"]]] += (r["tokens"], r["wall_ms"], e["tokens"], e["wall_ms"])
-    idx = np.random.default_rng(seed).integers(0, len(ids), size=(resamples, len(ids)))
-    t = sums[idx].sum(axis=1)  # (resamples, 4)
+        sums[at_l[r.get("load", 0)], at_p[r["prompt_id"]]] += (r["tokens"], r["wall_ms"], e["tokens"], e["wall_ms"])
+    rng = np.random.default_rng(seed)
+    li = rng.integers(0, len(loads), size=(resamples, len(loads))) if len(loads) > 1 else np.zeros((resamples, 1), int)
+    pi = rng.integers(0, len(ids), size=(resamples, len(loads), len(ids)))
+    t = sums[li[:, :, None], pi].sum(axis=(1, 2))  # (resamples, 4)
     ratio = (t[:, 0] / t[:, 1]) / (t[:, 2] / t[:, 3])
     return [float(x) for x in np.percentile(ratio, [2.5, 97.5])]
 
@@ -499,6 +509,10 @@ def print_table(s: dict, n: int) -> None:
           f"the time: {1 - s['ratio_served_to_engine']:.1%}; negative: served ran faster); per round: "
           f"{', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))} (median {s['ratio_median_of_rounds']:.3f}); "
           f"median over request pairs {s['request_ratio_median']:.3f}")
+    if "loads" in s:
+        print("per engine load: " + ", ".join(f"{x['ratio_served_to_engine']:.3f} ({x['engine_tokens_per_s']:.0f} / "
+                                              f"{x['served_tokens_per_s']:.0f} tok/s alone / served, outside the engine "
+                                              f"{x['outside_engine_ms_per_request']:.1f} ms)" for x in s["loads"]))
     print(f"per request: outside the engine {s['outside_engine_ms_per_request']:.1f} ms, engine slower inside "
           f"Triton than alone {s['engine_slower_inside_triton_ms_per_request']:+.1f} ms; "
           f"{s['served_responses_per_request']:.1f} responses/request, acceptance length {s['acceptance_length']:.2f}; "
@@ -591,6 +605,61 @@ def plot_excess(result: dict, path: Path) -> Path | None:
     return path
 
 
+def measure_load(a: argparse.Namespace, prompts: list[Prompt], names: list[str], load: int,
+                 plan: dict[str, set[int]] | None, rows: dict[str, list[dict]], cpu_s: dict[str, dict[str, float]]) -> dict:
+    """Load every phase's engines once (load number ``load``: the engine alone first when it is even, tritonserver
+    first when it is odd, so that neither always gets the GPU memory first), warm each up, then run ``a.rounds``
+    rounds of every prompt. Appends each request's row (with its ``round`` and ``load``) to ``rows[phase]`` and the
+    CPU seconds by role to ``cpu_s[phase]``; returns the server's record (:func:`served_engine`). All is unloaded on
+    return."""
+    server: dict = {}
+    others: dict[str, int] = {}
+    trace_file = Path(a.trace_dir) / f"load-{load + 1}" / "trace.json" if a.trace_dir else None
+    if trace_file:
+        trace_file.parent.mkdir(parents=True, exist_ok=True)
+        server["trace_file"] = trace_file
+    with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp, contextlib.ExitStack() as stack:
+        phases: dict[str, Phase] = {}
+
+        def alone() -> None:
+            print("engine alone: loading, warm-up ...", flush=True)
+            phases.update(stack.enter_context(engine_alone(a, prompts, others)))
+            for name in a.also:
+                if name.startswith("engine_process"):
+                    print(f"{name}: starting the engine process, warm-up ...", flush=True)
+                    env = server_env() if name == "engine_process_triton_env" else None
+                    phases[name] = stack.enter_context(engine_process(a, prompts, env, others, name))
+
+        def served() -> None:
+            print("served: starting tritonserver, warm-up ...", flush=True)
+            phases["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), others, server, trace_file))
+            if plan:  # the served engine's process and worker rank to their cores, tritonserver and its stubs elsewhere
+                pin(server["pid"], plan)
+
+        for start in ((alone, served) if load % 2 == 0 else (served, alone)):
+            start()
+        here = None  # where this process is pinned: True on the engine's core
+        for r in range(a.rounds):
+            for i in range(len(prompts)):
+                # each request in every phase back to back, the order flipped from one request to the next: a
+                # drift of the machine's speed falls on every phase alike
+                for name in names[::-1 if (r + i) % 2 else 1]:
+                    ph = phases[name]
+                    if plan and here is not ph.in_process:  # the in-process engine on its core, the client elsewhere
+                        # (an engine process started from here keeps its core: role "engine")
+                        pin(os.getpid(), plan, plan["engine"] if ph.in_process else plan["rest"], prune={server["pid"]})
+                        here = ph.in_process
+                    before = ph.cpu()
+                    row = ph.run(i)
+                    for k, v in cpu_spent(before, ph.cpu()).items():
+                        cpu_s[name][k] = cpu_s[name].get(k, 0.0) + v
+                    rows[name].append(row | {"round": r, "load": load})
+            got = {n: tokens_per_s(rows[n][-len(prompts):]) for n in names}
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{n} {got[n]:.1f} tok/s" for n in names)
+                  + f"; served / alone {got['served'] / got['engine_alone']:.3f}", flush=True)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="engines/demo", help="built engines (target/ + drafter/, tokenizer in target/)")
@@ -600,7 +669,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks, e.g. 0 or 0,1 (default: CPU)")
     p.add_argument("--draft-device-id", default="", help="GPU of a TP1 drafter (default: target rank 0's)")
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
-    p.add_argument("--rounds", type=int, default=3, help="times every prompt is run in every phase (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="times every prompt is run in every phase per load (default 3)")
+    p.add_argument("--loads", type=int, default=1, help="times the engines are loaded, alone and served alike, each load "
+                   "measuring --rounds rounds; the order of loading alternates (default 1). An engine load runs at a speed "
+                   "of its own (5–15%% apart on the GPU), which more loads average out")
     p.add_argument("--also", default="", help="phases measured besides engine_alone and served, comma-separated: "
                    f"{', '.join(PHASES[1:-1])} (see the module docstring)")
     p.add_argument("--pin", action="store_true", help="pin the engine's process and its worker ranks to a physical core "
@@ -627,8 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         if done:
             print(f"plot: {done}")
         return 0 if done else 1
-    if a.rounds < 1:
-        p.error(f"--rounds must be at least 1 (got {a.rounds})")
+    for name in ("rounds", "loads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1 (got {getattr(a, name)})")
     also = {x for x in a.also.split(",") if x}
     if bad := sorted(also - set(PHASES[1:-1])):
         p.error(f"--also: unknown phase(s) {', '.join(bad)}; expected some of {', '.join(PHASES[1:-1])}")
@@ -642,64 +715,42 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts: {e}")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    a.trace_file = None
+    a.trace_dir = None
     if a.trace:
         trace_dir = out / "trace"
         trace_dir.mkdir(exist_ok=True)
         if any(trace_dir.iterdir()):  # trace ids restart with each server: two runs' files do not mix
             p.error(f"--trace: {trace_dir} holds files of an earlier run; give another --out or remove them")
-        a.trace_file = str((trace_dir / "trace.json").resolve())
-    print(f"{len(prompts)} prompts x {a.rounds} rounds, max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
+        a.trace_dir = str(trace_dir.resolve())  # load n's server traces into trace/load-<n>/
+    print(f"{len(prompts)} prompts x {a.rounds} rounds x {a.loads} load(s), max_tokens {a.max_tokens}, k={a.k}, draft_tp={a.draft_tp}, "
           f"devices {a.device_ids or 'cpu'}, engines {engines}", flush=True)
     t0 = time.monotonic()
     names = ["engine_alone", *a.also, "served"]
     rows: dict[str, list[dict]] = {name: [] for name in names}
     cpu_s: dict[str, dict[str, float]] = {name: {} for name in names}
-    server, others = {}, {}
     if plan:
         print(f"--pin: engine process on CPU {sorted(plan['engine'])}, its target worker ranks on "
               f"{sorted(plan['target worker ranks'])}, everything else on {sorted(plan['rest'])}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="triton_share.") as tmp, contextlib.ExitStack() as stack:
-        print("engine alone: loading, warm-up ...", flush=True)
-        phases = stack.enter_context(engine_alone(a, prompts, others))
-        for name in a.also:
-            if name.startswith("engine_process"):
-                print(f"{name}: starting the engine process, warm-up ...", flush=True)
-                env = server_env() if name == "engine_process_triton_env" else None
-                phases[name] = stack.enter_context(engine_process(a, prompts, env, others, name))
-        print("served: starting tritonserver, warm-up ...", flush=True)
-        phases["served"] = stack.enter_context(served_engine(a, prompts, Path(tmp), others, server))
-        if plan:  # the served engine's process and worker rank to their cores, tritonserver and its stubs elsewhere
-            pin(server["pid"], plan)
-        here = None  # where this process is pinned: True on the engine's core
-        for r in range(a.rounds):
-            for i in range(len(prompts)):
-                # each request in every phase back to back, the order flipped from one request to the next: a
-                # drift of the machine's speed falls on every phase alike
-                for name in names[::-1 if (r + i) % 2 else 1]:
-                    ph = phases[name]
-                    if plan and here is not ph.in_process:  # the in-process engine on its core, the client elsewhere
-                        # (an engine process started from here keeps its core: role "engine")
-                        pin(os.getpid(), plan, plan["engine"] if ph.in_process else plan["rest"], prune={server["pid"]})
-                        here = ph.in_process
-                    before = ph.cpu()
-                    row = ph.run(i)
-                    for k, v in cpu_spent(before, ph.cpu()).items():
-                        cpu_s[name][k] = cpu_s[name].get(k, 0.0) + v
-                    rows[name].append(row | {"round": r})
-            got = {n: tokens_per_s(rows[n][-len(prompts):]) for n in names}
-            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{n} {got[n]:.1f} tok/s" for n in names)
-                  + f"; served / alone {got['served'] / got['engine_alone']:.3f}", flush=True)
+    servers = []
+    for load in range(a.loads):
+        if a.loads > 1:
+            print(f"load {load + 1}/{a.loads}", flush=True)
+        servers.append(measure_load(a, prompts, names, load, plan, rows, cpu_s))
     engine, served = rows["engine_alone"], rows["served"]
     s = summarize(engine, served)
-    rounds = [{"round": r, **{f"{n}_tokens_per_s": tokens_per_s([x for x in rows[n] if x["round"] == r]) for n in names}}
-              for r in range(a.rounds)]
+    rounds = [{"load": ld, "round": r, **{f"{n}_tokens_per_s": tokens_per_s([x for x in rows[n] if (x["load"], x["round"]) == (ld, r)])
+                                          for n in names}} for ld in range(a.loads) for r in range(a.rounds)]
     for x in rounds:
         x["ratio"] = x["served_tokens_per_s"] / x["engine_alone_tokens_per_s"]
     ratios = [x["ratio"] for x in rounds]
     s |= {"ratio_ci95": ratio_ci95(served, engine), "rounds": rounds, "ratio_median_of_rounds": statistics.median(ratios),
           "ratio_min": min(ratios), "ratio_max": max(ratios),
           "request_ratio_median": statistics.median(e["wall_ms"] / v["wall_ms"] for e, v in zip(engine, served))}
+    if a.loads > 1:  # each load's own figures: how far apart the loads ran
+        s["loads"] = [{"load": ld, "startup_s": servers[ld].get("startup_s"),
+                       **{k: v for k, v in summarize([e for e in engine if e["load"] == ld],
+                                                     [v for v in served if v["load"] == ld]).items() if k != "excess"}}
+                      for ld in range(a.loads)]
     for name in names:
         tokens, wall_s = sum(r["tokens"] for r in rows[name]), sum(r["wall_ms"] for r in rows[name]) / 1e3
         s[f"cores_busy_{name}"] = {k: round(v / wall_s, 3) for k, v in cpu_s[name].items()}
@@ -707,21 +758,30 @@ def main(argv: list[str] | None = None) -> int:
     s["phases"] = {name: phase_summary(rows[name], engine) for name in a.also}
     if a.trace:
         try:
-            s["served_path_ms_per_request"] = trace_paths(Path(a.trace_file), served)
+            for ld, srv in enumerate(servers):
+                trace_paths(srv["trace_file"], [v for v in served if v["load"] == ld])
+            s["served_path_ms_per_request"] = {k: statistics.fmean(v["path_ms"][k] for v in served) for k in served[0]["path_ms"]}
         except SplitspecError as e:  # the measurements stand without it
             s["served_path_error"] = str(e)
             print(f"--trace: no split by step: {e}", flush=True)
-    if "model_stats" in server:  # per served request: executions and ms by phase of each model of the ensemble
+    if all("model_stats" in srv for srv in servers):  # per served request: executions and ms by phase of each model
+        total: dict[str, dict[str, list[float]]] = {}
+        for srv in servers:
+            for m, d in srv["model_stats"].items():
+                for ph, (n, ms) in d.items():
+                    acc = total.setdefault(m, {}).setdefault(ph, [0, 0.0])
+                    acc[0], acc[1] = acc[0] + n, acc[1] + ms
         s["triton_models_per_request"] = {m: {"executions": d["compute_infer"][0] / len(served),
                                               **{f"{ph}_ms": ms / len(served) for ph, (_, ms) in d.items() if ph != "success"}}
-                                          for m, d in server["model_stats"].items()}
+                                          for m, d in total.items()}
     print_table(s, len(engine))
     result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
-                       "wall_s": round(time.monotonic() - t0, 1), "startup_s": server.get("startup_s"),
+                       "wall_s": round(time.monotonic() - t0, 1), "startup_s": [srv.get("startup_s") for srv in servers],
                        "pinned": {k: sorted(v) for k, v in plan.items()} if plan else None},
               "summary": s, "engine": engine, "served": served, **{name: rows[name] for name in a.also}}
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "tritonserver.log").write_text(server.get("log_tail", ""))
+    write_atomic(out / "results.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out / "tritonserver.log", "".join(f"===== load {ld + 1}: the end of tritonserver's log =====\n{srv.get('log_tail', '')}\n"
+                                                  for ld, srv in enumerate(servers)))
     print(f"results: {out / 'results.json'}")
     if done := plot_excess(result, out / "results.png"):
         print(f"plot: {done}")

@@ -57,6 +57,24 @@ def test_excess_split_refuses_nan_and_mismatched_rows(ts):
         ts.excess_split(rows[:3], engine)
 
 
+def _pairs(load: int, served_ms: float, prompts: int = 8) -> tuple[list[dict], list[dict]]:
+    """One load's request pairs: every prompt 100 tokens, 100 ms alone and ``served_ms`` served."""
+    served = [{"load": load, "prompt_id": f"p{i}", "tokens": 100, "wall_ms": served_ms} for i in range(prompts)]
+    return served, [{"tokens": 100, "wall_ms": 100.0} for _ in range(prompts)]
+
+
+def test_ratio_interval_resamples_loads_before_prompts(ts):
+    # within each load every prompt gives the same ratio; the loads differ (0.90 and 1.00). Resampling prompts alone
+    # would give a narrow interval around the pooled 0.947; resampling loads first spans both loads' ratios
+    (s1, e1), (s2, e2) = _pairs(0, 100 / 0.9), _pairs(1, 100.0)
+    lo, hi = ts.ratio_ci95(s1 + s2, e1 + e2)
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(1.0)
+    # one load: the interval of its prompts only (here none: every prompt alike)
+    assert ts.ratio_ci95(s1, e1) == pytest.approx([0.9, 0.9])
+    # rows without a load (results of one load, written before loads were recorded) read as one load
+    assert ts.ratio_ci95([{k: v for k, v in r.items() if k != "load"} for r in s2], e2) == pytest.approx([1.0, 1.0])
+
+
 def test_replot_draws_results_and_names_what_is_wrong(ts, tmp_path, capsys):
     served, engine = _rows([2, 6, 27, 31, 35], 3.6, 4.5, 0.08)
     good = tmp_path / "run.json"

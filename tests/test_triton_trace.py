@@ -127,10 +127,15 @@ def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
     prompts.write_text('{"id": "a", "prompt": "def fibonacci(n):"}\n'
                        '{"id": "b", "prompt": "How do I read a file line by line?", "chat": true}\n')
     out = tmp_path / "out"
-    assert mod.main(["--engines", str(built_engines), "--max-tokens", "8", "--rounds", "1", "--trace", "-k", "2",
-                     "--prompts", str(prompts), "--out", str(out)]) == 0
+    assert mod.main(["--engines", str(built_engines), "--max-tokens", "8", "--rounds", "1", "--loads", "2", "--trace",
+                     "-k", "2", "--prompts", str(prompts), "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
-    assert list((out / "trace").glob("trace.json.*"))
+    # each load's server traced into a folder of its own (trace ids restart with each server)
+    for load in (1, 2):
+        assert list((out / "trace" / f"load-{load}").glob("trace.json.*"))
+    assert [r["load"] for r in result["served"]] == [0, 0, 1, 1]
+    assert [x["load"] for x in result["summary"]["loads"]] == [0, 1]
+    assert all(x["outputs_differing"] == 0 for x in result["summary"]["loads"])
     for r in result["served"]:
         p = r["path_ms"]
         assert math.fsum(p[k] for k in PATH_PARTS) == pytest.approx(r["wall_ms"], abs=1e-3)
