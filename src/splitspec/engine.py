@@ -197,8 +197,9 @@ class RankRunner:
         Moves the drafter K/V rows of every decode work with k > 0 — a sequence's drafter K/V is written while
         it drafts only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks move —
         from the layout of the placement drafting so far to the other: TP1 [rows, H, D] on rank 0 → shard r
-        [rows, H/N, D] (a broadcast from rank 0, each rank keeping heads r·H/N..), or the shards → TP1 (an
-        all-gather, rank 0 concatenating by head, :func:`shard_drafter`'s order). A no-op when ``draft_tp``
+        [rows, H/N, D] (a scatter from rank 0: rank r receives heads r·H/N.. only), or the shards → TP1 (a gather
+        to rank 0, which concatenates them by head, :func:`shard_drafter`'s order). Each rank sends or receives
+        its 1/N of the rows' K/V: rows × H/N × D × dtype bytes per K and per V. A no-op when ``draft_tp``
         drafts already. Raises ConfigError for a placement not loaded here."""
         old = self.draft_tp
         if draft_tp == old:
@@ -212,20 +213,18 @@ class RankRunner:
             rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
             for name in ("k", "v"):
                 local = getattr(shard, name)
-                if old == 1:
+                mine = local.new_empty((len(rows), *local.shape[1:]))
+                full = getattr(self.slots[1][1], name) if self.rank == 0 else None
+                if old == 1:  # rank 0 cuts its TP1 rows by head and sends each rank its own heads only
+                    parts = ([c.contiguous() for c in full[rows.to(full.device)].to(self.device).chunk(self.world, 1)]
+                             if self.rank == 0 else None)
+                    dist.scatter(mine, parts, src=0)
+                    local[rows] = mine
+                else:  # every shard's rows to rank 0 only, which concatenates them by head
+                    mine.copy_(local[rows])
+                    parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+                    dist.gather(mine, parts, dst=0)
                     if self.rank == 0:
-                        full = getattr(self.slots[1][1], name)
-                        full = full[rows.to(full.device)].to(self.device)
-                    else:
-                        full = local.new_empty((len(rows), local.shape[1] * self.world, local.shape[2]))
-                    dist.broadcast(full, 0)
-                    local[rows] = full.chunk(self.world, 1)[self.rank]
-                else:
-                    mine = local[rows]
-                    parts = [torch.empty_like(mine) for _ in range(self.world)]
-                    dist.all_gather(parts, mine)
-                    if self.rank == 0:
-                        full = getattr(self.slots[1][1], name)
                         full[rows.to(full.device)] = torch.cat(parts, 1).to(full.device)
         self._use(draft_tp)
 
