@@ -43,7 +43,8 @@ On a GPU machine without network: ``make gpu-carry`` here, carry ``.carry`` (and
 
 Prints a table and writes to ``--out``: ``results.json`` (the summary, its ``excess`` split per request and per
 cycle, and every request's row), ``results.png`` (that split, plotted; ``--replot RESULTS_JSON`` draws it again
-from a file) and ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
+from a file; ``--pool RESULTS_JSON ...`` pools several runs, each run's loads counted as loads of their own) and
+``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
 (``trace/load-<n>/trace.json.<index>``, one folder per load's server) and splits each served request's latency by step of the ensemble
 (:mod:`splitspec.triton_trace`: gRPC in, preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC
 out), in its row (``path_ms``) and on average (``served_path_ms_per_request``).
@@ -543,11 +544,50 @@ def print_table(s: dict, n: int) -> None:
               f"{excess_text(ph['excess'])}")
 
 
-def _phase_rows(result: dict, name: str, n: int | None) -> list[dict]:
-    """``result[name]``: request rows with numeric ``wall_ms`` and ``tokens`` (and ``cycles`` for the engine alone's),
-    ``n`` of them when given. Raises ValueError naming the phase and what is wrong."""
+def pool_runs(runs: dict[str, dict]) -> dict:
+    """Pool several runs' results (``{name: results.json contents}``): each run's loads become loads of their own
+    (numbered in the order given; rows of a run without ``load`` are one load). Returns ``ratio`` (served tokens/s
+    over alone's, all rows), ``ratio_ci95`` (:func:`ratio_ci95`, loads then prompts resampled), ``loads`` (each load's
+    run and ratio) and ``outside_engine_ms_per_request`` (mean over the served rows that carry the engine's e2e).
+
+    Raises:
+        ValueError: a run's rows are malformed (:func:`_phase_rows`); the message starts with its name.
+    """
+    engine, served, loads = [], [], []
+    for name, result in runs.items():
+        try:
+            e_rows = _phase_rows(result, "engine", None, cycles=False)
+            s_rows = _phase_rows(result, "served", len(e_rows))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        ids = sorted({r.get("load", 0) for r in s_rows})
+        renum = {x: len(loads) + i for i, x in enumerate(ids)}
+        for x in ids:
+            pick = [i for i, r in enumerate(s_rows) if r.get("load", 0) == x]
+            loads.append({"run": name, "load": renum[x],
+                          "ratio": tokens_per_s([s_rows[i] for i in pick]) / tokens_per_s([e_rows[i] for i in pick])})
+        served += [r | {"load": renum[r.get("load", 0)]} for r in s_rows]
+        engine += e_rows
+    outside = [r["wall_ms"] - r["engine_e2e_ms"] for r in served if isinstance(r.get("engine_e2e_ms"), (int, float))]
+    return {"ratio": tokens_per_s(served) / tokens_per_s(engine), "ratio_ci95": ratio_ci95(served, engine),
+            "loads": loads, "outside_engine_ms_per_request": statistics.fmean(outside) if outside else None}
+
+
+def print_pooled(x: dict) -> None:
+    """Print :func:`pool_runs`' figures."""
+    lo, hi = x["ratio_ci95"]
+    out = x["outside_engine_ms_per_request"]
+    print(f"{len(x['loads'])} engine loads pooled: served / alone {x['ratio']:.3f}, 95% interval {lo:.3f}–{hi:.3f}"
+          + ("" if out is None else f"; outside the engine {out:.2f} ms per request"))
+    for ld in x["loads"]:
+        print(f"  load {ld['load'] + 1}: {ld['ratio']:.3f}  ({ld['run']})")
+
+
+def _phase_rows(result: dict, name: str, n: int | None, cycles: bool = True) -> list[dict]:
+    """``result[name]``: request rows with numeric ``wall_ms`` and ``tokens`` (and ``cycles`` for the engine alone's
+    unless ``cycles`` is False), ``n`` of them when given. Raises ValueError naming the phase and what is wrong."""
     rows = result.get(name)
-    need = ("wall_ms", "tokens", "cycles") if name == "engine" else ("wall_ms", "tokens")
+    need = ("wall_ms", "tokens", "cycles") if name == "engine" and cycles else ("wall_ms", "tokens")
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"'{name}': expected a non-empty list of request rows")
     for i, r in enumerate(rows):
@@ -685,20 +725,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
                    "results (beside the file, the same name with .png) and exit")
+    p.add_argument("--pool", nargs="+", default=None, metavar="RESULTS_JSON", help="only pool earlier runs' results "
+                   "(each run's loads counted as loads of their own) and print the ratio, its 95%% interval and each load's")
     a = p.parse_args(argv)
+
+    def results(path: Path, option: str) -> dict:
+        try:
+            result = json.loads(path.read_text())
+            if not isinstance(result, dict):
+                raise ValueError(f"expected a JSON object with the request rows, got {type(result).__name__}")
+            return result
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"{option} {path}: cannot read it ({e})")
+        except json.JSONDecodeError as e:
+            p.error(f"{option} {path}: not JSON ({e})")
+        except ValueError as e:  # not this script's results
+            p.error(f"{option} {path}: {e}")
+
     if a.replot:
         path = Path(a.replot)
         try:
-            done = plot_excess(json.loads(path.read_text()), path.with_suffix(".png"))
-        except (OSError, UnicodeDecodeError) as e:
-            p.error(f"--replot {path}: cannot read it ({e})")
-        except json.JSONDecodeError as e:
-            p.error(f"--replot {path}: not JSON ({e})")
+            done = plot_excess(results(path, "--replot"), path.with_suffix(".png"))
         except ValueError as e:  # not this script's results
             p.error(f"--replot {path}: {e}")
         if done:
             print(f"plot: {done}")
         return 0 if done else 1
+    if a.pool:
+        try:
+            print_pooled(pool_runs({path: results(Path(path), "--pool") for path in a.pool}))
+        except ValueError as e:  # a file that is not this script's results
+            p.error(f"--pool {e}")
+        return 0
     for name in ("rounds", "loads"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(a, name)})")

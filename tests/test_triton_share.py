@@ -109,3 +109,25 @@ def test_bad_prompts_and_a_used_trace_folder_are_refused_before_loading(ts, buil
         assert e.value.code == 2
         assert why in capsys.readouterr().err
     assert not (used / "results.json").exists()  # nothing measured, nothing written
+
+
+def test_pool_counts_each_runs_loads_and_names_a_bad_file(ts, tmp_path, capsys):
+    (s1, e1), (s2, e2) = _pairs(0, 100 / 0.9), _pairs(1, 100.0)
+    two = tmp_path / "two.json"  # a run of two loads
+    two.write_text(json.dumps({"engine": e1 + e2, "served": s1 + s2}))
+    one = tmp_path / "one.json"  # a run of one load, its rows written before loads were recorded
+    s3, e3 = _pairs(0, 100 / 0.95)
+    one.write_text(json.dumps({"engine": e3, "served": [{k: v for k, v in r.items() if k != "load"} for r in s3]}))
+    x = ts.pool_runs({"two": json.loads(two.read_text()), "one": json.loads(one.read_text())})
+    assert [(ld["run"], ld["load"], round(ld["ratio"], 6)) for ld in x["loads"]] == [("two", 0, 0.9), ("two", 1, 1.0), ("one", 2, 0.95)]
+    assert x["ratio"] == pytest.approx(300 / (100 / 0.9 + 100 + 100 / 0.95))
+    lo, hi = x["ratio_ci95"]
+    assert lo < 0.93 and hi > 0.97  # three loads resampled: the interval spans them
+    assert ts.main(["--pool", str(two), str(one)]) == 0
+    assert "3 engine loads pooled" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"engine": e1, "served": s1[:3]}))
+    with pytest.raises(SystemExit) as e:
+        ts.main(["--pool", str(two), str(bad)])
+    assert e.value.code == 2
+    assert f"--pool {bad}: 'served': 3 rows, but the engine alone has 8" in capsys.readouterr().err
