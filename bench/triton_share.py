@@ -424,11 +424,20 @@ def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed
     (row i, engine i: the same prompt, run back to back) are grouped by prompt, and the prompts resampled with
     replacement ``resamples`` times: a prompt's requests in different rounds are alike, not independent draws. Rows
     of several engine loads (their ``load``) are resampled in two stages, loads first, then prompts within each drawn
-    load: a load runs at a speed of its own, so its requests are not independent draws either."""
+    load: a load runs at a speed of its own, so its requests are not independent draws either. With few loads the
+    interval is coarse (with two, it runs from one load's ratio to the other's).
+
+    Raises:
+        ValueError: the loads did not all run the same prompts.
+    """
     import numpy as np  # noqa: PLC0415
 
     loads = sorted({r.get("load", 0) for r in rows})
     ids = sorted({r["prompt_id"] for r in rows})
+    by_load = {x: {r["prompt_id"] for r in rows if r.get("load", 0) == x} for x in loads}
+    if any(v != set(ids) for v in by_load.values()):
+        raise ValueError("the loads ran different prompts: " + "; ".join(
+            f"load {x + 1}: {len(v)} of {len(ids)}" for x, v in by_load.items()) + " (an interval over loads needs the same prompts in each)")
     at_l, at_p = {x: i for i, x in enumerate(loads)}, {p: i for i, p in enumerate(ids)}
     sums = np.zeros((len(loads), len(ids), 4))  # per load and prompt: tokens and wall ms of rows, then of engine
     for r, e in zip(rows, engine):
@@ -544,20 +553,25 @@ def print_table(s: dict, n: int) -> None:
               f"{excess_text(ph['excess'])}")
 
 
-def pool_runs(runs: dict[str, dict]) -> dict:
-    """Pool several runs' results (``{name: results.json contents}``): each run's loads become loads of their own
+def pool_runs(runs: list[tuple[str, dict]]) -> dict:
+    """Pool several runs' results (``[(name, results.json contents)]``): each run's loads become loads of their own
     (numbered in the order given; rows of a run without ``load`` are one load). Returns ``ratio`` (served tokens/s
     over alone's, all rows), ``ratio_ci95`` (:func:`ratio_ci95`, loads then prompts resampled), ``loads`` (each load's
     run and ratio) and ``outside_engine_ms_per_request`` (mean over the served rows that carry the engine's e2e).
 
     Raises:
-        ValueError: a run's rows are malformed (:func:`_phase_rows`); the message starts with its name.
+        ValueError: a run's rows are malformed (:func:`_phase_rows`; served rows also need a string ``prompt_id`` and
+            an integer ``load`` where they have one), the message starting with its name; or the loads ran
+            different prompts (:func:`ratio_ci95`).
     """
     engine, served, loads = [], [], []
-    for name, result in runs.items():
+    for name, result in runs:
         try:
             e_rows = _phase_rows(result, "engine", None, cycles=False)
             s_rows = _phase_rows(result, "served", len(e_rows))
+            for i, r in enumerate(s_rows):
+                if not isinstance(r.get("prompt_id"), str) or type(r.get("load", 0)) is not int:
+                    raise ValueError(f"'served' row {i}: expected a string 'prompt_id' and an integer 'load' (if any)")
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         ids = sorted({r.get("load", 0) for r in s_rows})
@@ -646,12 +660,16 @@ def plot_excess(result: dict, path: Path) -> Path | None:
 
 
 def measure_load(a: argparse.Namespace, prompts: list[Prompt], names: list[str], load: int,
-                 plan: dict[str, set[int]] | None, rows: dict[str, list[dict]], cpu_s: dict[str, dict[str, float]]) -> dict:
+                 plan: dict[str, set[int]] | None, start_cpus: set[int], rows: dict[str, list[dict]],
+                 cpu_s: dict[str, dict[str, float]]) -> dict:
     """Load every phase's engines once (load number ``load``: the engine alone first when it is even, tritonserver
     first when it is odd, so that neither always gets the GPU memory first), warm each up, then run ``a.rounds``
     rounds of every prompt. Appends each request's row (with its ``round`` and ``load``) to ``rows[phase]`` and the
     CPU seconds by role to ``cpu_s[phase]``; returns the server's record (:func:`served_engine`). All is unloaded on
-    return."""
+    return. With ``plan`` (``--pin``) this process first gets ``start_cpus`` back (its CPUs at start), so that what it
+    starts is not confined to the core the last load left it on."""
+    if plan:  # this process may sit on the engine's core since the last load: what it starts now inherits its
+        os.sched_setaffinity(0, start_cpus)  # affinity (threads sized from it), so back to all its CPUs first
     server: dict = {}
     others: dict[str, int] = {}
     trace_file = Path(a.trace_dir) / f"load-{load + 1}" / "trace.json" if a.trace_dir else None
@@ -753,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if done else 1
     if a.pool:
         try:
-            print_pooled(pool_runs({path: results(Path(path), "--pool") for path in a.pool}))
+            print_pooled(pool_runs([(path, results(Path(path), "--pool")) for path in a.pool]))
         except ValueError as e:  # a file that is not this script's results
             p.error(f"--pool {e}")
         return 0
@@ -789,11 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     if plan:
         print(f"--pin: engine process on CPU {sorted(plan['engine'])}, its target worker ranks on "
               f"{sorted(plan['target worker ranks'])}, everything else on {sorted(plan['rest'])}", flush=True)
-    servers = []
+    servers, start_cpus = [], os.sched_getaffinity(0)
     for load in range(a.loads):
         if a.loads > 1:
             print(f"load {load + 1}/{a.loads}", flush=True)
-        servers.append(measure_load(a, prompts, names, load, plan, rows, cpu_s))
+        servers.append(measure_load(a, prompts, names, load, plan, start_cpus, rows, cpu_s))
     engine, served = rows["engine_alone"], rows["served"]
     s = summarize(engine, served)
     rounds = [{"load": ld, "round": r, **{f"{n}_tokens_per_s": tokens_per_s([x for x in rows[n] if (x["load"], x["round"]) == (ld, r)])

@@ -118,7 +118,7 @@ def test_pool_counts_each_runs_loads_and_names_a_bad_file(ts, tmp_path, capsys):
     one = tmp_path / "one.json"  # a run of one load, its rows written before loads were recorded
     s3, e3 = _pairs(0, 100 / 0.95)
     one.write_text(json.dumps({"engine": e3, "served": [{k: v for k, v in r.items() if k != "load"} for r in s3]}))
-    x = ts.pool_runs({"two": json.loads(two.read_text()), "one": json.loads(one.read_text())})
+    x = ts.pool_runs([("two", json.loads(two.read_text())), ("one", json.loads(one.read_text()))])
     assert [(ld["run"], ld["load"], round(ld["ratio"], 6)) for ld in x["loads"]] == [("two", 0, 0.9), ("two", 1, 1.0), ("one", 2, 0.95)]
     assert x["ratio"] == pytest.approx(300 / (100 / 0.9 + 100 + 100 / 0.95))
     lo, hi = x["ratio_ci95"]
@@ -131,3 +131,15 @@ def test_pool_counts_each_runs_loads_and_names_a_bad_file(ts, tmp_path, capsys):
         ts.main(["--pool", str(two), str(bad)])
     assert e.value.code == 2
     assert f"--pool {bad}: 'served': 3 rows, but the engine alone has 8" in capsys.readouterr().err
+
+
+def test_pool_refuses_rows_it_cannot_group(ts, tmp_path):
+    s1, e1 = _pairs(0, 100.0)
+    for rows, why in (([{k: v for k, v in r.items() if k != "prompt_id"} for r in s1], "row 0: expected a string 'prompt_id'"),
+                      ([r | {"load": [1]} for r in s1], "an integer 'load'"),
+                      ([r | {"load": i % 2} for i, r in enumerate(s1)], "the loads ran different prompts")):
+        with pytest.raises(ValueError, match=why):
+            ts.pool_runs([("run", {"engine": e1, "served": rows})])
+    # a file given twice counts twice
+    x = ts.pool_runs([("a", {"engine": e1, "served": s1}), ("a", {"engine": e1, "served": s1})])
+    assert len(x["loads"]) == 2
