@@ -140,13 +140,16 @@ def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
         p = r["path_ms"]
         assert math.fsum(p[k] for k in PATH_PARTS) == pytest.approx(r["wall_ms"], abs=1e-3)
         assert p["responses"] >= r["responses"] >= 1  # postprocessing ran once per response; the client got them
-        # Triton's times and the client's on one clock: every part Triton bounds lies inside the request's latency,
-        # the path in before the client's first tokens
-        for k in ("grpc_in", "preprocessing", "spec_decode", "postprocessing"):
+        # Triton's times and the client's on one clock: every part that Triton bounds at both ends before the final
+        # response leaves lies inside the request's latency, the path in before the client's first tokens
+        for k in ("grpc_in", "preprocessing", "spec_decode"):
             assert 0 < p[k] < r["wall_ms"] - p["engine"], (k, p)
         assert p["grpc_in"] + p["preprocessing"] < r["ttft_ms"]
-        # Triton records the last step's REQUEST_END after its response has left (gRPC out can be negative: −0.9 ms
-        # seen on a busy 2-core machine), but the client cannot have the final response before that step started
+        # Triton records the last step's REQUEST_END after its response has left, so the last postprocessing can
+        # outlast the client's wait and gRPC out come out negative (−0.9 ms, and −5.1 ms with postprocessing at
+        # 6.1 ms, seen on a busy 2-core machine); but the client cannot have the final response before that step
+        # started
+        assert p["postprocessing"] > 0, p
         assert 0 < p["postprocessing"] + p["grpc_out"] < r["wall_ms"] - p["engine"]
     mean = result["summary"]["served_path_ms_per_request"]
     assert set(PATH_PARTS) <= set(mean)
