@@ -58,6 +58,7 @@ import gc
 import hashlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -434,7 +435,9 @@ def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed
 
     loads = sorted({r.get("load", 0) for r in rows})
     ids = sorted({r["prompt_id"] for r in rows})
-    by_load = {x: {r["prompt_id"] for r in rows if r.get("load", 0) == x} for x in loads}
+    by_load: dict = {}
+    for r in rows:
+        by_load.setdefault(r.get("load", 0), set()).add(r["prompt_id"])
     if any(v != set(ids) for v in by_load.values()):
         raise ValueError("the loads ran different prompts: " + "; ".join(
             f"load {x + 1}: {len(v)} of {len(ids)}" for x, v in by_load.items()) + " (an interval over loads needs the same prompts in each)")
@@ -553,6 +556,11 @@ def print_table(s: dict, n: int) -> None:
               f"{excess_text(ph['excess'])}")
 
 
+#: Settings that runs pooled by ``--pool`` must share (from each file's ``meta.settings``; a file without them is
+#: compared as having None).
+POOL_SAME = ("k", "max_tokens", "device_ids", "draft_device_id", "draft_tp", "max_batch_size", "kv_tokens", "prompts")
+
+
 def pool_runs(runs: list[tuple[str, dict]]) -> dict:
     """Pool several runs' results (``[(name, results.json contents)]``): each run's loads become loads of their own
     (numbered in the order given; rows of a run without ``load`` are one load). Returns ``ratio`` (served tokens/s
@@ -561,17 +569,36 @@ def pool_runs(runs: list[tuple[str, dict]]) -> dict:
 
     Raises:
         ValueError: a run's rows are malformed (:func:`_phase_rows`; served rows also need a string ``prompt_id`` and
-            an integer ``load`` where they have one), the message starting with its name; or the loads ran
-            different prompts (:func:`ratio_ci95`).
+            an integer ``load`` where they have one), its settings differ from the first run's (:data:`POOL_SAME`),
+            or one of its loads ran other prompts than the first run's first load; the message starts with its
+            name.
     """
     engine, served, loads = [], [], []
     for name, result in runs:
         try:
-            e_rows = _phase_rows(result, "engine", None, cycles=False)
-            s_rows = _phase_rows(result, "served", len(e_rows))
+            e_rows = _phase_rows(result, "engine", cycles=False)
+            s_rows = _phase_rows(result, "served", e_rows)
             for i, r in enumerate(s_rows):
                 if not isinstance(r.get("prompt_id"), str) or type(r.get("load", 0)) is not int:
                     raise ValueError(f"'served' row {i}: expected a string 'prompt_id' and an integer 'load' (if any)")
+            settings = result.get("meta", {}).get("settings", {}) if isinstance(result.get("meta"), dict) else {}
+            settings = {k: settings.get(k) for k in POOL_SAME} if isinstance(settings, dict) else {}
+            if not loads:
+                first_name, first_settings = name, settings
+            differ = [k for k in POOL_SAME if settings.get(k) != first_settings.get(k)]
+            if differ:
+                raise ValueError(f"its settings differ from {first_name}'s in " + ", ".join(
+                    f"{k} ({settings.get(k)!r} against {first_settings.get(k)!r})" for k in differ)
+                    + ": only runs of one configuration pool")
+            prompts = {}
+            for r in s_rows:
+                prompts.setdefault(r.get("load", 0), set()).add(r["prompt_id"])
+            if not loads:
+                first_prompts = next(iter(prompts.values()))
+            for x, v in prompts.items():
+                if v != first_prompts:
+                    raise ValueError(f"load {x + 1} ran {len(v)} prompts, not the {len(first_prompts)} of {first_name}'s "
+                                     "first load: an interval over loads needs the same prompts in each")
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         ids = sorted({r.get("load", 0) for r in s_rows})
@@ -597,20 +624,48 @@ def print_pooled(x: dict) -> None:
         print(f"  load {ld['load'] + 1}: {ld['ratio']:.3f}  ({ld['run']})")
 
 
-def _phase_rows(result: dict, name: str, n: int | None, cycles: bool = True) -> list[dict]:
-    """``result[name]``: request rows with numeric ``wall_ms`` and ``tokens`` (and ``cycles`` for the engine alone's
-    unless ``cycles`` is False), ``n`` of them when given. Raises ValueError naming the phase and what is wrong."""
+def _real(v) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _phase_rows(result: dict, name: str, like: list[dict] | None = None, cycles: bool = True) -> list[dict]:
+    """``result[name]``: request rows with a finite ``wall_ms`` > 0 and an integer ``tokens`` ≥ 0 (some > 0), an
+    integer ``cycles`` ≥ 0 too for the engine alone's unless ``cycles`` is False, and where a row has
+    ``engine_e2e_ms``, a finite one within 0 .. ``wall_ms``. With ``like`` (the engine alone's rows) as many rows,
+    each the same request as its partner (the same ``prompt_id``, ``load`` and ``round`` where both rows have them).
+
+    Raises:
+        ValueError: naming the phase, the row and the field that is wrong.
+    """
     rows = result.get(name)
-    need = ("wall_ms", "tokens", "cycles") if name == "engine" and cycles else ("wall_ms", "tokens")
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"'{name}': expected a non-empty list of request rows")
     for i, r in enumerate(rows):
-        if not isinstance(r, dict) or any(not isinstance(r.get(k), (int, float)) for k in need):
-            if name == "engine" and isinstance(r, dict) and "cycles" not in r:
-                raise ValueError("'engine': its rows have no 'cycles' (results written before cycle counts were recorded)")
-            raise ValueError(f"'{name}' row {i}: expected numbers under {', '.join(need)}")
-    if n is not None and len(rows) != n:
-        raise ValueError(f"'{name}': {len(rows)} rows, but the engine alone has {n}")
+        if not isinstance(r, dict):
+            raise ValueError(f"'{name}' row {i}: expected an object, got {type(r).__name__}")
+        if name == "engine" and cycles and "cycles" not in r:
+            raise ValueError("'engine': its rows have no 'cycles' (results written before cycle counts were recorded)")
+        if not (_real(r.get("wall_ms")) and r["wall_ms"] > 0):
+            raise ValueError(f"'{name}' row {i}: wall_ms = {r.get('wall_ms')!r:.40}, expected a finite number > 0")
+        for k in ("tokens", "cycles") if name == "engine" and cycles else ("tokens",):
+            v = r.get(k)
+            if type(v) is not int or not 0 <= v < 2 ** 53:
+                raise ValueError(f"'{name}' row {i}: {k} = {v!r:.40}, expected an integer ≥ 0")
+        e2e = r.get("engine_e2e_ms")
+        if e2e is not None and not (_real(e2e) and 0 <= e2e <= r["wall_ms"]):
+            raise ValueError(f"'{name}' row {i}: engine_e2e_ms = {e2e!r:.40}, expected a finite number within 0 .. "
+                             f"its wall_ms {r['wall_ms']}")
+    if not sum(r["tokens"] for r in rows):
+        raise ValueError(f"'{name}': no tokens in any row")
+    if like is not None:
+        if len(rows) != len(like):
+            raise ValueError(f"'{name}': {len(rows)} rows, but the engine alone has {len(like)}")
+        for i, (r, e) in enumerate(zip(rows, like)):
+            for k in ("prompt_id", "load", "round"):
+                if k in r and k in e and r[k] != e[k]:
+                    raise ValueError(f"'{name}' row {i} is {k} {r[k]!r:.40}, the engine alone's row {i} "
+                                     f"{e[k]!r:.40}: the rows are not the same requests pairwise")
     return rows
 
 
@@ -625,8 +680,8 @@ def plot_excess(result: dict, path: Path) -> Path | None:
     """
     if not isinstance(result, dict):
         raise ValueError(f"expected a JSON object with the request rows, got {type(result).__name__}")
-    engine = _phase_rows(result, "engine", None)
-    phases = {name: _phase_rows(result, name, len(engine)) for name in [*PHASES[1:-1], "served"] if name in result}
+    engine = _phase_rows(result, "engine")
+    phases = {name: _phase_rows(result, name, engine) for name in [*PHASES[1:-1], "served"] if name in result}
     if "served" not in phases:
         raise ValueError("'served': missing")
     try:
@@ -648,6 +703,7 @@ def plot_excess(result: dict, path: Path) -> Path | None:
                     label=f"{name}: {x['per_request_ms']:+.2f} ms {x['per_cycle_ms']:+.3f} ms/cycle")
     ax.axhline(0, color="grey", lw=0.5)
     meta = result.get("meta", {}).get("settings", {}) if isinstance(result.get("meta"), dict) else {}
+    meta = meta if isinstance(meta, dict) else {}
     ratio = tokens_per_s(phases["served"]) / tokens_per_s(engine)
     ax.set(xlabel="decode cycles of the request (engine alone)", ylabel="wall time over the engine alone's (ms)",
            title=f"Triton's share at batch 1: ratio {ratio:.3f} (k={meta.get('k', '?')}, max_tokens "
@@ -741,38 +797,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true", help="trace every served request with Triton's trace API "
                    "(timestamps; <out>/trace/) and split its time by step of the ensemble (splitspec.triton_trace)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
-    p.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
-                   "results (beside the file, the same name with .png) and exit")
-    p.add_argument("--pool", nargs="+", default=None, metavar="RESULTS_JSON", help="only pool earlier runs' results "
-                   "(each run's loads counted as loads of their own) and print the ratio, its 95%% interval and each load's")
+    only = p.add_mutually_exclusive_group()  # either mode ignores the measuring options
+    only.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
+                      "results.json (beside the file, the same name with .png) and exit")
+    only.add_argument("--pool", nargs="+", default=None, metavar="RESULTS_JSON", help="only pool earlier runs' "
+                      "results.json files of one configuration (each run's loads counted as loads of their own; a file "
+                      "may be given once) and print the ratio, its 95%% interval and each load's")
     a = p.parse_args(argv)
 
-    def results(path: Path, option: str) -> dict:
+    def results(path: Path, option: str) -> tuple[dict, bytes]:
+        """The JSON object in ``path`` and the bytes it was read from; exits naming the file when it is not one."""
         try:
-            result = json.loads(path.read_text())
+            if not path.is_file():  # a folder, a FIFO (whose read would block), a device, missing
+                raise OSError("missing or not a regular file")
+            raw = path.read_bytes()
+            result = json.loads(raw.decode("utf-8"))
             if not isinstance(result, dict):
                 raise ValueError(f"expected a JSON object with the request rows, got {type(result).__name__}")
-            return result
+            return result, raw
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"{option} {path}: cannot read it ({e})")
-        except json.JSONDecodeError as e:
-            p.error(f"{option} {path}: not JSON ({e})")
+        except (json.JSONDecodeError, RecursionError) as e:
+            p.error(f"{option} {path}: not JSON ({str(e)[:200] or type(e).__name__})")
         except ValueError as e:  # not this script's results
             p.error(f"{option} {path}: {e}")
 
     if a.replot:
         path = Path(a.replot)
+        png = path.with_suffix(".png")
+        if png.resolve() == path.resolve():
+            p.error(f"--replot {path}: the plot would overwrite it; give the results' .json file")
         try:
-            done = plot_excess(results(path, "--replot"), path.with_suffix(".png"))
+            done = plot_excess(results(path, "--replot")[0], png)
         except ValueError as e:  # not this script's results
             p.error(f"--replot {path}: {e}")
+        except OSError as e:
+            p.error(f"--replot: cannot write the plot {png} ({e})")
         if done:
             print(f"plot: {done}")
         return 0 if done else 1
     if a.pool:
+        runs, seen = [], {}
+        for name in a.pool:
+            result, raw = results(Path(name), "--pool")
+            key = hashlib.sha256(raw).hexdigest()
+            if key in seen:
+                p.error(f"--pool {name}: the same results as {seen[key]}; each run may be pooled once")
+            seen[key] = name
+            runs.append((name, result))
         try:
-            print_pooled(pool_runs([(path, results(Path(path), "--pool")) for path in a.pool]))
-        except ValueError as e:  # a file that is not this script's results
+            print_pooled(pool_runs(runs))
+        except ValueError as e:  # a file that is not this script's results, or unlike runs
             p.error(f"--pool {e}")
         return 0
     for name in ("rounds", "loads"):
@@ -785,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = core_plan() if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
+    for part in ("target", "drafter"):
+        if not (engines / part / "engine.json").is_file():
+            p.error(f"--engines {engines}: no {part}/engine.json (expected the folder `splitspec build` wrote)")
     try:
         prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
     except SplitspecError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_excess_split_refuses_nan_and_mismatched_rows(ts):
 def _pairs(load: int, served_ms: float, prompts: int = 8) -> tuple[list[dict], list[dict]]:
     """One load's request pairs: every prompt 100 tokens, 100 ms alone and ``served_ms`` served."""
     served = [{"load": load, "prompt_id": f"p{i}", "tokens": 100, "wall_ms": served_ms} for i in range(prompts)]
-    return served, [{"tokens": 100, "wall_ms": 100.0} for _ in range(prompts)]
+    return served, [{"load": load, "prompt_id": f"p{i}", "tokens": 100, "wall_ms": 100.0} for i in range(prompts)]
 
 
 def test_ratio_interval_resamples_loads_before_prompts(ts):
@@ -102,7 +103,10 @@ def test_bad_prompts_and_a_used_trace_folder_are_refused_before_loading(ts, buil
     used = tmp_path / "out"
     (used / "trace").mkdir(parents=True)
     (used / "trace" / "trace.json.0").write_text("[]")
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)  # reading it would block forever
     for argv, why in ((["--prompts", str(bad)], "--prompts: " + str(bad) + ":1: expected a non-empty 'prompt' string"),
+                      (["--prompts", str(fifo)], f"--prompts: {fifo}: not a regular file"),
                       (["--trace", "--out", str(used)], f"--trace: {used / 'trace'} holds files of an earlier run")):
         with pytest.raises(SystemExit) as e:
             ts.main(["--engines", str(built_engines), *argv])
@@ -136,10 +140,39 @@ def test_pool_counts_each_runs_loads_and_names_a_bad_file(ts, tmp_path, capsys):
 def test_pool_refuses_rows_it_cannot_group(ts, tmp_path):
     s1, e1 = _pairs(0, 100.0)
     for rows, why in (([{k: v for k, v in r.items() if k != "prompt_id"} for r in s1], "row 0: expected a string 'prompt_id'"),
-                      ([r | {"load": [1]} for r in s1], "an integer 'load'"),
-                      ([r | {"load": i % 2} for i, r in enumerate(s1)], "the loads ran different prompts")):
+                      ([r | {"load": [1]} for r in s1], "row 0 is load \\[1\\], the engine alone's row 0 0"),
+                      ([r | {"wall_ms": float("nan")} for r in s1], "row 0: wall_ms = nan, expected a finite number > 0"),
+                      ([r | {"tokens": True} for r in s1], "row 0: tokens = True, expected an integer"),
+                      ([r | {"engine_e2e_ms": 1e9} for r in s1], "row 0: engine_e2e_ms = 1000000000.0, expected a finite number within"),
+                      (s1[::-1], "'served' row 0 is prompt_id 'p7', the engine alone's row 0 'p0'")):
         with pytest.raises(ValueError, match=why):
             ts.pool_runs([("run", {"engine": e1, "served": rows})])
-    # a file given twice counts twice
-    x = ts.pool_runs([("a", {"engine": e1, "served": s1}), ("a", {"engine": e1, "served": s1})])
-    assert len(x["loads"]) == 2
+    halves = lambda rows: [r | {"load": i % 2} for i, r in enumerate(rows)]  # noqa: E731  two loads, 4 prompts each
+    with pytest.raises(ValueError, match="load 2 ran 4 prompts, not the 4 of run's first load"):
+        ts.pool_runs([("run", {"engine": halves(e1), "served": halves(s1)})])
+    with pytest.raises(ValueError, match="an integer 'load'"):  # both phases' rows alike, but no integer
+        ts.pool_runs([("run", {"engine": [r | {"load": "0"} for r in e1], "served": [r | {"load": "0"} for r in s1]})])
+    # two runs of different settings do not pool
+    a = {"meta": {"settings": {"k": 4, "max_tokens": 128}}, "engine": e1, "served": s1}
+    with pytest.raises(ValueError, match=r"b: its settings differ from a's in k \(3 against 4\)"):
+        ts.pool_runs([("a", a), ("b", a | {"meta": {"settings": {"k": 3, "max_tokens": 128}}})])
+
+
+def test_pool_and_replot_refuse_files_they_cannot_use(ts, tmp_path, capsys):
+    s1, e1 = _pairs(0, 100.0)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"engine": e1, "served": s1}))
+    (tmp_path / "copy.json").write_text(good.read_text())
+    os.mkfifo(tmp_path / "fifo.json")  # a read would block forever
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (tmp_path / "plot.png").write_text(good.read_text())
+    for argv, why in ((["--pool", str(good), str(tmp_path / "copy.json")], "the same results as"),
+                      (["--pool", str(tmp_path / "fifo.json")], "missing or not a regular file"),
+                      (["--pool", str(tmp_path / "deep.json")], "not JSON"),
+                      (["--replot", str(tmp_path / "plot.png")], "the plot would overwrite it"),
+                      (["--pool", str(good), "--replot", str(good)], "not allowed with argument"),
+                      (["--engines", str(tmp_path)], "no target/engine.json")):
+        with pytest.raises(SystemExit) as e:
+            ts.main(argv)
+        assert e.value.code == 2, argv
+        assert why in capsys.readouterr().err, argv

@@ -203,6 +203,8 @@ def load_prompts(path: Path | None = None, tokenizer_dir: Path | None = None) ->
             return [Prompt(f"builtin-{i + 1}", t, c) for i, (t, c) in enumerate(PERF_PROMPTS)]
         path = DEFAULT_PROMPTS
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read forever
+        raise ConfigError(f"{path}: not a regular file (expected a JSON-lines prompt file)")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
