@@ -110,6 +110,21 @@ def wait_for(cond, timeout_s: float, what: str, poll_s: float = 0.05):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def _live_in_group(pgid: int) -> list[str]:
+    """Command names of the processes of process group ``pgid`` that still run (zombies, which hold nothing but their
+    pid until something reaps them, left out), from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if rest[2] == str(pgid) and rest[0] != "Z":  # fields 3 (state) and 5 (pgrp) of proc(5)
+            out.append(name)
+    return out
+
+
 def _worker_pids(server_pid: int) -> list[int]:
     """Target worker processes below the server (``python -m splitspec.worker``), from /proc."""
     children: dict[int, list[int]] = {}
@@ -489,3 +504,43 @@ def test_worker_crash_fails_requests_reports_not_ready_and_restart_recovers(serv
     assert requests.get(srv.model_url("spec_decode") + "/ready", headers=CLOSE, timeout=10).status_code == 200
     answer = ask_http(srv.generate_url, PROMPTS[0], MAX_TOKENS, return_token_ids=True)
     assert answer["output_ids"] == reference[(PROMPTS[0], MAX_TOKENS)]
+
+
+def test_stop_with_streams_open_does_not_wait_for_the_kill_timeout(served):
+    """Last: a stop while streams are generating. tritonserver waits its exit timeout for them, then gives up
+    ("Exit timeout expired") and hangs in its exit instead of exiting; stop() kills it then, not stop_timeout_s
+    later, and nothing it started is left. The clients get an error, not a hang."""
+    assert served["srv"].stop() == 0, served["srv"].log_tail()
+    served["srv"] = srv = TritonServer(served["srv"].repo, exit_timeout_s=1, stop_timeout_s=60, startup_timeout_s=300).start()
+    pgid = srv.pid
+    ended: dict[int, str] = {}
+    started = [threading.Event() for _ in range(2)]
+    chunks = [0, 0]
+
+    def stream(i: int) -> None:
+        try:
+            for _ in stream_grpc(srv.grpc_address, LONG_PROMPT, 240, timeout_s=90):  # the test engines' max_seq_len: 256
+                chunks[i] += 1
+                started[i].set()
+            ended[i] = "finished"
+        except SplitspecError as e:
+            ended[i] = f"error: {e}"
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started) and all(chunks), f"the streams did not start: {ended}"
+    t0 = time.monotonic()
+    srv.stop()
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a client still waits after the server stopped"
+    assert took < 30, f"stop took {took:.1f} s: it waited for the kill timeout (60 s), not for the server's give-up"
+    assert "Exit timeout expired" in srv.log_tail(20000) or set(ended.values()) == {"finished"}, srv.log_tail()
+    # stop() SIGKILLs the server's process group last; a killed process may take a moment to go
+    wait_for(lambda: not _live_in_group(pgid), 15, "the processes the server started (stubs, engine process, workers) "
+             "to exit", poll_s=0.2)
+    print(f"\nstop with 2 streams open took {took:.1f} s; the streams: {sorted(ended.values())}")

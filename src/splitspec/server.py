@@ -237,6 +237,21 @@ def _tail(path: Path, n_bytes: int = 6000) -> str:
         return "(no log)"
 
 
+#: tritonserver's log line when requests were still in flight at the end of its exit timeout (2.51: "failed to stop
+#: server: Internal - Exit timeout expired. Exiting immediately."); it does not exit after it.
+EXIT_GAVE_UP = "Exit timeout expired"
+
+
+def _log_says(path: Path, start: int, text: str) -> bool:
+    """Whether ``text`` appears in the log at ``path`` after byte ``start`` (False when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return text.encode() in f.read()
+    except OSError:
+        return False
+
+
 def _errors_in_log(path: Path, max_chars: int = 3000) -> str:
     """The log's error lines (``E…`` records and ``error:`` lines, up to ``max_chars``), newest last."""
     try:
@@ -405,8 +420,10 @@ class TritonServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> int | None:
-        """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then after
-        ``stop_timeout_s`` SIGKILL; finally SIGKILL whatever is left in its process group.
+        """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
+        ``stop_timeout_s``, or as soon as the log says the server gave up on requests still in flight at its exit
+        timeout (:data:`EXIT_GAVE_UP`: tritonserver 2.51 then crashes in its exit and hangs instead of exiting);
+        finally SIGKILL whatever is left in its process group.
 
         Returns:
             the server's exit status (None when it was never started). Safe to call twice.
@@ -416,11 +433,20 @@ class TritonServer:
         pgid = self.proc.pid
         try:
             if self.proc.poll() is None:
+                try:
+                    log_from = self.log_path.stat().st_size
+                except OSError:
+                    log_from = 0
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.send_signal(signal.SIGINT)
-                try:
-                    self.proc.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
+                deadline = time.monotonic() + self.stop_timeout_s
+                while self.proc.poll() is None and time.monotonic() < deadline and not _log_says(self.log_path, log_from, EXIT_GAVE_UP):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=0.25)
+                if self.proc.poll() is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=1.0)  # it may still exit by itself
+                if self.proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pgid, signal.SIGKILL)
                     self.proc.wait()
