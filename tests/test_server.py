@@ -333,3 +333,54 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypa
             s.bind(("127.0.0.1", p))
     monkeypatch.setattr(server, "EPHEMERAL_RANGE_FILE", tmp_path / "missing")  # not Linux: the OS picks
     assert len(set(server.free_ports(3))) == 3
+
+
+STAND_IN = """
+import signal, sys, time
+log = open(sys.argv[1], "a")
+def on_int(*_):
+    if sys.argv[2] == "exit":
+        sys.exit(3)
+    log.write('E1201 main.cc:535] "failed to stop server: Internal - Exit timeout expired. Exiting immediately."\\n')
+    log.flush()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:  # tritonserver 2.51 hangs in its exit after that line
+        time.sleep(1)
+signal.signal(signal.SIGINT, on_int)
+log.write("ready\\n"); log.flush()
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("behaviour", ["hang", "exit"])
+def test_stop_kills_a_server_that_gave_up_and_cleans_its_shared_memory(tmp_path, behaviour):
+    """stop() against a stand-in for tritonserver (no server needed): one that logs the give-up line on SIGINT and
+    hangs is killed at once, not after stop_timeout_s, and its Python backend's /dev/shm regions go; one that exits
+    by itself keeps its exit status (and its regions, which a clean exit removes itself)."""
+    import subprocess
+    import sys
+
+    srv = object.__new__(TritonServer)  # only what stop() uses
+    srv.log_path, srv.stop_timeout_s = tmp_path / "log", 30.0
+    srv.log_path.write_text("")
+    srv.shm_prefix = f"splitspec_test_{os.getpid()}_{behaviour}_"
+    region = Path("/dev/shm") / f"{srv.shm_prefix}region"
+    region.write_bytes(b"x")
+    try:
+        srv.proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(srv.log_path), behaviour], start_new_session=True)
+        t0 = time.monotonic()
+        while "ready" not in srv.log_path.read_text():
+            assert time.monotonic() - t0 < 30, "the stand-in did not start"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        rc = srv.stop()
+        took = time.monotonic() - t0
+        if behaviour == "hang":
+            assert rc == -9 and took < 5, (rc, took)  # 1 s after the line, not stop_timeout_s (30 s)
+            assert not region.exists()
+        else:
+            assert rc == 3 and took < 5, (rc, took)
+            assert region.exists()
+    finally:
+        region.unlink(missing_ok=True)

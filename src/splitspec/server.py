@@ -17,6 +17,7 @@ never outlive it. :func:`serve_forever` is the ``splitspec serve`` command.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
 import os
@@ -239,17 +240,36 @@ def _tail(path: Path, n_bytes: int = 6000) -> str:
 
 #: tritonserver's log line when requests were still in flight at the end of its exit timeout (2.51: "failed to stop
 #: server: Internal - Exit timeout expired. Exiting immediately."); it does not exit after it.
-EXIT_GAVE_UP = "Exit timeout expired"
+EXIT_GAVE_UP = "Exit timeout expired. Exiting immediately."
 
 
-def _log_says(path: Path, start: int, text: str) -> bool:
-    """Whether ``text`` appears in the log at ``path`` after byte ``start`` (False when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return text.encode() in f.read()
-    except OSError:
-        return False
+class _LogWatch:
+    """Watches a log for a line from now on: :meth:`says` reads only what was written since its last call (keeping
+    enough of the previous read for a line cut between two reads). Never raises; a log that cannot be opened says
+    nothing."""
+
+    def __init__(self, path: Path):
+        try:
+            self.f = open(path, "rb")
+            self.f.seek(0, os.SEEK_END)
+        except OSError:
+            self.f = None
+        self.carry = b""
+
+    def says(self, text: str) -> bool:
+        if self.f is None:
+            return False
+        try:
+            new = self.carry + self.f.read()
+        except OSError:
+            return False
+        want = text.encode()
+        self.carry = new[-(len(want) - 1):] if len(want) > 1 else b""
+        return want in new
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
 
 
 def _errors_in_log(path: Path, max_chars: int = 3000) -> str:
@@ -290,7 +310,8 @@ class TritonServer:
         startup_timeout_s: seconds to wait for ``/v2/health/ready`` (model loading included).
         exit_timeout_s: tritonserver ``--exit-timeout-secs``: after SIGINT, how long it waits for
             in-flight requests and open client connections before unloading the models.
-        stop_timeout_s: seconds to wait after SIGINT before SIGKILL (default: exit_timeout_s + 30).
+        stop_timeout_s: seconds to wait after SIGINT before SIGKILL (default: exit_timeout_s + 30); the kill comes
+            sooner when the server gives up on requests still in flight at its exit timeout (:meth:`stop`).
         log_verbose: tritonserver ``--log-verbose`` level.
         extra_args: further tritonserver arguments.
     """
@@ -310,6 +331,8 @@ class TritonServer:
         self.exit_timeout_s = int(exit_timeout_s)
         self.stop_timeout_s = stop_timeout_s if stop_timeout_s is not None else self.exit_timeout_s + 30.0
         self.log_verbose = log_verbose
+        #: the Python backend's shared-memory regions (/dev/shm) are named from this, one server's own
+        self.shm_prefix = f"splitspec_{os.getpid()}_{self.http_port}_"
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
@@ -362,6 +385,7 @@ class TritonServer:
             "--allow-metrics", "true", "--metrics-address", LOCALHOST, "--metrics-port", str(self.metrics_port),
             "--strict-readiness", "true", "--exit-on-error", "true",
             "--exit-timeout-secs", str(self.exit_timeout_s),
+            "--backend-config", f"python,shm-region-prefix-name={self.shm_prefix}",
             "--log-verbose", str(self.log_verbose),
             *self.extra_args,
         ]
@@ -421,36 +445,40 @@ class TritonServer:
 
     def stop(self) -> int | None:
         """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
-        ``stop_timeout_s``, or as soon as the log says the server gave up on requests still in flight at its exit
+        ``stop_timeout_s``, or 1 s after the log says the server gave up on requests still in flight at its exit
         timeout (:data:`EXIT_GAVE_UP`: tritonserver 2.51 then crashes in its exit and hangs instead of exiting);
-        finally SIGKILL whatever is left in its process group.
+        finally SIGKILL whatever is left in its process group. After a kill, the Python backend's shared-memory
+        regions of this server (``/dev/shm/<shm_prefix>*``) are removed.
 
         Returns:
             the server's exit status (None when it was never started). Safe to call twice.
         """
         if self.proc is None:
             return None
-        pgid = self.proc.pid
+        pgid, killed = self.proc.pid, False
         try:
             if self.proc.poll() is None:
+                log = _LogWatch(self.log_path)  # from before the SIGINT on
                 try:
-                    log_from = self.log_path.stat().st_size
-                except OSError:
-                    log_from = 0
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.send_signal(signal.SIGINT)
-                deadline = time.monotonic() + self.stop_timeout_s
-                while self.proc.poll() is None and time.monotonic() < deadline and not _log_says(self.log_path, log_from, EXIT_GAVE_UP):
+                    with contextlib.suppress(ProcessLookupError):
+                        self.proc.send_signal(signal.SIGINT)
+                    deadline, gave_up = time.monotonic() + self.stop_timeout_s, False
+                    while self.proc.poll() is None and time.monotonic() < deadline and not gave_up:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            self.proc.wait(timeout=0.25)
+                        gave_up = log.says(EXIT_GAVE_UP)
+                finally:
+                    log.close()
+                if gave_up:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.proc.wait(timeout=0.25)
+                        self.proc.wait(timeout=1.0)  # in case it does exit after all
                 if self.proc.poll() is None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.proc.wait(timeout=1.0)  # it may still exit by itself
-                if self.proc.poll() is None:
+                    killed = True
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pgid, signal.SIGKILL)
                     self.proc.wait()
         except KeyboardInterrupt:  # a second Ctrl-C: do not wait for a graceful unload
+            killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             self.proc.wait()
@@ -459,6 +487,10 @@ class TritonServer:
             # stubs or workers that outlived the server (its process group keeps their id)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+            if killed:  # a killed Python backend leaves its shared-memory regions behind
+                for region in Path("/dev/shm").glob(glob.escape(self.shm_prefix) + "*"):
+                    with contextlib.suppress(OSError):
+                        region.unlink()
         return self.proc.returncode
 
     def __enter__(self) -> "TritonServer":
