@@ -518,8 +518,9 @@ def print_table(s: dict, n: int) -> None:
     for name, e, v in rows:
         print(f"{name:28s} {e:>14s} {v:>14s}")
     lo, hi = s["ratio_ci95"]
+    share = 1 - s["ratio_served_to_engine"]
     print(f"ratio served / engine: {s['ratio_served_to_engine']:.3f}, 95% interval {lo:.3f}–{hi:.3f} (Triton's share of "
-          f"the time: {1 - s['ratio_served_to_engine']:.1%}; negative: served ran faster); per round: "
+          f"the time: {share:.1%}{', served ran faster' if share < 0 else ''}); per round: "
           f"{', '.join(f'{x:.3f}' for x in (r['ratio'] for r in s['rounds']))} (median {s['ratio_median_of_rounds']:.3f}); "
           f"median over request pairs {s['request_ratio_median']:.3f}")
     if "loads" in s:
