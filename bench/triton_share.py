@@ -74,9 +74,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 from splitspec.bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
 from splitspec.engine_process import EngineProcess  # noqa: E402
-from splitspec.errors import SplitspecError  # noqa: E402
+from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
-from splitspec.io import write_atomic  # noqa: E402
+from splitspec.io import read_json, write_atomic  # noqa: E402
 from splitspec.perf import Prompt, load_prompts  # noqa: E402
 from splitspec.repo import render_repo  # noqa: E402
 from splitspec.runtime import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
@@ -806,22 +806,12 @@ def main(argv: list[str] | None = None) -> int:
                       "may be given once) and print the ratio, its 95%% interval and each load's")
     a = p.parse_args(argv)
 
-    def results(path: Path, option: str) -> tuple[dict, bytes]:
-        """The JSON object in ``path`` and the bytes it was read from; exits naming the file when it is not one."""
+    def results(path: Path, option: str) -> dict:
+        """The JSON object in ``path`` (:func:`splitspec.io.read_json`); exits naming the file when it is not one."""
         try:
-            if not path.is_file():  # a folder, a FIFO (whose read would block), a device, missing
-                raise OSError("missing or not a regular file")
-            raw = path.read_bytes()
-            result = json.loads(raw.decode("utf-8"))
-            if not isinstance(result, dict):
-                raise ValueError(f"expected a JSON object with the request rows, got {type(result).__name__}")
-            return result, raw
-        except (OSError, UnicodeDecodeError) as e:
-            p.error(f"{option} {path}: cannot read it ({e})")
-        except (json.JSONDecodeError, RecursionError) as e:
-            p.error(f"{option} {path}: not JSON ({str(e)[:200] or type(e).__name__})")
-        except ValueError as e:  # not this script's results
-            p.error(f"{option} {path}: {e}")
+            return read_json(path)
+        except CheckpointError as e:
+            p.error(f"{option} {e}")
 
     if a.replot:
         path = Path(a.replot)
@@ -829,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         if png.resolve() == path.resolve():
             p.error(f"--replot {path}: the plot would overwrite it; give the results' .json file")
         try:
-            done = plot_excess(results(path, "--replot")[0], png)
+            done = plot_excess(results(path, "--replot"), png)
         except ValueError as e:  # not this script's results
             p.error(f"--replot {path}: {e}")
         except OSError as e:
@@ -840,8 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.pool:
         runs, seen = [], {}
         for name in a.pool:
-            result, raw = results(Path(name), "--pool")
-            key = hashlib.sha256(raw).hexdigest()
+            result = results(Path(name), "--pool")
+            key = hashlib.sha256(json.dumps(result, sort_keys=True).encode()).hexdigest()
             if key in seen:
                 p.error(f"--pool {name}: the same results as {seen[key]}; each run may be pooled once")
             seen[key] = name

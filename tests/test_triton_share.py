@@ -83,7 +83,7 @@ def test_replot_draws_results_and_names_what_is_wrong(ts, tmp_path, capsys):
                                 "engine": engine, "served": served, "engine_process": engine}))
     assert ts.main(["--replot", str(good)]) == 0
     assert (tmp_path / "run.png").stat().st_size > 1000
-    cases = {"missing.json": (None, "cannot read it"), "bad.json": ("nope", "not JSON"),
+    cases = {"missing.json": (None, "missing.json: file not found"), "bad.json": ("nope", "bad.json: not valid JSON"),
              "list.json": ("[1, 2]", "expected a JSON object"),
              "old.json": (json.dumps({"engine": [{"wall_ms": 1.0, "tokens": 3}], "served": []}), "no 'cycles'"),
              "short.json": (json.dumps({"engine": engine, "served": served[:2]}), "'served': 2 rows, but the engine alone has 5"),
@@ -167,8 +167,8 @@ def test_pool_and_replot_refuse_files_they_cannot_use(ts, tmp_path, capsys):
     (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
     (tmp_path / "plot.png").write_text(good.read_text())
     for argv, why in ((["--pool", str(good), str(tmp_path / "copy.json")], "the same results as"),
-                      (["--pool", str(tmp_path / "fifo.json")], "missing or not a regular file"),
-                      (["--pool", str(tmp_path / "deep.json")], "not JSON"),
+                      (["--pool", str(tmp_path / "fifo.json")], "fifo.json: cannot be read (not a regular file)"),
+                      (["--pool", str(tmp_path / "deep.json")], "deep.json: not valid JSON (RecursionError"),
                       (["--replot", str(tmp_path / "plot.png")], "the plot would overwrite it"),
                       (["--pool", str(good), "--replot", str(good)], "not allowed with argument"),
                       (["--engines", str(tmp_path)], "no target/engine.json")):

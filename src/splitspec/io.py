@@ -48,10 +48,14 @@ def read_json(path: Path) -> dict:
     """Read a JSON object from ``path``.
 
     Raises:
-        CheckpointError: the file is missing, unreadable or not a JSON object.
+        CheckpointError: the file is missing, not a regular file (a folder, a FIFO whose read would block, a
+            dangling link), unreadable or not a JSON object.
     """
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise CheckpointError(f"{path}: cannot be read (not a regular file)")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except (ValueError, RecursionError) as e:  # malformed, not UTF-8, an integer too long to convert, nested too deep
