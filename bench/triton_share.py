@@ -132,9 +132,10 @@ def cpu_seconds(root_pid: int, root_role: str | None = None, prune: Collection[i
     return out
 
 
-def core_plan() -> dict[str, set[int]]:
+def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
     """CPUs for ``--pin``: one physical core for the engine's process, one for its target worker ranks, the other
-    cores (their SMT siblings excluded) for everything else. Read from ``/sys/devices/system/cpu/*/topology``.
+    cores (their SMT siblings excluded) for everything else — or only the next ``rest_cores`` of them (all their
+    SMT siblings). Read from ``/sys/devices/system/cpu/*/topology``.
 
     Raises:
         SystemExit: fewer than 4 physical cores are allowed to this process.
@@ -149,8 +150,8 @@ def core_plan() -> dict[str, set[int]]:
     if len(physical) < 4:
         sys.exit(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
     engine, workers = physical[1], physical[2]  # not the first core, where the system's interrupts tend to land
-    return {"engine": {min(engine)}, "target worker ranks": {min(workers)},
-            "rest": set(allowed) - engine - workers}
+    rest = set(allowed) - engine - workers if not rest_cores else set().union(*physical[3:3 + rest_cores])
+    return {"engine": {min(engine)}, "target worker ranks": {min(workers)}, "rest": rest}
 
 
 def pin(root_pid: int, plan: dict[str, set[int]], root_cpus: set[int] | None = None, prune: Collection[int] = ()) -> None:
@@ -793,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true", help="pin the engine's process and its worker ranks to a physical core "
                    "each, everything else (tritonserver, its stubs, the client) to the other cores; every phase alike "
                    "(needs ≥ 4 physical cores)")
+    p.add_argument("--serving-cores", type=int, default=None, help="with --pin: tritonserver, its stubs and the client "
+                   "on this many physical cores only (default: every core but the engine's and its workers')")
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--trace", action="store_true", help="trace every served request with Triton's trace API "
@@ -848,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := sorted(also - set(PHASES[1:-1])):
         p.error(f"--also: unknown phase(s) {', '.join(bad)}; expected some of {', '.join(PHASES[1:-1])}")
     a.also = [x for x in PHASES if x in also]  # each once, in the order they are set up
-    plan = core_plan() if a.pin else None  # before anything is loaded or written
+    plan = core_plan(a.serving_cores) if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
     for part in ("target", "drafter"):
