@@ -138,7 +138,8 @@ def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
     SMT siblings). Read from ``/sys/devices/system/cpu/*/topology``.
 
     Raises:
-        SystemExit: fewer than 4 physical cores are allowed to this process.
+        SystemExit: fewer than 4 physical cores are allowed to this process, or ``rest_cores`` is not 1 to the number of
+            cores left.
     """
     allowed = sorted(os.sched_getaffinity(0))
     cores: dict[str, set[int]] = {}
@@ -150,7 +151,10 @@ def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
     if len(physical) < 4:
         sys.exit(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
     engine, workers = physical[1], physical[2]  # not the first core, where the system's interrupts tend to land
-    rest = set(allowed) - engine - workers if not rest_cores else set().union(*physical[3:3 + rest_cores])
+    if rest_cores is not None and not 1 <= rest_cores <= len(physical) - 3:
+        sys.exit(f"--serving-cores {rest_cores}: expected 1..{len(physical) - 3} (physical cores allowed to this process "
+                 f"besides the first, the engine's and its workers')")
+    rest = set(allowed) - engine - workers if rest_cores is None else set().union(*physical[3:3 + rest_cores])
     return {"engine": {min(engine)}, "target worker ranks": {min(workers)}, "rest": rest}
 
 
@@ -560,7 +564,8 @@ def print_table(s: dict, n: int) -> None:
 
 #: Settings that runs pooled by ``--pool`` must share (from each file's ``meta.settings``; a file without them is
 #: compared as having None).
-POOL_SAME = ("k", "max_tokens", "device_ids", "draft_device_id", "draft_tp", "max_batch_size", "kv_tokens", "prompts")
+POOL_SAME = ("k", "max_tokens", "device_ids", "draft_device_id", "draft_tp", "max_batch_size", "kv_tokens", "prompts", "pin",
+             "serving_cores")
 
 
 def pool_runs(runs: list[tuple[str, dict]]) -> dict:

@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
+
+from splitspec.io import write_atomic
 
 
 def _echo(sock: socket.socket, n: int, polling: bool, cpu: int | None) -> None:
@@ -135,8 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
+    if a.n < 20:
+        p.error(f"-n {a.n}: expected at least 20 round trips")
+    if not (a.hold_awake_s >= 0 and math.isfinite(a.hold_awake_s)):
+        p.error(f"--hold-awake-s {a.hold_awake_s}: expected a finite number of seconds >= 0")
+    hold = set(cpus)
+    if a.cpus:
+        try:
+            hold = {int(c) for c in a.cpus.split(",")}
+        except ValueError:
+            p.error(f"--cpus {a.cpus!r}: expected CPU numbers like 3,4")
+        if not hold <= set(cpus):
+            p.error(f"--cpus {a.cpus!r}: CPUs {sorted(hold - set(cpus))} are not allowed to this process (allowed: {cpus})")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its busy loops (Awake's exit)
     if a.hold_awake_s > 0:
-        with Awake({int(c) for c in a.cpus.split(",")} if a.cpus else set(cpus)):
+        with Awake(hold):
             time.sleep(a.hold_awake_s)
         return 0
     pair = (cpus[1], cpus[2]) if len(cpus) >= 3 else None
@@ -151,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[key] = summary(us)
                 print(f"{key:28s} " + "  ".join(f"{k} {v}" for k, v in results[key].items()), flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpus": len(cpus), "results": results}, f, indent=1)
+        write_atomic(Path(a.json), json.dumps({"cpus": len(cpus), "results": results}, indent=1) + "\n")
     return 0
 
 

@@ -156,6 +156,19 @@ def test_pool_refuses_rows_it_cannot_group(ts, tmp_path):
     a = {"meta": {"settings": {"k": 4, "max_tokens": 128}}, "engine": e1, "served": s1}
     with pytest.raises(ValueError, match=r"b: its settings differ from a's in k \(3 against 4\)"):
         ts.pool_runs([("a", a), ("b", a | {"meta": {"settings": {"k": 3, "max_tokens": 128}}})])
+    # nor runs whose serving processes were placed on other CPUs (--serving-cores)
+    with pytest.raises(ValueError, match=r"b: its settings differ from a's in serving_cores \(2 against None\)"):
+        ts.pool_runs([("a", a), ("b", a | {"meta": {"settings": {"k": 4, "max_tokens": 128, "serving_cores": 2}}})])
+
+
+def test_core_plan_keeps_the_serving_processes_on_the_cores_asked(ts, monkeypatch):
+    monkeypatch.setattr(ts.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(ts, "Path", lambda p: type("P", (), {"exists": lambda self: False})())  # no topology: 8 cores
+    assert ts.core_plan() == {"engine": {1}, "target worker ranks": {2}, "rest": {0, 3, 4, 5, 6, 7}}
+    assert ts.core_plan(2) == {"engine": {1}, "target worker ranks": {2}, "rest": {3, 4}}
+    for bad in (0, 6):
+        with pytest.raises(SystemExit, match=f"--serving-cores {bad}: expected 1..5"):
+            ts.core_plan(bad)
 
 
 def test_pool_and_replot_refuse_files_they_cannot_use(ts, tmp_path, capsys):
