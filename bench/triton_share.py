@@ -133,9 +133,10 @@ def cpu_seconds(root_pid: int, root_role: str | None = None, prune: Collection[i
 
 
 def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
-    """CPUs for ``--pin``: one physical core for the engine's process, one for its target worker ranks, the other
-    cores (their SMT siblings excluded) for everything else — or only the next ``rest_cores`` of them (all their
-    SMT siblings). Read from ``/sys/devices/system/cpu/*/topology``.
+    """CPUs for ``--pin``: one CPU of a physical core for the engine's process, one of another for its target worker
+    ranks (their SMT siblings left idle), and for everything else every CPU of the other physical cores — or of only
+    the next ``rest_cores`` of them (physical cores in the order of their first CPU, the first one skipped). Read from
+    ``/sys/devices/system/cpu/*/topology``.
 
     Raises:
         SystemExit: fewer than 4 physical cores are allowed to this process, or ``rest_cores`` is not 1 to the number of
@@ -856,6 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad := sorted(also - set(PHASES[1:-1])):
         p.error(f"--also: unknown phase(s) {', '.join(bad)}; expected some of {', '.join(PHASES[1:-1])}")
     a.also = [x for x in PHASES if x in also]  # each once, in the order they are set up
+    if a.serving_cores is not None and not a.pin:
+        p.error("--serving-cores places the processes that --pin places: give --pin too")
+    machine = machine_info()  # before --pin moves this process (its usable CPUs) and the run loads the machine
     plan = core_plan(a.serving_cores) if a.pin else None  # before anything is loaded or written
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
@@ -928,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
                                               **{f"{ph}_ms": ms / len(served) for ph, (_, ms) in d.items() if ph != "success"}}
                                           for m, d in total.items()}
     print_table(s, len(engine))
-    result = {"meta": {**machine_info(), "engines": engine_info(engines), "settings": vars(a),
+    result = {"meta": {**machine, "engines": engine_info(engines), "settings": vars(a),
                        "wall_s": round(time.monotonic() - t0, 1), "startup_s": [srv.get("startup_s") for srv in servers],
                        "pinned": {k: sorted(v) for k, v in plan.items()} if plan else None},
               "summary": s, "engine": engine, "served": served, **{name: rows[name] for name in a.also}}

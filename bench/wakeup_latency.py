@@ -5,7 +5,8 @@ A served request crosses about fifteen such hops (gRPC threads, the ensemble's P
 process); each wakes a thread that was asleep. This times a ping-pong of one byte, round trips halved:
 
 - ``process``: two processes on a socket pair, each blocked in ``recv`` until the other writes;
-- ``thread``: two threads of one process handing a token over ``threading.Event``;
+- ``thread``: two threads of one process handing a token over ``threading.Event`` (on the CPUs this process may use;
+  the processes above run on two CPUs of their own);
 - ``process-polling``: the same socket pair, both sides polling with ``MSG_DONTWAIT`` instead of blocking (no
   sleep, no wake-up: the floor of the hop).
 
@@ -14,8 +15,8 @@ such a loop yields to any other runnable thread at once, but keeps idle CPUs fro
 plain run is what waking a halted CPU costs (large in virtual machines, where a halted virtual CPU is woken
 through the hypervisor).
 
-    python3 bench/wakeup_latency.py                 # prints one line per mode
-    python3 bench/wakeup_latency.py --awake --json out.json
+    .venv/bin/python bench/wakeup_latency.py                 # prints one line per mode
+    .venv/bin/python bench/wakeup_latency.py --awake --json out.json
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ import threading
 import time
 from pathlib import Path
 
-from splitspec.io import write_atomic
 
-
-def _echo(sock: socket.socket, n: int, polling: bool, cpu: int | None) -> None:
+def _echo(sock: socket.socket, other: socket.socket, n: int, polling: bool, cpu: int | None) -> None:
+    other.close()  # the parent's end: once the parent is gone, recv here returns b""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    for _ in range(n):
-        b = _recv(sock, polling)
-        sock.send(b)
+    try:
+        for _ in range(n):
+            b = _recv(sock, polling)
+            if not b:
+                return
+            sock.send(b)
+    except ConnectionError:  # the parent closed its end mid-exchange (it was stopped)
+        return
 
 
 def _recv(sock: socket.socket, polling: bool) -> bytes:
@@ -55,10 +60,13 @@ def _recv(sock: socket.socket, polling: bool) -> bytes:
 
 
 def hops_process(n: int, polling: bool, cpus: tuple[int, int] | None) -> list[float]:
-    """One-way hop times in µs (round trip / 2) between this process and a child on a socket pair."""
+    """One-way hop times in µs (round trip / 2) between this process and a child on a socket pair; with ``cpus``
+    this process runs on ``cpus[0]`` and the child on ``cpus[1]`` (this process's CPUs are restored after)."""
     a, b = socket.socketpair()
-    child = mp.get_context("fork").Process(target=_echo, args=(b, n, polling, cpus[1] if cpus else None))
+    child = mp.get_context("fork").Process(target=_echo, args=(b, a, n, polling, cpus[1] if cpus else None), daemon=True)
     child.start()
+    b.close()
+    before = os.sched_getaffinity(0)
     if cpus:
         os.sched_setaffinity(0, {cpus[0]})
     out = []
@@ -69,9 +77,9 @@ def hops_process(n: int, polling: bool, cpus: tuple[int, int] | None) -> list[fl
             _recv(a, polling)
             out.append((time.perf_counter_ns() - t) / 2e3)
     finally:
+        os.sched_setaffinity(0, before)
+        a.close()  # a child still waiting sees the end of the socket and exits
         child.join(10)
-        a.close()
-        b.close()
     return out
 
 
@@ -99,10 +107,12 @@ def hops_thread(n: int) -> list[float]:
 
 
 def _spin(cpu: int) -> None:
+    parent = os.getppid()
     os.sched_setaffinity(0, {cpu})
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    while True:
-        pass
+    while os.getppid() == parent:  # a parent killed outright (SIGKILL) cannot stop its loops: they stop themselves
+        for _ in range(200_000):
+            pass
 
 
 class Awake:
@@ -145,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"-n {a.n}: expected at least 20 round trips")
     if not (a.hold_awake_s >= 0 and math.isfinite(a.hold_awake_s)):
         p.error(f"--hold-awake-s {a.hold_awake_s}: expected a finite number of seconds >= 0")
+    if a.hold_awake_s > 0 and (a.awake or a.json):
+        p.error("--hold-awake-s only runs the busy loops: it measures nothing (no --awake, no --json)")
+    if a.cpus and not a.hold_awake_s > 0:
+        p.error("--cpus chooses where --hold-awake-s runs its busy loops: give --hold-awake-s too")
     hold = set(cpus)
     if a.cpus:
         try:
@@ -170,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[key] = summary(us)
                 print(f"{key:28s} " + "  ".join(f"{k} {v}" for k, v in results[key].items()), flush=True)
     if a.json:
-        write_atomic(Path(a.json), json.dumps({"cpus": len(cpus), "results": results}, indent=1) + "\n")
+        from splitspec.io import write_atomic  # noqa: PLC0415  (only now: it imports torch, ~1 s)
+
+        record = {"cpus": len(cpus), "n": a.n, "process_pair_cpus": list(pair) if pair else None,
+                  "thread_cpus": cpus, "results": results}
+        write_atomic(Path(a.json), json.dumps(record, indent=1) + "\n")
     return 0
 
 

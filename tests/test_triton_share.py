@@ -107,7 +107,8 @@ def test_bad_prompts_and_a_used_trace_folder_are_refused_before_loading(ts, buil
     os.mkfifo(fifo)  # reading it would block forever
     for argv, why in ((["--prompts", str(bad)], "--prompts: " + str(bad) + ":1: expected a non-empty 'prompt' string"),
                       (["--prompts", str(fifo)], f"--prompts: {fifo}: not a regular file"),
-                      (["--trace", "--out", str(used)], f"--trace: {used / 'trace'} holds files of an earlier run")):
+                      (["--trace", "--out", str(used)], f"--trace: {used / 'trace'} holds files of an earlier run"),
+                      (["--serving-cores", "2"], "--serving-cores places the processes that --pin places: give --pin too")):
         with pytest.raises(SystemExit) as e:
             ts.main(["--engines", str(built_engines), *argv])
         assert e.value.code == 2
@@ -169,6 +170,13 @@ def test_core_plan_keeps_the_serving_processes_on_the_cores_asked(ts, monkeypatc
     for bad in (0, 6):
         with pytest.raises(SystemExit, match=f"--serving-cores {bad}: expected 1..5"):
             ts.core_plan(bad)
+    # two threads per core (CPU c and c + 8): the engine and its workers on one CPU each, their siblings idle
+    monkeypatch.setattr(ts.os, "sched_getaffinity", lambda pid: set(range(16)))
+    siblings = lambda p: type("P", (), {"exists": lambda self: True, "read_text": lambda self: (  # noqa: E731
+        lambda c: f"{c % 8},{c % 8 + 8}\n")(int(str(p).split("/cpu")[-1].split("/")[0]))})()
+    monkeypatch.setattr(ts, "Path", siblings)
+    assert ts.core_plan() == {"engine": {1}, "target worker ranks": {2}, "rest": set(range(16)) - {1, 9, 2, 10}}
+    assert ts.core_plan(2)["rest"] == {3, 11, 4, 12}
 
 
 def test_pool_and_replot_refuse_files_they_cannot_use(ts, tmp_path, capsys):
