@@ -11,7 +11,7 @@ import pytest
 
 from splitspec.engine import EngineError
 from splitspec.engine_process import EngineProcess, pack_cycle_stats, pack_event, unpack_event
-from splitspec.errors import CheckpointError, ConfigError
+from splitspec.errors import CheckpointError
 from splitspec.runtime import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
 
@@ -75,8 +75,9 @@ def test_same_tokens_cancel_refusal_and_close(built_engines, tok):
         proc.submit(10, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
         proc.cancel(10)
         assert ev.wait(10)[-1].finish_reason == "cancelled"
-        with pytest.raises(ConfigError, match="max_seq_len"):
-            proc.submit(11, Request(tok.encode("x"), 100_000))
+        proc.submit(11, Request(tok.encode("x"), 100_000))  # never servable: refused as its one event
+        [refused] = ev.wait(11)
+        assert refused.finish_reason == "rejected" and "max_seq_len" in refused.error and refused.stats is None
         assert proc.gauges["active"] == 0 and not ev.failed
     finally:
         proc.close()

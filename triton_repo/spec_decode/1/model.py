@@ -10,8 +10,8 @@ has the measurements).
 
 Threads of the instance:
 
-- Triton's (``execute``): validates a request and submits it to the engine process (a round trip, not
-  a wait for generation).
+- Triton's (``execute``): validates a request and submits it to the engine process (a socket write: a
+  request the engine refuses comes back, like every other event, to the reader).
 - the reader (:class:`EngineProcess`): receives each engine cycle's events in one message, records the
   cycle's statistics and turns the events into responses — one per cycle when the request streams (the
   text and tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
@@ -375,6 +375,9 @@ class TritonPythonModel:
     def _deliver(self, st, ev, hold):
         """Handle one engine event of ``st``; ``hold``: keep its delta for the stream's next response."""
         if st.done:
+            return
+        if ev.error is not None and ev.finish_reason == "rejected":  # the engine refused it: it can never be served
+            self._close(st, error=f"spec_decode: {ev.error}", code="INVALID_ARG")
             return
         if ev.error is not None:
             self.collector.on_finished("error")
