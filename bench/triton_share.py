@@ -139,7 +139,7 @@ def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
     ``/sys/devices/system/cpu/*/topology``.
 
     Raises:
-        SystemExit: fewer than 4 physical cores are allowed to this process, or ``rest_cores`` is not 1 to the number of
+        ValueError: fewer than 4 physical cores are allowed to this process, or ``rest_cores`` is not 1 to the number of
             cores left.
     """
     allowed = sorted(os.sched_getaffinity(0))
@@ -150,11 +150,11 @@ def core_plan(rest_cores: int | None = None) -> dict[str, set[int]]:
         cores.setdefault(key, set()).add(cpu)
     physical = list(cores.values())
     if len(physical) < 4:
-        sys.exit(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
+        raise ValueError(f"--pin needs at least 4 physical cores (this process may use {len(physical)}: CPUs {allowed})")
     engine, workers = physical[1], physical[2]  # not the first core, where the system's interrupts tend to land
     if rest_cores is not None and not 1 <= rest_cores <= len(physical) - 3:
-        sys.exit(f"--serving-cores {rest_cores}: expected 1..{len(physical) - 3} (physical cores allowed to this process "
-                 f"besides the first, the engine's and its workers')")
+        raise ValueError(f"--serving-cores {rest_cores}: expected 1..{len(physical) - 3} (physical cores allowed to this "
+                         f"process besides the first, the engine's and its workers')")
     rest = set(allowed) - engine - workers if rest_cores is None else set().union(*physical[3:3 + rest_cores])
     return {"engine": {min(engine)}, "target worker ranks": {min(workers)}, "rest": rest}
 
@@ -860,7 +860,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.serving_cores is not None and not a.pin:
         p.error("--serving-cores places the processes that --pin places: give --pin too")
     machine = machine_info()  # before --pin moves this process (its usable CPUs) and the run loads the machine
-    plan = core_plan(a.serving_cores) if a.pin else None  # before anything is loaded or written
+    try:
+        plan = core_plan(a.serving_cores) if a.pin else None  # before anything is loaded or written
+    except ValueError as e:
+        p.error(str(e))
     engines = Path(a.engines).resolve()
     a.engines = str(engines)
     for part in ("target", "drafter"):

@@ -155,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"-n {a.n}: expected at least 20 round trips")
     if not (a.hold_awake_s >= 0 and math.isfinite(a.hold_awake_s)):
         p.error(f"--hold-awake-s {a.hold_awake_s}: expected a finite number of seconds >= 0")
+    for name in ("json", "cpus"):
+        if getattr(a, name) == "":
+            p.error(f"--{name}: empty")
+    if a.json:
+        out = Path(a.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            p.error(f"--json {a.json}: expected a file in an existing, writable folder")
     if a.hold_awake_s > 0 and (a.awake or a.json):
         p.error("--hold-awake-s only runs the busy loops: it measures nothing (no --awake, no --json)")
     if a.cpus and not a.hold_awake_s > 0:
@@ -188,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
         record = {"cpus": len(cpus), "n": a.n, "process_pair_cpus": list(pair) if pair else None,
                   "thread_cpus": cpus, "results": results}
-        write_atomic(Path(a.json), json.dumps(record, indent=1) + "\n")
+        try:
+            write_atomic(Path(a.json), json.dumps(record, indent=1) + "\n")
+        except OSError as e:
+            p.exit(2, f"{p.prog}: error: --json {a.json}: cannot write it ({e})\n")
     return 0
 
 

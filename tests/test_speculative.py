@@ -145,8 +145,9 @@ def test_request_limits_are_checked(built_engines):
             eng.generate([1] * 200, 100, 4)
         with pytest.raises(ConfigError, match="empty"):
             eng.generate([], 10)
-        with pytest.raises(ConfigError, match="vocabulary"):
-            eng.generate([5000], 10)
+        with pytest.raises(ConfigError, match=r"vocabulary \[0, \d+\): 5000 at position 1, -1 at position 2, 7000 at "
+                                              r"position 3 and 1 more$"):
+            eng.generate([1, 5000, -1, 7000, 9999], 10)
         with pytest.raises(ConfigError, match="num_draft_tokens"):
             eng.generate([1, 2], 10, 99)
         assert len(eng.generate([1, 2, 3], 5, stop_token_ids=set()).token_ids) == 5  # still serving

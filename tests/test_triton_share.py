@@ -168,7 +168,7 @@ def test_core_plan_keeps_the_serving_processes_on_the_cores_asked(ts, monkeypatc
     assert ts.core_plan() == {"engine": {1}, "target worker ranks": {2}, "rest": {0, 3, 4, 5, 6, 7}}
     assert ts.core_plan(2) == {"engine": {1}, "target worker ranks": {2}, "rest": {3, 4}}
     for bad in (0, 6):
-        with pytest.raises(SystemExit, match=f"--serving-cores {bad}: expected 1..5"):
+        with pytest.raises(ValueError, match=f"--serving-cores {bad}: expected 1..5"):
             ts.core_plan(bad)
     # two threads per core (CPU c and c + 8): the engine and its workers on one CPU each, their siblings idle
     monkeypatch.setattr(ts.os, "sched_getaffinity", lambda pid: set(range(16)))

@@ -320,8 +320,10 @@ class SpeculativeEngine:
             raise ConfigError("sampling must be a SamplingParams")
         if not req.prompt_ids:
             raise ConfigError("prompt is empty: at least one token is needed")
-        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            raise ConfigError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        bad = [(i, t) for i, t in enumerate(req.prompt_ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            where = ", ".join(f"{t} at position {i}" for i, t in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise ConfigError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {where}")
         if not is_int(req.max_tokens) or req.max_tokens < 1:
             raise ConfigError(f"max_tokens = {req.max_tokens!r}, expected an integer ≥ 1")
         self._check_k(k)
