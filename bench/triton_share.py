@@ -426,6 +426,21 @@ def summarize(engine: list[dict], served: list[dict]) -> dict:
     }
 
 
+def prompts_by_load(rows: list[dict]) -> dict:
+    """The ``prompt_id`` values of ``rows`` by their ``load`` (0 for rows without one), loads in order of appearance."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r.get("load", 0), set()).add(r["prompt_id"])
+    return out
+
+
+def settings_of(result: dict) -> dict:
+    """``result["meta"]["settings"]`` (the run's options), or {} where a results file has none or not an object."""
+    meta = result.get("meta")
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    return settings if isinstance(settings, dict) else {}
+
+
 def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed: int = 0) -> list[float]:
     """95% bootstrap interval of tokens_per_s(rows) / tokens_per_s(engine) (percentile method). The request pairs
     (row i, engine i: the same prompt, run back to back) are grouped by prompt, and the prompts resampled with
@@ -441,9 +456,7 @@ def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed
 
     loads = sorted({r.get("load", 0) for r in rows})
     ids = sorted({r["prompt_id"] for r in rows})
-    by_load: dict = {}
-    for r in rows:
-        by_load.setdefault(r.get("load", 0), set()).add(r["prompt_id"])
+    by_load = prompts_by_load(rows)
     if any(v != set(ids) for v in by_load.values()):
         raise ValueError("the loads ran different prompts: " + "; ".join(
             f"load {x + 1}: {len(v)} of {len(ids)}" for x, v in by_load.items()) + " (an interval over loads needs the same prompts in each)")
@@ -589,8 +602,7 @@ def pool_runs(runs: list[tuple[str, dict]]) -> dict:
             for i, r in enumerate(s_rows):
                 if not isinstance(r.get("prompt_id"), str) or type(r.get("load", 0)) is not int:
                     raise ValueError(f"'served' row {i}: expected a string 'prompt_id' and an integer 'load' (if any)")
-            settings = result.get("meta", {}).get("settings", {}) if isinstance(result.get("meta"), dict) else {}
-            settings = {k: settings.get(k) for k in POOL_SAME} if isinstance(settings, dict) else {}
+            settings = {k: settings_of(result).get(k) for k in POOL_SAME}
             if not loads:
                 first_name, first_settings = name, settings
             differ = [k for k in POOL_SAME if settings.get(k) != first_settings.get(k)]
@@ -598,9 +610,7 @@ def pool_runs(runs: list[tuple[str, dict]]) -> dict:
                 raise ValueError(f"its settings differ from {first_name}'s in " + ", ".join(
                     f"{k} ({settings.get(k)!r} against {first_settings.get(k)!r})" for k in differ)
                     + ": only runs of one configuration pool")
-            prompts = {}
-            for r in s_rows:
-                prompts.setdefault(r.get("load", 0), set()).add(r["prompt_id"])
+            prompts = prompts_by_load(s_rows)
             if not loads:
                 first_prompts = next(iter(prompts.values()))
             for x, v in prompts.items():
@@ -710,8 +720,7 @@ def plot_excess(result: dict, path: Path) -> Path | None:
                     color=pts.get_facecolor()[0][:3],
                     label=f"{name}: {x['per_request_ms']:+.2f} ms {x['per_cycle_ms']:+.3f} ms/cycle")
     ax.axhline(0, color="grey", lw=0.5)
-    meta = result.get("meta", {}).get("settings", {}) if isinstance(result.get("meta"), dict) else {}
-    meta = meta if isinstance(meta, dict) else {}
+    meta = settings_of(result)
     ratio = tokens_per_s(phases["served"]) / tokens_per_s(engine)
     ax.set(xlabel="decode cycles of the request (engine alone)", ylabel="wall time over the engine alone's (ms)",
            title=f"Triton's share at batch 1: ratio {ratio:.3f} (k={meta.get('k', '?')}, max_tokens "
