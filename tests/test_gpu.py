@@ -47,8 +47,8 @@ def _recorded(eng: SpeculativeEngine) -> list[list[list[int]]]:
     cycles: list[list[list[int]]] = []
     run = eng.group.run
 
-    def recording(plan):
-        out = run(plan)
+    def recording(plan, *a):
+        out = run(plan, *a)
         cycles.append([out.drafts[sid] for sid in sorted(out.drafts)])
         return out
 
@@ -119,6 +119,44 @@ def test_speculative_greedy_on_gpu_equals_target_only(engines_for, placement):
             assert got == ref, f"{placement}, k={k}: speculative output differs from target-only greedy"
             # a new k means new static shapes: its draft and verify cycles were captured as graphs
             assert len(eng.group.rank0.graphs.graphs) > before, f"{placement}, k={k}: no CUDA graph captured"
+
+
+@pytest.mark.timeout(600)
+def test_steady_cycle_waits_for_the_gpu_once(engines_for):
+    """A steady cycle (draft graph, then verify graph) makes the host wait for the GPU once: at the copy of its
+    verified tokens and drafts. ``torch.cuda.set_sync_debug_mode("warn")`` warns at every call that synchronises
+    the host with a device (a synchronise, a copy from ordinary host memory, ``.item()``, ``.tolist()``)."""
+    import warnings
+
+    n = min(2, torch.cuda.device_count())
+    with SpeculativeEngine.load(engines_for(n), target_device_ids=list(range(n)), draft_tp=1, max_batch_size=2) as eng:
+        ids = [eng.tokenizer.encode(p) for p in PROMPTS[:2]]
+        eng.run([Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])  # captures the graphs
+        ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
+        run, waits, got = eng.group.run, [], {}
+
+        def counted(plan, *a):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = run(plan, *a)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if plan.padded_k:
+                waits.append([f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)])
+            return out
+
+        eng.group.run = counted
+        for i, r in enumerate(ids):
+            eng.submit(Request(r, 40, num_draft_tokens=3, stop_token_ids=set()), lambda ev, i=i: got.setdefault(i, []).extend(ev.token_ids))
+        with torch.inference_mode():
+            while eng.has_work():
+                eng.step()
+    assert [got[i] for i in range(len(ids))] == ref
+    assert len(waits) > 5, f"only {len(waits)} steady cycles"
+    assert all(len(w) == 1 for w in waits), f"host waits per steady cycle: {waits[:3]}"
+    assert len({w[0] for w in waits}) == 1 and "engine.py:" in waits[0][0], waits[:3]  # the one copy's line
 
 
 @pytest.mark.timeout(600)

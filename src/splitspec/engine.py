@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from splitspec.errors import CheckpointError, ConfigError, SplitspecError
 from splitspec.io import read_json
 from splitspec.kv import BLOCK_SIZE
 from splitspec.layers import TPComm
-from splitspec.models.batch import ForwardBatch, padded
+from splitspec.models.batch import ForwardBatch, padded, to_device
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
 
@@ -132,6 +133,37 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+class PhaseClock:
+    """Splits a steady cycle's wall time (ms) into its draft part and its verify part without waiting for the GPU
+    in between: on CUDA the draft's end is a CUDA event recorded on ``device``'s current stream once the drafts are
+    there, read after the cycle's one device-to-host copy (when it has completed); on the CPU a host clock.
+
+    ``draft_ms``: from :meth:`start` (on CUDA: when the device reached the start event, right away when idle) to the
+    drafts being on ``device``; ``verify_ms``: the rest of the wall time up to :meth:`split`."""
+
+    def __init__(self, device: str):
+        self.device, self.cuda = device, device.startswith("cuda")
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else ()
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        self.t0 = self.t1 = time.perf_counter()
+        if self.cuda:
+            self.events[0].record(torch.cuda.current_stream(self.device))
+
+    def draft_done(self) -> None:
+        if self.cuda:
+            self.events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self.t1 = time.perf_counter()
+
+    def split(self) -> tuple[float, float]:
+        """(draft_ms, verify_ms); call after the host has waited for the work recorded since :meth:`start`."""
+        total = (time.perf_counter() - self.t0) * 1e3
+        draft = self.events[0].elapsed_time(self.events[1]) if self.cuda else (self.t1 - self.t0) * 1e3
+        return draft, max(0.0, total - draft)
+
+
 class RankRunner:
     """One rank: the target shard + its latent KV cache, and the drafter (shard) where it lives here.
 
@@ -156,6 +188,7 @@ class RankRunner:
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
         self.graphs = GraphCache(device)
+        self.clock = PhaseClock(device)
         if self.graphs.on and os.environ.get("SPLITSPEC_COMPILE", "1") == "1":
             self.target.compile()  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
@@ -286,12 +319,14 @@ class RankRunner:
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
         S = self.window_for(plan)
-        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S, dev)
+        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S, "cpu")
         aux = torch.cat([self.aux[w.sid] for w in ws]).to(dev)  # the target's hidden states, on the drafter's device
         aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
-        last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)], device=dev)
         # step i (1..k−1) drafts at position start − 1 + i; padding rows write the scratch row
-        first_step = torch.tensor([w.start for w in ws] + [0] * (Bp - B), device=dev)
+        last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)])
+        first_step = torch.tensor([w.start for w in ws] + [0] * (Bp - B))
+        ids, pos, table, rows, last, first_step = to_device(dev, ext.input_ids, ext.positions, ext.table, ext.write_rows, last,
+                                                            first_step)  # one copy up, the host not waiting
         real = torch.arange(Bp, device=dev) < B
         scratch = self.scratch_row
 
@@ -306,8 +341,7 @@ class RankRunner:
                 out.append(m.propose(logits))
             return torch.stack(out, 1)
 
-        drafts = self.draft_graphs.run(("draft", self.draft_tp, Bp, k, S), draft, ext.input_ids, ext.positions, ext.table, ext.write_rows, aux, last,
-                                 first_step, real)
+        drafts = self.draft_graphs.run(("draft", self.draft_tp, Bp, k, S), draft, ids, pos, table, rows, aux, last, first_step, real)
         return drafts.clone()  # graph outputs are overwritten by the next replay
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -332,25 +366,34 @@ class RankRunner:
                 self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()
         return logits[: B * n], aux
 
-    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None) -> CycleOutput:
+    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, started: bool = False,
+                       on_launched: Callable[[], None] | None = None) -> CycleOutput:
         """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] comes from the
-        leader's TP1 drafter (None: draft here, the drafter being sharded over the group)."""
-        t0 = time.perf_counter()
+        leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``started``: the caller
+        started :attr:`clock` before drafting). The host waits for the GPU once, at the copy of the verified
+        tokens and drafts to the host: inputs go up from pinned memory without waiting (:func:`to_device`), the
+        verify is queued behind the draft, and ``on_launched`` runs once both are queued, before that wait (host
+        work there overlaps the GPU's)."""
+        if not started:
+            self.clock.start()
         k = plan.padded_k
         if drafts is None:
             drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
-        _sync(self.device)
-        t1 = time.perf_counter()
+        self.clock.draft_done()
         logits, _ = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
-        host = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device))).tolist()  # the one copy to the host
+        both = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device)))
+        if on_launched is not None:
+            on_launched()
+        host = both.tolist()  # the one copy to the host
         greedy, flat = host[: B * n], host[B * n:]
         out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
-        return CycleOutput(logits, out_drafts, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, greedy)
+        return CycleOutput(logits, out_drafts, *self.clock.split(), greedy)
 
-    def execute(self, plan: CyclePlan) -> CycleOutput:
+    def execute(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:
         """Run one cycle on this rank: draft (if the drafter is sharded here and drafts were not given),
-        then one target forward over every decode work's k+1 tokens and every prefill chunk."""
+        then one target forward over every decode work's k+1 tokens and every prefill chunk (eagerly, waiting for
+        the GPU after each draft step and at the end; ``on_launched`` runs before that last wait)."""
         for sid in plan.finished:
             self.aux.pop(sid, None)
         t0 = time.perf_counter()
@@ -378,6 +421,8 @@ class RankRunner:
                 else:
                     self.aux[w.sid] = torch.cat((self.aux[w.sid], rows)) if w.start > 0 and w.sid in self.aux else rows
                 t += len(toks)
+        if on_launched is not None:
+            on_launched()
         _sync(self.device)
         return CycleOutput(logits, drafts, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
 
@@ -588,9 +633,10 @@ class Group:
             if p.poll() is not None:
                 raise EngineError(f"target worker rank {r} (pid {p.pid}) exited with status {p.returncode}")
 
-    def run(self, plan: CyclePlan) -> CycleOutput:
+    def run(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:
         """Execute one cycle on every rank and return rank 0's output. A change of placement (``plan.draft_tp``)
-        comes first, on every rank (:meth:`RankRunner.switch_placement`); its host time counts as draft time."""
+        comes first, on every rank (:meth:`RankRunner.switch_placement`); its host time counts as draft time.
+        ``on_launched``: called once the cycle's GPU work is queued, before the host waits for it."""
         if self.closed:
             raise EngineError("the engine is closed")
         r0, switch_ms = self.rank0, 0.0
@@ -603,31 +649,27 @@ class Group:
                 self._send_plan(CyclePlan(plan.work, draft_tp=plan.draft_tp, placement_switch=True))
             r0.switch_placement(plan.draft_tp, plan.work)
             switch_ms = (time.perf_counter() - t0) * 1e3
-        out = self._cycle(plan)
+        out = self._cycle(plan, on_launched)
         out.draft_ms += switch_ms
         return out
 
-    def _cycle(self, plan: CyclePlan) -> CycleOutput:
+    def _cycle(self, plan: CyclePlan, on_launched: Callable[[], None] | None) -> CycleOutput:
         r0 = self.rank0
         if self.padded:
             for sid in plan.finished:
                 r0.aux.pop(sid, None)
             plan.padded_k = r0.padded_k(plan)
         if plan.padded_k is not None:
-            t0 = time.perf_counter()
+            r0.clock.start()
             drafts = r0.draft_padded(plan) if (r0.draft_tp == 1 and plan.padded_k) else None
             if drafts is not None:  # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator
-                drafts = drafts.to(r0.device)  # (execute_padded's sync then also waits for the draft graph)
-            draft_ms = (time.perf_counter() - t0) * 1e3
+                drafts = drafts.to(r0.device)  # (queued behind the draft graph; the host does not wait)
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(plan)
                 if drafts is not None:
                     dist.broadcast(drafts, 0)
-            out = r0.execute_padded(plan, drafts)
-            if r0.draft_tp == 1:
-                out.draft_ms += draft_ms
-            return out
+            return r0.execute_padded(plan, drafts, started=True, on_launched=on_launched)
         t0 = time.perf_counter()
         if r0.draft_tp == 1 and r0.drafter is not None:
             plan.drafts = r0.draft_phase(plan)
@@ -635,7 +677,7 @@ class Group:
         if self.world > 1:
             self.check_workers()
             self._send_plan(plan)
-        out = r0.execute(plan)
+        out = r0.execute(plan, on_launched)
         if r0.draft_tp == 1:
             out.draft_ms = draft_ms
         return out

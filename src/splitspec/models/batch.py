@@ -73,8 +73,25 @@ def padded(seqs: list[tuple[list[int], int, list[int]]], window: int, device="cp
         table[b, :rows.numel()] = rows
     write = torch.gather(table, 1, pos).flatten()
     write[len(seqs) * n:] = scratch_row
-    return ForwardBatch(ids.flatten().to(device), pos.flatten().to(device), [], [], torch.arange(B * n, device=device),
-                        table.to(device), write.to(device))
+    ids, pos, table, write = to_device(device, ids.flatten(), pos.flatten(), table, write)
+    return ForwardBatch(ids, pos, [], [], torch.arange(B * n, device=device), table, write)
+
+
+def to_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host int64 tensors on ``device`` without a host synchronisation: on CUDA they are packed into one pinned
+    host buffer and sent in one non-blocking copy (views of it come back, shapes unchanged); a copy from ordinary
+    host memory would wait for the device's stream to drain first. The pinned buffer goes back to PyTorch's caching
+    host allocator, which reuses it only once the copy has completed. Returned as they are on the CPU."""
+    if not str(device).startswith("cuda"):
+        return tensors
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=True)
+    torch.cat([t.reshape(-1) for t in tensors], out=flat)
+    sent = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for t in tensors:
+        out.append(sent[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return tuple(out)
 
 
 def single_blocks(slot: int, max_seq_len: int, block_size: int = BLOCK_SIZE) -> list[int]:
