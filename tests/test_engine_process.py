@@ -56,12 +56,14 @@ def tok(built_engines):
     return ChatTokenizer.from_dir(built_engines / "target")
 
 
-def test_same_tokens_cancel_refusal_and_close(built_engines, tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_same_tokens_cancel_refusal_and_close(built_engines, tok, overlap):
+    """``overlap``: events sent while the next cycle runs (the GPU default; here forced on the CPU)."""
     reqs = [Request(tok.encode(p), 16, num_draft_tokens=3, stop_token_ids=set()) for p in PROMPTS]
     with SpeculativeEngine.load(built_engines, num_draft_tokens=3) as eng:
         expected = [r.token_ids for r in eng.run(reqs)]
     ev = Events()
-    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3, overlap_output=overlap)
     try:
         assert proc.info["kv_blocks"] == proc.gauges["kv_total"] > 0 and len(proc.info["worker_pids"]) == 1
         for sid, r in enumerate(reqs, start=1):

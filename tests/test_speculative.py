@@ -123,6 +123,25 @@ def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong
         assert res.acceptance_length == pytest.approx(23 / -(-23 // (k + 1)))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_on_launched_runs_once_per_cycle_before_its_events(built_engines, tok, padded, monkeypatch):
+    """``SpeculativeEngine.on_launched`` (where the engine process sends the previous cycle's events) runs once in
+    every step that runs a cycle, before that cycle's events; steady cycles (``padded``) and eager ones alike."""
+    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
+    order, steady = [], []
+    with SpeculativeEngine.load(built_engines) as eng:
+        run = eng.group.run
+        eng.group.run = lambda plan, *a: (out := run(plan, *a), steady.append(plan.padded_k is not None))[0]
+        eng.on_launched = lambda: order.append("L")
+        eng.submit(Request(tok.encode(PROMPTS[0]), 12, num_draft_tokens=3, stop_token_ids=set()), lambda ev: order.append("E"))
+        while eng.has_work():
+            order.append("S")
+            eng.step()
+    steps = "".join(order).split("S")[1:]
+    assert steps and all(s.startswith("L") and s.count("L") == 1 for s in steps), steps
+    assert "".join(steps).count("E") >= 2 and any(steady) == padded
+
+
 def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
     """A stop token among accepted drafts ends output exactly there."""
     p = PROMPTS[1]
@@ -190,7 +209,7 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
 def _recording_drafts(eng) -> list:
     """Make ``eng`` record every cycle's drafts (``{sequence: [draft ids]}`` as CycleOutput gives them)."""
     seen, run = [], eng.group.run
-    eng.group.run = lambda plan: seen.append((out := run(plan)).drafts) or out
+    eng.group.run = lambda plan, *a: seen.append((out := run(plan, *a)).drafts) or out
     return seen
 
 

@@ -220,6 +220,9 @@ class SpeculativeEngine:
         self.switch_after = SWITCH_AFTER_CYCLES
         self._wanting_other = 0  # consecutive drafting cycles whose bucket wanted the other placement
         self.on_cycle: Callable[[CycleStats], None] | None = None
+        # called on the stepping thread once a cycle's GPU work is queued, before the host waits for it: host work
+        # there (the engine process sends the previous cycle's events) overlaps the GPU's
+        self.on_launched: Callable[[], None] | None = None
         self.last_cycle: CycleStats | None = None
 
     @classmethod
@@ -474,7 +477,7 @@ class SpeculativeEngine:
             plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self._placement(drafting))
             switched = plan.draft_tp not in (None, self.group.draft_tp)
             self._finished_ids = []
-            out = self.group.run(plan)
+            out = self.group.run(plan, self.on_launched)
             events += self._decide(work, out, self.group.draft_tp if drafting else 0, switched)
         for e in events:
             cb = self._callbacks.pop(e.request_id, None) if e.finished else self._callbacks.get(e.request_id)
