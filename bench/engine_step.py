@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Steady-cycle time of the engine alone, in this process, at batch 1 (µs per cycle, tokens/s).
+
+Runs every prompt once as warm-up (CUDA graphs captured), then ``--passes`` times, one request at a time, each
+to ``--max-tokens`` greedy tokens with k = ``-k``, stepping the engine on this thread. Every call of
+``SpeculativeEngine.step`` that ran a steady decode cycle (the static-shape, CUDA-graph form) is timed with the
+host clock: its distribution (p50, p90, p99, mean, µs) is the figure, with the engine's own split of those
+cycles into ``draft_ms`` and ``verify_ms`` and the tokens/s over the passes (prefill and the first decode
+cycle of each request included).
+
+To compare two versions of the engine, run this file with each on ``PYTHONPATH`` (it uses only interfaces both
+keep), then plot the results together:
+
+    git worktree add /tmp/before <commit>
+    PYTHONPATH=/tmp/before/src python3 bench/engine_step.py --engines /tmp/eng --device-ids 0 --out results/before
+    PYTHONPATH=$PWD/src       python3 bench/engine_step.py --engines /tmp/eng --device-ids 0 --out results/after
+    python3 bench/engine_step.py --plot results/before/results.json results/after/results.json --png results/steps.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def measure(a: argparse.Namespace) -> dict:
+    """Load the engines, warm up, measure; returns the results (see the module docstring)."""
+    import torch
+
+    from splitspec.generate import encode_prompt, read_prompts
+    from splitspec.runtime import Request, SpeculativeEngine
+
+    ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
+    prompts = read_prompts(Path(a.prompts))[: a.num_prompts or None]
+    with SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
+                                max_batch_size=1) as eng, torch.inference_mode():
+        steady, run = [False], eng.group.run
+
+        def noting(plan, *rest):  # whether the step's cycle ran in the steady (CUDA-graph) form
+            out = run(plan, *rest)
+            steady[0] = plan.padded_k is not None
+            return out
+
+        eng.group.run = noting
+        reqs = [encode_prompt(eng.tokenizer, p) for p in prompts]
+
+        def passes(n: int, what: str) -> tuple[list[float], list, int, float]:
+            steps, cycles, tokens = [], [], 0
+            eng.on_cycle = cycles.append
+            t0 = time.perf_counter()
+            for i in range(n * len(reqs)):
+                got: list[int] = []
+                eng.submit(Request(reqs[i % len(reqs)], a.max_tokens, num_draft_tokens=a.k), lambda ev: got.extend(ev.token_ids))
+                while eng.has_work():
+                    steady[0] = False
+                    t = time.perf_counter()
+                    eng.step()
+                    if steady[0]:
+                        steps.append((time.perf_counter() - t) * 1e6)
+                tokens += len(got)
+                print(f"\r  {what}: request {i + 1}/{n * len(reqs)}", end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr)
+            return steps, [c for c in cycles if c.prefill_tokens == 0], tokens, time.perf_counter() - t0
+
+        passes(a.warmup_passes, "warm-up")
+        steps, cycles, tokens, wall = passes(a.passes, "measuring")
+    if len(steps) < 2:
+        raise SystemExit(f"engine_step: {len(steps)} steady cycles measured (the CPU runs them eagerly unless SPLITSPEC_PADDED=1)")
+    q = statistics.quantiles(steps, n=100, method="inclusive")
+    return {"steady_step_us": {"p50": statistics.median(steps), "p90": q[89], "p99": q[98], "mean": statistics.mean(steps),
+                               "max": max(steps), "n": len(steps)},
+            "draft_ms": statistics.mean(c.draft_ms for c in cycles), "verify_ms": statistics.mean(c.verify_ms for c in cycles),
+            "tokens_per_s": tokens / wall, "output_tokens": tokens, "steps_us": steps}
+
+
+def summary(r: dict, label: str) -> str:
+    s = r["steady_step_us"]
+    return (f"{label}: steady cycle p50 {s['p50']:.0f} µs, p90 {s['p90']:.0f}, p99 {s['p99']:.0f}, mean {s['mean']:.0f} (n = {s['n']}); "
+            f"draft {r['draft_ms']:.3f} ms + verify {r['verify_ms']:.3f} ms per cycle; {r['tokens_per_s']:.0f} tok/s")
+
+
+def plot(files: list[Path], png: Path) -> None:
+    """Cumulative distributions of the steady-cycle times of several results files, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from splitspec.io import write_atomic
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for f in files:
+        r = json.loads(f.read_text())
+        steps = sorted(r["steps_us"])
+        label = f"{r['meta']['label']}: p50 {r['steady_step_us']['p50']:.0f} µs, {r['tokens_per_s']:.0f} tok/s"
+        ax.plot(steps, [(i + 1) / len(steps) for i in range(len(steps))], label=label)
+        print(summary(r, r["meta"]["label"]))
+    ax.set_xlabel("steady cycle, host wall time (µs)")
+    ax.set_ylabel("fraction of cycles")
+    ax.set_title("Engine alone, batch 1: steady-cycle time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    write_atomic(png, tmp.read_bytes())
+    tmp.unlink()
+    print(f"plot: {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", help="built engines (splitspec build)")
+    p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks (default: CPU)")
+    p.add_argument("--draft-tp", type=int, default=1)
+    p.add_argument("-k", type=int, default=4, help="draft tokens per cycle")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", default="eval/prompts.jsonl")
+    p.add_argument("--num-prompts", type=int, default=0, help="the first N prompts (0: all)")
+    p.add_argument("--warmup-passes", type=int, default=2)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--label", default="", help="the run's name in summaries and plots (default: the commit)")
+    p.add_argument("--out", help="folder for results.json")
+    p.add_argument("--plot", nargs="+", type=Path, metavar="RESULTS_JSON", help="plot these results files instead of measuring")
+    p.add_argument("--png", type=Path, help="the plot's file (with --plot)")
+    a = p.parse_args(argv)
+    if a.plot:
+        if not a.png:
+            p.error("--plot needs --png")
+        for f in a.plot:
+            if not f.is_file():
+                p.error(f"--plot: {f}: not a file")
+        plot(a.plot, a.png)
+        return 0
+    if not a.engines:
+        p.error("--engines is required (or --plot)")
+    for name in ("k", "max_tokens", "passes", "warmup_passes", "num_prompts"):
+        if getattr(a, name) < (0 if name in ("k", "num_prompts", "warmup_passes") else 1):
+            p.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: too small")
+    from splitspec.bench import machine_info
+    from splitspec.io import write_json
+
+    meta = machine_info()
+    meta["label"] = a.label or (meta.get("git") or {}).get("commit", "")[:7] or "engine"
+    meta["settings"] = {k: v for k, v in vars(a).items() if k not in ("plot", "png")}
+    from splitspec.errors import SplitspecError
+
+    try:
+        r = measure(a)
+    except SplitspecError as e:  # a bad engines folder, prompts file or setting: its message, no traceback
+        print(f"engine_step: {e}", file=sys.stderr)
+        return 1
+    print(summary(r, meta["label"]))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json({"meta": meta, **r}, out / "results.json")
+        print(f"results: {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/engine_step.py: measures steady cycles of the engine alone and plots results files together."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "engine_step.py"
+
+
+@pytest.fixture(scope="module")
+def es():
+    spec = importlib.util.spec_from_file_location("engine_step", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_measures_steady_cycles_and_plots(es, built_engines, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPLITSPEC_PADDED", "1")  # steady cycles in the static-shape form, as on GPU
+    args = ["--engines", str(built_engines), "--num-prompts", "1", "--warmup-passes", "1", "--passes", "1",
+            "--max-tokens", "24", "-k", "3"]
+    assert es.main(args + ["--label", "a", "--out", str(tmp_path / "a")]) == 0
+    r = json.loads((tmp_path / "a" / "results.json").read_text())
+    s = r["steady_step_us"]
+    assert s["n"] == len(r["steps_us"]) >= 2 and s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
+    assert r["output_tokens"] == 24 and r["tokens_per_s"] > 0 and r["draft_ms"] > 0 and r["verify_ms"] > 0
+    assert r["meta"]["label"] == "a" and r["meta"]["settings"]["k"] == 3
+    assert es.main(["--plot", str(tmp_path / "a" / "results.json"), "--png", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert "a: steady cycle p50" in capsys.readouterr().out
+
+
+def test_refusals_name_the_problem(es, tmp_path, capsys):
+    assert es.main(["--engines", str(tmp_path)]) == 1
+    assert "engine.json" in capsys.readouterr().err
+    for bad, says in ((["--engines", "x", "--passes", "0"], "--passes"), (["--plot", str(tmp_path / "no.json"), "--png", "p.png"], "not a file"),
+                      (["--plot", str(tmp_path)], "--png"), ([], "--engines")):
+        with pytest.raises(SystemExit) as e:
+            es.main(bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err
