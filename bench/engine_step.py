@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Steady-cycle time of the engine alone, in this process, at batch 1 (µs per cycle, tokens/s).
 
-Runs every prompt once as warm-up (CUDA graphs captured), then ``--passes`` times, one request at a time, each
-to ``--max-tokens`` greedy tokens with k = ``-k``, stepping the engine on this thread. Every call of
-``SpeculativeEngine.step`` that ran a steady decode cycle (the static-shape, CUDA-graph form) is timed with the
-host clock: its distribution (p50, p90, p99, mean, µs) is the figure, with the engine's own split of those
-cycles into ``draft_ms`` and ``verify_ms`` and the tokens/s over the passes (prefill and the first decode
-cycle of each request included).
+Runs every prompt ``--warmup-passes`` times (default 2; CUDA graphs captured), then ``--passes`` times, one
+request at a time, each to ``--max-tokens`` greedy tokens with k = ``-k``, stepping the engine on this thread.
+Every call of ``SpeculativeEngine.step`` that ran a steady decode cycle (the static-shape, CUDA-graph form) is
+timed with the host clock: its distribution (p50, p90, p99, mean, µs) is the figure, with the engine's own split
+of those cycles into ``draft_ms`` and ``verify_ms`` (means) and the tokens/s over the passes (prefill and the
+first, eager, decode cycle of each request included). ``meta.splitspec`` is the folder the engine was imported
+from (``meta.git`` is the checkout's, whichever version ran).
 
 To compare two versions of the engine, run this file with each on ``PYTHONPATH`` (it uses only interfaces both
 keep), then plot the results together:
@@ -50,7 +51,7 @@ def measure(a: argparse.Namespace) -> dict:
 
         def passes(n: int, what: str) -> tuple[list[float], list, int, float]:
             steps, cycles, tokens = [], [], 0
-            eng.on_cycle = cycles.append
+            eng.on_cycle = lambda cs: steady[0] and cycles.append(cs)  # steady[0] is set before a cycle's statistics
             t0 = time.perf_counter()
             for i in range(n * len(reqs)):
                 got: list[int] = []
@@ -64,7 +65,7 @@ def measure(a: argparse.Namespace) -> dict:
                 tokens += len(got)
                 print(f"\r  {what}: request {i + 1}/{n * len(reqs)}", end="", file=sys.stderr, flush=True)
             print(file=sys.stderr)
-            return steps, [c for c in cycles if c.prefill_tokens == 0], tokens, time.perf_counter() - t0
+            return steps, cycles, tokens, time.perf_counter() - t0
 
         passes(a.warmup_passes, "warm-up")
         steps, cycles, tokens, wall = passes(a.passes, "measuring")
@@ -74,6 +75,7 @@ def measure(a: argparse.Namespace) -> dict:
     return {"steady_step_us": {"p50": statistics.median(steps), "p90": q[89], "p99": q[98], "mean": statistics.mean(steps),
                                "max": max(steps), "n": len(steps)},
             "draft_ms": statistics.mean(c.draft_ms for c in cycles), "verify_ms": statistics.mean(c.verify_ms for c in cycles),
+            "split_cycles": len(cycles),
             "tokens_per_s": tokens / wall, "output_tokens": tokens, "steps_us": steps}
 
 
@@ -144,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     from splitspec.bench import machine_info
     from splitspec.io import write_json
 
+    import splitspec
+
     meta = machine_info()
+    meta["splitspec"] = str(Path(splitspec.__file__).resolve().parent)
     meta["label"] = a.label or (meta.get("git") or {}).get("commit", "")[:7] or "engine"
     meta["settings"] = {k: v for k, v in vars(a).items() if k not in ("plot", "png")}
     from splitspec.errors import SplitspecError

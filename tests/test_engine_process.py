@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from splitspec.engine import EngineError
-from splitspec.engine_process import EngineProcess, pack_cycle_stats, pack_event, unpack_event
+from splitspec.engine_process import CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
 from splitspec.runtime import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.tokenizer import ChatTokenizer
@@ -49,6 +49,49 @@ def test_events_and_cycle_stats_cross_as_tuples_unchanged():
         assert unpack_event(pack_event(40 + i, ev, i == 0)) == (40 + i, ev, i == 0)
     cs = CycleStats(2, 17, 1.25, 3.5, [4, 1], [1, 1, 0], 12, 96, 3, 2, True)
     assert CycleStats(*pack_cycle_stats(cs)) == cs and pack_cycle_stats(None) is None
+
+
+def _ev(sid: int, finished: bool = False, finishing: bool = False) -> tuple:
+    return pack_event(sid, RequestOutput(sid, [] if finished else [7], "", finished, "length" if finished else None), finishing)
+
+
+def test_cycle_messages_hold_back_only_deltas_between_a_requests_first_and_last_event():
+    m = CycleMessages(overlap=True)
+    sent = lambda content: [t[0] for t in content[0]] if content else None  # noqa: E731 - sids of the sent events
+
+    assert m.launched() is None  # step 1: request 1's first event goes at once
+    m.add(_ev(1))
+    m.set_stats(("s1",))
+    assert sent(m.after_step(True)) == [1]
+    assert m.launched() is None  # step 2: a delta of request 1 waits for the next launch, with its statistics
+    m.add(_ev(1))
+    m.set_stats(("s2",))
+    assert m.after_step(True) is None
+    assert m.launched() == ([_ev(1)], ("s2",))  # step 3: sent once the GPU work is queued
+    m.add(_ev(1))
+    m.add(_ev(2))  # request 2's first event: the whole step's events go at once
+    assert sent(m.after_step(True)) == [1, 2]
+    assert m.launched() is None  # step 4: request 2 finishes (a finishing delta and its final event)
+    m.add(_ev(1))
+    m.add(_ev(2, finishing=True))
+    m.add(_ev(2, finished=True))
+    assert sent(m.after_step(True)) == [1, 2, 2]
+    m.launched()
+    m.add(_ev(1))
+    assert sent(m.after_step(False)) == [1]  # no work left: no next launch to wait for
+    m.add(_ev(1))
+    assert sent(m.after_step(True)) == [1]  # a step that queued no GPU work (nothing launched)
+    m.launched()
+    m.add(_ev(1))
+    assert m.after_step(True) is None and sent(m.take()) == [1]  # stopping: what waited is taken
+    assert m.take() is None
+
+    plain = CycleMessages(overlap=False)
+    plain.add(_ev(5))
+    plain.after_step(True)
+    plain.launched()
+    plain.add(_ev(5))
+    assert sent(plain.after_step(True)) == [5]
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +134,10 @@ def test_load_error_is_the_engines(tmp_path):
         EngineProcess(tmp_path, lambda *a: None, lambda m: None)
 
 
-def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok, overlap):
     ev = Events()
-    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3, overlap_output=overlap)
     try:
         proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
         pid = proc.info["worker_pids"][0]

@@ -28,6 +28,8 @@ def test_measures_steady_cycles_and_plots(es, built_engines, tmp_path, monkeypat
     s = r["steady_step_us"]
     assert s["n"] == len(r["steps_us"]) >= 2 and s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
     assert r["output_tokens"] == 24 and r["tokens_per_s"] > 0 and r["draft_ms"] > 0 and r["verify_ms"] > 0
+    # the draft/verify split is of the timed steady cycles, no other
+    assert r["split_cycles"] == s["n"] and r["draft_ms"] + r["verify_ms"] <= s["mean"] / 1e3
     assert r["meta"]["label"] == "a" and r["meta"]["settings"]["k"] == 3
     assert es.main(["--plot", str(tmp_path / "a" / "results.json"), "--png", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -139,7 +139,9 @@ class PhaseClock:
     there, read after the cycle's one device-to-host copy (when it has completed); on the CPU a host clock.
 
     ``draft_ms``: from :meth:`start` (on CUDA: when the device reached the start event, right away when idle) to the
-    drafts being on ``device``; ``verify_ms``: the rest of the wall time up to :meth:`split`."""
+    drafts being on ``device``; ``verify_ms``: the rest of the wall time up to :meth:`split` — with a TP1 drafter in a
+    group, sending the plan and the drafts to the workers too. GPU work queued before :meth:`start` and not waited
+    for (a placement switch's scatter or gather) delays the start event, so it counts as verify time."""
 
     def __init__(self, device: str):
         self.device, self.cuda = device, device.startswith("cuda")
@@ -366,20 +368,20 @@ class RankRunner:
                 self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()
         return logits[: B * n], aux
 
-    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, started: bool = False,
+    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,
                        on_launched: Callable[[], None] | None = None) -> CycleOutput:
-        """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] comes from the
-        leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``started``: the caller
-        started :attr:`clock` before drafting). The host waits for the GPU once, at the copy of the verified
-        tokens and drafts to the host: inputs go up from pinned memory without waiting (:func:`to_device`), the
-        verify is queued behind the draft, and ``on_launched`` runs once both are queued, before that wait (host
-        work there overlaps the GPU's)."""
-        if not started:
-            self.clock.start()
+        """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] int64 comes from the
+        leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``draft_timed``: the
+        caller timed that draft on :attr:`clock`). The host waits for the GPU once, at the copy of the verified
+        tokens and drafts to the host, for greedy requests (sampled ones wait again in the acceptance test): inputs
+        go up from pinned memory without waiting (:func:`to_device`), the verify is queued behind the draft, and
+        ``on_launched`` runs once both are queued, before that wait (host work there overlaps the GPU's)."""
         k = plan.padded_k
-        if drafts is None:
-            drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
-        self.clock.draft_done()
+        if not draft_timed:
+            self.clock.start()
+            if drafts is None:
+                drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
+            self.clock.draft_done()
         logits, _ = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
         both = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device)))
@@ -660,16 +662,18 @@ class Group:
                 r0.aux.pop(sid, None)
             plan.padded_k = r0.padded_k(plan)
         if plan.padded_k is not None:
-            r0.clock.start()
-            drafts = r0.draft_padded(plan) if (r0.draft_tp == 1 and plan.padded_k) else None
-            if drafts is not None:  # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator
-                drafts = drafts.to(r0.device)  # (queued behind the draft graph; the host does not wait)
+            drafts = None
+            if r0.draft_tp == 1 and plan.padded_k:
+                r0.clock.start()
+                # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator (queued behind the draft)
+                drafts = r0.draft_padded(plan).to(r0.device)
+                r0.clock.draft_done()
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(plan)
                 if drafts is not None:
                     dist.broadcast(drafts, 0)
-            return r0.execute_padded(plan, drafts, started=True, on_launched=on_launched)
+            return r0.execute_padded(plan, drafts, draft_timed=drafts is not None, on_launched=on_launched)
         t0 = time.perf_counter()
         if r0.draft_tp == 1 and r0.drafter is not None:
             plan.drafts = r0.draft_phase(plan)

@@ -19,9 +19,9 @@ stub, for two reasons that each slowed every engine cycle there:
 Here nothing else competes with the loop for its GIL: the loop thread sends each cycle's events in one
 message (a pickle and a socket write), and the main thread receives requests and cancellations and
 checks the target's workers. On GPUs that message goes out while the next cycle runs there
-(``overlap_output``): a request's first and last events at once, the deltas between them once the next
-cycle's GPU work is queued (:attr:`SpeculativeEngine.on_launched`), so the 28 µs it takes per cycle on an
-H200 host no longer delay the next cycle. A submit is not answered: the engine takes the request at its next cycle,
+(``overlap_output``, :class:`CycleMessages`): a request's first and last events at once, the deltas between
+them once the next cycle's GPU work is queued (:attr:`SpeculativeEngine.on_launched`), so the 28 µs it takes
+per cycle on an H200 host no longer delay the next cycle. A submit is not answered: the engine takes the request at its next cycle,
 and a request it refuses comes back as that request's one event, finished with ``finish_reason``
 ``"rejected"`` (the request can never be served: ``error`` says why) or ``"error"`` (the engine stopped
 serving). So the host's thread that submits never waits for the engine process (on one H200 that wait
@@ -93,6 +93,61 @@ def pack_cycle_stats(cs: CycleStats | None) -> tuple | None:
     return None if cs is None else tuple(getattr(cs, f) for f in _CYCLE_STATS)
 
 
+class CycleMessages:
+    """What the engine process sends after its cycles, and when: the events (:func:`pack_event` tuples) and cycle
+    statistics (:func:`pack_cycle_stats`) collected since the last message, handed over by :meth:`take` and the two
+    hooks below, which say whether they go now. Thread-safe.
+
+    Without ``overlap`` everything goes after every step. With it (on GPUs) a step's events may wait until the next
+    step has queued its GPU work (:meth:`launched`), so the message is written while the GPU computes instead of
+    between two cycles: they wait only if the step queued GPU work, the engine has more work (so a next step will
+    launch), and every one of them is a delta of a request whose first event has gone and whose last has not come.
+    A request's first event (time to first token) and its last (end of the request) are never held back.
+    """
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._lock = threading.Lock()
+        self._events: list[tuple] = []
+        self._stats: tuple | None = None
+        self._started: set[int] = set()  # sids with an event sent and more to come
+        self._launched = False  # the running step queued a cycle's GPU work
+
+    def add(self, event: tuple) -> None:
+        """Collect one :func:`pack_event` tuple."""
+        with self._lock:
+            self._events.append(event)
+
+    def set_stats(self, stats: tuple | None) -> None:
+        """The statistics of the step's cycle (a :func:`pack_cycle_stats` tuple)."""
+        with self._lock:
+            self._stats = stats
+
+    def take(self) -> tuple[list[tuple], tuple | None] | None:
+        """``(events, stats)`` collected so far, now sent, or None when there is nothing to send."""
+        with self._lock:
+            events, stats = self._events, self._stats
+            self._events, self._stats = [], None
+            for t in events:  # t[4]: finished, t[8]: finishing (its final event follows in this message)
+                (self._started.discard if t[4] or t[8] else self._started.add)(t[0])
+        return (events, stats) if events or stats is not None else None
+
+    def launched(self) -> tuple[list[tuple], tuple | None] | None:
+        """A step has queued its cycle's GPU work: what waited goes now (:meth:`take`)."""
+        self._launched = True
+        return self.take()
+
+    def after_step(self, more_work: bool) -> tuple[list[tuple], tuple | None] | None:
+        """A step ended (``more_work``: the engine has requests left): :meth:`take`, or None to let its events wait for
+        the next step's :meth:`launched`."""
+        ran, self._launched = self._launched, False
+        with self._lock:
+            can_wait = all(not t[4] and not t[8] and t[0] in self._started for t in self._events)
+        if self.overlap and ran and can_wait and more_work:
+            return None
+        return self.take()
+
+
 def _error(kind: str, message: str) -> SplitspecError:
     """The exception named ``kind`` (a SplitspecError subclass) carrying ``message``; EngineError otherwise."""
     cls = EngineError if kind == "EngineError" else getattr(errors, kind, None)
@@ -115,10 +170,11 @@ class EngineProcess:
         cpu_threads: intra-op threads of a CPU engine's rank 0 (None: its share of the cores less one,
             which Triton's processes need).
         overlap_output: send a cycle's events while the next cycle runs on the GPU (None: when the target runs on
-            GPUs). A request's first event and its last are sent at once; the others leave the engine process once
-            the next cycle's GPU work is queued, so the message (28 µs per cycle on an H200 host) overlaps the GPU
-            instead of delaying the next cycle, and each streamed delta arrives that much later (vLLM's
-            asynchronous output processing does the same).
+            GPUs; :class:`CycleMessages` says which wait). A request's first event and its last are sent at once; a
+            delta between them leaves once the next cycle's GPU work is queued, later by that cycle's host work up
+            to its verify's launch (in an eager cycle, such as a request's first decode, its whole draft phase). The
+            message (28 µs per cycle on an H200 host) then overlaps the GPU instead of delaying the next cycle, as
+            in vLLM's asynchronous output processing.
         env: the engine process's environment (None: this process's).
     Raises:
         the engine's load error (ConfigError, CheckpointError, EngineError, ...) with its message;
@@ -293,53 +349,31 @@ def serve(conn: Connection) -> int:
     if not kwargs.get("target_device_ids"):  # rank 0 on the CPU: leave a core to the serving processes
         world = eng.group.world
         torch.set_num_threads(cpu_threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world - 1)))
-    send_lock, lock = threading.Lock(), threading.Lock()
-    pending: list = []  # pack_event tuples not sent yet: the last cycle's
-    last_cycle: list = [None]
+    send_lock = threading.Lock()
+    msgs = CycleMessages(overlap)
     rids: dict[int, int] = {}  # sid -> engine request id, while running
-    started: set[int] = set()  # sids with an event sent and more to come (the loop thread's)
-    launched = [False]  # the running step queued a cycle's GPU work
 
     def send(msg) -> None:
         data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)  # read by Connection.recv
         with send_lock:
             conn.send_bytes(data)
 
+    def send_cycle(content) -> None:  # the loop thread
+        if content is not None:
+            send(("cycle", *content, gauges()))
+
     def on_event(sid: int, ev) -> None:  # the loop thread
-        finishing = not ev.finished and ev.request_id not in eng.seqs
-        with lock:
-            pending.append(pack_event(sid, ev, finishing))
+        msgs.add(pack_event(sid, ev, not ev.finished and ev.request_id not in eng.seqs))
         if ev.finished:
             rids.pop(sid, None)
-
-    def flush() -> None:  # the loop thread: after a cycle, or once the next one is queued on the GPU
-        with lock:
-            events = pending[:]
-            pending.clear()
-        cs, last_cycle[0] = last_cycle[0], None
-        if events or cs is not None:
-            send(("cycle", events, pack_cycle_stats(cs), gauges()))
-        for t in events:
-            (started.discard if t[4] or t[8] else started.add)(t[0])
-
-    def on_launched() -> None:  # the loop thread, with the GPU busy: the previous cycle's events go now
-        launched[0] = True
-        flush()
-
-    def after_step() -> None:  # the loop thread, after each step
-        ran, launched[0] = launched[0], False
-        with lock:  # only deltas of requests whose first event is out and whose last is not here
-            can_wait = all(not t[4] and not t[8] and t[0] in started for t in pending)
-        if not (overlap and ran and can_wait and eng.has_work()):
-            flush()
 
     def gauges() -> dict:
         return {"active": eng.num_active, "queued": eng.num_queued, "kv_used": eng.alloc.used,
                 "kv_total": eng.alloc.num_blocks}
 
-    eng.on_cycle = lambda cs: last_cycle.__setitem__(0, cs)
-    eng.on_launched = on_launched
-    loop = EngineLoop(eng, after_step=after_step)
+    eng.on_cycle = lambda cs: msgs.set_stats(pack_cycle_stats(cs))
+    eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
+    loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())))
     failed = False
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
@@ -375,12 +409,17 @@ def serve(conn: Connection) -> int:
                 if reason is not None:
                     failed = True
                     send(("failed", reason))
-                    if not loop.healthy:  # the loop failed its requests and exited: pass those events on
-                        flush()
+                    if not loop.healthy:  # the loop failed its requests: once it has exited, pass those events on
+                        loop.stop()
+                        send_cycle(msgs.take())
     except (EOFError, OSError):  # the host went away
         pass
     finally:
         loop.stop()
+        try:  # what was left waiting for a next cycle
+            send_cycle(msgs.take())
+        except OSError:
+            pass
         eng.close()
     return 0
 

@@ -78,10 +78,14 @@ def padded(seqs: list[tuple[list[int], int, list[int]]], window: int, device="cp
 
 
 def to_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Host int64 tensors on ``device`` without a host synchronisation: on CUDA they are packed into one pinned
+    """Host int64 tensors on ``device`` without a host synchronisation (raises TypeError for another dtype or a
+    tensor not on the CPU): on CUDA they are packed into one pinned
     host buffer and sent in one non-blocking copy (views of it come back, shapes unchanged); a copy from ordinary
     host memory would wait for the device's stream to drain first. The pinned buffer goes back to PyTorch's caching
     host allocator, which reuses it only once the copy has completed. Returned as they are on the CPU."""
+    for i, t in enumerate(tensors):
+        if t.dtype != torch.int64 or t.device.type != "cpu":
+            raise TypeError(f"to_device: tensor {i} is {t.dtype} on {t.device}, expected int64 on the CPU")
     if not str(device).startswith("cuda"):
         return tensors
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=True)
