@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ def measure(a: argparse.Namespace) -> dict:
     """Load the engines, warm up, measure; returns the results (see the module docstring)."""
     import torch
 
+    from splitspec.errors import CheckpointError, ConfigError
     from splitspec.generate import encode_prompt, read_prompts
     from splitspec.runtime import Request, SpeculativeEngine
 
@@ -47,6 +49,10 @@ def measure(a: argparse.Namespace) -> dict:
             return out
 
         eng.group.run = noting
+        if eng.tokenizer is None:
+            raise CheckpointError(f"{a.engines}/target: no tokenizer files beside the engine (needed for the prompts)")
+        if not prompts:
+            raise ConfigError(f"{a.prompts}: no prompts")
         reqs = [encode_prompt(eng.tokenizer, p) for p in prompts]
 
         def passes(n: int, what: str) -> tuple[list[float], list, int, float]:
@@ -70,7 +76,9 @@ def measure(a: argparse.Namespace) -> dict:
         passes(a.warmup_passes, "warm-up")
         steps, cycles, tokens, wall = passes(a.passes, "measuring")
     if len(steps) < 2:
-        raise SystemExit(f"engine_step: {len(steps)} steady cycles measured (the CPU runs them eagerly unless SPLITSPEC_PADDED=1)")
+        raise ConfigError(f"{len(steps)} steady cycles measured, at least 2 needed: raise --max-tokens or --passes"
+                          + ("" if ids or os.environ.get("SPLITSPEC_PADDED") == "1" else
+                             " (on the CPU, steady cycles run in their static form only with SPLITSPEC_PADDED=1)"))
     q = statistics.quantiles(steps, n=100, method="inclusive")
     return {"steady_step_us": {"p50": statistics.median(steps), "p90": q[89], "p99": q[98], "mean": statistics.mean(steps),
                                "max": max(steps), "n": len(steps)},
@@ -85,8 +93,21 @@ def summary(r: dict, label: str) -> str:
             f"draft {r['draft_ms']:.3f} ms + verify {r['verify_ms']:.3f} ms per cycle; {r['tokens_per_s']:.0f} tok/s")
 
 
-def plot(files: list[Path], png: Path) -> None:
-    """Cumulative distributions of the steady-cycle times of several results files, one line each."""
+def read_results(path: Path) -> dict:
+    """A results file of this script; ValueError naming the file when it is not one."""
+    try:
+        r = json.loads(path.read_text())
+        summary(r, r["meta"]["label"]), r["steps_us"][0]  # every field the plot reads
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: not a results file of bench/engine_step.py ({type(e).__name__}: {e})") from None
+    return r
+
+
+def plot(runs: list[dict], png: Path) -> None:
+    """Cumulative distributions of the steady-cycle times of several runs (:func:`read_results`), one line each,
+    written atomically to ``png``. Raises OSError as writing does."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,8 +116,7 @@ def plot(files: list[Path], png: Path) -> None:
     from splitspec.io import write_atomic
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for f in files:
-        r = json.loads(f.read_text())
+    for r in runs:
         steps = sorted(r["steps_us"])
         label = f"{r['meta']['label']}: p50 {r['steady_step_us']['p50']:.0f} µs, {r['tokens_per_s']:.0f} tok/s"
         ax.plot(steps, [(i + 1) / len(steps) for i in range(len(steps))], label=label)
@@ -107,17 +127,33 @@ def plot(files: list[Path], png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    write_atomic(png, tmp.read_bytes())
-    tmp.unlink()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(png, buf.getvalue())
     print(f"plot: {png}")
+
+
+def _device_ids(text: str) -> str:
+    if text and not all(x.strip().isdigit() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected GPU ids such as 0 or 0,1")
+    return text
+
+
+def _writable_folder(p: argparse.ArgumentParser, folder: Path, what: str) -> None:
+    """Refuse (usage error) a folder that cannot be created or written, before anything is measured."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"{what} {folder}: {e.strerror or e}")
+    if not os.access(folder, os.W_OK):
+        p.error(f"{what} {folder}: not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", help="built engines (splitspec build)")
-    p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks (default: CPU)")
+    p.add_argument("--device-ids", type=_device_ids, default="", help="GPU ids of the target's ranks (default: CPU)")
     p.add_argument("--draft-tp", type=int, default=1)
     p.add_argument("-k", type=int, default=4, help="draft tokens per cycle")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -126,45 +162,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-passes", type=int, default=2)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--label", default="", help="the run's name in summaries and plots (default: the commit)")
-    p.add_argument("--out", help="folder for results.json")
+    p.add_argument("--out", type=Path, help="folder for results.json")
     p.add_argument("--plot", nargs="+", type=Path, metavar="RESULTS_JSON", help="plot these results files instead of measuring")
     p.add_argument("--png", type=Path, help="the plot's file (with --plot)")
     a = p.parse_args(argv)
     if a.plot:
-        if not a.png:
-            p.error("--plot needs --png")
-        for f in a.plot:
-            if not f.is_file():
-                p.error(f"--plot: {f}: not a file")
-        plot(a.plot, a.png)
+        if not a.png or not a.png.name:
+            p.error("--plot needs --png FILE")
+        if a.png.is_dir():
+            p.error(f"--png {a.png}: a folder")
+        try:
+            runs = [read_results(f) for f in a.plot]
+        except ValueError as e:
+            p.error(f"--plot: {e}")
+        _writable_folder(p, a.png.parent, "--png: folder")
+        try:
+            plot(runs, a.png)
+        except OSError as e:
+            print(f"engine_step: {a.png}: {e.strerror or e}", file=sys.stderr)
+            return 1
         return 0
     if not a.engines:
         p.error("--engines is required (or --plot)")
     for name in ("k", "max_tokens", "passes", "warmup_passes", "num_prompts"):
         if getattr(a, name) < (0 if name in ("k", "num_prompts", "warmup_passes") else 1):
-            p.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: too small")
-    from splitspec.bench import machine_info
-    from splitspec.io import write_json
-
+            p.error(f"{'-k' if name == 'k' else '--' + name.replace('_', '-')} = {getattr(a, name)}: too small")
+    if a.out is not None:
+        if a.out.exists() and not a.out.is_dir():
+            p.error(f"--out {a.out}: a file, expected a folder")
+        if (a.out / "results.json").is_dir():
+            p.error(f"--out {a.out}: results.json there is a folder")
+        _writable_folder(p, a.out, "--out")
     import splitspec
+    from splitspec.bench import machine_info
+    from splitspec.errors import SplitspecError
+    from splitspec.io import write_json
 
     meta = machine_info()
     meta["splitspec"] = str(Path(splitspec.__file__).resolve().parent)
     meta["label"] = a.label or (meta.get("git") or {}).get("commit", "")[:7] or "engine"
-    meta["settings"] = {k: v for k, v in vars(a).items() if k not in ("plot", "png")}
-    from splitspec.errors import SplitspecError
-
+    meta["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("plot", "png")}
     try:
         r = measure(a)
+        if a.out is not None:
+            write_json({"meta": meta, **r}, a.out / "results.json")
     except SplitspecError as e:  # a bad engines folder, prompts file or setting: its message, no traceback
         print(f"engine_step: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"engine_step: {getattr(e, 'filename', None) or a.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(summary(r, meta["label"]))
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json({"meta": meta, **r}, out / "results.json")
-        print(f"results: {out / 'results.json'}")
+    if a.out is not None:
+        print(f"results: {a.out / 'results.json'}")
     return 0
 
 

@@ -123,10 +123,55 @@ def test_same_tokens_cancel_refusal_and_close(built_engines, tok, overlap):
         proc.submit(11, Request(tok.encode("x"), 100_000))  # never servable: refused as its one event
         [refused] = ev.wait(11)
         assert refused.finish_reason == "rejected" and "max_seq_len" in refused.error and refused.stats is None
+        proc.submit(12, Request(tok.encode("x"), 4, stop_token_ids=5))  # malformed: refused, the engine keeps serving
+        proc.submit(13, "not a request")
+        assert "stop_token_ids" in ev.wait(12)[-1].error and "not a valid request" in ev.wait(13)[-1].error
         assert proc.gauges["active"] == 0 and not ev.failed
     finally:
         proc.close()
     assert not proc.alive()
+
+
+def test_callbacks_cannot_stop_the_reader(built_engines, tok):
+    """An on_cycle that raises, or that submits (refused there: it could deadlock), leaves the reader draining."""
+    ev, refused = Events(), []
+
+    def on_cycle(events, cycle_stats):
+        ev.on_cycle(events, cycle_stats)
+        for sid, e, _ in events:
+            if sid == 1 and e.finished:
+                try:
+                    proc.submit(99, Request(tok.encode("x"), 2))
+                except EngineError as err:
+                    refused.append(str(err))
+            if sid == 2:
+                raise RuntimeError("a bug in the callback")
+
+    proc = EngineProcess(built_engines, on_cycle, ev.failed.append, num_draft_tokens=3)
+    try:
+        for sid in (1, 2, 3):
+            proc.submit(sid, Request(tok.encode(PROMPTS[sid - 1]), 6, stop_token_ids=set()))
+        for sid in (1, 2, 3):
+            assert ev.wait(sid)[-1].finish_reason == "length"
+        assert len(refused) == 1 and "on_cycle" in refused[0] and 99 not in ev.by_sid and not ev.failed
+    finally:
+        proc.close()
+
+
+def test_a_corrupt_engine_json_is_named_with_its_field(built_engines, tmp_path):
+    import json
+
+    from splitspec.engine import read_engine_meta
+
+    good = json.loads((built_engines / "target" / "engine.json").read_text())
+    for change, says in (({"config": {}}, "field 'rope' missing"), ({"limits": dict(good["limits"], max_seq_len="lots")}, "limits.max_seq_len"),
+                         ({"mapping": {}}, "field 'tp_size' missing"), ({"kind": "drafter"}, "expected 'target'")):
+        (tmp_path / "engine.json").write_text(json.dumps(dict(good, **change)))
+        with pytest.raises(CheckpointError, match=says):
+            read_engine_meta(tmp_path, "target")
+    (tmp_path / "engine.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="expected a JSON object"):
+        read_engine_meta(tmp_path, "target")
 
 
 def test_load_error_is_the_engines(tmp_path):

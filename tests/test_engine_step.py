@@ -39,8 +39,14 @@ def test_measures_steady_cycles_and_plots(es, built_engines, tmp_path, monkeypat
 def test_refusals_name_the_problem(es, tmp_path, capsys):
     assert es.main(["--engines", str(tmp_path)]) == 1
     assert "engine.json" in capsys.readouterr().err
-    for bad, says in ((["--engines", "x", "--passes", "0"], "--passes"), (["--plot", str(tmp_path / "no.json"), "--png", "p.png"], "not a file"),
-                      (["--plot", str(tmp_path)], "--png"), ([], "--engines")):
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "a_file").write_text("")
+    plot = ["--plot", str(tmp_path / "other.json"), "--png"]
+    for bad, says in ((["--engines", "x", "--passes", "0"], "--passes"), (["--engines", "x", "-k", "-1"], "-k = -1"),
+                      (["--plot", str(tmp_path / "no.json"), "--png", "p.png"], "No such file"),
+                      (plot + [str(tmp_path / "p.png")], "other.json: not a results file"), (plot + [str(tmp_path)], "a folder"),
+                      (["--plot", str(tmp_path)], "--png"), ([], "--engines"), (["--engines", "x", "--device-ids", "abc"], "GPU ids"),
+                      (["--engines", "x", "--out", str(tmp_path / "a_file")], "a file, expected a folder")):
         with pytest.raises(SystemExit) as e:
             es.main(bad)
         assert e.value.code == 2 and says in capsys.readouterr().err

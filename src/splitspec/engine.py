@@ -57,10 +57,25 @@ class EngineError(SplitspecError):
 
 
 def read_engine_meta(folder: Path, kind: str) -> dict:
-    """Read and check ``engine.json`` of a built ``kind`` ('target' or 'drafter') engine."""
-    meta = read_json(Path(folder) / "engine.json")
+    """Read and check ``engine.json`` of a built ``kind`` ('target' or 'drafter') engine: its kind, its config (and,
+    for the target, mapping and limits) readable as ``splitspec build`` writes them. Raises CheckpointError naming the
+    file and the field."""
+    path = Path(folder) / "engine.json"
+    meta = read_json(path)  # a JSON object, or CheckpointError
     if meta.get("kind") != kind:
-        raise CheckpointError(f"{folder}/engine.json: kind {meta.get('kind')!r}, expected {kind!r}")
+        raise CheckpointError(f"{path}: kind {meta.get('kind')!r}, expected {kind!r}")
+    try:
+        (TargetConfig if kind == "target" else DrafterConfig).from_dict(meta["config"])
+        if kind == "target":
+            Mapping.from_dict(meta["mapping"])
+            for name in ("max_batch_size", "max_seq_len", "max_draft_len"):
+                v = meta["limits"][name]
+                if not isinstance(v, int) or isinstance(v, bool) or v < (name != "max_draft_len"):
+                    raise ValueError(f"limits.{name} = {v!r}, expected a positive integer")
+    except KeyError as e:
+        raise CheckpointError(f"{path}: field {e} missing (not an engine.json of splitspec build?)") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return meta
 
 

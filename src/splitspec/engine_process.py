@@ -57,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Mapping
@@ -159,7 +160,8 @@ def _error(kind: str, message: str) -> SplitspecError:
 class EngineProcess:
     """The engine in a child process. :meth:`submit` and :meth:`cancel` are thread-safe.
 
-    ``on_cycle(events, cycle_stats)`` and ``on_failed(message)`` run on a reader thread of this process:
+    ``on_cycle(events, cycle_stats)`` and ``on_failed(message)`` run on a reader thread of this process (an exception
+    they raise is printed to stderr and the reader goes on; :meth:`submit` from there raises EngineError):
     ``events`` is a list of ``(sid, RequestOutput, finishing)``; ``on_failed`` is called once, when the engine
     stops serving (a worker died, the engine process exited). A request the engine refuses gets one event,
     finished, ``finish_reason`` ``"rejected"`` (``error``: why, e.g. beyond ``max_seq_len``) or ``"error"``
@@ -236,7 +238,12 @@ class EngineProcess:
         """Send ``req`` (a :class:`splitspec.runtime.Request`) under the host's id ``sid``; its events go to
         ``on_cycle``, a refusal too (a ``"rejected"`` event: see the class). Returns once the request is written,
         without waiting for the engine. Raises EngineError when the engine is known to have stopped serving or its
-        process is gone."""
+        process is gone, or when called from ``on_cycle``: the write can wait for the engine process to read, which
+        can itself wait for the reader thread that runs ``on_cycle`` (submit from another thread; :meth:`cancel` is
+        safe there)."""
+        if threading.current_thread() is getattr(self, "_reader", None):
+            raise EngineError("EngineProcess.submit called from on_cycle (the reader thread), where it can deadlock; "
+                              "submit from another thread")
         if self.error is not None:
             raise EngineError(f"engine is not ready: {self.error}")
         try:
@@ -270,11 +277,14 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             kind = msg[0]
-            if kind == "cycle":
-                self.gauges = msg[3]
-                self.on_cycle([unpack_event(t) for t in msg[1]], None if msg[2] is None else CycleStats(*msg[2]))
-            elif kind == "failed":
-                self._fail(msg[1])
+            try:
+                if kind == "cycle":
+                    self.gauges = msg[3]
+                    self.on_cycle([unpack_event(t) for t in msg[1]], None if msg[2] is None else CycleStats(*msg[2]))
+                elif kind == "failed":
+                    self._fail(msg[1])
+            except Exception:  # noqa: BLE001 - a callback's bug: reported, and the reader keeps draining the engine
+                traceback.print_exc()
         if not self.closed:
             try:
                 status = self.proc.wait(timeout=5)
@@ -296,10 +306,15 @@ class EngineProcess:
         if self.closed:
             return
         self.closed = True
+        if not self._send_lock.acquire(timeout=min(timeout_s, 5.0)):  # a writer stuck on a full socket: kill instead
+            self._kill()
+            return
         try:
-            self._send(("stop",))
+            self.conn.send(("stop",))
         except OSError:
             pass
+        finally:
+            self._send_lock.release()
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -374,7 +389,7 @@ def serve(conn: Connection) -> int:
     eng.on_cycle = lambda cs: msgs.set_stats(pack_cycle_stats(cs))
     eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
     loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())))
-    failed = False
+    failed = drained = False
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
                         "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
@@ -389,9 +404,10 @@ def serve(conn: Connection) -> int:
                     sid, req = msg[1], msg[2]
                     try:
                         rid = loop.submit(req, lambda ev, sid=sid: on_event(sid, ev))
-                    except SplitspecError as e:  # its one event: refused, or the engine stopped serving
+                    except Exception as e:  # noqa: BLE001 - its one event: refused, or the engine stopped serving
                         reason = "error" if isinstance(e, EngineError) else "rejected"
-                        send(("cycle", [pack_event(sid, RequestOutput(-1, [], "", True, reason, None, str(e)), False)],
+                        why = str(e) if isinstance(e, SplitspecError) else f"not a valid request: {type(e).__name__}: {e}"
+                        send(("cycle", [pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)],
                               None, gauges()))
                     else:
                         rids[sid] = rid
@@ -403,15 +419,16 @@ def serve(conn: Connection) -> int:
                         loop.cancel(rid)
                 elif msg[0] == "stop":
                     break
-            if not failed and time.monotonic() >= next_check:
+            if not drained and time.monotonic() >= next_check:
                 next_check = time.monotonic() + HEALTH_CHECK_S
-                reason = _worker_failure(eng, loop)
+                reason = None if failed else _worker_failure(eng, loop)
                 if reason is not None:
                     failed = True
                     send(("failed", reason))
-                    if not loop.healthy:  # the loop failed its requests: once it has exited, pass those events on
-                        loop.stop()
-                        send_cycle(msgs.take())
+                if failed and not loop.healthy:  # the loop failed its requests (maybe after a dead worker was seen):
+                    loop.stop()  # once it has exited, pass their error events on
+                    send_cycle(msgs.take())
+                    drained = True
     except (EOFError, OSError):  # the host went away
         pass
     finally:

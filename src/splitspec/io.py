@@ -440,5 +440,5 @@ def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> Non
 
 
 def write_json(obj: dict, path: Path) -> None:
-    """Write ``obj`` as indented JSON."""
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Write ``obj`` as indented JSON, atomically (:func:`write_atomic`: never a half-written file)."""
+    write_atomic(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n", mode=None)

@@ -306,8 +306,8 @@ class SpeculativeEngine:
         """Validate a request against the engine's limits; return its k.
 
         Raises:
-            ConfigError: empty or out-of-vocabulary prompt, bad max_tokens / sampling / k, stop strings
-                without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
+            ConfigError: empty or out-of-vocabulary prompt, bad max_tokens / sampling / k / stop_token_ids, stop
+                strings without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
         """
         k = self.default_k() if req.num_draft_tokens is None else req.num_draft_tokens
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
@@ -319,6 +319,9 @@ class SpeculativeEngine:
             raise ConfigError(f"stop = {req.stop!r}, expected a list of non-empty strings")
         if len(req.stop) > 16 or any(len(x) > 256 for x in req.stop):
             raise ConfigError("stop: at most 16 strings of at most 256 characters")
+        if req.stop_token_ids is not None and (not isinstance(req.stop_token_ids, (set, frozenset, list, tuple))
+                                               or not all(is_int(t) for t in req.stop_token_ids)):
+            raise ConfigError(f"stop_token_ids = {req.stop_token_ids!r}, expected a set of integer token ids (or None)")
         if not isinstance(req.sampling, SamplingParams):
             raise ConfigError("sampling must be a SamplingParams")
         if not req.prompt_ids:
