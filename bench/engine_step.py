@@ -99,7 +99,9 @@ def read_results(path: Path) -> dict:
     """A results file of this script; ValueError naming the file when it is not one."""
     try:
         r = json.loads(path.read_text())
-        summary(r, r["meta"]["label"]), r["steps_us"][0]  # every field the plot reads
+        summary(r, r["meta"]["label"])  # reads every figure the plot prints
+        if not isinstance(r["steps_us"], list) or not r["steps_us"]:
+            raise ValueError("no steady-cycle times ('steps_us')")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"{path}: not a results file of bench/engine_step.py ({type(e).__name__}: {e})") from None
     return r

@@ -373,7 +373,7 @@ def serve(conn: Connection) -> int:
         with send_lock:
             conn.send_bytes(data)
 
-    def send_cycle(content) -> None:  # the loop thread
+    def send_cycle(content) -> None:  # a cycle message of (events, stats); None: nothing to send
         if content is not None:
             send(("cycle", *content, gauges()))
 
@@ -407,8 +407,7 @@ def serve(conn: Connection) -> int:
                     except Exception as e:  # noqa: BLE001 - its one event: refused, or the engine stopped serving
                         reason = "error" if isinstance(e, EngineError) else "rejected"
                         why = str(e) if isinstance(e, SplitspecError) else f"not a valid request: {type(e).__name__}: {e}"
-                        send(("cycle", [pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)],
-                              None, gauges()))
+                        send_cycle(([pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)], None))
                     else:
                         rids[sid] = rid
                         if rid not in eng.seqs:  # already finished (its final event popped nothing)
