@@ -55,3 +55,27 @@ def test_compiled_layers_match_eager(engines_for):
                 assert (fast - eager).abs().max() < 1e-4, (B, n)
     finally:
         group.close()
+
+
+def test_compiled_target_is_freed_without_the_garbage_collector(engines_for):
+    """A closed engine's compiled target goes with its last reference, not at the collector's next run: the
+    tuner loads engines one after another, and a reference cycle through the compiled halves kept each load's
+    weights on the GPU (three Kimi-width loads filled an H200)."""
+    import gc
+    import weakref
+
+    group = Group(engines_for(1))
+    r = group.rank0
+    g = torch.Generator().manual_seed(2)
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            seqs = [(single_blocks(0, 64), 7, torch.randint(0, 4000, (2,), generator=g).tolist())]
+            r.target.compile()
+            r.target.forward(padded(seqs, window=32, scratch_row=r.tcache.kv.shape[1] - 1), r.tcache)
+        target, weight = weakref.ref(r.target), weakref.ref(r.target.w["embed_tokens"])
+        group.close()
+        del group, r
+        assert target() is None and weight() is None, "the compiled target outlived its engine"
+    finally:
+        gc.enable()

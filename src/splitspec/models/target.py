@@ -150,7 +150,9 @@ class TargetModel:
         # one graph per (half, layer type, token-count class: 1, 2–16 with the decode kernels, more), and more when a
         # benchmark switches the kernels off and on: past the default limit of 8 a half would silently run eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.fast = (torch.compile(self.attention_half, dynamic=True), torch.compile(self.mlp_half, dynamic=True))
+        # the class's functions, called with self: compiled bound methods would hold self, and self.fast them, a
+        # reference cycle that keeps a dropped engine's weights on the GPU until the garbage collector next runs
+        self.fast = (torch.compile(TargetModel.attention_half, dynamic=True), torch.compile(TargetModel.mlp_half, dynamic=True))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
@@ -248,10 +250,10 @@ class TargetModel:
         """One decoder layer with two all-reduces (attention, MLP). The residual stream is carried as (h, pending):
         its value is h + pending ([T, H] each; pending None: h). Each add is done by the half that follows it,
         inside its compiled graph with the norm it feeds. Returns the layer's output in the same form."""
-        attention, mlp = self.fast if self.fast and batch.table is not None else (self.attention_half, self.mlp_half)
+        attention, mlp = self.fast if self.fast and batch.table is not None else (TargetModel.attention_half, TargetModel.mlp_half)
         lw = self.layer_w[layer]
-        h, partial = attention(lw, h, pending, batch, cache.kv[layer], cos, sin)
-        h, partial = mlp(lw, self.cfg.is_moe_layer(layer), h, self.comm.all_reduce(partial))
+        h, partial = attention(self, lw, h, pending, batch, cache.kv[layer], cos, sin)
+        h, partial = mlp(self, lw, self.cfg.is_moe_layer(layer), h, self.comm.all_reduce(partial))
         return h, self.comm.all_reduce(partial)
 
     def forward(self, batch: ForwardBatch, cache: TargetKVCache, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
