@@ -6,8 +6,9 @@
 2. Memory bandwidth (device copy) and all-reduce latency (NCCL, eager and in a CUDA graph) at the message
    sizes a verify uses: T·7168 bf16 for T = B·(k+1).
 3. Synthetic Kimi-K2-width engines (random weights, synthetic acceptance with the published drafter's
-   profile — labelled): for each TP size and depth, each draft placement, batch B and k: mean cycle time,
-   draft ms, verify ms, tokens/s, through the engine (CUDA graphs on).
+   profile — labelled): for each TP size and depth, each draft placement, batch B and k: median steady cycle
+   (the mean over ``--sweep-loads`` engine loads of each load's median), draft ms, verify ms, tokens/s,
+   through the engine (CUDA graphs on).
 4. Distinct experts activated per verify of T tokens (the router on random states).
 
 Writes JSON to --out as it goes (partial results survive a time-out).
@@ -406,38 +407,25 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
 
 
 def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
-                 out: Path | None = None, placements: list[int] | None = None) -> dict:
-    from splitspec.runtime import SpeculativeEngine
+                 out: Path | None = None, placements: list[int] | None = None, loads: int = 1) -> dict:
+    """Steady cycles of every placement × B × k on synthetic Kimi-width engines of this TP size and depth
+    (16-token prompts), each placement's engines loaded ``loads`` times, alternating (``splitspec.tune.measure``:
+    a row's cycle_ms is the mean of its loads' medians, ``cycle_ms_by_load`` keeps them)."""
     from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
-    from splitspec.tune import sweep_engine
+    from splitspec.tune import measure
 
     torch._dynamo.reset()  # compile for this TP size afresh, as an engine does (see layer_costs)
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
                                       max_batch_size=max(batches), max_seq_len=1024, tiny=dry_run)
-    rows = []
-    for dtp in placements or sorted({1, tp}):
-        if dtp not in (1, tp):
-            continue
-        t0 = time.time()
-        with SpeculativeEngine.load(eng_dir, target_device_ids=None if dry_run else list(range(tp)), draft_tp=dtp, max_batch_size=max(batches),
-                                    kv_tokens=max(batches) * 1024, synthetic_acceptance=KIMI_DRAFTER_PROFILE) as eng:
-            load_s = time.time() - t0
-
-            def keep(row: dict, dtp=dtp) -> None:
-                row = {"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers, "draft_tp": dtp} | row | {"synthetic_acceptance": True}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                RESULTS.setdefault("partial_rows", []).append(row)
-                if out:
-                    save(out)
-
-            sweep_engine(eng, [[1 + i] * 16 for i in range(max(batches))], batches, ks, cycles, on_row=keep)
-        del eng
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
-    return {"load_s": load_s, "rows": rows}
+    t0 = time.time()
+    measured = measure(eng_dir, [d for d in placements or sorted({1, tp}) if d in (1, tp)], batches, ks,
+                       [[1 + i] * 16 for i in range(max(batches))], 1024, None if dry_run else list(range(tp)),
+                       KIMI_DRAFTER_PROFILE, cycles, loads, f"engine sweep TP{tp}, {moe_layers} MoE layers")
+    rows = [{"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers} | r | {"synthetic_acceptance": True} for r in measured]
+    RESULTS.setdefault("partial_rows", []).extend(rows)
+    if out:
+        save(out)
+    return {"loads": loads, "measure_s": time.time() - t0, "rows": rows}
 
 
 def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], sweep: list[dict], cycles: int,
@@ -513,6 +501,8 @@ def main() -> None:
                     "configurations fastest summed over them serve the later sections (not run with --dry-run)")
     ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
     ap.add_argument("--tune-loads", type=int, default=4, help="the tuner's engine loads per placement (`splitspec tune --loads`)")
+    ap.add_argument("--sweep-loads", type=int, default=1, help="engine loads per placement of each engine sweep, alternating; "
+                    "a row's cycle is the mean of its loads' medians")
     ap.add_argument("--reuse", default="", help="earlier gpu_bench.json: take bandwidth, allreduce and distinct_experts from it")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness, bandwidth, allreduce, experts "
                     "(distinct_experts), moe_kernel, moe_fp8, layers")
@@ -570,7 +560,8 @@ def main() -> None:
         placements = sorted({tp if x == "N" else int(x) for x in a.placements.split(",")})
         for m in [int(x) for x in a.moe_layers.split(",")]:
             section(f"engine_tp{tp}_moe{m}", out)(engine_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out, placements)
+                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out, placements,
+                                                               a.sweep_loads)
             torch.cuda.empty_cache()
             key = f"engine_tp{tp}_moe{m}"
             if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):

@@ -311,3 +311,30 @@ def test_bad_device_is_refused_naming_it(built_engines, capsys, command, device)
 
     assert cli_main([command, "--engines", str(built_engines), "--device", device]) == 2
     assert f"--device {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err
+
+
+def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypatch):
+    """Engine loads in turn hold one engine's memory, not two: a load that began while the last one was still
+    referenced needed twice the GPU memory (a two-MoE-layer Kimi-width engine fits an H200 once, not twice)."""
+    import gc
+    import weakref
+
+    from splitspec import tune as tune_mod
+
+    loaded: list = []
+    alive_at_load: list[bool] = []
+    real_load = SpeculativeEngine.load
+
+    def load(*a, **kw):
+        alive_at_load.append(any(ref() is not None for ref in loaded))
+        eng = real_load(*a, **kw)
+        loaded.append(weakref.ref(eng))
+        return eng
+
+    monkeypatch.setattr(tune_mod.SpeculativeEngine, "load", load)
+    gc.disable()  # freed by its last reference going, not by a collector run that may or may not come
+    try:
+        rows = tune_mod.measure(built_engines, [1], [1], [0, 1], [[5, 6, 7, 8]], 64, None, None, cycles=2, loads=2)
+    finally:
+        gc.enable()
+    assert alive_at_load == [False, False] and {r["k"] for r in rows} == {0, 1}

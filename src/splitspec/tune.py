@@ -94,8 +94,17 @@ def pool_acceptance(rows: list[dict]) -> list[dict]:
 
 def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int], ks: list[int], cycles: int,
             passes: int, warmup: int, max_seq_len: int | None) -> dict[tuple, list]:
-    """Steady ``(wall ms, CycleStats)`` samples of every (B, k) on one loaded engine, ``cycles`` each,
-    gathered in ``passes`` interleaved passes over all (B, k) (see :func:`sweep_engine`)."""
+    """Steady ``(wall ms, CycleStats)`` samples of every (B, k) on one loaded engine: B sequences (``prompts``
+    token ids, cycled) decoding with k draft tokens, every sequence decoding and no prefill, CUDA graphs captured.
+
+    ``cycles`` samples per (B, k) are gathered in ``passes`` interleaved passes over all (B, k) — each a fresh
+    round of B sequences, its first ``warmup`` cycles skipped — so that a slow stretch of the machine (host
+    jitter, clocks) lands on every configuration alike instead of on whichever ran then; a pass runs as many
+    rounds as its share needs within ``max_seq_len`` tokens per sequence (default: the engine's; pass the KV
+    budget's share per sequence). Many cycles matter more than long ones: the tokens a cycle emits vary with
+    what is accepted (≈ 3% standard error of the mean at 12 cycles of batch 16), most of the noise when two
+    k are compared. Raises ConfigError when not even one steady cycle fits in max_seq_len after the longest
+    prompt."""
     from splitspec.errors import ConfigError
 
     limit = min(max_seq_len or eng.max_seq_len, eng.max_seq_len)
@@ -120,44 +129,22 @@ def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int]
     return samples
 
 
-def sweep_engine(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int], ks: list[int], cycles: int = 48,
-                 passes: int = 8, warmup: int = 3, max_seq_len: int | None = None, on_row=None) -> list[dict]:
-    """Time steady cycles of every (B, k) on one loaded engine: B sequences (``prompts`` token ids, cycled)
-    decoding with k draft tokens, every sequence decoding and no prefill, CUDA graphs captured.
-
-    ``cycles`` steady cycles per (B, k) are gathered in ``passes`` interleaved passes over all (B, k) — each
-    a fresh round of B sequences, its first ``warmup`` cycles skipped — so that a slow stretch of the
-    machine (host jitter, clocks) lands on every configuration alike instead of on whichever ran then;
-    a pass runs as many rounds as its share needs within ``max_seq_len`` tokens per sequence (default:
-    the engine's; pass the KV budget's share per sequence). Many cycles matter more than long ones: the
-    tokens a cycle emits vary with what is accepted (≈ 3% standard error of the mean at 12 cycles of
-    batch 16), most of the noise when two k are compared.
-
-    Returns one row per (B, k), in order: cycle_ms (median wall ms of ``eng.step()``), cycle_ms_mean,
-    draft_ms / verify_ms (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / median
-    cycle), acceptance_length (tokens per sequence per cycle), n (cycles timed), accepted_by_position, and
-    the pooled estimate (:func:`pool_acceptance`): expected_acceptance_length, tokens_per_s_pooled — what
-    the tuner compares. ``on_row(row)`` is called for each row at the end. Raises ConfigError when not even
-    one steady cycle fits in max_seq_len after the longest prompt.
-    """
-    samples = _gather(eng, prompts, batches, ks, cycles, passes, warmup, max_seq_len)
-    rows = pool_acceptance([_row(B, k, [s]) for (B, k), s in samples.items() if s])
-    for row in rows:
-        if on_row is not None:
-            on_row(row)
-    return rows
-
-
-def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[str], max_seq_len: int,
+def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[str] | list[list[int]], max_seq_len: int,
             device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48, loads: int = 2,
             label: str = "measuring") -> list[dict]:
-    """Steady-cycle rows (see :func:`sweep_engine`) for every placement (draft_tp) × B × k, each placement's
+    """Steady-cycle rows (see :func:`_gather`) for every placement (draft_tp) × B × k, each placement's
     engines loaded ``loads`` times in the order A B B A A B … (reversed every other time): each load
     gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms is the
     mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
     median cycle, even k = 0, moved 5–15% from one load to the next — and a slow stretch of the machine would
     otherwise land on one placement only; alternating loads shares both between the placements compared.
-    Returns the rows with ``draft_tp`` added, acceptance pooled per placement."""
+    ``prompts``: texts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
+    Returns one row per (placement, B, k), in order (:func:`_row`): draft_tp, batch, k, cycle_ms (the mean of
+    the loads' median wall ms of ``eng.step()``), cycle_ms_by_load, cycle_ms_mean, draft_ms / verify_ms
+    (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / cycle_ms), acceptance_length
+    (tokens per sequence per cycle), n (cycles timed), accepted_by_position, and the pooled estimate
+    (:func:`pool_acceptance`, per placement): expected_acceptance_length, tokens_per_s_pooled — what the
+    tuner compares."""
     share = lambda i: cycles * (i + 1) // loads - cycles * i // loads  # noqa: E731
     by_load: dict[tuple, list] = {}
     ids: list[list[int]] = []
@@ -170,8 +157,9 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
                 if not ids:
                     tok = eng.tokenizer
                     encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
-                    ids = [encode(p)[-(max_seq_len // 2):] for p in prompts]
+                    ids = [(p if isinstance(p, list) else encode(p))[-(max_seq_len // 2):] for p in prompts]
                 got = _gather(eng, ids, batches, ks, share(i), max(1, 8 // loads), 3, max_seq_len)
+            del eng  # the closed engine goes now, not once the next load has taken its own memory beside it
             for (B, k), samples in got.items():
                 by_load.setdefault((dtp, B, k), []).append(samples)
     rows = []
@@ -220,7 +208,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
          cycles: int = 48, loads: int = 2) -> dict:
     """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
-    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`sweep_engine`), spread over
+    ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`_gather`), spread over
     ``loads`` engine loads per placement, alternating between placements (see :func:`measure`).
     Raises ConfigError, before measuring, for an empty batch or k list, a batch, k or max_seq_len above the
     engines' limits, loads < 1, cycles < loads, a bad prompts file, or an engines folder where tuning.json cannot be written."""
