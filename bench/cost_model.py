@@ -4,6 +4,7 @@ Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
 
     .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-eager.json docs/data/h200x2-2026-11-30-compiled.json
     .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
+    .venv/bin/python bench/cost_model.py --png results/ docs/data/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
 
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
@@ -12,9 +13,14 @@ full-depth model (overhead + bytes / (bandwidth · efficiency), fitted at the TP
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
+import re
 import sys
+from pathlib import Path
 
+from splitspec.io import write_atomic
 from splitspec.perf_model import KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
 from splitspec.synthetic import KIMI_DRAFTER_PROFILE
 
@@ -30,7 +36,43 @@ def sweep_rows(d: dict) -> list[dict]:
     return out
 
 
-def fit_report(name: str, rows: list[dict]) -> None:
+def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
+    """Cycle ms and tokens/s against k, one column per batch: measured rows as points, the fitted model as
+    lines, one colour per depth (tokens/s modelled as batch × the rows' pooled acceptance length / model ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches, depths = sorted({r["batch"] for r in rows}), sorted({r["moe_layers"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(4.2 * len(batches), 7), squeeze=False)
+    for col, B in enumerate(batches):
+        for i, L in enumerate(depths):
+            rs = sorted((r for r in rows if r["batch"] == B and r["moe_layers"] == L), key=lambda r: r["k"])
+            ks, colour = [r["k"] for r in rs], f"C{i}"
+            model = [fit.predict(B, k, L) for k in ks]
+            axes[0][col].plot(ks, [r["cycle_ms"] for r in rs], "o", color=colour, label=f"{L} MoE layers, measured")
+            axes[0][col].plot(ks, model, "-", color=colour, label="model")
+            axes[1][col].plot(ks, [r["tokens_per_s"] for r in rs], "o", color=colour)
+            axes[1][col].plot(ks, [B * r.get("expected_acceptance_length", r["acceptance_length"]) / m * 1e3 for r, m in zip(rs, model)],
+                              "-", color=colour)
+        axes[0][col].set_title(f"batch {B}")
+        axes[0][col].set_ylabel("cycle ms")
+        axes[1][col].set_ylabel("tokens/s (aggregate)")
+        axes[1][col].set_xlabel("draft tokens k")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, png.getvalue())
+    return path
+
+
+def fit_report(name: str, rows: list[dict], png: Path | None = None) -> None:
+    """Fit the cycle model per (target TP, placement) of ``rows`` and print measured against modelled; with
+    ``png`` (a folder), also plot each fit there (:func:`plot_fit`)."""
     for tp in sorted({r["tp"] for r in rows}):
         for dtp in sorted({r["draft_tp"] for r in rows if r["tp"] == tp}):
             rs = [r for r in rows if r["tp"] == tp and r["draft_tp"] == dtp]
@@ -55,6 +97,11 @@ def fit_report(name: str, rows: list[dict]) -> None:
             print(f"\nin-sample error max {fit.max_error:.1%}, mean {fit.mean_error:.1%}; leave-one-out max {fit.loo_max_error:.1%}, "
                   f"mean {fit.loo_mean_error:.1%}. Coefficients (ms{', one depth: the MoE layers folded into the totals' if len(depths) == 1 else ''}): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in coef.items()))
+            if png is not None:
+                stem = re.sub(r"[^A-Za-z0-9]+", "-", f"{name.removesuffix('.json')}-tp{tp}-draft-tp{dtp}").strip("-")
+                title = (f"{name}: target TP{tp}, drafter TP{dtp}; model in-sample max {fit.max_error:.1%}"
+                         + (" (synthetic acceptance)" if any(r.get("synthetic_acceptance") for r in rs) else ""))
+                print(f"plot: {plot_fit(rs, fit, title, png / (stem + '.png'))}")
 
 
 def changed(r: dict) -> str | None:
@@ -151,7 +198,7 @@ def tune_report(t: dict) -> None:
               f"(×{e['chosen_over_no_speculation']:.2f}) | {v['chosen_over_best']:.3f} ({ve['chosen_over_best']:.3f}) |")
 
 
-def main(paths: list[str]) -> None:
+def main(paths: list[str], png: Path | None = None) -> None:
     for path in paths:
         try:
             d = json.loads(open(path, encoding="utf-8").read())
@@ -161,7 +208,7 @@ def main(paths: list[str]) -> None:
         print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
         rows = sweep_rows(d)
         if rows:
-            fit_report(path.rsplit("/", 1)[-1], rows)
+            fit_report(path.rsplit("/", 1)[-1], rows, png)
         if "rows" in d.get("layers", {}):
             layer_report(d)
             kimi_report(d)
@@ -177,4 +224,11 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["docs/data/h200x2-2026-11-30-eager.json", "docs/data/h200x2-2026-11-30-compiled.json"])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="*", default=["docs/data/h200x2-2026-11-30-eager.json", "docs/data/h200x2-2026-11-30-compiled.json"],
+                    help="bench/gpu_bench.py result files")
+    ap.add_argument("--png", type=Path, help="folder: also plot each engine sweep's fit there (cycle ms and tokens/s against k)")
+    a = ap.parse_args()
+    if a.png is not None and a.png.exists() and not a.png.is_dir():
+        ap.error(f"--png {a.png}: not a folder (the plots go into it, one per fit)")
+    main(a.paths, a.png)

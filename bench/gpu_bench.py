@@ -489,7 +489,7 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default="bench/results/gpu", help="results folder (gpu_bench.json, PNG plots)")
+    ap.add_argument("--out", default="bench/results/gpu", help="results folder (gpu_bench.json; bench/cost_model.py --png plots its engine sweeps)")
     ap.add_argument("--tp", default="1,2", help="comma list: target TP sizes of the engine sweeps (sizes above the GPUs here are skipped)")
     ap.add_argument("--moe-layers", default="1,3", help="comma list: MoE layers (after one dense layer) of the engine sweeps' depths")
     ap.add_argument("--batches", default="1,4,16", help="comma list: batch sizes of the layer timings and engine sweeps")

@@ -338,3 +338,22 @@ def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypat
     finally:
         gc.enable()
     assert alive_at_load == [False, False] and {r["k"] for r in rows} == {0, 1}
+
+
+def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
+    """bench/cost_model.py on the one-H200 sweep of docs/data prints the fit docs/performance.md quotes and
+    writes its plot; a --png that is a file is refused before anything is read."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    data = repo / "docs" / "data" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
+    script = [sys.executable, str(repo / "bench" / "cost_model.py")]
+    done = subprocess.run(script + ["--png", str(tmp_path / "plots"), str(data)], capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert "MoE layers [1, 2, 3] (54 configurations" in done.stdout and "in-sample error max 7.5%, mean 2.1%" in done.stdout
+    assert (tmp_path / "plots" / "h200-2026-12-01-tp1-compiled-sweep-loads4-tp1-draft-tp1.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "f").write_text("")
+    refused = subprocess.run(script + ["--png", str(tmp_path / "f"), str(data)], capture_output=True, text=True, cwd=repo)
+    assert refused.returncode == 2 and "not a folder" in refused.stderr
