@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -38,7 +39,8 @@ def sweep_rows(d: dict) -> list[dict]:
 
 def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
     """Cycle ms and tokens/s against k, one column per batch: measured rows as points, the fitted model as
-    lines, one colour per depth (tokens/s modelled as batch × the rows' pooled acceptance length / model ms)."""
+    lines, one colour per depth. Both tokens/s use the rows' acceptance length pooled over k (batch × it /
+    cycle ms), so the points differ from the lines by the cycle model's error only."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,10 +54,10 @@ def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
             ks, colour = [r["k"] for r in rs], f"C{i}"
             model = [fit.predict(B, k, L) for k in ks]
             axes[0][col].plot(ks, [r["cycle_ms"] for r in rs], "o", color=colour, label=f"{L} MoE layers, measured")
-            axes[0][col].plot(ks, model, "-", color=colour, label="model")
-            axes[1][col].plot(ks, [r["tokens_per_s"] for r in rs], "o", color=colour)
-            axes[1][col].plot(ks, [B * r.get("expected_acceptance_length", r["acceptance_length"]) / m * 1e3 for r, m in zip(rs, model)],
-                              "-", color=colour)
+            axes[0][col].plot(ks, model, "-", color=colour, label=f"{L} MoE layers, model")
+            accept = [r.get("expected_acceptance_length", r["acceptance_length"]) for r in rs]  # pooled over k where known
+            axes[1][col].plot(ks, [B * al / r["cycle_ms"] * 1e3 for al, r in zip(accept, rs)], "o", color=colour)
+            axes[1][col].plot(ks, [B * al / m * 1e3 for al, m in zip(accept, model)], "-", color=colour)
         axes[0][col].set_title(f"batch {B}")
         axes[0][col].set_ylabel("cycle ms")
         axes[1][col].set_ylabel("tokens/s (aggregate)")
@@ -202,11 +204,10 @@ def main(paths: list[str], png: Path | None = None) -> None:
     for path in paths:
         try:
             d = json.loads(open(path, encoding="utf-8").read())
-            d["machine"]["gpus"]
+            print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
+            rows = sweep_rows(d)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             sys.exit(f"{path}: not a bench/gpu_bench.py result ({type(e).__name__}: {e})")
-        print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
-        rows = sweep_rows(d)
         if rows:
             fit_report(path.rsplit("/", 1)[-1], rows, png)
         if "rows" in d.get("layers", {}):
@@ -229,6 +230,11 @@ if __name__ == "__main__":
                     help="bench/gpu_bench.py result files")
     ap.add_argument("--png", type=Path, help="folder: also plot each engine sweep's fit there (cycle ms and tokens/s against k)")
     a = ap.parse_args()
-    if a.png is not None and a.png.exists() and not a.png.is_dir():
-        ap.error(f"--png {a.png}: not a folder (the plots go into it, one per fit)")
+    if a.png is not None:
+        try:
+            a.png.mkdir(parents=True, exist_ok=True)
+            if not os.access(a.png, os.W_OK):
+                raise PermissionError("not writable")
+        except OSError as e:
+            ap.error(f"--png {a.png}: not a folder the plots can be written to ({e.strerror or e})")
     main(a.paths, a.png)

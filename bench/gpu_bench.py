@@ -11,7 +11,8 @@
    through the engine (CUDA graphs on).
 4. Distinct experts activated per verify of T tokens (the router on random states).
 
-Writes JSON to --out as it goes (partial results survive a time-out).
+Writes JSON to --out after each section (a time-out keeps the sections finished before it; an engine sweep's
+rows come once all its loads have run).
 
     python bench/gpu_bench.py --out results/ --tp 1,2 --moe-layers 1,3
 """
@@ -510,6 +511,9 @@ def main() -> None:
     ap.add_argument("--hang-dump-s", type=float, default=0, help="print every thread's stack if still running after this many s (0: never)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, demo-sized synthetic engines: checks the script, measures nothing useful")
     a = ap.parse_args()
+    for name, loads in (("--sweep-loads", a.sweep_loads), ("--tune-loads", a.tune_loads)):
+        if not 1 <= loads <= a.cycles:
+            ap.error(f"{name} {loads}: expected 1 to --cycles ({a.cycles}), each engine load timing at least one cycle")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
