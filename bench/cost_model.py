@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from splitspec.io import write_atomic
-from splitspec.perf_model import KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
+from splitspec.perf_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
 from splitspec.synthetic import KIMI_DRAFTER_PROFILE
 
 
@@ -47,7 +47,7 @@ def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     batches, depths = sorted({r["batch"] for r in rows}), sorted({r["moe_layers"] for r in rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(4.2 * len(batches), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(batches), figsize=(max(4.2 * len(batches), 9), 7), squeeze=False)
     for col, B in enumerate(batches):
         for i, L in enumerate(depths):
             rs = sorted((r for r in rows if r["batch"] == B and r["moe_layers"] == L), key=lambda r: r["k"])
@@ -60,8 +60,10 @@ def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
             axes[1][col].plot(ks, [B * al / m * 1e3 for al, m in zip(accept, model)], "-", color=colour)
         axes[0][col].set_title(f"batch {B}")
         axes[0][col].set_ylabel("cycle ms")
-        axes[1][col].set_ylabel("tokens/s (aggregate)")
+        axes[1][col].set_ylabel("tokens/s (aggregate, acceptance pooled over k)")
         axes[1][col].set_xlabel("draft tokens k")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -96,6 +98,9 @@ def fit_report(name: str, rows: list[dict], png: Path | None = None) -> None:
                 coef["fixed"] += L * c["per_moe_layer"]
                 coef["per_verified_token"] += L * c["per_moe_layer_per_verified_token"]
                 coef["per_distinct_expert"] = L * c["per_moe_layer_per_distinct_expert"]
+            if fit.points <= len(FEATURES):
+                print(f"\n(only {fit.points} configurations for {len(FEATURES)} coefficients: the fit passes through them "
+                      "and its coefficients mean nothing; sweep more batches, k or depths)")
             print(f"\nin-sample error max {fit.max_error:.1%}, mean {fit.mean_error:.1%}; leave-one-out max {fit.loo_max_error:.1%}, "
                   f"mean {fit.loo_mean_error:.1%}. Coefficients (ms{', one depth: the MoE layers folded into the totals' if len(depths) == 1 else ''}): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in coef.items()))
