@@ -408,7 +408,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
 
 
 def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
-                 out: Path | None = None, placements: list[int] | None = None, loads: int = 1) -> dict:
+                 placements: list[int] | None = None, loads: int = 1) -> dict:
     """Steady cycles of every placement × B × k on synthetic Kimi-width engines of this TP size and depth
     (16-token prompts), each placement's engines loaded ``loads`` times, alternating (``splitspec.tune.measure``:
     a row's cycle_ms is the mean of its loads' medians, ``cycle_ms_by_load`` keeps them)."""
@@ -423,9 +423,7 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
                        [[1 + i] * 16 for i in range(max(batches))], 1024, None if dry_run else list(range(tp)),
                        KIMI_DRAFTER_PROFILE, cycles, loads, f"engine sweep TP{tp}, {moe_layers} MoE layers")
     rows = [{"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers} | r | {"synthetic_acceptance": True} for r in measured]
-    RESULTS.setdefault("partial_rows", []).extend(rows)
-    if out:
-        save(out)
+    RESULTS.setdefault("partial_rows", []).extend(rows)  # saved with the section
     return {"loads": loads, "measure_s": time.time() - t0, "rows": rows}
 
 
@@ -564,8 +562,7 @@ def main() -> None:
         placements = sorted({tp if x == "N" else int(x) for x in a.placements.split(",")})
         for m in [int(x) for x in a.moe_layers.split(",")]:
             section(f"engine_tp{tp}_moe{m}", out)(engine_sweep)(tmp, tp, m, [int(x) for x in a.batches.split(",")],
-                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, out, placements,
-                                                               a.sweep_loads)
+                                                               [int(x) for x in a.k.split(",")], a.cycles, a.dry_run, placements, a.sweep_loads)
             torch.cuda.empty_cache()
             key = f"engine_tp{tp}_moe{m}"
             if a.tune and (tp, m) == tuple(int(x) for x in a.tune.split(",")) and "rows" in RESULTS.get(key, {}):
