@@ -14,14 +14,13 @@ full-depth model (overhead + bytes / (bandwidth · efficiency), fitted at the TP
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
-from splitspec.io import write_atomic
+from splitspec.io import write_png
 from splitspec.perf_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
 from splitspec.synthetic import KIMI_DRAFTER_PROFILE
 
@@ -67,11 +66,7 @@ def plot_fit(rows: list[dict], fit, title: str, path: Path) -> Path:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, png.getvalue())
-    return path
+    return write_png(fig, path)
 
 
 def fit_report(name: str, rows: list[dict], png: Path | None = None) -> None:

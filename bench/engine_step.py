@@ -110,14 +110,12 @@ def read_results(path: Path) -> dict:
 def plot(runs: list[dict], png: Path) -> None:
     """Cumulative distributions of the steady-cycle times of several runs (:func:`read_results`), one line each,
     written atomically to ``png``. Raises OSError as writing does."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from splitspec.io import write_atomic
+    from splitspec.io import write_png
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -131,11 +129,7 @@ def plot(runs: list[dict], png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(png, buf.getvalue())
-    print(f"plot: {png}")
+    print(f"plot: {write_png(fig, png)}")
 
 
 def _device_ids(text: str) -> str:

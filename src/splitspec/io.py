@@ -439,6 +439,19 @@ def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> Non
         raise
 
 
+def write_png(fig, path: Path, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as PNG at ``path``, atomically (:func:`write_atomic`), and close it. Returns path."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    write_atomic(Path(path), buf.getvalue())
+    return Path(path)
+
+
 def write_json(obj: dict, path: Path) -> None:
     """Write ``obj`` as indented JSON, atomically (:func:`write_atomic`: never a half-written file)."""
     write_atomic(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n", mode=None)
