@@ -3,13 +3,13 @@
 Builds engines from the trained pair (convert + build at TP1 into a temporary folder), then for
 every prompt of ``eval/prompts.jsonl`` (code completions written for this benchmark, not in the
 training corpus, and chat questions rendered with the chat template) runs greedy generation with k
-draft tokens through :class:`splitspec.runtime.SpeculativeEngine` and checks that the output equals
+draft tokens through :class:`splitspec.runtime.scheduler.SpeculativeEngine` and checks that the output equals
 target-only greedy decoding (``num_draft_tokens=0``). Reports:
 
 - mean acceptance length (tokens emitted per target verify forward; no speculation = 1.0) and the
   per-position acceptance rate (fraction of cycles whose draft i was accepted, i = 1..k);
 - the target's held-out loss (nats/token, through the engine): on the standard-library files held
-  out from training (``splitspec.train.corpus_split``) and on the code prompts of the eval set;
+  out from training (``splitspec.demo.pair.corpus_split``) and on the code prompts of the eval set;
 - three sample greedy outputs.
 
 Writes ``results.json`` and ``acceptance_by_position.png`` into
@@ -66,7 +66,7 @@ def load_prompts(path: Path, tok) -> list[dict]:
 
 @torch.inference_mode()
 def engine_loss(group, windows: list[list[int]]) -> tuple[float, int]:
-    """Mean next-token cross-entropy (nats/token) of a TP1 target engine (``splitspec.engine.Group``)
+    """Mean next-token cross-entropy (nats/token) of a TP1 target engine (``splitspec.engine.group.Group``)
     over token ``windows`` (each one forward from position 0 in the first KV region).
     Returns (loss, tokens scored)."""
     from splitspec.models.batch import ForwardBatch, single_blocks
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
 
-    from splitspec.engine import Group
-    from splitspec.tokenizer import ChatTokenizer
-    from splitspec.train import build_demo_engines, corpus_split, speculative_acceptance
+    from splitspec.engine.group import Group
+    from splitspec.runtime.tokenizer import ChatTokenizer
+    from splitspec.demo.pair import build_demo_engines, corpus_split, speculative_acceptance
 
     models = Path(a.models)
     if not (models / "target" / "config.json").is_file() or not (models / "drafter" / "config.json").is_file():

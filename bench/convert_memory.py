@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from splitspec import fixtures, quant
-from splitspec.io import StreamingSafetensorsWriter, write_json
+from splitspec import quant
+
+from splitspec.testing import fixtures
+from splitspec.convert.safetensors import StreamingSafetensorsWriter, write_json
 
 CHILD = r"""
 import json, resource, sys, time
@@ -34,7 +36,7 @@ def rss_kb():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):
             return int(line.split()[1])
-from splitspec.convert import convert_pair
+from splitspec.convert.pair import convert_pair
 base = rss_kb()
 t0 = time.time()
 convert_pair(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), tp_size=int(sys.argv[4]))

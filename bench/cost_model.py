@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from splitspec.io import write_png
-from splitspec.perf_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
-from splitspec.synthetic import KIMI_DRAFTER_PROFILE
+from splitspec.convert.safetensors import write_png
+from splitspec.measure.cost_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
+from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 
 
 def sweep_rows(d: dict) -> list[dict]:
@@ -189,7 +189,7 @@ def tune_report(t: dict) -> None:
     # files of the tuner that kept one placement for all buckets have draft_tp instead of draft_tp_by_batch
     dtp = {B: c["draft_tp_by_batch"][B] if "draft_tp_by_batch" in c else c["draft_tp"] for B in c["k_by_batch"]}
     print(f"\n### Tuner: by batch bucket, drafter TP {dtp}, k {c['k_by_batch']}\n")
-    print("Scores use tokens/s with acceptance pooled over k (splitspec.tune.pool_acceptance); in brackets, with each "
+    print("Scores use tokens/s with acceptance pooled over k (splitspec.measure.tune.pool_acceptance); in brackets, with each "
           "row's own acceptance (the sweep table above).\n")
     print("| batch | tuner's choice | sweep's best | chosen / best | chosen / no speculation | second sweep: chosen / best |")
     print("|---|---|---|---|---|---|")

@@ -37,7 +37,7 @@ def measure(a: argparse.Namespace) -> dict:
 
     from splitspec.errors import CheckpointError, ConfigError
     from splitspec.generate import encode_prompt, read_prompts
-    from splitspec.runtime import Request, SpeculativeEngine
+    from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
     ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
     prompts = read_prompts(Path(a.prompts))[: a.num_prompts or None]
@@ -115,7 +115,7 @@ def plot(runs: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from splitspec.io import write_png
+    from splitspec.convert.safetensors import write_png
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--out {a.out}: results.json there is a folder")
         _writable_folder(p, a.out, "--out")
     import splitspec
-    from splitspec.bench import machine_info
+    from splitspec.measure.placement_bench import machine_info
     from splitspec.errors import SplitspecError
-    from splitspec.io import write_json
+    from splitspec.convert.safetensors import write_json
 
     meta = machine_info()
     meta["splitspec"] = str(Path(splitspec.__file__).resolve().parent)

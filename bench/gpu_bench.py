@@ -153,7 +153,7 @@ def allreduce(world: int) -> dict:
 
 
 def distinct_experts() -> dict:
-    from splitspec.synthetic import kimi_k2_target
+    from splitspec.build.synthetic import kimi_k2_target
     from splitspec.models.target import noaux_tc_route
 
     cfg = kimi_k2_target(2)
@@ -215,7 +215,7 @@ def moe_kernel(bw_GBps: float, tps: list[int]) -> dict:
     pair changes how the grid fills the GPU). The best configurations (lowest time summed over the TP shapes:
     gate_up's at 1 token and at 4 tokens, down's over both) then serve the rest of the run; the best per shape is
     reported too."""
-    from splitspec import fused_moe
+    from splitspec.models import fused_moe
     from splitspec.models.target import grouped_experts
 
     bw = bw_GBps * 1e6  # bytes per ms
@@ -275,7 +275,8 @@ def moe_fp8(bw_GBps: float) -> dict:
     format — read as FP8 by the fused kernels, against the same experts in bf16: time, bytes over bandwidth, and
     the FP8 result's difference from the bf16 one (quantisation error, not kernel error: the kernels' FP8
     arithmetic is tested against dequantised weights in tests/test_fused_moe.py)."""
-    from splitspec import fused_moe, quant
+    from splitspec import quant
+    from splitspec.models import fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = kimi_experts(1, g)
@@ -309,13 +310,13 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
-    from splitspec import fused_moe
+    from splitspec.models import fused_moe
     from splitspec.config import Mapping
-    from splitspec.layers import TPComm, rms_norm
+    from splitspec.models.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
     from splitspec.models.drafter import DrafterKVCache, DrafterModel
     from splitspec.models.target import TargetKVCache, TargetModel, noaux_tc_route
-    from splitspec.synthetic import drafter_shapes, kimi_k2_drafter, kimi_k2_target, random_weights, target_shapes
+    from splitspec.build.synthetic import drafter_shapes, kimi_k2_drafter, kimi_k2_target, random_weights, target_shapes
 
     cfg, S, start = kimi_k2_target(2), 256, 100
     rows_out, profiles = [], {}
@@ -410,10 +411,10 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
 def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: list[int], cycles: int, dry_run: bool = False,
                  placements: list[int] | None = None, loads: int = 1) -> dict:
     """Steady cycles of every placement × B × k on synthetic Kimi-width engines of this TP size and depth
-    (16-token prompts), each placement's engines loaded ``loads`` times, alternating (``splitspec.tune.measure``:
+    (16-token prompts), each placement's engines loaded ``loads`` times, alternating (``splitspec.measure.tune.measure``:
     a row's cycle_ms is the mean of its loads' medians, ``cycle_ms_by_load`` keeps them)."""
-    from splitspec.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
-    from splitspec.tune import measure
+    from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
+    from splitspec.measure.tune import measure
 
     torch._dynamo.reset()  # compile for this TP size afresh, as an engine does (see layer_costs)
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
@@ -432,8 +433,8 @@ def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: l
     """Run ``splitspec tune --verify`` on the synthetic engines of one sweep, then score its choice against that
     sweep (an independent, exhaustive measurement of every placement × k, 16-token prompts) as well as against
     the tuner's own second sweep (the evaluation prompts): chosen config's tokens/s over the best."""
-    from splitspec.synthetic import KIMI_DRAFTER_PROFILE
-    from splitspec.tune import score, tune
+    from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
+    from splitspec.measure.tune import score, tune
 
     choice = tune(tmp / f"kimi-tp{tp}-m{moe_layers}", batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
                   max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE,
@@ -457,11 +458,11 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
     the first steady cycle (a lower bound: the contexts grow by ≥ 1 token per cycle)."""
     import statistics
 
-    from splitspec.engine import Group
-    from splitspec.kv import BLOCK_SIZE
-    from splitspec.runtime import SpeculativeEngine
-    from splitspec.synthetic import KIMI_DRAFTER_PROFILE
-    from splitspec.tune import _steady_round
+    from splitspec.engine.group import Group
+    from splitspec.engine.kv import BLOCK_SIZE
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
+    from splitspec.measure.tune import _steady_round
 
     if tp == 1:
         return {"skipped": "TP1: one placement"}
@@ -516,7 +517,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
     skip = set(a.skip.split(","))
-    from splitspec.bench import git_commit
+    from splitspec.measure.placement_bench import git_commit
 
     RESULTS["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(ngpu)] if not a.dry_run else ["cpu"],
                           "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit(),

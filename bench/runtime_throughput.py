@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from splitspec.generate import encode_prompt, read_prompts, run_closed_loop
-from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
 
 def main() -> None:

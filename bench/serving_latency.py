@@ -30,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-from splitspec.bench import model_stats, stats_delta
-from splitspec.client import stream_grpc
-from splitspec.repo import MODELS, render_repo
-from splitspec.server import TritonServer
+from splitspec.measure.placement_bench import model_stats, stats_delta
+from splitspec.serving.client import stream_grpc
+from splitspec.serving.repo import MODELS, render_repo
+from splitspec.serving.tritonserver import TritonServer
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(root):", "class Stack:\n    def push(self, item):",
            "for i in range(10):\n    print(", "# Copyright 2001 Python Software Foundation.\n\"\"\"Path utilities.\"\"\"\n",

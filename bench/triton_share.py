@@ -21,12 +21,12 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 
 ``--also`` adds steps between the two, to find where a difference comes from:
 
-- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.EngineLoop` (cycles on a
+- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.scheduler.EngineLoop` (cycles on a
   background thread, as in the served engine's process);
-- ``engine_process``: :class:`splitspec.engine_process.EngineProcess` started from this process (the served
+- ``engine_process``: :class:`splitspec.serving.engine_process.EngineProcess` started from this process (the served
   engine's own process, its loop thread and its per-cycle messages, without Triton);
 - ``engine_process_triton_env``: the same, started with the environment tritonserver gets
-  (:func:`splitspec.server.server_env`: its library path first).
+  (:func:`splitspec.serving.tritonserver.server_env`: its library path first).
 
 tokens/s = output tokens of all requests / the sum of their wall times; each phase's ratio is to the engine
 alone's, with a 95% bootstrap interval (request pairs grouped by prompt, prompts resampled). The served path keeps the
@@ -72,16 +72,16 @@ from typing import Callable, Collection, Iterator
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
 
-from splitspec.bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
-from splitspec.engine_process import EngineProcess  # noqa: E402
+from splitspec.measure.placement_bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
+from splitspec.serving.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
-from splitspec.io import read_json, write_atomic  # noqa: E402
-from splitspec.perf import Prompt, load_prompts  # noqa: E402
-from splitspec.repo import render_repo  # noqa: E402
-from splitspec.runtime import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
-from splitspec.server import TritonServer, server_env  # noqa: E402
-from splitspec.tokenizer import ChatTokenizer  # noqa: E402
+from splitspec.convert.safetensors import read_json, write_atomic  # noqa: E402
+from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
+from splitspec.serving.repo import render_repo  # noqa: E402
+from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
+from splitspec.serving.tritonserver import TritonServer, server_env  # noqa: E402
+from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: E402
 from splitspec.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
 
 #: The phases, in the order they are set up (see the module docstring); ``--also`` names those between the first
@@ -91,7 +91,7 @@ PHASES = ("engine_alone", "engine_loop", "engine_process", "engine_process_trito
 
 
 def _sha(ids: list[int]) -> str:
-    """Short SHA-1 of a token id list, as :class:`splitspec.bench.RequestRecord` computes ``output_sha``."""
+    """Short SHA-1 of a token id list, as :class:`splitspec.measure.placement_bench.RequestRecord` computes ``output_sha``."""
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
@@ -117,8 +117,8 @@ def process_tree(root_pid: int, root_role: str | None = None, prune: Collection[
                 stack += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
             except (OSError, ValueError):
                 pass
-        role = (root_role if pid == root_pid and root_role else "engine" if "splitspec.engine_process" in cmdline else
-                "target worker ranks" if "splitspec.worker" in cmdline else comm)
+        role = (root_role if pid == root_pid and root_role else "engine" if "splitspec.serving.engine_process" in cmdline else
+                "target worker ranks" if "splitspec.engine.worker" in cmdline else comm)
         yield pid, role, stat, tids
 
 
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     def results(path: Path, option: str) -> dict:
-        """The JSON object in ``path`` (:func:`splitspec.io.read_json`); exits naming the file when it is not one."""
+        """The JSON object in ``path`` (:func:`splitspec.convert.safetensors.read_json`); exits naming the file when it is not one."""
         try:
             return read_json(path)
         except CheckpointError as e:

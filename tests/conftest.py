@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in Triton's interpreter (read at its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitspec.build import build_engines
-from splitspec.convert import convert_pair
-from splitspec.demo import make_demo_models
+from splitspec.build.engines import build_engines
+from splitspec.convert.pair import convert_pair
+from splitspec.demo.checkpoints import make_demo_models
 
 torch.set_num_threads(max(1, (os.cpu_count() or 1)))
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitspec.build import build_engines
+from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
-from splitspec.convert import convert_pair
+from splitspec.convert.pair import convert_pair
 from splitspec.errors import CheckpointError, ConfigError
 
 
@@ -113,11 +113,11 @@ def test_cli_prints_one_line_error(pair, capsys):
     assert rc == 2 and "error: " in err and "Traceback" not in err
 
 
-# ---------------------------------------------------------------- every published form (splitspec.fixtures)
+# ---------------------------------------------------------------- every published form (splitspec.testing.fixtures)
 
 @pytest.fixture(scope="module")
 def forms(tmp_path_factory):
-    from splitspec.fixtures import make_fixtures
+    from splitspec.testing.fixtures import make_fixtures
 
     return make_fixtures(tmp_path_factory.mktemp("forms") / "fixtures")
 

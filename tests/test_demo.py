@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitspec.demo import load_hf_reference_target, make_demo_models
+from splitspec.demo.checkpoints import load_hf_reference_target, make_demo_models
 from splitspec.errors import CheckpointError
-from splitspec.tokenizer import (
+from splitspec.runtime.tokenizer import (
     SPECIAL_TOKENS,
     ChatTokenizer,
     count_token_frequencies,

@@ -1,6 +1,6 @@
 """Every published checkpoint form converts to the same engine numerics.
 
-One set of float weights (:mod:`splitspec.fixtures`) is written as bf16, FP8 block-scaled (ragged
+One set of float weights (:mod:`splitspec.testing.fixtures`) is written as bf16, FP8 block-scaled (ragged
 tiles), INT4 compressed-tensors and K2.5-nested INT4, plus EAGLE-3 drafter variants. Each test checks a
 converter output against the float original: dequantised weights within the format's own rounding
 (checked with dequantisers written here, independent of :mod:`splitspec.quant`), engine logits against
@@ -23,16 +23,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from splitspec import fixtures, fused_moe, quant
-from splitspec.build import build_engines
+from splitspec import quant
+
+from splitspec.testing import fixtures
+
+from splitspec.models import fused_moe
+from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.convert import convert_pair
-from splitspec.demo import load_hf_reference_target
+from splitspec.convert.pair import convert_pair
+from splitspec.demo.checkpoints import load_hf_reference_target
 from splitspec.errors import ConfigError
-from splitspec.io import CheckpointReader, read_json
-from splitspec.kv import BLOCK_SIZE
-from splitspec.layers import TPComm, rms_norm
+from splitspec.convert.safetensors import CheckpointReader, read_json
+from splitspec.engine.kv import BLOCK_SIZE
+from splitspec.models.layers import TPComm, rms_norm
 from splitspec.models.batch import ForwardBatch
 from splitspec.models.target import TargetKVCache, TargetModel
 
@@ -484,7 +488,7 @@ def test_inspect_prints_what_a_checkpoint_is(fx, capsys):
 
 
 def test_streamed_files_are_standard_safetensors(tmp_path):
-    from splitspec.io import write_tensors
+    from splitspec.convert.safetensors import write_tensors
 
     ts = {"a": torch.randn(3, 5).bfloat16(), "b": torch.arange(7), "c": torch.ones(4, dtype=torch.bool),
           "d": torch.randn(130, 70).to(torch.float8_e4m3fn), "e": torch.zeros(0, 3)}

@@ -1,4 +1,4 @@
-"""The fused MoE kernels (splitspec.fused_moe) against a float64 loop over (token, slot) pairs, against the
+"""The fused MoE kernels (splitspec.models.fused_moe) against a float64 loop over (token, slot) pairs, against the
 grouped-GEMM path and against noaux_tc_route; on CPU through Triton's interpreter, on CUDA where there is one."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
-from splitspec import fused_moe, quant  # noqa: E402
+from splitspec import quant  # noqa: E402
+
+from splitspec.models import fused_moe
 from splitspec.models.target import grouped_experts, noaux_tc_route  # noqa: E402
 
 # Small shapes that still exercise every mask: H and I not multiples of the blocks, several row blocks,
@@ -197,7 +199,7 @@ def test_target_forward_with_fused_kernels(engines_for, demo_models, tokens):
     for CPU tensors — gives the grouped path's logits (T ≤ MAX_TOKENS; one token: shared expert in the kernels)."""
     from unittest.mock import patch
 
-    from splitspec.engine import Group
+    from splitspec.engine.group import Group
     from splitspec.models.batch import ForwardBatch, single_blocks
 
     ids = list(range(40, 40 + tokens))

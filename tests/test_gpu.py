@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from splitspec.runtime import EngineLoop, Request, SpeculativeEngine
+from splitspec.runtime.scheduler import EngineLoop, Request, SpeculativeEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

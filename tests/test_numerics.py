@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig
-from splitspec.demo import load_hf_reference_target
-from splitspec.engine import Group
-from splitspec.io import read_json
+from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.engine.group import Group
+from splitspec.convert.safetensors import read_json
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime import SpeculativeEngine
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.tokenizer import ChatTokenizer
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 # float32 everywhere; the engine computes MLA in absorbed form (q·W_UK against the latent) and

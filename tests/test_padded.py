@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.engine import Group
+from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, padded, single_blocks
 
 

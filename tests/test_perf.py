@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
+from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
                              summary_markdown)
 from splitspec.errors import ConfigError
-from splitspec.perf import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
+from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
                             parse_genai_perf, parse_levels, perf_command, read_perf_csv, rendered_text, repo_setting,
                             run_genai_perf_level, run_perf_analyzer_level, write_genai_perf_input, write_input_data)
-from splitspec.repo import render_repo
-from splitspec.server import TritonServer
+from splitspec.serving.repo import render_repo
+from splitspec.serving.tritonserver import TritonServer
 
 MAX_TOKENS = 8
 
@@ -219,7 +219,7 @@ def test_bench_client_measures_each_k(perf_server, short_prompts):
 
 
 def test_perf_markdown_tables():
-    from splitspec.perf import LevelResult, perf_markdown
+    from splitspec.measure.perf_suite import LevelResult, perf_markdown
 
     rows = [LevelResult("perf_analyzer", "grpc", 4, 5.0, {"requests_per_s": 2.0, "responses_per_s": 20.0, "latency_avg_ms": 900.0,
                                                            "latency_p50_ms": 880.0, "latency_p90_ms": 950.0,
@@ -235,7 +235,7 @@ def test_perf_markdown_tables():
 @pytest.mark.server
 @pytest.mark.slow
 def test_perf_suite_writes_its_results(perf_server, tmp_path, capsys):
-    from splitspec.perf import run_perf_suite
+    from splitspec.measure.perf_suite import run_perf_suite
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def fibonacci(n):"}) + "\n")

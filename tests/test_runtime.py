@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from splitspec.engine import CyclePlan, SeqWork
+from splitspec.engine.group import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import single_blocks
-from splitspec.runtime import Request, SpeculativeEngine
-from splitspec.sampling import SamplingParams, target_probs, verify
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.sampling import SamplingParams, target_probs, verify
+from splitspec.runtime.tokenizer import ChatTokenizer
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from splitspec.client import ask_grpc, ask_http
+from splitspec.serving.client import ask_grpc, ask_http
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.repo import render_repo
-from splitspec.server import TritonServer, find_triton, prepare_backend_dir
+from splitspec.serving.repo import render_repo
+from splitspec.serving.tritonserver import TritonServer, find_triton, prepare_backend_dir
 
 PROMPT = "def fibonacci(n):"
 CHAT_PROMPT = "How do I read a file line by line in Python?"
@@ -29,10 +29,10 @@ CLOSE = {"Connection": "close"}  # an idle kept-alive connection would delay ser
 
 
 def _runtime_available() -> bool:
-    """True when splitspec.runtime defines SpeculativeEngine (an import error inside it propagates)."""
-    if importlib.util.find_spec("splitspec.runtime") is None:
+    """True when splitspec.runtime.scheduler defines SpeculativeEngine (an import error inside it propagates)."""
+    if importlib.util.find_spec("splitspec.runtime.scheduler") is None:
         return False
-    return hasattr(importlib.import_module("splitspec.runtime"), "SpeculativeEngine")
+    return hasattr(importlib.import_module("splitspec.runtime.scheduler"), "SpeculativeEngine")
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -86,7 +86,7 @@ def _post(url: str, **kw) -> requests.Response:
 @pytest.fixture(scope="module")
 def engines(request) -> Path:
     if not _runtime_available():
-        pytest.skip("splitspec.runtime.SpeculativeEngine is not available yet")
+        pytest.skip("splitspec.runtime.scheduler.SpeculativeEngine is not available yet")
     try:
         return request.getfixturevalue("built_engines")
     except pytest.FixtureLookupError:
@@ -110,8 +110,8 @@ def server(repo):
 @pytest.fixture(scope="module")
 def reference(engines):
     """In-process answers: SpeculativeEngine.generate + ChatTokenizer.decode."""
-    from splitspec.runtime import SpeculativeEngine
-    from splitspec.tokenizer import ChatTokenizer
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.runtime.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.from_dir(engines / "target")
     chat_text = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True)
@@ -143,7 +143,7 @@ def test_backend_folder_links_the_matching_stub(tmp_path):
 def test_client_sends_zero_valued_options():
     import argparse
 
-    from splitspec.client import cli_parameters
+    from splitspec.serving.client import cli_parameters
 
     a = argparse.Namespace(chat=False, num_draft_tokens=0, temperature=0.0, top_p=None, top_k=0, seed=0, stop=None, stream=True)
     assert cli_parameters(a) == {"return_stats": True, "num_draft_tokens": 0, "temperature": 0.0, "top_k": 0, "seed": 0,
@@ -161,7 +161,7 @@ def test_render_repo_names_missing_engine(tmp_path):
 
 def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
     """A model that cannot load: start() raises with the log tail, and no process is left."""
-    from splitspec.tokenizer import train_tokenizer
+    from splitspec.runtime.tokenizer import train_tokenizer
 
     eng = tmp_path / "engines"
     train_tokenizer(eng / "target", vocab_size=512, max_corpus_bytes=200_000)
@@ -287,7 +287,7 @@ def test_metrics_count_requests(server):
 
 @pytest.mark.server
 def test_perf_analyzer_short_run(server, tmp_path, capsys):
-    from splitspec.perf import run_perf
+    from splitspec.measure.perf_suite import run_perf
 
     t0 = time.monotonic()
     csv = run_perf(server.repo, seconds=2.0, concurrency="1", out_dir=tmp_path / "perf", server=server)
@@ -304,7 +304,7 @@ def test_stop_is_clean_and_leaves_no_process(server):
     """Runs last: SIGINT unloads the models (spec_decode closes its engine) and every child exits."""
     before = _descendants(server.pid)
     stubs = [p for p, c in before.items() if "triton_python_backend_stub" in c]
-    workers = [p for p, c in before.items() if "splitspec.worker" in c]
+    workers = [p for p, c in before.items() if "splitspec.engine.worker" in c]
     assert len(stubs) == 3, before
     assert len(workers) == 1, before  # the target is TP2: the leader in the stub + one worker
     t0 = time.monotonic()
@@ -321,7 +321,7 @@ def test_stop_is_clean_and_leaves_no_process(server):
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch, tmp_path):
     import socket
 
-    from splitspec import server
+    from splitspec.serving import tritonserver as server
 
     rng = tmp_path / "ip_local_port_range"
     rng.write_text("32768\t60999\n")

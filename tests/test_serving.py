@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from splitspec.client import ask_grpc, ask_http, merge, stream_grpc, stream_http
+from splitspec.serving.client import ask_grpc, ask_http, merge, stream_grpc, stream_http
 from splitspec.errors import SplitspecError
-from splitspec.metrics import metric_value, parse_prometheus
-from splitspec.repo import render_repo
-from splitspec.server import TritonServer
+from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.repo import render_repo
+from splitspec.serving.tritonserver import TritonServer
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
@@ -51,7 +51,7 @@ LONG_PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def tok(built_engines):
-    from splitspec.tokenizer import ChatTokenizer
+    from splitspec.runtime.tokenizer import ChatTokenizer
 
     return ChatTokenizer.from_dir(built_engines / "target")
 
@@ -60,8 +60,8 @@ def tok(built_engines):
 def reference(built_engines, tok):
     """Output ids per (prompt, max_tokens) from the engine in this process: target-only greedy
     (k = 0), and seeded sampling with k = K. Computed before the server starts (2 cores)."""
-    from splitspec.runtime import Request, SpeculativeEngine
-    from splitspec.sampling import SamplingParams
+    from splitspec.runtime.scheduler import Request, SpeculativeEngine
+    from splitspec.runtime.sampling import SamplingParams
 
     greedy = [(p, MAX_TOKENS) for p in PROMPTS + MANY] + [(LONG_PROMPT, 200), (LONG_PROMPT, 60), (LONG_PROMPT, 120)]
     out: dict = {}
@@ -127,7 +127,7 @@ def _live_in_group(pgid: int) -> list[str]:
 
 
 def _worker_pids(server_pid: int) -> list[int]:
-    """Target worker processes below the server (``python -m splitspec.worker``), from /proc."""
+    """Target worker processes below the server (``python -m splitspec.engine.worker``), from /proc."""
     children: dict[int, list[int]] = {}
     cmd: dict[int, str] = {}
     for d in Path("/proc").iterdir():
@@ -142,7 +142,7 @@ def _worker_pids(server_pid: int) -> list[int]:
     found, todo = [], [server_pid]
     while todo:
         for c in children.get(todo.pop(), []):
-            if "splitspec.worker" in cmd.get(c, ""):
+            if "splitspec.engine.worker" in cmd.get(c, ""):
                 found.append(c)
             todo.append(c)
     return found
@@ -370,7 +370,7 @@ def test_bad_requests_get_clear_errors_while_a_stream_continues(srv, tok, refere
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from splitspec.client import grpc_inputs
+    from splitspec.serving.client import grpc_inputs
     bad_type = grpcclient.InferInput("max_tokens", [1], "FP32")
     bad_type.set_data_from_numpy(np.array([8.0], dtype=np.float32))
     unknown = grpcclient.InferInput("max_new_tokens", [1], "INT32")

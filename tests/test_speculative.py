@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from splitspec.engine import Group
+from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime import Request, SpeculativeEngine
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.tokenizer import ChatTokenizer
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"]
 
@@ -34,7 +34,7 @@ def reference(engines_for, tok):
 
 def _prompt_logits(eng, ids):
     """Logits of every prompt position through the whole group (a one-sequence prefill cycle)."""
-    from splitspec.engine import CyclePlan, SeqWork
+    from splitspec.engine.group import CyclePlan, SeqWork
 
     blocks = single_blocks(0, 256)
     with torch.inference_mode():
@@ -173,9 +173,9 @@ def test_request_limits_are_checked(built_engines):
 
 
 def test_target_group_reports_dead_worker(engines_for):
-    from splitspec.engine import EngineError
+    from splitspec.engine.group import EngineError
 
-    from splitspec.engine import CyclePlan, SeqWork
+    from splitspec.engine.group import CyclePlan, SeqWork
 
     group = Group(engines_for(2))
     try:
@@ -193,7 +193,7 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
     at once, and still leaves the group so that another can be made."""
     import time
 
-    from splitspec.engine import SHUTDOWN_WAIT_S, CyclePlan, SeqWork
+    from splitspec.engine.group import SHUTDOWN_WAIT_S, CyclePlan, SeqWork
 
     group = Group(engines_for(2))
     procs = list(group.procs)

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitspec.build import build_engines
-from splitspec.convert import convert_pair
-from splitspec.demo import load_hf_reference_target
-from splitspec.engine import Group
+from splitspec.build.engines import build_engines
+from splitspec.convert.pair import convert_pair
+from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime import SpeculativeEngine
-from splitspec.tokenizer import ChatTokenizer
-from splitspec.train import (
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.demo.pair import (
     TRAINING_INFO,
     Eagle3Trainable,
     TrainConfig,
@@ -139,7 +139,7 @@ def test_cache_trains_once_and_installs(tiny_pair, tmp_path, monkeypatch):
     """ensure_trained_pair trains into demo-<key> once; install copies it and skips an identical copy."""
     import shutil
 
-    import splitspec.train as train
+    import splitspec.demo.pair as train
 
     key = cache_key(TINY)
     entry = tmp_path / "cache" / f"demo-{key}"
@@ -267,7 +267,7 @@ def test_ttt_mask_is_what_the_runtime_cache_holds(tiny_pair, tiny_engines):
 
 def test_cached_preset_pair(tmp_path):
     """The pair `make demo-models` trains: skipped unless it is already in the cache."""
-    from splitspec.train import cache_root
+    from splitspec.demo.pair import cache_root
 
     cfg = TrainConfig.preset("cpu")
     entry = cache_root() / f"demo-{cache_key(cfg)}"

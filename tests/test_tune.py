@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from splitspec.perf_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
-from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.measure.cost_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.errors import ConfigError
-from splitspec.tune import choose, score, tune
+from splitspec.measure.tune import choose, score, tune
 
 
 def _row(dtp, B, k, tps):
@@ -33,7 +33,7 @@ def test_choice_turns_speculation_off_where_it_does_not_pay():
 
 
 def test_pooled_acceptance_rates_by_position():
-    from splitspec.tune import pool_acceptance
+    from splitspec.measure.tune import pool_acceptance
 
     # batch 2, 10 cycles each: k = 1 accepted position 1 in 16 of 20 tries; k = 2 in 14 of 20, then 7 of those 14
     rows = [{"batch": 2, "k": 0, "n": 10, "cycle_ms": 1.0, "accepted_by_position": []},
@@ -123,7 +123,7 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
                                  {"draft_tp": 1, "k_by_batch": {"9" * 5000: 2}}])
 def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     from splitspec.errors import SplitspecError
-    from splitspec.runtime import read_tuning
+    from splitspec.runtime.scheduler import read_tuning
 
     (tmp_path / "tuning.json").write_text(json.dumps(bad))
     with pytest.raises(SplitspecError, match="tuning.json"):
@@ -158,7 +158,7 @@ def _tp(engines) -> int:
 
 
 def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path):
-    from splitspec.runtime import read_tuning
+    from splitspec.runtime.scheduler import read_tuning
 
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
@@ -173,9 +173,9 @@ def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path
 
 
 def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path):
-    from splitspec.engine_process import EngineProcess
-    from splitspec.perf import repo_setting
-    from splitspec.repo import render_repo
+    from splitspec.serving.engine_process import EngineProcess
+    from splitspec.measure.perf_suite import repo_setting
+    from splitspec.serving.repo import render_repo
 
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
@@ -276,7 +276,7 @@ def test_ctrl_c_during_tune_stops_it_and_its_workers_promptly(built_engines, tmp
 
 def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeypatch):
     """measure loads A B B A A B …; each row's cycle is the mean of its loads' medians over all its cycles."""
-    from splitspec import tune as tune_mod
+    from splitspec.measure import tune as tune_mod
 
     order, real_load = [], SpeculativeEngine.load
     monkeypatch.setattr(tune_mod.SpeculativeEngine, "load",
@@ -294,7 +294,7 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
 def test_row_is_the_mean_of_each_loads_median():
     from types import SimpleNamespace
 
-    from splitspec.tune import _row
+    from splitspec.measure.tune import _row
 
     st = lambda e: SimpleNamespace(emitted=[e], accepted_by_position=[e - 1], draft_ms=1.0, verify_ms=2.0)  # noqa: E731
     by_load = [[(10.0, st(2)), (30.0, st(2)), (11.0, st(1))], [(20.0, st(2)), (21.0, st(1))]]
@@ -319,7 +319,7 @@ def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypat
     import gc
     import weakref
 
-    from splitspec import tune as tune_mod
+    from splitspec.measure import tune as tune_mod
 
     loaded: list = []
     alive_at_load: list[bool] = []

@@ -22,26 +22,26 @@ def _cmd_demo_models(a: argparse.Namespace) -> None:
         # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning
         # workers can slow training steps tenfold. Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from splitspec.demo import make_demo_models
+    from splitspec.demo.checkpoints import make_demo_models
 
     make_demo_models(Path(a.out), seed=a.seed, trained=not a.random, device=a.device, retrain=a.retrain)
 
 
 def _cmd_convert(a: argparse.Namespace) -> None:
-    from splitspec.convert import convert_pair
+    from splitspec.convert.pair import convert_pair
 
     convert_pair(Path(a.target), Path(a.drafter), Path(a.out), tp_size=a.tp, ep_size=a.ep, aux_convention=a.aux_convention,
                  drafter_embedding=a.drafter_embedding)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> None:
-    from splitspec.inspect import main as inspect_main
+    from splitspec.convert.describe import main as inspect_main
 
     inspect_main(Path(a.checkpoint), Path(a.target) if a.target else None, a.aux_convention)
 
 
 def _cmd_build(a: argparse.Namespace) -> None:
-    from splitspec.build import build_engines
+    from splitspec.build.engines import build_engines
 
     build_engines(Path(a.checkpoints), Path(a.out), dtype=a.dtype, max_batch_size=a.max_batch_size,
                   max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len)
@@ -56,7 +56,7 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 def _cmd_tune(a: argparse.Namespace) -> None:
     from splitspec.errors import ConfigError
     from splitspec.generate import parse_device
-    from splitspec.tune import tune
+    from splitspec.measure.tune import tune
 
     def numbers(flag: str, text: str, kind=int) -> list:
         try:
@@ -70,10 +70,10 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         raise ConfigError(f"--engines {a.engines}: not a folder of built engines")
     if a.max_seq_len < 32:
         raise ConfigError(f"--max-seq-len = {a.max_seq_len}, expected ≥ 32 tokens")
-    from splitspec.perf import parse_levels
+    from splitspec.measure.perf_suite import parse_levels
 
     if a.batches is None:  # the default buckets, capped at what the engines take
-        from splitspec.engine import read_engine_meta
+        from splitspec.engine.group import read_engine_meta
 
         limit = int(read_engine_meta(Path(a.engines) / "target", "target")["limits"]["max_batch_size"])
         a.batches = ",".join(map(str, sorted({min(b, limit) for b in (1, 4, 16)})))
@@ -84,9 +84,9 @@ def _cmd_tune(a: argparse.Namespace) -> None:
 
 
 def _cmd_repo(a: argparse.Namespace) -> None:
-    from splitspec.repo import render_repo
+    from splitspec.serving.repo import render_repo
 
-    from splitspec.perf import repo_setting
+    from splitspec.measure.perf_suite import repo_setting
 
     out = render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
                       draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
@@ -98,20 +98,20 @@ def _cmd_repo(a: argparse.Namespace) -> None:
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:
-    from splitspec.server import serve_forever
+    from splitspec.serving.tritonserver import serve_forever
 
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
                   ask=a.ask, max_tokens=a.max_tokens)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:
-    from splitspec.client import main as client_main
+    from splitspec.serving.client import main as client_main
 
     client_main(a)
 
 
 def _cmd_perf(a: argparse.Namespace) -> None:
-    from splitspec.perf import run_perf_suite
+    from splitspec.measure.perf_suite import run_perf_suite
 
     run_perf_suite(engines=None if a.repo else Path(a.engines), repo=Path(a.repo) if a.repo else None,
                    out_dir=Path(a.out) if a.out else None, concurrencies=a.concurrency,
@@ -122,7 +122,7 @@ def _cmd_perf(a: argparse.Namespace) -> None:
 
 
 def _cmd_bench(a: argparse.Namespace) -> None:
-    from splitspec.bench import main as bench_main
+    from splitspec.measure.placement_bench import main as bench_main
 
     bench_main(a)
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.runtime import GenerationResult, Request, SpeculativeEngine
-from splitspec.sampling import SamplingParams
+from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
+from splitspec.runtime.sampling import SamplingParams
 
 
 def read_prompts(path: Path) -> list[str | list[dict]]:

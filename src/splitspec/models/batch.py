@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.kv import BLOCK_SIZE, slot_mapping
+from splitspec.engine.kv import BLOCK_SIZE, slot_mapping
 
 
 @dataclass

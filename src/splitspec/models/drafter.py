@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.config import DrafterConfig
-from splitspec.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
+from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
 class DrafterKVCache:
     """K/V cache of the drafter's single layer on one rank: k, v [rows, local kv heads, head_dim]
-    (rows = token budget, shared block layout with the target; see :mod:`splitspec.kv`)."""
+    (rows = token budget, shared block layout with the target; see :mod:`splitspec.engine.kv`)."""
 
     def __init__(self, cfg: DrafterConfig, rows: int, dtype: torch.dtype, device, tp_size: int = 1):
         shape = (rows, cfg.num_key_value_heads // tp_size, cfg.head_dim)
@@ -66,7 +66,7 @@ def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, siz
 
 class DrafterModel:
     """An EAGLE-3 drafter (one rank of it when ``comm.size`` > 1: weights from :func:`shard_drafter`),
-    weights in the runtime layout written by ``splitspec.build``.
+    weights in the runtime layout written by ``splitspec.build.engines``.
 
     ``draft_to_target`` [draft_vocab] int64 maps draft ids to target ids (from d2t offsets).
     """

@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec import fused_moe, quant
+from splitspec import quant
+
+from splitspec.models import fused_moe
 from splitspec.config import Mapping, TargetConfig
-from splitspec.layers import Rotary, TPComm, attend, attend_padded, rms_norm
+from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -91,7 +93,7 @@ class TargetKVCache:
     followed by the shared rope key k_pe (qk_rope_head_dim values), in one tensor ``kv``
     [layers, rows, kv_lora_rank + qk_rope_head_dim] so that attention gathers a window once.
 
-    ``rows`` = token budget (blocks × block size, see :mod:`splitspec.kv`). Replicated on every TP rank
+    ``rows`` = token budget (blocks × block size, see :mod:`splitspec.engine.kv`). Replicated on every TP rank
     (the latent is shared by all heads). Bytes: layers × rows × (kv_lora_rank + qk_rope_head_dim) × dtype size
     (Kimi-K2: 61 × (512 + 64) × 2 = 70 KB per token in bf16).
     """
@@ -116,12 +118,12 @@ class TargetKVCache:
 
 
 class TargetModel:
-    """One rank of the target, holding its weights in the runtime layout written by ``splitspec.build``.
+    """One rank of the target, holding its weights in the runtime layout written by ``splitspec.build.engines``.
 
     Args:
         cfg: the target config.
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
-        weights: runtime-layout tensors of this rank (see :func:`splitspec.build.target_runtime_layout`).
+        weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
 
     Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
     and :meth:`mlp_half` (residual add, norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
@@ -212,7 +214,7 @@ class TargetModel:
     def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum.
 
-        A few tokens on CUDA take the fused decode kernels (:mod:`splitspec.fused_moe`): routing in two kernels when
+        A few tokens on CUDA take the fused decode kernels (:mod:`splitspec.models.fused_moe`): routing in two kernels when
         there is one expert group, the routed experts (and, for a single token, the shared one) in two more,
         which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise
         :func:`noaux_tc_route`, the shared expert as a SwiGLU and the routed ones as grouped GEMMs

@@ -12,7 +12,7 @@ cancelled but not the spec_decode step already running. This model sees the canc
 first, so it tells spec_decode (a BLS request with ``cancel_stream_id``), which frees the
 sequence's slot and KV blocks at its next cycle. Each stream is forwarded once. ``is_cancelled()``
 is an IPC round trip to tritonserver, so a stream's requests are checked at most every
-``CANCEL_POLL_S`` (:mod:`splitspec.repo`), its first not at all, and requests without ``stream_id``
+``CANCEL_POLL_S`` (:mod:`splitspec.serving.repo`), its first not at all, and requests without ``stream_id``
 (nothing to forward) never.
 """
 
@@ -26,8 +26,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.errors import SplitspecError
-from splitspec.repo import CANCEL_POLL_S
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.serving.repo import CANCEL_POLL_S
+from splitspec.runtime.tokenizer import ChatTokenizer
 
 #: How many stream ids are remembered: recently cancelled ones (each is forwarded once), and the time of
 #: each recently seen stream's next cancellation check (more than any batch: spec_decode's streams at once).

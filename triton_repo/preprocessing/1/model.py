@@ -2,7 +2,7 @@
 
 Inputs: ``text_input`` (string [1]); optional ``apply_chat_template`` (bool [1], default false:
 the raw prompt is completed; true: the prompt becomes one user message in the tokenizer's chat
-template). Output: ``input_ids`` (int32 [-1]). The tokenizer is ``splitspec.tokenizer.ChatTokenizer``
+template). Output: ``input_ids`` (int32 [-1]). The tokenizer is ``splitspec.runtime.tokenizer.ChatTokenizer``
 loaded from the parameter ``tokenizer_dir`` (the target engine's folder). A bad request gets an
 error response naming the input; the model keeps serving.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.errors import SplitspecError
-from splitspec.tokenizer import ChatTokenizer
+from splitspec.runtime.tokenizer import ChatTokenizer
 
 
 def _error_response(message):

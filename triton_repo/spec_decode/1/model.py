@@ -1,11 +1,11 @@
 """Triton Python model ``spec_decode`` (decoupled): speculative decoding with an EAGLE-3 drafter.
 
-A thin adapter over ``splitspec.runtime``. The engine — a :class:`SpeculativeEngine` (the leader, rank 0
+A thin adapter over ``splitspec.runtime.scheduler``. The engine — a :class:`SpeculativeEngine` (the leader, rank 0
 of the target's tensor-parallel group, which starts the other ranks as worker processes) and the
 :class:`EngineLoop` running batched draft/verify cycles over every active request — lives in a process of
-its own, started with ``sys.executable`` (:mod:`splitspec.engine_process`), not in this stub: the stub's
+its own, started with ``sys.executable`` (:mod:`splitspec.serving.engine_process`), not in this stub: the stub's
 embedded ``libpython`` is slower than the interpreter that runs the engine alone, and here the engine's
-loop would share the GIL with the threads below (the module docstring of ``splitspec.engine_process``
+loop would share the GIL with the threads below (the module docstring of ``splitspec.serving.engine_process``
 has the measurements).
 
 Threads of the instance:
@@ -21,9 +21,9 @@ Threads of the instance:
   trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
   response, never before it.
 - the monitor: every ``metrics_interval_s`` publishes the engine's Prometheus metrics
-  (:mod:`splitspec.metrics`). The engine process checks the target's worker processes itself.
+  (:mod:`splitspec.serving.metrics`). The engine process checks the target's worker processes itself.
 
-Text: the engine's text deltas (:mod:`splitspec.detok`) are final — a response never ends inside a
+Text: the engine's text deltas (:mod:`splitspec.runtime.detok`) are final — a response never ends inside a
 UTF-8 character or inside a possible stop string — so concatenating a stream's ``output_text`` gives
 exactly the non-streamed text. When a cycle's tokens complete no character yet, no response is sent
 for it (unless token ids were asked for).
@@ -54,13 +54,13 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from splitspec.engine import EngineError
-from splitspec.engine_process import EngineProcess
+from splitspec.engine.group import EngineError
+from splitspec.serving.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.metrics import MetricsCollector, TritonMetricsExporter
-from splitspec.repo import CANCEL_POLL_S
-from splitspec.runtime import Request, RequestOutput
-from splitspec.sampling import SamplingParams
+from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
+from splitspec.serving.repo import CANCEL_POLL_S
+from splitspec.runtime.scheduler import Request, RequestOutput
+from splitspec.runtime.sampling import SamplingParams
 
 #: Inputs of the ensemble (named when a request carries an unknown parameter).
 ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",

@@ -20,8 +20,8 @@ Output layout (``checkpoints/<name>/``)::
     drafter/config.json           {"format", "kind": "drafter", "config", "capture_points", "embedding", ...}
     drafter/rank0.safetensors     drafter tensors, ``draft_to_target`` and the chosen ``embed_tokens.weight``
 
-Streaming: tensors are read one at a time with positioned reads (:class:`splitspec.io.CheckpointReader`)
-and written one at a time (:class:`splitspec.io.StreamingSafetensorsWriter`), so resident memory is the
+Streaming: tensors are read one at a time with positioned reads (:class:`splitspec.convert.safetensors.CheckpointReader`)
+and written one at a time (:class:`splitspec.convert.safetensors.StreamingSafetensorsWriter`), so resident memory is the
 largest source tensor plus its slice, far below the largest shard plus one rank's output. Every tensor
 in either checkpoint is used, deliberately skipped (with a notice), or reported as unused.
 """
@@ -38,7 +38,7 @@ from tqdm import tqdm
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.io import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
+from splitspec.convert.safetensors import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
 
 FORMAT = "splitspec-checkpoint-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",

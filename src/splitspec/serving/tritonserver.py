@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from splitspec.client import ask_grpc, ask_http, merge, stream_http
+from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.errors import ConfigError, SplitspecError
 
 #: Folder (under the model repository) holding the assembled backend folder(s) and server logs.

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from splitspec import quant
 from splitspec.config import MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
-from splitspec.convert import VISION_PREFIXES, tokenizer_vocab_size
+from splitspec.convert.pair import VISION_PREFIXES, tokenizer_vocab_size
 from splitspec.errors import CheckpointError
-from splitspec.io import CheckpointReader, read_json
+from splitspec.convert.safetensors import CheckpointReader, read_json
 
 DRAFTER_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
 

@@ -35,9 +35,9 @@ from tqdm import tqdm
 
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.convert import FORMAT, TOKENIZER_FILES
+from splitspec.convert.pair import FORMAT, TOKENIZER_FILES
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.io import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
+from splitspec.convert.safetensors import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,7 +1,7 @@
 """Engines on their ranks: the target's tensor-parallel group and the drafter, driven by the leader.
 
 The leader (rank 0) lives in the caller's process (the Triton ``spec_decode`` model or the CLI) and
-starts ranks 1..N−1 as worker processes (``python -m splitspec.worker``). All ranks join one
+starts ranks 1..N−1 as worker processes (``python -m splitspec.engine.worker``). All ranks join one
 ``torch.distributed`` group (gloo on CPU; NCCL for GPU tensors with a gloo group for the control plane),
 meeting at a ``TCPStore`` the leader opens on a free loopback port.
 
@@ -36,9 +36,9 @@ from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import CheckpointError, ConfigError, SplitspecError
-from splitspec.io import read_json
-from splitspec.kv import BLOCK_SIZE
-from splitspec.layers import TPComm
+from splitspec.convert.safetensors import read_json
+from splitspec.engine.kv import BLOCK_SIZE
+from splitspec.models.layers import TPComm
 from splitspec.models.batch import ForwardBatch, padded, to_device
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
@@ -84,7 +84,7 @@ def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = 
     (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device``."""
     synthetic = (meta or {}).get("weights", {}).get("synthetic")
     if synthetic is not None:
-        from splitspec.synthetic import random_weights
+        from splitspec.build.synthetic import random_weights
 
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta["dtype"]]
         return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank)
@@ -199,7 +199,7 @@ class RankRunner:
         self.mapping = Mapping.from_dict(meta["mapping"])
         self.limits = meta["limits"]
         self.device = device
-        from splitspec.synthetic import drafter_shapes, target_shapes
+        from splitspec.build.synthetic import drafter_shapes, target_shapes
 
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
@@ -597,7 +597,7 @@ class Group:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             for r in range(1, self.world):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "splitspec.worker", "--engines", str(self.engines_dir), "--rank", str(r),
+                    [sys.executable, "-m", "splitspec.engine.worker", "--engines", str(self.engines_dir), "--rank", str(r),
                      "--world", str(self.world), "--store-port", str(self.store.port), "--device", self.devices[r],
                      "--draft-tp", ",".join(map(str, self.placements)), "--kv-tokens", str(kv_tokens or 0)], env=env))
             torch.set_num_threads(_threads_per_rank(self.world))

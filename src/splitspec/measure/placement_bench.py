@@ -59,10 +59,10 @@ from typing import Iterable, Sequence
 import requests
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.io import write_atomic
-from splitspec.perf import PROJECT_ROOT, Prompt, load_prompts, parse_levels
-from splitspec.repo import MODELS
-from splitspec.server import TritonServer
+from splitspec.convert.safetensors import write_atomic
+from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
+from splitspec.serving.repo import MODELS
+from splitspec.serving.tritonserver import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
 DEFAULT_CONCURRENCIES = (1, 8)
@@ -72,7 +72,7 @@ NO_SPEC = "no speculation"
 
 
 def ordered_levels(value: str | Iterable[int], what: str = "concurrency") -> list[int]:
-    """Validated levels (see :func:`splitspec.perf.parse_levels`) in the order given, duplicates
+    """Validated levels (see :func:`splitspec.measure.perf_suite.parse_levels`) in the order given, duplicates
     dropped: the first is the headline level."""
     parse_levels(value, what)
     items = str(value).split(",") if isinstance(value, (str, int)) else list(value)
@@ -237,7 +237,7 @@ STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_o
 
 
 def model_stats(http: str) -> dict[str, dict]:
-    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.repo.MODELS`) from Triton's
+    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.serving.repo.MODELS`) from Triton's
     statistics endpoint (cumulative since the model loaded; ``{phase: {"count": n, "ns": total}}``).
 
     Raises:
@@ -353,7 +353,7 @@ class StreamWorker:
         Raises:
             SplitspecError: the server answered with an error or nothing arrived within ``timeout_s``.
         """
-        from splitspec.client import grpc_inputs  # noqa: PLC0415
+        from splitspec.serving.client import grpc_inputs  # noqa: PLC0415
 
         inputs = grpc_inputs(prompt.text, max_tokens, num_draft_tokens=k, stream=True, return_stats=True,
                              return_token_ids=True, apply_chat_template=True if prompt.chat else None)
@@ -721,7 +721,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
         ConfigError: a bad argument or missing engines.
         SplitspecError: a server failed to start or a request failed.
     """
-    from splitspec.repo import render_repo  # noqa: PLC0415
+    from splitspec.serving.repo import render_repo  # noqa: PLC0415
 
     engines = Path(engines).resolve()
     info = engine_info(engines)

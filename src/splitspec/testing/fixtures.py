@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 import torch
 
 from splitspec import quant
-from splitspec.io import atomic_dir, write_json, write_tensors
+from splitspec.convert.safetensors import atomic_dir, write_json, write_tensors
 
 BLOCK = (128, 128)
 INT4_GROUP = 32

@@ -10,7 +10,7 @@ and each placement's engines are loaded several times, alternating with the othe
 load's own speed varies by several percent).
 Each bucket gets its fastest (placement, k), k = 0 (speculation off) wherever speculation does not beat
 it; where the buckets' placements differ the engine loads both drafters and each cycle drafts with its
-bucket's (:meth:`splitspec.engine.RankRunner.switch_placement` moves the drafter K/V on a change).
+bucket's (:meth:`splitspec.engine.group.RankRunner.switch_placement` moves the drafter K/V on a change).
 ``verify`` measures everything a second time and scores the choice against that independent exhaustive
 sweep. Written atomically to ``engines_dir/tuning.json``, which
 ``SpeculativeEngine.load`` reads.
@@ -23,10 +23,10 @@ import os
 import time
 from pathlib import Path
 
-from splitspec.engine import read_engine_meta
+from splitspec.engine.group import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
-from splitspec.io import write_atomic
-from splitspec.runtime import Request, SpeculativeEngine
+from splitspec.convert.safetensors import write_atomic
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
 
 #: What configurations are compared by: tokens/s with acceptance pooled over k (:func:`pool_acceptance`).
@@ -72,12 +72,12 @@ def pool_acceptance(rows: list[dict]) -> list[dict]:
     """Add ``expected_acceptance_length`` and ``tokens_per_s_pooled`` to rows of one engine (same drafter and
     prompts): per-position conditional acceptance rates pooled over every row — the draft at position j is
     the same whatever k is, so all rows with k ≥ j measure it — then 1 + Σ_{j≤k} Π_{i≤j} rate_i per
-    sequence and cycle (:func:`splitspec.perf_model.expected_acceptance_length`), over the row's median
+    sequence and cycle (:func:`splitspec.measure.cost_model.expected_acceptance_length`), over the row's median
     cycle. Comparing k by this shares one acceptance estimate among them instead of each k's own few
     hundred draws (a row's acceptance alone is ±5% at 64 cycles of batch 1). Returns ``rows`` (amended);
     the rates are also stored in each row (``pooled_acceptance_rates``).
     """
-    from splitspec.perf_model import expected_acceptance_length
+    from splitspec.measure.cost_model import expected_acceptance_length
 
     depth = max((r["k"] for r in rows), default=0)
     rates = []

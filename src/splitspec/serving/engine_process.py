@@ -1,4 +1,4 @@
-"""The speculative engine in a process of its own (``python -m splitspec.engine_process --fd N``).
+"""The speculative engine in a process of its own (``python -m splitspec.serving.engine_process --fd N``).
 
 :class:`EngineProcess` starts it with ``sys.executable`` and talks to it over a socket pair. The Triton
 model ``spec_decode`` serves through it rather than running the engine inside Triton's Python backend
@@ -63,9 +63,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from splitspec import errors
-from splitspec.engine import EngineError
+from splitspec.engine.group import EngineError
 from splitspec.errors import SplitspecError
-from splitspec.runtime import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.runtime.scheduler import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
 HEALTH_CHECK_S = 0.2
@@ -193,7 +193,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         ours, theirs = socket.socketpair()
         try:
-            cmd = [sys.executable, "-m", "splitspec.engine_process", "--fd", str(theirs.fileno())]
+            cmd = [sys.executable, "-m", "splitspec.serving.engine_process", "--fd", str(theirs.fileno())]
             self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),),
                                          env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"))
         finally:
@@ -235,7 +235,7 @@ class EngineProcess:
     # ------------------------------------------------------------------ requests
 
     def submit(self, sid: int, req) -> None:
-        """Send ``req`` (a :class:`splitspec.runtime.Request`) under the host's id ``sid``; its events go to
+        """Send ``req`` (a :class:`splitspec.runtime.scheduler.Request`) under the host's id ``sid``; its events go to
         ``on_cycle``, a refusal too (a ``"rejected"`` event: see the class). Returns once the request is written,
         without waiting for the engine. Raises EngineError when the engine is known to have stopped serving or its
         process is gone, or when called from ``on_cycle``: the write can wait for the engine process to read, which

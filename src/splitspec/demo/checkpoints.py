@@ -1,7 +1,7 @@
 """Tiny demo checkpoints in the published formats: a Kimi-K2 target and its EAGLE-3 drafter.
 
 :func:`make_demo_models` writes either the trained pair (``trained=True``: trained once per machine
-by :mod:`splitspec.train` and cached, with real acceptance lengths) or, with random but
+by :mod:`splitspec.demo.pair` and cached, with real acceptance lengths) or, with random but
 deterministic weights (the default, for numerics tests),
 
 - ``target/``: a Hugging Face Kimi-K2 checkpoint (``model_type: kimi_k2``, architecture
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.io import replace_dir
-from splitspec.tokenizer import (
+from splitspec.convert.safetensors import replace_dir
+from splitspec.runtime.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -360,7 +360,7 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
 
     With ``trained=False`` (the default, used by the numerics tests) the weights are random: the
     pair is written in seconds and exercises formats and numerics only (acceptance length ≈ 1).
-    With ``trained=True`` the pair trained by :mod:`splitspec.train` (``TrainConfig.preset(device,
+    With ``trained=True`` the pair trained by :mod:`splitspec.demo.pair` (``TrainConfig.preset(device,
     seed)``) is taken from the cache (``$SPLITSPEC_CACHE``, default ``~/.cache/splitspec``), trained
     there first if missing (about 10 minutes on a 2-core CPU), and copied to ``out_dir`` unless
     ``out_dir`` already holds it; the folder then also holds ``training.json`` and PNG plots.
@@ -387,7 +387,7 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
         ConfigError: ``out_dir`` exists and is not a folder; an unknown or unavailable device.
     """
     if trained:
-        from splitspec.train import TrainConfig, ensure_trained_pair, install_trained_pair
+        from splitspec.demo.pair import TrainConfig, ensure_trained_pair, install_trained_pair
 
         entry = ensure_trained_pair(TrainConfig.preset(device, seed), retrain=retrain, progress=progress)
         if install_trained_pair(entry, Path(out_dir)):

@@ -57,10 +57,10 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.io import write_atomic
-from splitspec.server import TritonServer, find_triton, server_env
+from splitspec.convert.safetensors import write_atomic
+from splitspec.serving.tritonserver import TritonServer, find_triton, server_env
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 #: The held-out evaluation prompts (``{"prompt": ...}`` or ``{"messages": [...]}`` per line).
 DEFAULT_PROMPTS = PROJECT_ROOT / "eval" / "prompts.jsonl"
 #: Prompts used when no prompt file is available (code completions and one chat question).
@@ -244,7 +244,7 @@ def load_prompts(path: Path | None = None, tokenizer_dir: Path | None = None) ->
 
 
 def _tokenizer(tokenizer_dir: Path | None, why: str):
-    from splitspec.tokenizer import ChatTokenizer  # noqa: PLC0415
+    from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: PLC0415
 
     if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ConfigError(f"{why}: a multi-message prompt needs the tokenizer (tokenizer_dir = {tokenizer_dir})")
@@ -628,7 +628,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         ConfigError: a bad argument.
         SplitspecError: the server failed to start, or no level of any tool produced figures.
     """
-    from splitspec.repo import render_repo  # noqa: PLC0415
+    from splitspec.serving.repo import render_repo  # noqa: PLC0415
 
     if sum(x is not None for x in (engines, repo, server)) != 1:
         raise ConfigError("run_perf_suite: give exactly one of engines, repo, server")
@@ -712,7 +712,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
             "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp") or "tuning.json's per batch bucket", "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
             "genai_perf": _version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
-    from splitspec.bench import machine_info  # noqa: PLC0415
+    from splitspec.measure.placement_bench import machine_info  # noqa: PLC0415
 
     meta.update(machine_info())
     write_atomic(out / "summary.json", json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")

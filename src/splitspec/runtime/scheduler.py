@@ -3,7 +3,7 @@
 A *cycle* (DESIGN.md, "Speculation, in numbers") runs one batched draft phase — the drafter extends over the
 tokens each sequence accepted last cycle, then takes k − 1 more steps — and one batched target forward that
 verifies every decoding sequence's k + 1 positions and prefills chunks of newly admitted prompts. Sequences
-join and leave between cycles. Acceptance is decided here, once, on the leader (:mod:`splitspec.sampling`):
+join and leave between cycles. Acceptance is decided here, once, on the leader (:mod:`splitspec.runtime.sampling`):
 greedy output is token-for-token identical to target-only greedy decoding; sampled output has the target's
 distribution.
 
@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from splitspec.engine import CyclePlan, EngineError, Group, SeqWork, read_engine_meta
+from splitspec.engine.group import CyclePlan, EngineError, Group, SeqWork, read_engine_meta
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.kv import BlockAllocator
-from splitspec.sampling import SamplingParams, target_probs, verify, verify_synthetic
+from splitspec.engine.kv import BlockAllocator
+from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
 
 
 @dataclass
@@ -83,7 +83,7 @@ class RequestOutput:
 
     ``error`` is set (and ``finished`` True) when the request failed; ``stats`` is set when finished.
     ``finish_reason``: "stop", "length", "cancelled", "error"; "rejected" for a request the engine process refused
-    (:mod:`splitspec.engine_process`; ``error`` says why, no ``stats``).
+    (:mod:`splitspec.serving.engine_process`; ``error`` says why, no ``stats``).
     """
 
     request_id: int
@@ -245,7 +245,7 @@ class SpeculativeEngine:
         tok = None
         tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
         if (tdir / "tokenizer.json").exists():
-            from splitspec.tokenizer import ChatTokenizer
+            from splitspec.runtime.tokenizer import ChatTokenizer
 
             tok = ChatTokenizer.from_dir(tdir)
         group = Group(engines_dir, target_device_ids, placements, draft_device_id, kv_tokens)
@@ -357,7 +357,7 @@ class SpeculativeEngine:
         stops = set(req.stop_token_ids) if req.stop_token_ids is not None else set(self.tokenizer.stop_token_ids if self.tokenizer else ())
         detok = None
         if self.tokenizer is not None:
-            from splitspec.detok import IncrementalDetokenizer
+            from splitspec.runtime.detok import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
         with self._lock:
@@ -605,7 +605,7 @@ def read_tuning(engines_dir: Path) -> dict | None:
     path = Path(engines_dir) / "tuning.json"
     if not path.exists() and not path.is_symlink():  # a dangling link is refused by read_json, not taken for none
         return None
-    from splitspec.io import read_json
+    from splitspec.convert.safetensors import read_json
 
     t = read_json(path)
     if not isinstance(t, dict) or "k_by_batch" not in t or ("draft_tp" in t) == ("draft_tp_by_batch" in t):

@@ -4,7 +4,7 @@ For measuring costs at full Kimi-K2 width (hidden 7168, MLA dims, 384 experts ×
 1 shared expert, vocabulary 163840) with the depth reduced to fit the GPUs at hand, and a drafter at the
 published Kimi-K2 EAGLE-3 size (hidden 7168, 64 heads × 128, intermediate 18432, draft vocabulary 32000).
 No checkpoint is written: ``engine.json`` says ``"weights": {"synthetic": {...}}`` and each rank draws its
-runtime-layout tensors (the names and shapes :mod:`splitspec.build` writes) from a seeded generator.
+runtime-layout tensors (the names and shapes :mod:`splitspec.build.engines` writes) from a seeded generator.
 Outputs of such engines are meaningless; use them with synthetic acceptance (labelled in every result).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from splitspec.config import DrafterConfig, Mapping, RopeConfig, TargetConfig
-from splitspec.io import atomic_dir, write_json
+from splitspec.convert.safetensors import atomic_dir, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 # Conditional acceptance by draft position for synthetic runs, chosen so that the expected acceptance length
@@ -46,7 +46,7 @@ def kimi_k2_drafter(num_target_layers: int) -> DrafterConfig:
 
 
 def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, ...]]:
-    """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build`)."""
+    """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build.engines`)."""
     tp = mapping.tp_size
     H, h = cfg.hidden_size, cfg.num_attention_heads // tp
     s = {"embed_tokens": (cfg.vocab_size // tp, H), "lm_head": (cfg.vocab_size // tp, H), "norm": (H,)}

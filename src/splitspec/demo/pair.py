@@ -22,14 +22,14 @@ Pipeline (:func:`train_pair`), everything seeded from :attr:`TrainConfig.seed`:
    :class:`Eagle3Trainable` and :func:`ttt_attention_mask`.
 5. **Export and report.** Both are written in the published Hugging Face formats (``demo.py``), the
    acceptance by draft position is measured with the real engines (convert → build →
-   :class:`splitspec.runtime.SpeculativeEngine`) on held-out prompts, and PNGs of the loss curves and of
+   :class:`splitspec.runtime.scheduler.SpeculativeEngine`) on held-out prompts, and PNGs of the loss curves and of
    acceptance by position are saved next to the models.
 
 Results are cached by content hash (:func:`cache_key`: training code, config, seed, corpus contents,
 library versions) under ``$SPLITSPEC_CACHE`` (default ``~/.cache/splitspec``) as ``demo-<hash>/``
 (:func:`ensure_trained_pair`), so a machine trains once.
 
-Indexing (as in :mod:`splitspec.runtime`): drafter row j pairs the target's aux state at position j
+Indexing (as in :mod:`splitspec.runtime.scheduler`): drafter row j pairs the target's aux state at position j
 with token j+1 at rotary position j and predicts token j+2; its teacher is the target's logits at
 position j+1.
 """
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitspec.errors import ConfigError
-from splitspec.io import replace_dir
+from splitspec.convert.safetensors import replace_dir
 
 CACHE_ENV = "SPLITSPEC_CACHE"
 TRAINING_INFO = "training.json"
@@ -67,7 +67,7 @@ LOSS_PNG = "training_loss.png"
 ACCEPTANCE_PNG = "acceptance_by_position.png"
 EXCLUDED_CORPUS_DIRS = ("encodings",)  # codec tables: hundreds of KB of "'\x00' # 0x00 -> NULL" lines
 # Files whose code defines the trained pair: a change to any of them gives a new cache key.
-_CODE_FILES = ("train.py", "demo.py", "tokenizer.py")
+_CODE_FILES = ("demo/pair.py", "demo/checkpoints.py", "runtime/tokenizer.py")
 
 
 def _log(msg: str) -> None:
@@ -171,8 +171,8 @@ class TrainConfig:
 
 
 def trained_target_config(cfg: TrainConfig, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
-    """The trained target's ``config.json``: :func:`splitspec.demo.target_config` at ``cfg``'s sizes."""
-    from splitspec.demo import target_config
+    """The trained target's ``config.json``: :func:`splitspec.demo.checkpoints.target_config` at ``cfg``'s sizes."""
+    from splitspec.demo.checkpoints import target_config
 
     c = target_config(bos_id, eos_id, pad_id)
     c.update(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
@@ -184,8 +184,8 @@ def trained_target_config(cfg: TrainConfig, bos_id: int, eos_id: int, pad_id: in
 
 
 def trained_drafter_config(cfg: TrainConfig, bos_id: int, eos_id: int) -> dict[str, Any]:
-    """The trained drafter's ``config.json``: :func:`splitspec.demo.drafter_config` at ``cfg``'s sizes."""
-    from splitspec.demo import drafter_config
+    """The trained drafter's ``config.json``: :func:`splitspec.demo.checkpoints.drafter_config` at ``cfg``'s sizes."""
+    from splitspec.demo.checkpoints import drafter_config
 
     c = drafter_config(bos_id, eos_id)
     heads = cfg.num_attention_heads
@@ -271,7 +271,7 @@ class CorpusSplit:
 def corpus_split(heldout_every: int = 40, max_files: int | None = None) -> CorpusSplit:
     """Read the training corpus and split it into training and held-out files.
 
-    Files come from :func:`splitspec.tokenizer.stdlib_source_files` (sorted, tests excluded), minus
+    Files come from :func:`splitspec.runtime.tokenizer.stdlib_source_files` (sorted, tests excluded), minus
     those under :data:`EXCLUDED_CORPUS_DIRS`; file i (in that order) is held out when
     ``i % heldout_every == heldout_every // 2``.
 
@@ -284,7 +284,7 @@ def corpus_split(heldout_every: int = 40, max_files: int | None = None) -> Corpu
     """
     import sysconfig
 
-    from splitspec.tokenizer import stdlib_source_files
+    from splitspec.runtime.tokenizer import stdlib_source_files
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files: list[tuple[str, str]] = []
@@ -462,7 +462,7 @@ class WindowSampler:
 def build_target(config: dict[str, Any], seed: int, device: str | torch.device = "cpu") -> Any:
     """A freshly initialised ``DeepseekV3ForCausalLM`` for the Kimi-K2 ``config`` (float32, train mode).
 
-    ``model_type`` is set to ``deepseek_v3`` as in :func:`splitspec.demo.load_hf_reference_target`.
+    ``model_type`` is set to ``deepseek_v3`` as in :func:`splitspec.demo.checkpoints.load_hf_reference_target`.
     Initialisation is transformers' own (normal, std ``initializer_range``), drawn after
     ``torch.manual_seed(seed)``; the correction bias starts at zero.
     """
@@ -719,7 +719,7 @@ def ttt_attention_mask(rows: int, step: int, device: str | torch.device = "cpu")
     The keys are the step-1..step-``step`` keys of all rows, concatenated step-major: column
     ``(t − 1)·rows + i`` is the step-t key of row i (at rotary position i). A step-s query at row j
     sees exactly what the runtime's drafter KV cache holds when it drafts at position j
-    (:mod:`splitspec.runtime`): step-1 keys of rows ``i ≤ j − s + 1`` (written by the extend over
+    (:mod:`splitspec.runtime.scheduler`): step-1 keys of rows ``i ≤ j − s + 1`` (written by the extend over
     accepted tokens) and, for t = 2..s, the step-t key of row ``j − s + t`` (written by the t-th draft
     step of the same cycle). For s = 1 this is the causal mask.
 
@@ -754,7 +754,7 @@ class Eagle3Trainable(nn.Module):
     def __init__(self, config: dict[str, Any], embed: torch.Tensor, seed: int, lm_head_init: torch.Tensor | None = None):
         super().__init__()
         from splitspec.config import DrafterConfig
-        from splitspec.layers import Rotary
+        from splitspec.models.layers import Rotary
 
         self.cfg = DrafterConfig.from_hf(config, "drafter config")
         c = self.cfg
@@ -823,7 +823,7 @@ class Eagle3Trainable(nn.Module):
         Returns:
             (logits [B, R, draft_vocab] float32, out [B, R, H] (pre-norm output state), k, v of this step).
         """
-        from splitspec.layers import rms_norm
+        from splitspec.models.layers import rms_norm
 
         c = self.cfg
         B, R = tokens.shape
@@ -1061,8 +1061,8 @@ def build_demo_engines(models_dir: Path, out_dir: Path, tp_size: int = 1, max_se
     """convert + build ``models_dir/{target,drafter}`` into ``out_dir/engines`` (float32); returns that folder."""
     import io
 
-    from splitspec.build import build_engines
-    from splitspec.convert import convert_pair
+    from splitspec.build.engines import build_engines
+    from splitspec.convert.pair import convert_pair
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size)
@@ -1088,7 +1088,7 @@ def speculative_acceptance(engines_dir: Path, prompts: list[list[int]], max_toke
     from tqdm import tqdm
 
     from splitspec.errors import SplitspecError
-    from splitspec.runtime import SpeculativeEngine
+    from splitspec.runtime.scheduler import SpeculativeEngine
 
     cycles, emitted, accepted = 0, 0, [0] * k
     per_prompt, outputs = [], []
@@ -1231,7 +1231,7 @@ _README = """\
 # Demo models (trained)
 
 Two small checkpoints trained on this machine from seed {seed} by `splitspec demo-models`
-(`splitspec.train`, cache key `{key}`):
+(`splitspec.demo.pair`, cache key `{key}`):
 
 - `target/`: a Kimi-K2-format Hugging Face checkpoint (`model_type: kimi_k2`, architecture
   `DeepseekV3ForCausalLM`): {n_layers} layers of MLA attention with YaRN, the first dense and the rest
@@ -1259,7 +1259,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
     """Train the demo pair and write it to ``out_dir`` (built in a temporary sibling folder, then
     renamed into place; an existing ``out_dir`` is replaced only on success).
 
-    Layout: ``target/`` and ``drafter/`` in the published formats (as :func:`splitspec.demo.make_demo_models`
+    Layout: ``target/`` and ``drafter/`` in the published formats (as :func:`splitspec.demo.checkpoints.make_demo_models`
     writes them), ``README.md``, :data:`TRAINING_INFO` (config, cache key, loss histories, held-out loss,
     acceptance, timings) and the PNGs :data:`LOSS_PNG` / :data:`ACCEPTANCE_PNG`.
 
@@ -1276,7 +1276,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
     Raises:
         ConfigError: an invalid configuration or an unavailable device.
     """
-    from splitspec.demo import _default_permissions
+    from splitspec.demo.checkpoints import _default_permissions
 
     _check_config(cfg)
     out_dir = Path(out_dir).absolute()
@@ -1297,8 +1297,8 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
 
 def _train_into(root: Path, cfg: TrainConfig, progress: bool, measure: bool, key: str | None) -> dict[str, Any]:
     """Body of :func:`train_pair`, writing into the (temporary) folder ``root``."""
-    from splitspec.demo import VOCAB_SIZE, write_drafter_checkpoint, write_target_checkpoint
-    from splitspec.tokenizer import (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer,
+    from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_target_checkpoint
+    from splitspec.runtime.tokenizer import (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer,
                                      select_draft_vocab, train_tokenizer)
 
     t_start = time.perf_counter()
@@ -1466,7 +1466,7 @@ def cache_key(cfg: TrainConfig, split: CorpusSplit | None = None) -> str:
     (:data:`_CODE_FILES`), ``cfg`` (seed included), the corpus files and contents, and the versions of
     Python, torch, transformers, tokenizers and numpy. 16 hex digits."""
     h = hashlib.sha256()
-    here = Path(__file__).parent
+    here = Path(__file__).resolve().parents[1]
     for name in _CODE_FILES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes())
     h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
@@ -1520,7 +1520,7 @@ def ensure_trained_pair(cfg: TrainConfig, cache_dir: Path | None = None, retrain
 def install_trained_pair(entry: Path, out_dir: Path) -> bool:
     """Copy a cached pair (``entry``) to ``out_dir`` (atomically). Returns False when ``out_dir``
     already holds the same pair (same cache key), True when it was copied."""
-    from splitspec.demo import _default_permissions
+    from splitspec.demo.checkpoints import _default_permissions
 
     entry, out_dir = Path(entry), Path(out_dir).absolute()
     want = json.loads((entry / TRAINING_INFO).read_text())["key"]

@@ -1,5 +1,5 @@
 """Entry point of a target worker rank:
-``python -m splitspec.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``."""
+``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``."""
 
 import signal
 
@@ -12,7 +12,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from splitspec.engine import worker_loop  # noqa: E402
+from splitspec.engine.group import worker_loop  # noqa: E402
 
 
 def main() -> None:

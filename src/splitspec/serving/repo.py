@@ -16,7 +16,7 @@ from pathlib import Path
 from string import Template
 
 from splitspec.errors import ConfigError
-from splitspec.io import write_atomic
+from splitspec.convert.safetensors import write_atomic
 
 #: Models of the repository, in pipeline order (the ensemble last).
 MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
@@ -36,7 +36,7 @@ def template_repo() -> Path:
     Raises:
         ConfigError: the folder is not there (splitspec installed without its source tree).
     """
-    root = Path(__file__).resolve().parents[2] / "triton_repo"
+    root = Path(__file__).resolve().parents[3] / "triton_repo"
     if not (root / "ensemble" / TEMPLATE_NAME).is_file():
         raise ConfigError(f"{root}: model repository templates not found (use an editable install of splitspec)")
     return root
@@ -129,7 +129,7 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         if not (engines_dir / "target" / f).is_file():
             raise ConfigError(f"{engines_dir / 'target' / f}: tokenizer file missing from the target engine")
 
-    from splitspec.runtime import read_tuning
+    from splitspec.runtime.scheduler import read_tuning
 
     tuning = read_tuning(engines_dir)  # refused here, naming the file, if it does not fit these engines
     if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
