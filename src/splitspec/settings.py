@@ -1,0 +1,201 @@
+"""``ServeConfig``: the deployment settings, made once at the edge and passed down unchanged.
+
+One frozen, validated object carries what a deployment chooses — where the target and drafter run, how
+many draft tokens, batch and KV limits, the engine switches — from whoever creates it (the CLI, the
+``spec_decode`` Triton model's ``initialize``, a benchmark) to the engine group, the scheduler and the
+engine process. It is never mutated: :meth:`ServeConfig.replace` returns a changed copy.
+
+``SPLITSPEC_*`` environment variables are read here and nowhere else (:meth:`ServeConfig.from_env`).
+The model repository stores the same settings as string parameters of ``spec_decode/config.pbtxt``;
+:meth:`ServeConfig.to_parameters` writes them and :meth:`ServeConfig.from_parameters` reads them back,
+so ``splitspec repo`` and the Triton model share one schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from splitspec.errors import ConfigError
+
+#: Environment variables read by :meth:`ServeConfig.from_env`, with the field each sets.
+ENV_FIELDS = {
+    "SPLITSPEC_PADDED": "padded",
+    "SPLITSPEC_COMPILE": "compile",
+    "SPLITSPEC_CUDA_GRAPHS": "cuda_graphs",
+    "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "collective_timeout_s",
+}
+#: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
+PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
+                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance")
+_WHERE = "spec_decode/config.pbtxt"
+
+
+def parse_ids(text: str, what: str) -> tuple[int, ...]:
+    """``"0,1"`` → ``(0, 1)``; ``""`` → ``()``. Raises ConfigError naming ``what`` on anything else."""
+    text = (text or "").strip()
+    if not text:
+        return ()
+    try:
+        ids = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{what} = {text!r}: expected GPU ids like '0,1'") from None
+    if any(i < 0 for i in ids):
+        raise ConfigError(f"{what} = {text!r}: GPU ids are ≥ 0")
+    return ids
+
+
+def _flag(name: str, raw: str) -> bool:
+    if raw.strip() in ("1", "true", "yes", "on"):
+        return True
+    if raw.strip() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} = {raw!r}: expected 1 or 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How one deployment runs its engines.
+
+    Attributes:
+        engines_dir: folder holding the built ``target/`` and ``drafter/`` engines.
+        target_device_ids: GPU ids of target ranks 0..N−1, one per rank; ``()``: CPU.
+        draft_device_id: GPU of a TP1 drafter; None: target rank 0's device.
+        draft_tp: drafter tensor-parallel size, 1 (split placement) or the target's TP size (sharded);
+            None: ``tuning.json``'s placement per batch bucket, else 1.
+        num_draft_tokens: default draft tokens per cycle k (0: no speculation); None: ``tuning.json``'s k per
+            batch bucket, else 4.
+        max_batch_size: sequences decoded together; None: the engine's limit.
+        kv_tokens: KV-cache budget in tokens shared by all sequences; None: max_batch_size × max_seq_len.
+        max_prefill_tokens: prompt tokens prefilled per cycle (chunked prefill).
+        synthetic_acceptance: BENCHMARK ONLY — per-position probabilities with which a draft token is accepted
+            regardless of its value (outputs are then not the target's); None: real verification.
+        padded: run steady decode cycles in the static-shape form on the CPU too (always on GPUs).
+        compile: ``torch.compile`` the target's layers on GPUs.
+        cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
+        collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
+    """
+
+    engines_dir: Path
+    target_device_ids: tuple[int, ...] = ()
+    draft_device_id: int | None = None
+    draft_tp: int | None = None
+    num_draft_tokens: int | None = None
+    max_batch_size: int | None = None
+    kv_tokens: int | None = None
+    max_prefill_tokens: int = 512
+    synthetic_acceptance: tuple[float, ...] | None = None
+    padded: bool = False
+    compile: bool = True
+    cuda_graphs: bool = True
+    collective_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "engines_dir", Path(self.engines_dir))
+        set_(self, "target_device_ids", tuple(int(i) for i in self.target_device_ids or ()))
+        if self.synthetic_acceptance is not None:
+            set_(self, "synthetic_acceptance", tuple(float(p) for p in self.synthetic_acceptance))
+        if len(set(self.target_device_ids)) != len(self.target_device_ids) or any(i < 0 for i in self.target_device_ids):
+            raise ConfigError(f"target_device_ids {list(self.target_device_ids)}: expected distinct GPU ids ≥ 0")
+        if self.draft_device_id is not None:
+            if self.draft_device_id < 0:
+                raise ConfigError(f"draft_device_id = {self.draft_device_id}: expected a GPU id ≥ 0")
+            if not self.target_device_ids:
+                raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
+        for name in ("draft_tp", "max_batch_size", "kv_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"{name} = {v}: expected ≥ 1")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise ConfigError(f"num_draft_tokens = {self.num_draft_tokens}: expected ≥ 0")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens = {self.max_prefill_tokens}: expected ≥ 1")
+        if self.collective_timeout_s < 1:
+            raise ConfigError(f"collective_timeout_s = {self.collective_timeout_s}: expected ≥ 1 second")
+        if self.synthetic_acceptance is not None and not all(0.0 <= p <= 1.0 for p in self.synthetic_acceptance):
+            raise ConfigError(f"synthetic_acceptance {list(self.synthetic_acceptance)}: expected probabilities in [0, 1]")
+
+    def replace(self, **changes) -> "ServeConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.target_device_ids)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **fields) -> "ServeConfig":
+        """``fields`` plus the engine switches from ``SPLITSPEC_*`` variables of ``env`` (default: this
+        process's environment): ``SPLITSPEC_PADDED=1``, ``SPLITSPEC_COMPILE=0``, ``SPLITSPEC_CUDA_GRAPHS=0``,
+        ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``. A field given explicitly wins over the environment."""
+        env = os.environ if env is None else env
+        for var, name in ENV_FIELDS.items():
+            if name in fields or var not in env:
+                continue
+            raw = env[var]
+            if name == "collective_timeout_s":
+                try:
+                    fields[name] = int(raw)
+                except ValueError:
+                    raise ConfigError(f"{var} = {raw!r}: expected whole seconds") from None
+            else:
+                fields[name] = _flag(var, raw)
+        return cls(**fields)
+
+    def to_parameters(self) -> dict[str, str]:
+        """The :data:`PARAMETER_FIELDS` as ``config.pbtxt`` string parameters (``""`` for None)."""
+        out = {}
+        for name in PARAMETER_FIELDS:
+            v = getattr(self, name)
+            if v is None:
+                out[name] = ""
+            elif isinstance(v, tuple):
+                out[name] = ",".join(str(x) for x in v)
+            else:
+                out[name] = str(v)
+        return out
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], env: Mapping[str, str] | None = None) -> "ServeConfig":
+        """Read :meth:`to_parameters`' output back (plus :meth:`from_env`'s switches). Raises ConfigError naming
+        the parameter that does not parse."""
+
+        def text(name: str) -> str:
+            return (params.get(name) or "").strip()
+
+        def number(name: str, cast=int):
+            raw = text(name)
+            if not raw:
+                return None
+            try:
+                return cast(raw)
+            except ValueError:
+                kind = "an integer" if cast is int else "a number"
+                raise ConfigError(f"{_WHERE}: parameter '{name}' = {raw!r}, expected {kind}") from None
+
+        if not text("engines_dir"):
+            raise ConfigError(f"{_WHERE}: parameter 'engines_dir' is empty")
+        draft = parse_ids(text("draft_device_id"), f"{_WHERE}: parameter 'draft_device_id'")
+        if len(draft) > 1:
+            raise ConfigError(f"{_WHERE}: parameter 'draft_device_id' = {text('draft_device_id')!r}, expected one GPU id")
+        synthetic = text("synthetic_acceptance")
+        try:
+            probs = tuple(float(v) for v in synthetic.split(",")) if synthetic else None
+        except ValueError:
+            raise ConfigError(f"{_WHERE}: parameter 'synthetic_acceptance' = {synthetic!r}, "
+                              "expected comma-separated probabilities") from None
+        fields = dict(
+            engines_dir=Path(text("engines_dir")),
+            target_device_ids=parse_ids(text("target_device_ids"), f"{_WHERE}: parameter 'target_device_ids'"),
+            draft_device_id=draft[0] if draft else None,
+            draft_tp=number("draft_tp"), num_draft_tokens=number("num_draft_tokens"),
+            max_batch_size=number("max_batch_size"), kv_tokens=number("kv_tokens"),
+            synthetic_acceptance=probs,
+        )
+        prefill = number("max_prefill_tokens")
+        if prefill is not None:
+            fields["max_prefill_tokens"] = prefill
+        return cls.from_env(env, **fields)
