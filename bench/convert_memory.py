@@ -27,7 +27,8 @@ import torch
 from splitspec import quant
 
 from splitspec.testing import fixtures
-from splitspec.convert.safetensors import StreamingSafetensorsWriter, write_json
+from splitspec.convert.safetensors import StreamingSafetensorsWriter
+from splitspec.files import write_json
 
 CHILD = r"""
 import json, resource, sys, time

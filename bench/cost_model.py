@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from splitspec.convert.safetensors import write_png
+from splitspec.files import write_png
 from splitspec.measure.cost_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 

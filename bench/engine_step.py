@@ -115,7 +115,7 @@ def plot(runs: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from splitspec.convert.safetensors import write_png
+    from splitspec.files import write_png
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     import splitspec
     from splitspec.measure.placement_bench import machine_info
     from splitspec.errors import SplitspecError
-    from splitspec.convert.safetensors import write_json
+    from splitspec.files import write_json
 
     meta = machine_info()
     meta["splitspec"] = str(Path(splitspec.__file__).resolve().parent)

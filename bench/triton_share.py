@@ -76,7 +76,7 @@ from splitspec.measure.placement_bench import StreamWorker, engine_info, machine
 from splitspec.serving.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
-from splitspec.convert.safetensors import read_json, write_atomic  # noqa: E402
+from splitspec.files import read_json, write_atomic  # noqa: E402
 from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
 from splitspec.serving.repo import render_repo  # noqa: E402
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402

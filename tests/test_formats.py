@@ -34,7 +34,8 @@ from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.demo.checkpoints import load_hf_reference_target
 from splitspec.errors import ConfigError
-from splitspec.convert.safetensors import CheckpointReader, read_json
+from splitspec.convert.safetensors import CheckpointReader
+from splitspec.files import read_json
 from splitspec.engine.kv import BLOCK_SIZE
 from splitspec.models.layers import TPComm, rms_norm
 from splitspec.models.batch import ForwardBatch

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from splitspec.config import DrafterConfig
 from splitspec.demo.checkpoints import load_hf_reference_target
 from splitspec.engine.group import Group
-from splitspec.convert.safetensors import read_json
+from splitspec.files import read_json
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer

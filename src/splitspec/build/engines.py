@@ -37,7 +37,8 @@ from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.convert.pair import FORMAT, TOKENIZER_FILES
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.convert.safetensors import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
+from splitspec.convert.safetensors import CheckpointReader, write_tensors
+from splitspec.files import atomic_dir, read_json, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

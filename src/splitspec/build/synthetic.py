@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from splitspec.config import DrafterConfig, Mapping, RopeConfig, TargetConfig
-from splitspec.convert.safetensors import atomic_dir, write_json
+from splitspec.files import atomic_dir, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 # Conditional acceptance by draft position for synthetic runs, chosen so that the expected acceptance length

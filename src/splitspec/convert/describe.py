@@ -17,7 +17,8 @@ from splitspec import quant
 from splitspec.config import MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
 from splitspec.convert.pair import VISION_PREFIXES, tokenizer_vocab_size
 from splitspec.errors import CheckpointError
-from splitspec.convert.safetensors import CheckpointReader, read_json
+from splitspec.convert.safetensors import CheckpointReader
+from splitspec.files import read_json
 
 DRAFTER_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
 

@@ -38,7 +38,8 @@ from tqdm import tqdm
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.convert.safetensors import CheckpointReader, atomic_dir, read_json, write_json, write_tensors
+from splitspec.convert.safetensors import CheckpointReader, write_tensors
+from splitspec.files import atomic_dir, read_json, write_json
 
 FORMAT = "splitspec-checkpoint-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",

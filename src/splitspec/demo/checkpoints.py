@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from splitspec.errors import CheckpointError, ConfigError
-from splitspec.convert.safetensors import replace_dir
+from splitspec.files import default_permissions, replace_dir
 from splitspec.runtime.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -324,16 +323,6 @@ def load_hf_reference_target(target_dir: Path, dtype: torch.dtype = torch.float3
     return model.eval()
 
 
-def _default_permissions(root: Path) -> None:
-    """Give ``root`` and everything below it the umask's default modes (mkdtemp/mkstemp make them private)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(root, 0o777 & ~mask)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
-        for f in filenames:
-            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
 
 
 _README = """\
@@ -432,7 +421,7 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
             aux=dcfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], draft_vocab=DRAFT_VOCAB_SIZE,
             drafter_params=drafter_params), encoding="utf-8")
 
-        _default_permissions(tmp)
+        default_permissions(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

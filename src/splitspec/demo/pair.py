@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitspec.errors import ConfigError
-from splitspec.convert.safetensors import replace_dir
+from splitspec.files import replace_dir
 
 CACHE_ENV = "SPLITSPEC_CACHE"
 TRAINING_INFO = "training.json"
@@ -1276,7 +1276,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
     Raises:
         ConfigError: an invalid configuration or an unavailable device.
     """
-    from splitspec.demo.checkpoints import _default_permissions
+    from splitspec.files import default_permissions
 
     _check_config(cfg)
     out_dir = Path(out_dir).absolute()
@@ -1287,7 +1287,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
     try:
         with deterministic_mode(cfg):
             report = _train_into(tmp, cfg, progress, measure, key)
-        _default_permissions(tmp)
+        default_permissions(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1520,7 +1520,7 @@ def ensure_trained_pair(cfg: TrainConfig, cache_dir: Path | None = None, retrain
 def install_trained_pair(entry: Path, out_dir: Path) -> bool:
     """Copy a cached pair (``entry``) to ``out_dir`` (atomically). Returns False when ``out_dir``
     already holds the same pair (same cache key), True when it was copied."""
-    from splitspec.demo.checkpoints import _default_permissions
+    from splitspec.files import default_permissions
 
     entry, out_dir = Path(entry), Path(out_dir).absolute()
     want = json.loads((entry / TRAINING_INFO).read_text())["key"]
@@ -1537,7 +1537,7 @@ def install_trained_pair(entry: Path, out_dir: Path) -> bool:
     try:
         os.rmdir(tmp)
         shutil.copytree(entry, tmp)
-        _default_permissions(tmp)
+        default_permissions(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

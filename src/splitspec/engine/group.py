@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import CheckpointError, ConfigError, SplitspecError
-from splitspec.convert.safetensors import read_json
+from splitspec.files import read_json
 from splitspec.engine.kv import BLOCK_SIZE
 from splitspec.models.layers import TPComm
 from splitspec.models.batch import ForwardBatch, padded, to_device

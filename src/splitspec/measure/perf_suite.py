@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.convert.safetensors import write_atomic
+from splitspec.files import write_atomic
 from splitspec.serving.tritonserver import TritonServer, find_triton, server_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]

@@ -59,7 +59,7 @@ from typing import Iterable, Sequence
 import requests
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.convert.safetensors import write_atomic
+from splitspec.files import write_atomic
 from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
 from splitspec.serving.repo import MODELS
 from splitspec.serving.tritonserver import TritonServer

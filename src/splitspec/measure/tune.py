@@ -25,7 +25,7 @@ from pathlib import Path
 
 from splitspec.engine.group import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
-from splitspec.convert.safetensors import write_atomic
+from splitspec.files import write_atomic
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
 

@@ -605,7 +605,7 @@ def read_tuning(engines_dir: Path) -> dict | None:
     path = Path(engines_dir) / "tuning.json"
     if not path.exists() and not path.is_symlink():  # a dangling link is refused by read_json, not taken for none
         return None
-    from splitspec.convert.safetensors import read_json
+    from splitspec.files import read_json
 
     t = read_json(path)
     if not isinstance(t, dict) or "k_by_batch" not in t or ("draft_tp" in t) == ("draft_tp_by_batch" in t):

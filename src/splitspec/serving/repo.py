@@ -16,7 +16,7 @@ from pathlib import Path
 from string import Template
 
 from splitspec.errors import ConfigError
-from splitspec.convert.safetensors import write_atomic
+from splitspec.files import write_atomic
 
 #: Models of the repository, in pipeline order (the ensemble last).
 MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")

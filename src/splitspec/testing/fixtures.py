@@ -36,7 +36,8 @@ from typing import Iterable, Iterator
 import torch
 
 from splitspec import quant
-from splitspec.convert.safetensors import atomic_dir, write_json, write_tensors
+from splitspec.convert.safetensors import write_tensors
+from splitspec.files import atomic_dir, write_json
 
 BLOCK = (128, 128)
 INT4_GROUP = 32
