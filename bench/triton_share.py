@@ -26,7 +26,7 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 - ``engine_process``: :class:`splitspec.serving.engine_process.EngineProcess` started from this process (the served
   engine's own process, its loop thread and its per-cycle messages, without Triton);
 - ``engine_process_triton_env``: the same, started with the environment tritonserver gets
-  (:func:`splitspec.serving.tritonserver.server_env`: its library path first).
+  (:func:`splitspec.serving.triton_install.server_env`: its library path first).
 
 tokens/s = output tokens of all requests / the sum of their wall times; each phase's ratio is to the engine
 alone's, with a 95% bootstrap interval (request pairs grouped by prompt, prompts resampled). The served path keeps the
@@ -80,7 +80,8 @@ from splitspec.files import read_json, write_atomic  # noqa: E402
 from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
 from splitspec.serving.repo import render_repo  # noqa: E402
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
-from splitspec.serving.tritonserver import TritonServer, server_env  # noqa: E402
+from splitspec.serving.triton_install import server_env  # noqa: E402
+from splitspec.serving.tritonserver import TritonServer  # noqa: E402
 from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: E402
 from splitspec.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
 

@@ -9,7 +9,7 @@
 #     python3 on PATH, /opt/torch/.venv/lib/python3.12/site-packages on the image): torch, transformers,
 #     grpcio, protobuf, requests come from the image; numpy 1 shadows its NumPy 2;
 #   - checks: versions, the stub for this Python, the libraries the stub and tritonserver link.
-# Then run everything as $TSENV/bin/python (splitspec.serving.tritonserver puts its bin first on PATH for the stub).
+# Then run everything as $TSENV/bin/python (splitspec.serving.triton_install.server_env puts its bin first on PATH for the stub).
 #   bash scripts/gpu_setup.sh      (prints the export line)     or      source scripts/gpu_setup.sh
 # Variables: CARRY (.carry), TSENV (/tmp/tsenv), PYTHON (python3: makes the venv), TORCH_SITE.
 _splitspec_gpu_setup() (
@@ -36,11 +36,11 @@ PY
   "$tsenv/bin/python" - <<'PY' >&2
 import shutil, subprocess, sys
 import numpy, torch, tritonclient.grpc  # noqa: F401
-from splitspec.serving.tritonserver import _libpython_dir, find_triton, server_env
+from splitspec.serving.triton_install import find_triton, libpython_dir, server_env
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__} at {numpy.__file__}: the stub needs NumPy 1"
 inst = find_triton()
 print(f"python {sys.version.split()[0]} ({sys.executable}), numpy {numpy.__version__} ({numpy.__file__}), torch {torch.__version__} "
-      f"(CUDA devices: {torch.cuda.device_count()}), libpython dir {_libpython_dir()}\nstub {inst.stub}")
+      f"(CUDA devices: {torch.cuda.device_count()}), libpython dir {libpython_dir()}\nstub {inst.stub}")
 if shutil.which("ldd"):
     env = server_env(inst)
     for exe in (inst.stub, inst.server_bin, inst.backend_lib):

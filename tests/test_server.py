@@ -19,7 +19,8 @@ import requests
 from splitspec.serving.client import ask_grpc, ask_http
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.repo import render_repo
-from splitspec.serving.tritonserver import TritonServer, find_triton, prepare_backend_dir
+from splitspec.serving.triton_install import find_triton, prepare_backend_dir
+from splitspec.serving.tritonserver import TritonServer
 
 PROMPT = "def fibonacci(n):"
 CHAT_PROMPT = "How do I read a file line by line in Python?"

@@ -58,7 +58,8 @@ from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
-from splitspec.serving.tritonserver import TritonServer, find_triton, server_env
+from splitspec.serving.triton_install import find_triton, server_env
+from splitspec.serving.tritonserver import TritonServer
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 #: The held-out evaluation prompts (``{"prompt": ...}`` or ``{"messages": [...]}`` per line).

@@ -1,12 +1,5 @@
-"""Running the Triton Inference Server bundled in ``nvidia-pytriton`` on our model repository.
-
-The ``nvidia-pytriton`` wheel ships ``tritonserver`` 2.51, the Python backend
-(``libtriton_python.so`` + ``triton_python_backend_utils.py``) and one Python backend stub per
-Python version. :func:`prepare_backend_dir` assembles a backend folder
-``<repo>/_backends/python/`` of symlinks to those files, with the stub that matches the Python
-running this process. :func:`server_env` makes the stub use this same interpreter (its ``bin``
-first on ``PATH``; the stub ignores ``PYTHONPATH``) and find the libraries bundled in
-``site-packages/nvidia_pytriton.libs``.
+"""Running ``tritonserver`` (from ``nvidia-pytriton``, :mod:`splitspec.serving.triton_install`) on our model
+repository.
 
 :class:`TritonServer` starts ``tritonserver`` in its own process group, waits until
 ``/v2/health/ready`` answers, and stops it (SIGINT, then SIGKILL of the whole group), so that
@@ -18,150 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
 import json
 import os
 import random
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
+from splitspec.serving.repo import MODELS
+from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, start_failure, tail
+from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 
-#: Folder (under the model repository) holding the assembled backend folder(s) and server logs.
-BACKENDS_DIRNAME = "_backends"
-#: Models the repository serves, in load order (the ensemble last).
-MODEL_NAMES = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
 LOCALHOST = "127.0.0.1"
 #: Header for our one-off HTTP requests: a kept-alive idle connection delays server shutdown by
 #: the whole ``--exit-timeout-secs``.
 _CLOSE = {"Connection": "close"}
-
-
-# --------------------------------------------------------------------------------------------
-# The installed server
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    """Paths of the Triton files inside the installed ``pytriton`` package.
-
-    Attributes:
-        server_bin: the ``tritonserver`` executable.
-        backend_lib: ``libtriton_python.so`` (the Python backend).
-        backend_utils: ``triton_python_backend_utils.py``.
-        stub: ``triton_python_backend_stub`` built for this process's Python version.
-        libs_dir: ``site-packages/nvidia_pytriton.libs`` (bundled shared libraries).
-    """
-
-    server_bin: Path
-    backend_lib: Path
-    backend_utils: Path
-    stub: Path
-    libs_dir: Path
-
-
-def find_triton() -> TritonInstall:
-    """Locate ``tritonserver``, the Python backend and the matching stub in the ``pytriton`` package.
-
-    Raises:
-        SplitspecError: ``nvidia-pytriton`` is not installed, a file is missing, or there is no
-            stub for this Python version (the message lists the versions available).
-    """
-    # located, not imported: importing pytriton needs its client's dependencies (sh, pyzmq, ...), which
-    # a machine that only carries the server (scripts/gpu_setup.sh) does not have
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.origin:
-        raise SplitspecError("the Python package 'pytriton' is missing: pip install nvidia-pytriton==0.7.0")
-    root = Path(spec.origin).resolve().parent / "tritonserver"
-    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stubs = root / "python_backend_stubs"
-    inst = TritonInstall(
-        server_bin=root / "bin" / "tritonserver",
-        backend_lib=root / "backends" / "python" / "libtriton_python.so",
-        backend_utils=root / "backends" / "python" / "triton_python_backend_utils.py",
-        stub=stubs / ver / "triton_python_backend_stub",
-        libs_dir=root.parent.parent / "nvidia_pytriton.libs",
-    )
-    if not inst.stub.is_file():
-        have = sorted(p.name for p in stubs.iterdir()) if stubs.is_dir() else []
-        raise SplitspecError(f"{inst.stub}: no Python backend stub for Python {ver} in nvidia-pytriton "
-                             f"(available: {', '.join(have) or 'none'})")
-    for name in ("server_bin", "backend_lib", "backend_utils", "libs_dir"):
-        p = getattr(inst, name)
-        if not p.exists():
-            raise SplitspecError(f"{p}: missing from the installed nvidia-pytriton package ({name})")
-    return inst
-
-
-def _symlink_atomic(target: Path, link: Path) -> None:
-    """Make ``link`` a symlink to ``target``, replacing what is there in one rename."""
-    if link.is_symlink() and os.readlink(link) == str(target):
-        return
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
-
-
-def prepare_backend_dir(repo: Path, install: TritonInstall | None = None) -> Path:
-    """Assemble ``<repo>/_backends/python/`` (symlinks to the Python backend and matching stub).
-
-    Returns:
-        the backend directory to pass as ``--backend-directory`` (``<repo>/_backends``).
-    Raises:
-        SplitspecError: see :func:`find_triton`.
-    """
-    install = install or find_triton()
-    backends = Path(repo).resolve() / BACKENDS_DIRNAME
-    py = backends / "python"
-    py.mkdir(parents=True, exist_ok=True)
-    _symlink_atomic(install.backend_lib, py / "libtriton_python.so")
-    _symlink_atomic(install.backend_utils, py / "triton_python_backend_utils.py")
-    _symlink_atomic(install.stub, py / "triton_python_backend_stub")
-    return backends
-
-
-def _libpython_dir() -> str | None:
-    """Folder holding this interpreter's ``libpythonX.Y.so.1.0``, when it has one (the stub links it)."""
-    libdir = sysconfig.get_config_var("LIBDIR")
-    ldlib = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
-    if libdir and ldlib and ldlib.endswith((".so", ".so.1.0")) and (Path(libdir) / ldlib).exists():
-        return libdir
-    return None
-
-
-def server_env(install: TritonInstall | None = None, extra_lib_dirs: tuple[Path, ...] = (),
-               base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for ``tritonserver`` (and ``perf_analyzer``).
-
-    ``PATH`` starts with the folder of ``sys.executable``, so the Python backend stub runs this
-    interpreter with its site-packages (NumPy 1, torch, splitspec). ``LD_LIBRARY_PATH`` gets
-    ``extra_lib_dirs``, ``nvidia_pytriton.libs`` and this interpreter's libpython folder.
-    """
-    install = install or find_triton()
-    env = dict(os.environ if base is None else base)
-    bindir = str(Path(sys.executable).parent)  # not resolved: a venv's bin, not the base interpreter's
-    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir])
-    ld = [str(p) for p in extra_lib_dirs] + [str(install.libs_dir)]
-    if (libpy := _libpython_dir()) is not None:
-        ld.append(libpy)
-    ld += [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p not in ld]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
-    env.pop("PYTHONHOME", None)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
 
 #: Linux's range of ephemeral ports (outgoing connections and port-0 binds draw from it).
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -220,76 +90,11 @@ def check_repo(repo: Path) -> Path:
     repo = Path(repo).resolve()
     if not repo.is_dir():
         raise ConfigError(f"{repo}: model repository folder not found (run 'make repo')")
-    for m in MODEL_NAMES:
+    for m in MODELS:
         cfg = repo / m / "config.pbtxt"
         if not cfg.is_file():
             raise ConfigError(f"{cfg}: missing; render the repository first ('splitspec repo' / 'make repo')")
     return repo
-
-
-def _tail(path: Path, n_bytes: int = 6000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - n_bytes))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return "(no log)"
-
-
-#: tritonserver's log line when requests were still in flight at the end of its exit timeout (2.51: "failed to stop
-#: server: Internal - Exit timeout expired. Exiting immediately."); it does not exit after it.
-EXIT_GAVE_UP = "Exit timeout expired. Exiting immediately."
-
-
-class _LogWatch:
-    """Watches a log for a line from now on: :meth:`says` reads only what was written since its last call (keeping
-    enough of the previous read for a line cut between two reads). Never raises; a log that cannot be opened says
-    nothing."""
-
-    def __init__(self, path: Path):
-        try:
-            self.f = open(path, "rb")
-            self.f.seek(0, os.SEEK_END)
-        except OSError:
-            self.f = None
-        self.carry = b""
-
-    def says(self, text: str) -> bool:
-        if self.f is None:
-            return False
-        try:
-            new = self.carry + self.f.read()
-        except OSError:
-            return False
-        want = text.encode()
-        self.carry = new[-(len(want) - 1):] if len(want) > 1 else b""
-        return want in new
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-
-
-def _errors_in_log(path: Path, max_chars: int = 3000) -> str:
-    """The log's error lines (``E…`` records and ``error:`` lines, up to ``max_chars``), newest last."""
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    hits = [ln for ln in lines if ln.startswith("error:") or (ln[:1] == "E" and ln[1:5].isdigit())]
-    # CUDA/NVML notices on CPU-only machines are errors in the log but not why a start failed
-    hits = [ln for ln in hits if "CUDA driver" not in ln and "CudaDriverHelper" not in ln]
-    return "\n".join(hits)[-max_chars:]
-
-
-def _start_failure(what: str, log_path: Path) -> str:
-    errors = _errors_in_log(log_path)
-    head = f"{what} (log {log_path})"
-    if errors:
-        head += f"\nerrors:\n{errors}"
-    return f"{head}\nlog tail:\n{_tail(log_path, 3000)}"
 
 
 class TritonServer:
@@ -379,7 +184,7 @@ class TritonServer:
             "--model-repository", str(self.repo),
             "--backend-directory", str(backend_dir),
             # explicit: load exactly our models (the repository also holds _backends/, not a model)
-            "--model-control-mode", "explicit", *[f"--load-model={m}" for m in MODEL_NAMES],
+            "--model-control-mode", "explicit", *[f"--load-model={m}" for m in MODELS],
             "--http-address", LOCALHOST, "--http-port", str(self.http_port),
             "--grpc-address", LOCALHOST, "--grpc-port", str(self.grpc_port),
             "--allow-metrics", "true", "--metrics-address", LOCALHOST, "--metrics-port", str(self.metrics_port),
@@ -427,7 +232,7 @@ class TritonServer:
             while True:
                 code = self.proc.poll()
                 if code is not None:
-                    raise SplitspecError(_start_failure(f"tritonserver exited with status {code} while starting",
+                    raise SplitspecError(start_failure(f"tritonserver exited with status {code} while starting",
                                                         self.log_path))
                 try:
                     if s.get(url, timeout=2, headers=_CLOSE).status_code == 200:
@@ -435,7 +240,7 @@ class TritonServer:
                 except requests.RequestException:
                     pass
                 if time.monotonic() - t0 > self.startup_timeout_s:
-                    raise SplitspecError(_start_failure(f"tritonserver not ready after {self.startup_timeout_s:.0f} s",
+                    raise SplitspecError(start_failure(f"tritonserver not ready after {self.startup_timeout_s:.0f} s",
                                                         self.log_path))
                 time.sleep(0.25)
 
@@ -458,7 +263,7 @@ class TritonServer:
         pgid, killed = self.proc.pid, False
         try:
             if self.proc.poll() is None:
-                log = _LogWatch(self.log_path)  # from before the SIGINT on
+                log = LogWatch(self.log_path)  # from before the SIGINT on
                 try:
                     with contextlib.suppress(ProcessLookupError):
                         self.proc.send_signal(signal.SIGINT)
@@ -501,12 +306,7 @@ class TritonServer:
 
     def log_tail(self, n_bytes: int = 6000) -> str:
         """The last ``n_bytes`` of the server log."""
-        return _tail(self.log_path, n_bytes)
-
-
-# --------------------------------------------------------------------------------------------
-# splitspec serve
-# --------------------------------------------------------------------------------------------
+        return tail(self.log_path, n_bytes)
 
 
 def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -521,8 +321,6 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         ConfigError: the repository is not rendered or a port is taken.
         SplitspecError: the server failed to start (log tail included) or answered with an error.
     """
-    import signal
-
     srv = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     print(f"starting tritonserver on {srv.repo} (log {srv.log_path}) ...", flush=True)
 

@@ -1,0 +1,77 @@
+"""Reading ``tritonserver``'s log: its tail, its error lines, and a watch for one line from now on.
+
+:class:`~splitspec.serving.tritonserver.TritonServer` sends the server's stdout and stderr to one log file; a
+failed start is reported with that log's error lines and tail (:func:`start_failure`), and :class:`LogWatch`
+notices when the server gives up at its exit timeout (:data:`EXIT_GAVE_UP`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def tail(path: Path, n_bytes: int = 6000) -> str:
+    """The last ``n_bytes`` of the log at ``path`` (``"(no log)"`` when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+#: tritonserver's log line when requests were still in flight at the end of its exit timeout (2.51: "failed to stop
+#: server: Internal - Exit timeout expired. Exiting immediately."); it does not exit after it.
+EXIT_GAVE_UP = "Exit timeout expired. Exiting immediately."
+
+
+class LogWatch:
+    """Watches a log for a line from now on: :meth:`says` reads only what was written since its last call (keeping
+    enough of the previous read for a line cut between two reads). Never raises; a log that cannot be opened says
+    nothing."""
+
+    def __init__(self, path: Path):
+        try:
+            self.f = open(path, "rb")
+            self.f.seek(0, os.SEEK_END)
+        except OSError:
+            self.f = None
+        self.carry = b""
+
+    def says(self, text: str) -> bool:
+        if self.f is None:
+            return False
+        try:
+            new = self.carry + self.f.read()
+        except OSError:
+            return False
+        want = text.encode()
+        self.carry = new[-(len(want) - 1):] if len(want) > 1 else b""
+        return want in new
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def errors_in_log(path: Path, max_chars: int = 3000) -> str:
+    """The log's error lines (``E…`` records and ``error:`` lines, up to ``max_chars``), newest last."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hits = [ln for ln in lines if ln.startswith("error:") or (ln[:1] == "E" and ln[1:5].isdigit())]
+    # CUDA/NVML notices on CPU-only machines are errors in the log but not why a start failed
+    hits = [ln for ln in hits if "CUDA driver" not in ln and "CudaDriverHelper" not in ln]
+    return "\n".join(hits)[-max_chars:]
+
+
+def start_failure(what: str, log_path: Path) -> str:
+    errors = errors_in_log(log_path)
+    head = f"{what} (log {log_path})"
+    if errors:
+        head += f"\nerrors:\n{errors}"
+    return f"{head}\nlog tail:\n{tail(log_path, 3000)}"
