@@ -17,7 +17,6 @@ is an IPC round trip to tritonserver, so a stream's requests are checked at most
 """
 
 import collections
-import json
 import time
 import traceback
 from pathlib import Path
@@ -26,8 +25,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.errors import SplitspecError
-from splitspec.serving.repo import CANCEL_POLL_S
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.serving.repo import CANCEL_POLL_S
+from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
+
+INPUTS = ("text", "output_ids", "stream_id")
 
 #: How many stream ids are remembered: recently cancelled ones (each is forwarded once), and the time of
 #: each recently seen stream's next cancellation check (more than any batch: spec_decode's streams at once).
@@ -43,20 +45,12 @@ def _remember(recent, key, value):
         recent.popitem(last=False)
 
 
-def _error_response(message, code="INVALID_ARG"):
-    """An InferenceResponse carrying ``message`` as a Triton error (INVALID_ARG → HTTP 400)."""
-    c = getattr(pb_utils.TritonError, code, None)
-    err = pb_utils.TritonError(message, c) if c is not None else pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=err)
-
-
 class TritonPythonModel:
     """Produces text_output (one response per request) and forwards cancellations."""
 
     def initialize(self, args):
         """Load the tokenizer named by the config parameter tokenizer_dir; raises to fail the model load."""
-        cfg = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        params = model_config(args)[1]
         tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:
             raise SplitspecError("postprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
@@ -70,42 +64,39 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                sid = self._stream_id(request)
+                inputs = read_inputs(request, INPUTS)
+                sid = self._stream_id(inputs)
                 if sid is not None and sid not in self.cancelled and self._check_due(sid) and request.is_cancelled():
                     # answered normally all the same: an error response here leaves the cancelled
                     # ensemble request waiting forever for spec_decode's last response (Triton 2.51),
                     # which blocks unloading the models
                     self._forward_cancel(sid)
-                responses.append(self._execute_one(request))
+                responses.append(self._execute_one(inputs))
             except SplitspecError as e:
-                responses.append(_error_response(f"postprocessing: {e}"))
+                responses.append(error_response(f"postprocessing: {e}"))
             except Exception as e:  # never let a request take the model down
                 pb_utils.Logger.log_error(f"postprocessing: {traceback.format_exc()}")
-                responses.append(_error_response(f"postprocessing: internal error: {type(e).__name__}: {e}", "INTERNAL"))
+                responses.append(error_response(f"postprocessing: internal error: {type(e).__name__}: {e}", "INTERNAL"))
         return responses
 
-    def _execute_one(self, request):
-        t = pb_utils.get_input_tensor_by_name(request, "text")
-        if t is not None:
-            a = t.as_numpy().reshape(-1)
+    def _execute_one(self, inputs):
+        if "text" in inputs:
+            a = inputs["text"].reshape(-1)
             if a.size != 1:
                 raise SplitspecError(f"text: expected one string, got {a.size}")
             text = a[0] if isinstance(a[0], bytes) else str(a[0]).encode("utf-8")
         else:
-            ids_t = pb_utils.get_input_tensor_by_name(request, "output_ids")
-            if ids_t is None:
+            if "output_ids" not in inputs:
                 raise SplitspecError("text or output_ids: one of them is needed")
-            text = self.tokenizer.decode(ids_t.as_numpy().reshape(-1).tolist(), skip_special_tokens=True).encode("utf-8")
-        out = pb_utils.Tensor("text_output", np.array([text], dtype=np.object_))
-        return pb_utils.InferenceResponse(output_tensors=[out])
+            text = self.tokenizer.decode(inputs["output_ids"].reshape(-1).tolist(), skip_special_tokens=True)
+        return pb_utils.InferenceResponse(output_tensors=[bytes_tensor("text_output", text)])
 
     @staticmethod
-    def _stream_id(request):
+    def _stream_id(inputs):
         """The request's ``stream_id`` input (spec_decode's id of the stream), or None without one."""
-        t = pb_utils.get_input_tensor_by_name(request, "stream_id")
-        if t is None:
+        if "stream_id" not in inputs:
             return None
-        a = t.as_numpy().reshape(-1)
+        a = inputs["stream_id"].reshape(-1)
         if a.size != 1:
             raise SplitspecError(f"stream_id: expected one value, got {a.size}")
         return int(a[0])
@@ -129,7 +120,7 @@ class TritonPythonModel:
         try:
             bls = pb_utils.InferenceRequest(
                 model_name=self.cancel_model,
-                inputs=[pb_utils.Tensor("cancel_stream_id", np.array([sid], dtype=np.int64))],
+                inputs=[tensor("cancel_stream_id", [sid], np.int64)],
                 requested_output_names=[])
             for response in bls.exec(decoupled=True):
                 if response.has_error():
