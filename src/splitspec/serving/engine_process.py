@@ -2,30 +2,26 @@
 
 :class:`EngineProcess` starts it with ``sys.executable`` and talks to it over a socket pair. The Triton
 model ``spec_decode`` serves through it rather than running the engine inside Triton's Python backend
-stub, for two reasons that each slowed every engine cycle there:
+stub, for two reasons that each slowed every engine cycle there (measurements: docs/lab/):
 
 - The stub embeds the shared ``libpython3.X.so``. On Debian and Ubuntu that library runs pure Python
-  20–25 % slower than their statically linked ``/usr/bin/python3.X`` (Debian 12, Python 3.11.2, the same
-  loop: 66–71 ms against 81–89 ms), the interpreter that runs the engine alone, the target's worker ranks
-  and now this process. A cycle's host work (batch tables, graph launches, acceptance, detokenising) is
-  mostly Python.
+  about 20 % slower than their statically linked ``/usr/bin/python3.X``, the interpreter that runs the
+  engine alone, the target's worker ranks and now this process. A cycle's host work (batch tables, graph
+  launches, acceptance, detokenising) is mostly Python.
 - In the stub the engine loop shares one GIL with the threads that answer Triton. Every Triton call
   (``send``, ``is_cancelled``, a metric update) releases the GIL and takes it back; while such a thread
-  waits for it, each of the loop's torch calls wakes that thread and now and then loses the GIL to it.
-  On the 2-core CPU machine (the loop's thread alone on its core, 4.5 ms cycles) this cost 0.16–0.25 ms
-  of GIL waits per cycle plus extra CPU time (futex wake-ups in the loop's GIL releases); with the
-  per-cycle responses turned off, both vanished.
+  waits for it, each of the loop's torch calls wakes that thread and now and then loses the GIL to it
+  (about 0.2 ms of GIL waits per cycle on a 2-core CPU machine; none with the per-cycle responses off).
 
 Here nothing else competes with the loop for its GIL: the loop thread sends each cycle's events in one
 message (a pickle and a socket write), and the main thread receives requests and cancellations and
 checks the target's workers. On GPUs that message goes out while the next cycle runs there
 (``overlap_output``, :class:`CycleMessages`): a request's first and last events at once, the deltas between
-them once the next cycle's GPU work is queued (:attr:`SpeculativeEngine.on_launched`), so the 28 µs it takes
-per cycle on an H200 host no longer delay the next cycle. A submit is not answered: the engine takes the request at its next cycle,
+them once the next cycle's GPU work is queued (:attr:`SpeculativeEngine.on_launched`), so writing it no longer
+delays the next cycle. A submit is not answered: the engine takes the request at its next cycle,
 and a request it refuses comes back as that request's one event, finished with ``finish_reason``
 ``"rejected"`` (the request can never be served: ``error`` says why) or ``"error"`` (the engine stopped
-serving). So the host's thread that submits never waits for the engine process (on one H200 that wait
-was 0.7–0.9 ms of ``spec_decode``'s ``execute`` per request, docs/performance.md).
+serving). So the host's thread that submits (``spec_decode``'s ``execute``) never waits for the engine process.
 
 Messages (pickled tuples)::
 
@@ -39,9 +35,8 @@ Messages (pickled tuples)::
 
 ``sid`` is the host's id of a request. An event crosses as a tuple of plain values (:func:`pack_event`:
 ``(sid, RequestOutput's fields with its stats as a tuple, finishing)``), a :class:`CycleStats` as the tuple of
-its fields, and the engine's messages are pickled with the standard pickler. A one-event cycle message then
-pickles in 0.7 µs instead of 7 µs as dataclasses through ``Connection.send`` (``multiprocessing``'s pickler),
-in a loop; on the loop thread, right after a cycle's work, 15 µs instead of 48 µs (2-core CPU machine).
+its fields, and the engine's messages are pickled with the standard pickler: several times faster than
+dataclasses through ``Connection.send`` (``multiprocessing``'s pickler), on the loop thread after every cycle.
 ``finishing``: the event's request finished in the same cycle (its final event follows in the same message).
 """
 
