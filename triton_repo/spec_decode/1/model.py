@@ -16,7 +16,7 @@ Threads of the instance:
   cycle's statistics and turns the events into responses — one per cycle when the request streams (the
   text and tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
   ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. Sending on the thread that receives saves a hand-over to
-  another thread on every response's path (Triton's traces on 2 × H200: docs/performance.md). When it
+  another thread on every response's path (Triton's traces: docs/lab/). When it
   falls behind the engine, cycle messages wait in the socket. It polls ``is_cancelled()`` (an IPC round
   trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
   response, never before it.
@@ -41,10 +41,10 @@ UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb
 the ensemble's then answer not-ready. Restarting the server (or loading the models again through
 the repository API) recovers.
 
-Errors in a request are answered with INVALID_ARG (HTTP 400) naming the input; ``execute`` never raises.
+Errors in a request are answered with INVALID_ARG (HTTP 400) naming the input (the checks:
+:mod:`splitspec.serving.requests`); ``execute`` never raises.
 """
 
-import json
 import random
 import threading
 import time
@@ -55,74 +55,25 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.engine.group import EngineError
-from splitspec.serving.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.runtime.scheduler import RequestOutput
+from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S
-from splitspec.runtime.scheduler import Request, RequestOutput
-from splitspec.runtime.sampling import SamplingParams
+from splitspec.serving.requests import (CANCEL_INPUT, SPEC_DECODE_INPUTS, cancel_stream_id, check_parameters,
+                                        parse_request)
+from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
+from splitspec.settings import parse_ids
 
-#: Inputs of the ensemble (named when a request carries an unknown parameter).
-ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                   "num_draft_tokens", "return_token_ids", "return_stats", "apply_chat_template")
-#: Request parameters Triton's front ends may attach themselves (never rejected).
-TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
-                               "binary_data_output", "headers"})
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
                  "models again through the repository API)")
-
-
-def _error_response(message, code="INVALID_ARG"):
-    """An InferenceResponse carrying ``message`` as a Triton error (INVALID_ARG → HTTP 400,
-    UNAVAILABLE → 503, INTERNAL → 500)."""
-    c = getattr(pb_utils.TritonError, code, None)
-    err = pb_utils.TritonError(message, c) if c is not None else pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=err)
-
-
-def _scalar(request, name):
-    """The single element of optional input ``name``, or None when the request lacks it."""
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return None
-    a = t.as_numpy()
-    if a.size != 1:
-        raise ConfigError(f"{name}: expected one value, got shape {list(a.shape)}")
-    return a.reshape(-1)[0]
-
-
-def _strings(request, name):
-    """Input ``name`` (TYPE_STRING, any length) as a list of str; [] when absent."""
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return []
-    out = []
-    for v in t.as_numpy().reshape(-1):
-        if isinstance(v, bytes):
-            try:
-                v = v.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ConfigError(f"{name}: not valid UTF-8") from None
-        out.append(str(v))
-    return out
-
-
-def _parse_ids(value, what):
-    value = (value or "").strip()
-    if not value:
-        return []
-    try:
-        return [int(v) for v in value.split(",")]
-    except ValueError:
-        raise ConfigError(f"spec_decode/config.pbtxt: parameter '{what}' = {value!r}, "
-                          "expected GPU ids like '0,1'") from None
-
-
-def _tensor(name, values, dtype):
-    return pb_utils.Tensor(name, np.asarray(values, dtype=dtype))
+#: Outputs of the final response with ``return_stats``: (output, RequestStats field, dtype).
+STATS_OUTPUTS = (("acceptance_length", "acceptance_length", np.float32),
+                 ("num_input_tokens", "num_prompt_tokens", np.int32),
+                 ("num_output_tokens", "num_output_tokens", np.int32), ("queue_ms", "queue_ms", np.float32),
+                 ("ttft_ms", "ttft_ms", np.float32), ("e2e_ms", "e2e_ms", np.float32),
+                 ("draft_ms", "draft_ms", np.float32), ("verify_ms", "verify_ms", np.float32))
 
 
 class _Stream:
@@ -131,9 +82,9 @@ class _Stream:
     __slots__ = ("sid", "sender", "stream", "want_ids", "want_stats", "ids", "text", "done", "cancelled",
                  "cancel_cycle", "next_poll")
 
-    def __init__(self, sid, sender, stream, want_ids, want_stats):
+    def __init__(self, sid, sender, options):
         self.sid, self.sender = sid, sender  # sid: the request's id here and in the engine process
-        self.stream, self.want_ids, self.want_stats = stream, want_ids, want_stats
+        self.stream, self.want_ids, self.want_stats = options.stream, options.return_token_ids, options.return_stats
         self.ids, self.text = [], []  # not yet sent
         self.done = False  # the final response (or an error) was sent
         self.cancelled = False
@@ -147,9 +98,8 @@ class TritonPythonModel:
     def initialize(self, args):
         """Load the engines (the engine process and its reader thread) and start the monitor thread; raises to fail
         the model load."""
-        cfg = json.loads(args["model_config"])
-        self.model_name = args.get("model_name", cfg.get("name", "spec_decode"))
-        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        self.model_name, params = model_config(args)
+        self.model_name = self.model_name or "spec_decode"
 
         def param(name, default, cast=int):
             raw = params.get(name, "").strip()
@@ -166,8 +116,9 @@ class TritonPythonModel:
         default_k = param("num_draft_tokens", None)  # None: tuning.json's k per batch bucket, else 4
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
-        target_ids = _parse_ids(params.get("target_device_ids"), "target_device_ids")
-        draft_ids = _parse_ids(params.get("draft_device_id"), "draft_device_id")
+        where = "spec_decode/config.pbtxt: parameter"
+        target_ids = list(parse_ids(params.get("target_device_ids"), f"{where} 'target_device_ids'"))
+        draft_ids = list(parse_ids(params.get("draft_device_id"), f"{where} 'draft_device_id'"))
         draft_tp = param("draft_tp", None)  # None: tuning.json's, else 1
         synthetic = params.get("synthetic_acceptance", "").strip()
         try:
@@ -240,20 +191,22 @@ class TritonPythonModel:
         if sender is None:
             return
         try:
-            sender.send(_error_response(message, code), flags=FINAL)
+            sender.send(error_response(message, code), flags=FINAL)
         except Exception:  # the client went away
             pb_utils.Logger.log_warn(f"spec_decode: could not send an error response: {traceback.format_exc()}")
 
     def _accept(self, request, sender):
-        cancel = _scalar(request, "cancel_stream_id")
+        inputs = read_inputs(request, (CANCEL_INPUT, *SPEC_DECODE_INPUTS))
+        cancel = cancel_stream_id(inputs)
         if cancel is not None:  # control request from postprocessing
-            self._cancel_stream(int(cancel))
+            self._cancel_stream(cancel)
             sender.send(flags=FINAL)
             return
-        self._check_parameters(request)
+        check_parameters(request.parameters())
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
-        req, st = self._parse(request, sender)
+        req, options = parse_request(inputs, self.max_tokens_limit)
+        st = _Stream(self._rng.getrandbits(62) + 1, sender, options)
         with self.lock:
             self.streams[st.sid] = st
         try:
@@ -266,59 +219,6 @@ class TritonPythonModel:
             raise
         if st.cancelled:  # cancelled while the engine process took it: make sure it got the cancellation
             self.engine.cancel(st.sid)
-
-    def _check_parameters(self, request):
-        """Reject request parameters that are not inputs (HTTP generate turns unknown JSON keys into
-        parameters, which would otherwise be ignored without a word)."""
-        raw = request.parameters()
-        try:
-            params = json.loads(raw) if raw else {}
-        except ValueError:
-            params = {}
-        unknown = sorted(k for k in params if k not in TRITON_PARAMETERS and not k.startswith("triton_"))
-        if unknown:
-            names = ", ".join(repr(k) for k in unknown)
-            raise ConfigError(f"unknown parameter{'s' if len(unknown) > 1 else ''} {names}: not an input of "
-                              f"this model (inputs: {', '.join(ENSEMBLE_INPUTS)})")
-
-    def _parse(self, request, sender):
-        """Read and check a generation request's inputs; returns (runtime Request, _Stream)."""
-        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
-        if ids_t is None:
-            raise ConfigError("input_ids: missing")
-        prompt = ids_t.as_numpy().reshape(-1)
-        if prompt.size == 0:
-            raise ConfigError("input_ids: empty prompt")
-        max_tokens = _scalar(request, "max_tokens")
-        if max_tokens is None:
-            raise ConfigError("max_tokens: missing")
-        max_tokens = int(max_tokens)
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{self.max_tokens_limit}")
-
-        def opt(name, default, cast):
-            v = _scalar(request, name)
-            return default if v is None else cast(v)
-
-        def fp32(v):  # the shortest decimal that round-trips the FP32 input (0.7, not 0.699999988)
-            return float(str(v))
-
-        sampling = SamplingParams(temperature=opt("temperature", 0.0, fp32), top_p=opt("top_p", 1.0, fp32),
-                                  top_k=opt("top_k", 0, int), seed=opt("seed", None, int))
-        k = opt("num_draft_tokens", None, int)
-        stop = _strings(request, "stop")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ConfigError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS}")
-        for s in stop:
-            if not s:
-                raise ConfigError("stop: empty string")
-            if len(s) > MAX_STOP_CHARS:
-                raise ConfigError(f"stop: a string of {len(s)} characters, at most {MAX_STOP_CHARS}")
-        st = _Stream(self._rng.getrandbits(62) + 1, sender, stream=opt("stream", False, bool),
-                     want_ids=opt("return_token_ids", False, bool), want_stats=opt("return_stats", False, bool))
-        req = Request(prompt_ids=prompt.astype(np.int64).tolist(), max_tokens=max_tokens, sampling=sampling,
-                      num_draft_tokens=k, stop=stop)
-        return req, st
 
     def _cancel_stream(self, sid):
         with self.lock:
@@ -409,29 +309,19 @@ class TritonPythonModel:
 
     def _send(self, st, final_event):
         """Send what ``st`` holds; with ``final_event`` (the engine's finish event) as the final response."""
-        tensors = [pb_utils.Tensor("output_text", np.array(["".join(st.text).encode("utf-8")], dtype=np.object_)),
-                   _tensor("stream_id", [st.sid], np.int64)]
+        tensors = [bytes_tensor("output_text", "".join(st.text)), tensor("stream_id", [st.sid], np.int64)]
         if st.want_ids:
-            tensors.append(_tensor("output_ids", st.ids, np.int32))
+            tensors.append(tensor("output_ids", st.ids, np.int32))
         st.ids, st.text = [], []
         if final_event is None:
             st.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
             return
         reason = final_event.finish_reason or "stop"
-        tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        tensors.append(bytes_tensor("finish_reason", reason))
         s = final_event.stats
         if st.want_stats and s is not None:
-            tensors += [
-                _tensor("acceptance_length", [s.acceptance_length], np.float32),
-                _tensor("accepted_per_position", s.accepted_per_position, np.int32),
-                _tensor("num_input_tokens", [s.num_prompt_tokens], np.int32),
-                _tensor("num_output_tokens", [s.num_output_tokens], np.int32),
-                _tensor("queue_ms", [s.queue_ms], np.float32),
-                _tensor("ttft_ms", [s.ttft_ms], np.float32),
-                _tensor("e2e_ms", [s.e2e_ms], np.float32),
-                _tensor("draft_ms", [s.draft_ms], np.float32),
-                _tensor("verify_ms", [s.verify_ms], np.float32),
-            ]
+            tensors.append(tensor("accepted_per_position", s.accepted_per_position, np.int32))
+            tensors += [tensor(name, [getattr(s, field)], dtype) for name, field, dtype in STATS_OUTPUTS]
         self._close(st, response=pb_utils.InferenceResponse(output_tensors=tensors))
 
     def _close(self, st, response=None, error=None, code="INVALID_ARG"):
@@ -442,7 +332,7 @@ class TritonPythonModel:
         with self.lock:
             self.streams.pop(st.sid, None)
         try:
-            st.sender.send(response if error is None else _error_response(error, code), flags=FINAL)
+            st.sender.send(response if error is None else error_response(error, code), flags=FINAL)
         except Exception:  # the client went away or Triton already closed a cancelled request
             if not st.cancelled:
                 pb_utils.Logger.log_warn(f"spec_decode: could not send the final response: {traceback.format_exc()}")
