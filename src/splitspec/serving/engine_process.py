@@ -2,7 +2,8 @@
 
 :class:`EngineProcess` starts it with ``sys.executable`` and talks to it over a socket pair. The Triton
 model ``spec_decode`` serves through it rather than running the engine inside Triton's Python backend
-stub, for two reasons that each slowed every engine cycle there (measurements: docs/lab/):
+stub, for two reasons that each slowed every engine cycle there (measurements:
+docs/lab/2026-11-30-triton-share-engine-process/):
 
 - The stub embeds the shared ``libpython3.X.so``. On Debian and Ubuntu that library runs pure Python
   about 20 % slower than their statically linked ``/usr/bin/python3.X``, the interpreter that runs the

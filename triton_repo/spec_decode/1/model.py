@@ -16,7 +16,7 @@ Threads of the instance:
   cycle's statistics and turns the events into responses — one per cycle when the request streams (the
   text and tokens that cycle accepted), one at the end otherwise — and sends them; the last carries
   ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. Sending on the thread that receives saves a hand-over to
-  another thread on every response's path (Triton's traces: docs/lab/). When it
+  another thread on every response's path (docs/lab/2026-11-30-triton-share-traces/). When it
   falls behind the engine, cycle messages wait in the socket. It polls ``is_cancelled()`` (an IPC round
   trip) at most every ``CANCEL_POLL_S`` per request, not every cycle, and after sending a cycle's
   response, never before it.
