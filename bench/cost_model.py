@@ -4,7 +4,7 @@ Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
 
     .venv/bin/python bench/cost_model.py docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-eager.json docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-compiled.json
     .venv/bin/python bench/cost_model.py docs/lab/2026-11-30-tuner-grouped-gemm/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
-    .venv/bin/python bench/cost_model.py --png results/ docs/data/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
+    .venv/bin/python bench/cost_model.py --png results/ docs/lab/2026-12-01-h200-tp1-cost-model-tuner/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
 
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
