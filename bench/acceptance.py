@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from splitspec.engine.group import Group
     from splitspec.runtime.tokenizer import ChatTokenizer
-    from splitspec.demo.pair import build_demo_engines, corpus_split, speculative_acceptance
+    from splitspec.build.engines import build_pair
+    from splitspec.demo.pair import corpus_split, speculative_acceptance
 
     models = Path(a.models)
     if not (models / "target" / "config.json").is_file() or not (models / "drafter" / "config.json").is_file():
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as tmp:
         t0 = time.perf_counter()
-        engines = build_demo_engines(models, Path(tmp), tp_size=1)
+        engines = build_pair(models, Path(tmp), tp_size=1, quiet=True)
         print(f"built TP1 engines from {models} in {time.perf_counter() - t0:.1f} s")
         acc = speculative_acceptance(engines, [p["ids"] for p in prompts], a.max_tokens, a.num_draft_tokens,
                                      tok.stop_token_ids, dev_ids, check_lossless=True)

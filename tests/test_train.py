@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitspec.build.engines import build_engines
+from splitspec.build.engines import build_pair
 from splitspec.convert.pair import convert_pair
 from splitspec.demo.checkpoints import load_hf_reference_target
 from splitspec.engine.group import Group
@@ -61,9 +61,7 @@ def tiny_pair(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny_engines")
-    convert_pair(tiny_pair / "target", tiny_pair / "drafter", root / "ckpt", tp_size=1)
-    return build_engines(root / "ckpt", root / "engines", max_batch_size=2, max_seq_len=256)
+    return build_pair(tiny_pair, tmp_path_factory.mktemp("tiny_engines"), tp_size=1, max_batch_size=2, max_seq_len=256)
 
 
 # ---------------------------------------------------------------------------- export

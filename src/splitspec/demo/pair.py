@@ -1057,18 +1057,6 @@ def train_drafter(drafter: Eagle3Trainable, teacher: TeacherData, draft_ids: tor
 # --------------------------------------------------------------------------------------------
 
 
-def build_demo_engines(models_dir: Path, out_dir: Path, tp_size: int = 1, max_seq_len: int = 1024) -> Path:
-    """convert + build ``models_dir/{target,drafter}`` into ``out_dir/engines`` (float32); returns that folder."""
-    import io
-
-    from splitspec.build.engines import build_engines
-    from splitspec.convert.pair import convert_pair
-
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size)
-        return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=1, max_seq_len=max_seq_len)
-
-
 def speculative_acceptance(engines_dir: Path, prompts: list[list[int]], max_tokens: int, k: int,
                            stop_ids: list[int], target_device_ids: list[int] | None = None,
                            check_lossless: bool = True, progress: bool = True) -> dict[str, Any]:
@@ -1297,6 +1285,7 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
 
 def _train_into(root: Path, cfg: TrainConfig, progress: bool, measure: bool, key: str | None) -> dict[str, Any]:
     """Body of :func:`train_pair`, writing into the (temporary) folder ``root``."""
+    from splitspec.build.engines import build_pair
     from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_target_checkpoint
     from splitspec.runtime.tokenizer import (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer,
                                      select_draft_vocab, train_tokenizer)
@@ -1396,7 +1385,7 @@ def _train_into(root: Path, cfg: TrainConfig, progress: bool, measure: bool, key
         t = time.perf_counter()
         eval_prompts = heldout_prompts(tok, split, cfg.eval_prompts, cfg.distill_prompt_tokens)
         with tempfile.TemporaryDirectory(prefix="splitspec-engines-") as eng_tmp:
-            engines = build_demo_engines(root, Path(eng_tmp))
+            engines = build_pair(root, Path(eng_tmp), quiet=True)
             dev_ids = [device.index or 0] if device.type == "cuda" else None
             acc = speculative_acceptance(engines, eval_prompts, cfg.eval_new_tokens, cfg.eval_draft_tokens, stop_ids,
                                          dev_ids, check_lossless=True, progress=progress)
