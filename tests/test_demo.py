@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitspec.demo.checkpoints import load_hf_reference_target, make_demo_models
+from splitspec.demo.checkpoints import make_demo_models
+from splitspec.testing.reference import load_hf_reference_target
 from splitspec.errors import CheckpointError
 from splitspec.runtime.tokenizer import (
     SPECIAL_TOKENS,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from splitspec.build.engines import build_pair
 from splitspec.convert.pair import convert_pair
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.testing.reference import load_hf_reference_target
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from splitspec.errors import CheckpointError, ConfigError
+from splitspec.errors import ConfigError
 from splitspec.files import default_permissions, replace_dir
 from splitspec.runtime.tokenizer import (
     BOS_TOKEN,
@@ -290,39 +290,6 @@ def _write_drafter(drafter_dir: Path, cfg: dict[str, Any], draft_ids: torch.Tens
     for name, shape, kind, scale in _drafter_specs(cfg):
         tensors[name] = _init_tensor(shape, kind, scale, gen)
     return write_drafter_checkpoint(drafter_dir, cfg, tensors, draft_ids)
-
-
-def load_hf_reference_target(target_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
-    """Load a Kimi-K2 / DeepSeek-V3 checkpoint with transformers' native ``DeepseekV3ForCausalLM``.
-
-    The numerical reference for tests. Kimi-K2 configs say ``model_type: kimi_k2``, which
-    transformers does not know: loaded as is, its per-expert -> stacked-expert weight
-    conversion (registered under ``deepseek_v3``) is skipped and every routed expert is left
-    randomly initialised with only a warning. This loads the config, sets ``model_type`` to
-    ``deepseek_v3`` and insists that no key is missing or unexpected.
-
-    Args:
-        target_dir: folder with ``config.json`` and safetensors weights.
-        dtype: parameter dtype of the loaded model (router weight and bias stay float32).
-
-    Returns:
-        ``transformers.DeepseekV3ForCausalLM`` in eval mode on the CPU.
-
-    Raises:
-        CheckpointError: keys missing, unexpected or of mismatched shape.
-    """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config.from_pretrained(str(target_dir))
-    cfg.model_type = "deepseek_v3"
-    model, info = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), config=cfg, dtype=dtype,
-                                                        output_loading_info=True)
-    problems = {k: sorted(info[k])[:5] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info[k]}
-    if problems:
-        raise CheckpointError(f"{target_dir}: transformers DeepseekV3ForCausalLM could not load every tensor: {problems}")
-    return model.eval()
-
-
 
 
 _README = """\

@@ -462,7 +462,7 @@ class WindowSampler:
 def build_target(config: dict[str, Any], seed: int, device: str | torch.device = "cpu") -> Any:
     """A freshly initialised ``DeepseekV3ForCausalLM`` for the Kimi-K2 ``config`` (float32, train mode).
 
-    ``model_type`` is set to ``deepseek_v3`` as in :func:`splitspec.demo.checkpoints.load_hf_reference_target`.
+    ``model_type`` is set to ``deepseek_v3`` as in :func:`splitspec.testing.reference.load_hf_reference_target`.
     Initialisation is transformers' own (normal, std ``initializer_range``), drawn after
     ``torch.manual_seed(seed)``; the correction bias starts at zero.
     """
