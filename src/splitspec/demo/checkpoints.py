@@ -29,19 +29,11 @@ from typing import Any
 
 import torch
 
+from splitspec.demo.corpus import stdlib_corpus
+from splitspec.demo.tokenizer_train import count_token_frequencies, select_draft_vocab, train_tokenizer
 from splitspec.errors import ConfigError
 from splitspec.files import default_permissions, replace_dir
-from splitspec.runtime.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    IM_END_TOKEN,
-    PAD_TOKEN,
-    ChatTokenizer,
-    count_token_frequencies,
-    select_draft_vocab,
-    stdlib_corpus,
-    train_tokenizer,
-)
+from splitspec.runtime.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer
 
 VOCAB_SIZE = 4096
 DRAFT_VOCAB_SIZE = 1024

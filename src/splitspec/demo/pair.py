@@ -284,7 +284,7 @@ def corpus_split(heldout_every: int = 40, max_files: int | None = None) -> Corpu
     """
     import sysconfig
 
-    from splitspec.runtime.tokenizer import stdlib_source_files
+    from splitspec.demo.corpus import stdlib_source_files
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files: list[tuple[str, str]] = []
@@ -1287,8 +1287,8 @@ def _train_into(root: Path, cfg: TrainConfig, progress: bool, measure: bool, key
     """Body of :func:`train_pair`, writing into the (temporary) folder ``root``."""
     from splitspec.build.engines import build_pair
     from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_target_checkpoint
-    from splitspec.runtime.tokenizer import (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer,
-                                     select_draft_vocab, train_tokenizer)
+    from splitspec.runtime.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer
+    from splitspec.demo.tokenizer_train import select_draft_vocab, train_tokenizer
 
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
