@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from splitspec.engine.group import Group
     from splitspec.runtime.tokenizer import ChatTokenizer
     from splitspec.build.engines import build_pair
-    from splitspec.demo.pair import corpus_split, speculative_acceptance
+    from splitspec.demo.acceptance import speculative_acceptance
+    from splitspec.demo.corpus import corpus_split
 
     models = Path(a.models)
     if not (models / "target" / "config.json").is_file() or not (models / "drafter" / "config.json").is_file():

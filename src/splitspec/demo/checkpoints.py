@@ -335,7 +335,9 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
         ConfigError: ``out_dir`` exists and is not a folder; an unknown or unavailable device.
     """
     if trained:
-        from splitspec.demo.pair import TrainConfig, ensure_trained_pair, install_trained_pair
+        from splitspec.demo.pair import ensure_trained_pair
+        from splitspec.demo.train_config import TrainConfig
+        from splitspec.demo.cache import install_trained_pair
 
         entry = ensure_trained_pair(TrainConfig.preset(device, seed), retrain=retrain, progress=progress)
         if install_trained_pair(entry, Path(out_dir)):
