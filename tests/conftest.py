@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in Triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from splitspec.build.engines import build_pair
-from splitspec.demo.checkpoints import make_demo_models
+from splitspec.demo.pair import make_demo_models
 
 torch.set_num_threads(max(1, (os.cpu_count() or 1)))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitspec.demo.checkpoints import make_demo_models
+from splitspec.demo.pair import make_demo_models
 from splitspec.demo.corpus import stdlib_corpus
 from splitspec.demo.tokenizer_train import count_token_frequencies, train_tokenizer
 from splitspec.errors import CheckpointError

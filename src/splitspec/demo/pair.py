@@ -1,5 +1,8 @@
 """Train the demo pair: a small Kimi-K2-architecture target and its EAGLE-3 drafter, deterministically.
 
+:func:`make_demo_models` (``splitspec demo-models``) writes the trained pair, taken from the cache or
+trained first, or with ``trained=False`` a random one (:func:`splitspec.demo.checkpoints.write_random_pair`).
+
 Pipeline (:func:`train_pair`), everything seeded from ``TrainConfig.seed`` (:mod:`splitspec.demo.train_config`):
 
 1. **Corpus** (:mod:`splitspec.demo.corpus`). The Python standard library's ``.py`` sources, minus the
@@ -47,8 +50,8 @@ import torch
 
 from splitspec.build.engines import build_pair
 from splitspec.demo.acceptance import heldout_prompts, speculative_acceptance
-from splitspec.demo.cache import TRAINING_INFO, cache_key, cache_root, file_lock, library_versions
-from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_target_checkpoint
+from splitspec.demo.cache import TRAINING_INFO, cache_key, cache_root, file_lock, install_trained_pair, library_versions
+from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_random_pair, write_target_checkpoint
 from splitspec.demo.corpus import WindowSampler, build_token_stream, corpus_split
 from splitspec.demo.report import ACCEPTANCE_PNG, LOSS_PNG, log, print_summary, save_plots
 from splitspec.demo.tokenizer_train import select_draft_vocab, train_tokenizer
@@ -279,3 +282,36 @@ def ensure_trained_pair(cfg: TrainConfig, cache_dir: Path | None = None, retrain
         log(f"training the demo pair (cache key {key}) into {entry}")
         train_pair(entry, cfg, progress=progress, key=key)
     return entry
+
+
+def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device: str = "cpu",
+                     retrain: bool = False, progress: bool = True) -> None:
+    """Write the demo target, drafter, tokenizer and README into ``out_dir``.
+
+    With ``trained=False`` (the default, used by the numerics tests) the weights are random
+    (:func:`splitspec.demo.checkpoints.write_random_pair`). With ``trained=True`` the pair trained with
+    ``TrainConfig.preset(device, seed)`` is taken from the cache (``$SPLITSPEC_CACHE``, default
+    ``~/.cache/splitspec``), trained there first if missing (minutes; :func:`ensure_trained_pair`), and
+    copied to ``out_dir`` unless ``out_dir`` already holds it; the folder then also holds
+    ``training.json`` and PNG plots. Either way ``out_dir`` is replaced only once the new one is complete.
+
+    Args:
+        out_dir: destination folder.
+        seed: seed of the torch generators (random: target ``seed``, drafter ``seed + 1``; trained:
+            the training seed).
+        trained: write the trained pair instead of random weights.
+        device: trained pair only: ``cpu`` or ``cuda[:N]`` (a larger pair on a GPU).
+        retrain: trained pair only: train again even when the cache holds the pair.
+        progress: trained pair only: show progress bars and loss lines while training.
+
+    Raises:
+        ConfigError: ``out_dir`` exists and is not a folder; an unknown or unavailable device.
+    """
+    if not trained:
+        write_random_pair(Path(out_dir), seed)
+        return
+    entry = ensure_trained_pair(TrainConfig.preset(device, seed), retrain=retrain, progress=progress)
+    if install_trained_pair(entry, Path(out_dir)):
+        log(f"copied the trained pair {entry.name} to {out_dir}")
+    else:
+        log(f"{out_dir} already holds the trained pair {entry.name}")
