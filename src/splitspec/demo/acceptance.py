@@ -1,8 +1,10 @@
-"""Measure the demo pair's speculation with the real engines: acceptance by draft position, losslessness.
+"""Measure the demo pair with the real engines: acceptance by draft position, losslessness, held-out loss.
 
 The pair is converted and built (:func:`splitspec.build.engines.build_pair`) and decoded greedily by
-:class:`splitspec.runtime.scheduler.SpeculativeEngine` on held-out prompts (:func:`heldout_prompts`),
-each output checked against target-only greedy decoding.
+:class:`splitspec.runtime.scheduler.SpeculativeEngine` on held-out prompts (:func:`heldout_prompts` after
+training; ``eval/prompts.jsonl`` in bench/acceptance.py), each output checked against target-only greedy
+decoding (:func:`speculative_acceptance`). :func:`engine_heldout_loss` scores the target engine itself
+on the standard-library files held out from training.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from splitspec.demo.corpus import CorpusSplit, chat_samples
+import torch
+import torch.nn.functional as F
+
+from splitspec.demo.corpus import CorpusSplit, chat_samples, corpus_split, token_windows
 from splitspec.errors import SplitspecError
 
 
@@ -88,3 +93,46 @@ def heldout_prompts(tok: Any, split: CorpusSplit, n: int, prompt_tokens: int = 4
     chats = [tok.encode(tok.apply_chat_template(c[:1], add_generation_prompt=True)) for c in chat_samples(split.heldout)]
     n_code = min(len(code), n - min(len(chats), n // 2))
     return code[:n_code] + chats[:n - n_code]
+
+
+@torch.inference_mode()
+def engine_loss(group: Any, windows: list[list[int]]) -> tuple[float, int]:
+    """Mean next-token cross-entropy (nats/token) of a TP1 target engine (``splitspec.engine.group.Group``)
+    over token ``windows`` (each one forward from position 0 in the first KV region).
+    Returns (loss, tokens scored)."""
+    from splitspec.models.batch import ForwardBatch, single_blocks
+
+    r = group.rank0
+    blocks = single_blocks(0, group.limits["max_seq_len"])
+    total, count = 0.0, 0
+    for w in windows:
+        if len(w) < 2:
+            continue
+        logits, _ = r.target.forward(ForwardBatch.build([(blocks, 0, w[:-1])], "all", r.device), r.tcache)
+        total += float(F.cross_entropy(logits.float(), torch.tensor(w[1:]), reduction="sum"))
+        count += len(w) - 1
+    return total / max(count, 1), count
+
+
+def engine_heldout_loss(engines_dir: Path, tok: Any, heldout_every: int, code_prompts: list[list[int]],
+                        max_windows: int = 64, target_device_ids: list[int] | None = None) -> tuple[dict[str, Any], int]:
+    """The TP1 target engine's loss (:func:`engine_loss`) on the standard-library files held out from
+    training (:func:`splitspec.demo.corpus.corpus_split` with ``heldout_every``; windows of 257 tokens, at
+    most ``max_windows``) and on ``code_prompts`` (each one window).
+
+    Returns:
+        (``stdlib_heldout_files`` / ``eval_code_prompts``: loss in nats/token, ``stdlib_tokens`` /
+        ``eval_code_tokens``: tokens scored; the number of held-out files).
+    """
+    from splitspec.engine.group import Group
+
+    split = corpus_split(heldout_every)
+    windows = token_windows(tok, [text for _, text in split.heldout], 256, max_windows)
+    group = Group(engines_dir, target_device_ids)
+    try:
+        heldout_loss, heldout_tokens = engine_loss(group, windows)
+        code_loss, code_tokens = engine_loss(group, code_prompts)
+    finally:
+        group.close()
+    return {"stdlib_heldout_files": heldout_loss, "stdlib_tokens": heldout_tokens,
+            "eval_code_prompts": code_loss, "eval_code_tokens": code_tokens}, len(split.heldout)

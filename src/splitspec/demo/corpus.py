@@ -6,7 +6,8 @@
   and the acceptance prompts);
 - :func:`chat_samples`: chat conversations built from the training files' documented functions;
 - :func:`build_token_stream` and :class:`WindowSampler`: one token stream of the training documents and
-  seeded batches of windows cut from it; :func:`pad_batch` for sequences of different lengths.
+  seeded batches of windows cut from it; :func:`pad_batch` for sequences of different lengths;
+  :func:`token_windows` for scoring held-out text.
 """
 
 from __future__ import annotations
@@ -293,3 +294,15 @@ def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     for r, s in enumerate(seqs):
         x[r, :len(s)] = torch.tensor(s, dtype=torch.int64)
     return x, torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+
+
+def token_windows(tok: Any, texts: list[str], seq_len: int, max_windows: int) -> list[list[int]]:
+    """Non-overlapping windows of ``seq_len + 1`` token ids of ``texts``, for scoring next-token loss.
+
+    Each text is encoded on its own and cut from its start; a last partial window counts if it has at
+    least 2 tokens. At most ``max_windows`` windows, taken in order.
+    """
+    windows: list[list[int]] = []
+    for ids in (e.ids for e in tok._tok.encode_batch(texts, add_special_tokens=False)):
+        windows += [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len + 1) if len(ids[s:s + seq_len + 1]) >= 2]
+    return windows[:max_windows]

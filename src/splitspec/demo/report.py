@@ -42,16 +42,43 @@ def text_curve(values: list[float], width: int = 60, label: str = "") -> str:
     return f"{label:>16} {v[0]:7.3f} {line} {v[-1]:7.3f}"
 
 
-def save_plots(report: dict[str, Any], folder: Path) -> list[str]:
-    """Write :data:`LOSS_PNG` (target and drafter training loss) and :data:`ACCEPTANCE_PNG`
-    (acceptance by draft position) into ``folder``. Returns the file names written (none, with a
-    notice, when matplotlib is missing)."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_acceptance(acc: dict[str, Any], prompts: int | str, path: Path) -> bool:
+    """Bar chart of acceptance by draft position (``acc`` as :func:`splitspec.demo.acceptance.speculative_acceptance`
+    returns it, over ``prompts`` prompts) written to ``path``. Returns False when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pos = np.arange(1, len(acc["per_position"]) + 1)
+    ax.bar(pos, acc["per_position"], color="C2")
+    for x, y in zip(pos, acc["per_position"]):
+        ax.text(x, y + 0.01, f"{y:.2f}", ha="center")
+    ax.set(ylim=(0, 1.05), xticks=pos, xlabel="draft position", ylabel="fraction of cycles accepted",
+           title=f"{prompts} held-out prompts, k={acc['k']}: acceptance length {acc['acceptance_length']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def save_plots(report: dict[str, Any], folder: Path) -> list[str]:
+    """Write :data:`LOSS_PNG` (target and drafter training loss) and :data:`ACCEPTANCE_PNG`
+    (acceptance by draft position) into ``folder``. Returns the file names written (none, with a
+    notice, when matplotlib is missing)."""
+    plt = _pyplot()
+    if plt is None:
         log("matplotlib is not installed: skipping the PNG plots (pip install matplotlib)")
         return []
     written = []
@@ -81,16 +108,7 @@ def save_plots(report: dict[str, Any], folder: Path) -> list[str]:
     written.append(LOSS_PNG)
     acc = report.get("acceptance")
     if acc:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        pos = np.arange(1, len(acc["per_position"]) + 1)
-        ax.bar(pos, acc["per_position"], color="C2")
-        for x, y in zip(pos, acc["per_position"]):
-            ax.text(x, y + 0.01, f"{y:.2f}", ha="center")
-        ax.set(ylim=(0, 1.05), xticks=pos, xlabel="draft position", ylabel="fraction of cycles accepted",
-               title=f"{acc.get('prompts', '')} held-out prompts, k={acc['k']}: acceptance length {acc['acceptance_length']:.2f}")
-        fig.tight_layout()
-        fig.savefig(folder / ACCEPTANCE_PNG, dpi=100)
-        plt.close(fig)
+        plot_acceptance(acc, acc.get("prompts", ""), folder / ACCEPTANCE_PNG)
         written.append(ACCEPTANCE_PNG)
     return written
 

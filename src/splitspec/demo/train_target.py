@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from splitspec.demo.corpus import WindowSampler, pad_batch
+from splitspec.demo.corpus import WindowSampler, pad_batch, token_windows
 from splitspec.demo.train_config import TrainConfig, adamw, lr_at, progress_bar
 
 
@@ -185,15 +185,11 @@ def target_heldout_loss(model: Any, tok: Any, texts: list[str], seq_len: int, ma
                         batch_size: int = 8) -> float:
     """Mean next-token cross-entropy (nats/token) of ``model`` over non-overlapping windows of ``texts``.
 
-    Each text is encoded on its own and cut into windows of ``seq_len + 1`` tokens (a last partial
-    window counts if it has at least 2 tokens); at most ``max_windows`` windows, taken in order and
-    scored in right-padded batches of ``batch_size``.
+    The windows are :func:`splitspec.demo.corpus.token_windows` (``seq_len + 1`` tokens, at most
+    ``max_windows``), scored in right-padded batches of ``batch_size``.
     """
     device = next(model.parameters()).device
-    windows: list[list[int]] = []
-    for ids in (e.ids for e in tok._tok.encode_batch(texts, add_special_tokens=False)):
-        windows += [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len + 1) if len(ids[s:s + seq_len + 1]) >= 2]
-    windows = windows[:max_windows]
+    windows = token_windows(tok, texts, seq_len, max_windows)
     total, count = 0.0, 0
     for b in range(0, len(windows), batch_size):
         x, lengths = pad_batch(windows[b:b + batch_size], 0)
