@@ -297,15 +297,11 @@ random, so generated text is meaningless and acceptance lengths are low; only fo
 def write_random_pair(out_dir: Path, seed: int = 0) -> None:
     """Write the demo target, drafter, tokenizer and README with random weights into ``out_dir``.
 
-    The pair is written in seconds and exercises formats and numerics only (acceptance length ≈ 1).
-    Everything is built in a temporary sibling folder and renamed into place; an existing ``out_dir``
-    is replaced only once the new one is complete. The same ``seed`` on the same Python installation
-    (the tokenizer corpus) gives identical files.
-
-    Layout: ``out_dir/target/`` (``config.json``, ``generation_config.json``, two bf16
-    safetensors shards + ``model.safetensors.index.json``, tokenizer files), ``out_dir/drafter/``
-    (``config.json``, ``model.safetensors`` with bf16 weights, ``d2t`` int64 [1024], ``t2d``
-    bool [4096]) and ``out_dir/README.md``.
+    The pair (laid out as the module says; ``d2t`` int64 [1024], ``t2d`` bool [4096]) is written in
+    seconds and exercises formats and numerics only (acceptance length ≈ 1). Everything is built in a
+    temporary sibling folder and renamed into place; an existing ``out_dir`` is replaced only once the
+    new one is complete. The same ``seed`` on the same Python installation (the tokenizer corpus)
+    gives identical files.
 
     Args:
         out_dir: destination folder.

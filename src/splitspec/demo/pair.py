@@ -50,8 +50,10 @@ import torch
 
 from splitspec.build.engines import build_pair
 from splitspec.demo.acceptance import heldout_prompts, speculative_acceptance
-from splitspec.demo.cache import TRAINING_INFO, cache_key, cache_root, file_lock, install_trained_pair, library_versions
-from splitspec.demo.checkpoints import VOCAB_SIZE, write_drafter_checkpoint, write_random_pair, write_target_checkpoint
+from splitspec.demo.cache import (TRAINING_INFO, cache_key, cache_root, file_lock, install_trained_pair,
+                                  library_versions)
+from splitspec.demo.checkpoints import (VOCAB_SIZE, write_drafter_checkpoint, write_random_pair,
+                                       write_target_checkpoint)
 from splitspec.demo.corpus import WindowSampler, build_token_stream, corpus_split
 from splitspec.demo.report import ACCEPTANCE_PNG, LOSS_PNG, log, print_summary, save_plots
 from splitspec.demo.tokenizer_train import select_draft_vocab, train_tokenizer
