@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from splitspec.engine.group import Group
+    from splitspec.settings import ServeConfig
     from splitspec.runtime.tokenizer import ChatTokenizer
     from splitspec.demo.pair import build_demo_engines, corpus_split, speculative_acceptance
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             heldout_windows += [ids[s:s + 257] for s in range(0, len(ids) - 1, 257)]
         heldout_windows = [w for w in heldout_windows if len(w) >= 2][: a.heldout_windows]
         code_windows = [tok.encode(p["prompt"]) for p in prompts if p["kind"] == "code"]
-        group = Group(engines, dev_ids)
+        group = Group(ServeConfig.from_env(engines_dir=engines, target_device_ids=dev_ids or ()))
         try:
             heldout_loss, heldout_tokens = engine_loss(group, heldout_windows)
             code_loss, code_tokens = engine_loss(group, code_windows)

@@ -1089,11 +1089,13 @@ def speculative_acceptance(engines_dir: Path, prompts: list[list[int]], max_toke
 
     from splitspec.errors import SplitspecError
     from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.settings import ServeConfig
 
     cycles, emitted, accepted = 0, 0, [0] * k
     per_prompt, outputs = [], []
     spec_s = ref_s = 0.0
-    with SpeculativeEngine.load(engines_dir, target_device_ids=target_device_ids, num_draft_tokens=k) as eng:
+    with SpeculativeEngine.load(ServeConfig.from_env(engines_dir=engines_dir, target_device_ids=target_device_ids or (),
+                                                     num_draft_tokens=k)) as eng:
         for ids in tqdm(prompts, desc=f"speculative decoding (k={k})", unit="prompt", disable=not progress,
                         dynamic_ncols=True, file=sys.stdout):
             t = time.perf_counter()
