@@ -46,7 +46,7 @@ cycle, and every request's row), ``results.png`` (that split, plotted; ``--replo
 from a file; ``--pool RESULTS_JSON ...`` pools several runs, each run's loads counted as loads of their own) and
 ``tritonserver.log``. ``--trace`` also keeps Triton's traces of the served requests
 (``trace/load-<n>/trace.json.<index>``, one folder per load's server) and splits each served request's latency by step of the ensemble
-(:mod:`splitspec.triton_trace`: gRPC in, preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC
+(:mod:`lab.triton_trace`: gRPC in, preprocessing, ``spec_decode``, the engine, the last postprocessing, gRPC
 out), in its row (``path_ms``) and on average (``served_path_ms_per_request``).
 """
 
@@ -82,7 +82,7 @@ from splitspec.serving.repo import render_repo  # noqa: E402
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
 from splitspec.serving.tritonserver import TritonServer, server_env  # noqa: E402
 from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: E402
-from splitspec.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
+from lab.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
 
 #: The phases, in the order they are set up (see the module docstring); ``--also`` names those between the first
 #: and the last, which always run.
@@ -350,7 +350,7 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
     ``engine_e2e_ms`` / ``engine_ttft_ms`` (the engine's own, from ``return_stats``), ``draft_verify_ms``,
     ``responses``, ``acceptance_length``, ``finish_reason``, ``output_sha``, ``request_id``, ``sent_ns`` (when it was
     sent: ``time.perf_counter_ns()``). With ``trace_file`` tritonserver traces every request's timestamps into
-    ``<trace_file>.<index>`` (:mod:`splitspec.triton_trace`; each request's file is written once it is complete).
+    ``<trace_file>.<index>`` (:mod:`lab.triton_trace`; each request's file is written once it is complete).
     """
     repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
                        draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
@@ -384,7 +384,7 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
 
 
 def trace_paths(path: Path, served: list[dict]) -> None:
-    """Give each served row its ``path_ms`` (:func:`splitspec.triton_trace.request_path`: its latency split by step of
+    """Give each served row its ``path_ms`` (:func:`lab.triton_trace.request_path`: its latency split by step of
     the ensemble, from the trace files ``path`` of the server that served it). Raises SplitspecError when a row's
     request has no trace or a step's is incomplete."""
     if not served:
@@ -814,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (default the engine's)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default the engine's)")
     p.add_argument("--trace", action="store_true", help="trace every served request with Triton's trace API "
-                   "(timestamps; <out>/trace/) and split its time by step of the ensemble (splitspec.triton_trace)")
+                   "(timestamps; <out>/trace/) and split its time by step of the ensemble (lab.triton_trace)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/triton-share-<time>)")
     only = p.add_mutually_exclusive_group()  # either mode ignores the measuring options
     only.add_argument("--replot", default=None, metavar="RESULTS_JSON", help="only draw the plot of an earlier run's "
