@@ -113,9 +113,6 @@ class TritonPythonModel:
         self.engines_dir = serve_cfg.engines_dir
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
-        target_ids = list(serve_cfg.target_device_ids)
-        draft_ids = [] if serve_cfg.draft_device_id is None else [serve_cfg.draft_device_id]
-        synthetic = None if serve_cfg.synthetic_acceptance is None else list(serve_cfg.synthetic_acceptance)
         self.engine = self.exporter = None
         self.lock = threading.Lock()
         self.streams = {}  # stream_id -> _Stream, while open
@@ -126,16 +123,17 @@ class TritonPythonModel:
         self.collector = MetricsCollector()
         self.engine = EngineProcess(serve_cfg, self._on_cycle, self._engine_failed)
         try:
-            self._start(target_ids, draft_ids, synthetic)
+            self._start(serve_cfg)
         except BaseException:
             self.engine.close()  # neither it nor its worker processes may outlive a failed load
             raise
 
-    def _start(self, target_ids, draft_ids, synthetic):
+    def _start(self, cfg):
         """Start the monitor thread and the metrics (after the engine loaded)."""
-        if synthetic is not None:
+        if cfg.synthetic_acceptance is not None:
             pb_utils.Logger.log_warn(f"spec_decode: BENCHMARK MODE: draft tokens are accepted with probabilities "
-                                     f"{synthetic} regardless of their value; outputs are NOT the target's")
+                                     f"{list(cfg.synthetic_acceptance)} regardless of their value; outputs are NOT "
+                                     "the target's")
         info = self.engine.info
         k = f"{info['k_by_batch']} by batch bucket (tuning.json)" if info["k_by_batch"] else info["k"]
         self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
@@ -144,8 +142,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"spec_decode: engines {self.engines_dir} loaded (k={k}, max_batch_size "
             f"{info['max_batch_size']}, KV {info['kv_blocks']} blocks of {info['block_size']} tokens, "
-            f"max_seq_len {info['max_seq_len']}, target devices {target_ids or 'cpu'}, draft device "
-            f"{draft_ids or 'rank 0'}, draft_tp {info['draft_tp_by_batch'] or info['draft_tp']}"
+            f"max_seq_len {info['max_seq_len']}, target devices {list(cfg.target_device_ids) or 'cpu'}, draft "
+            f"device {'rank 0' if cfg.draft_device_id is None else [cfg.draft_device_id]}, draft_tp {info['draft_tp_by_batch'] or info['draft_tp']}"
             f"{' by batch bucket (tuning.json)' if info['draft_tp_by_batch'] else ''}); engine process pid {self.engine.pid} "
             f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}")
 
