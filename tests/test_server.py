@@ -161,6 +161,16 @@ def test_render_repo_names_missing_engine(tmp_path):
         render_repo(ServeConfig(tmp_path / "engines", num_draft_tokens=4), tmp_path / "repo")
 
 
+def test_render_repo_names_missing_templates(tmp_path):
+    """The templates come from the folder the caller names (default: ./triton_repo); a wrong one is named, with what
+    to pass, before anything else is read."""
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(ConfigError, match=r"preprocessing/config\.pbtxt\.in: model repository template not found; "
+                                          r"pass template_dir"):
+        render_repo(ServeConfig(tmp_path / "engines"), tmp_path / "repo", template_dir=tmp_path / "nothing")
+    assert not (tmp_path / "repo").exists()
+
+
 def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
     """A model that cannot load: start() raises with the log tail, and no process is left."""
     from splitspec.demo.tokenizer_train import train_tokenizer

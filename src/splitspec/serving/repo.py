@@ -3,9 +3,10 @@
 The repository follows the TensorRT-LLM backend's layout: ``preprocessing`` (tokenise) →
 ``spec_decode`` (decoupled; target + drafter engines, draft/verify loop) → ``postprocessing``
 (detokenise), chained by the ``ensemble`` model. Each model's ``config.pbtxt`` is rendered
-from the ``config.pbtxt.in`` template kept next to its code in the project's ``triton_repo/``
-(``string.Template`` placeholders such as ``${engines_dir}``). Rendering into another folder
-also copies the models' code there. Every file is written to a temporary name and renamed
+from the ``config.pbtxt.in`` template kept next to its code in the source checkout's ``triton_repo/``
+(``string.Template`` placeholders such as ``${engines_dir}``); the caller says where that folder is
+(``template_dir``; the CLI and ``make`` run in the checkout, so ``./triton_repo``). Rendering into another
+folder also copies the models' code there. Every file is written to a temporary name and renamed
 into place.
 """
 
@@ -24,22 +25,27 @@ MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
 TEMPLATE_NAME = "config.pbtxt.in"
 #: Largest max_tokens a request may ask for.
 MAX_TOKENS_LIMIT = 4096
+#: The templates' folder when the caller names none: ``triton_repo/`` of the working directory (the checkout's
+#: root, where ``make`` and the CLI run).
+TEMPLATE_DIR = Path("triton_repo")
 #: Seconds between two ``is_cancelled()`` checks of one stream, in ``spec_decode`` (requests sent to it directly)
 #: and ``postprocessing`` (ensemble streams). Each check is an IPC round trip between the Python backend's stub
-#: and tritonserver (0.1–0.25 ms): postprocessing never checks a stream's first response, spec_decode checks
-#: after sending a response, not before it.
+#: and tritonserver: postprocessing never checks a stream's first response, spec_decode checks after sending a
+#: response, not before it.
 CANCEL_POLL_S = 0.05
 
 
-def template_repo() -> Path:
-    """The project's ``triton_repo/`` folder holding the templates and model code.
+def check_template_dir(template_dir: Path) -> Path:
+    """``template_dir`` resolved, once it holds every model's ``config.pbtxt.in``.
 
     Raises:
-        ConfigError: the folder is not there (splitspec installed without its source tree).
+        ConfigError: a template is missing; the message says what to pass.
     """
-    root = Path(__file__).resolve().parents[3] / "triton_repo"
-    if not (root / "ensemble" / TEMPLATE_NAME).is_file():
-        raise ConfigError(f"{root}: model repository templates not found (use an editable install of splitspec)")
+    root = Path(template_dir).resolve()
+    for model in MODELS:
+        if not (root / model / TEMPLATE_NAME).is_file():
+            raise ConfigError(f"{root / model / TEMPLATE_NAME}: model repository template not found; pass "
+                              "template_dir, the source checkout's triton_repo/ folder (or run from the checkout)")
     return root
 
 
@@ -67,7 +73,7 @@ def _find_int(d: dict, *keys: str) -> int | None:
     return None
 
 
-def render_repo(cfg: ServeConfig, out_dir: Path) -> Path:
+def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_DIR) -> Path:
     """Write the model repository for the deployment ``cfg`` to ``out_dir``: ``cfg``'s
     :data:`~splitspec.settings.PARAMETER_FIELDS` become ``spec_decode``'s parameters.
 
@@ -81,14 +87,17 @@ def render_repo(cfg: ServeConfig, out_dir: Path) -> Path:
             0's device. ``max_batch_size`` / ``kv_tokens`` None: the engine's. ``synthetic_acceptance``:
             BENCHMARK ONLY — served outputs are then NOT the target's (the engine labels them synthetic and the
             model logs a warning).
-        out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
-            folder also receives a copy of the models' code.
+        out_dir: repository folder; ``template_dir`` itself renders in place, any other folder also
+            receives a copy of the models' code.
+        template_dir: the checkout's ``triton_repo/`` (templates and model code); relative to the working
+            directory.
     Returns:
         ``out_dir`` resolved.
     Raises:
-        ConfigError: an engine or tokenizer file is missing, ``out_dir`` cannot be written, or a
+        ConfigError: a template, an engine or tokenizer file is missing, ``out_dir`` cannot be written, or a
             setting does not fit the engines (the message names it).
     """
+    src = check_template_dir(template_dir)
     engines_dir = cfg.engines_dir.resolve()
     out_dir = Path(out_dir).resolve()
     target = _engine_json(engines_dir / "target" / "engine.json")
@@ -137,7 +146,6 @@ def render_repo(cfg: ServeConfig, out_dir: Path) -> Path:
         if '"' in v or "\\" in v or "\n" in v:
             raise ConfigError(f"{k} = {v!r}: quotes, backslashes and newlines cannot go into config.pbtxt")
 
-    src = template_repo()
     in_place = src == out_dir
     texts = {}
     for model in MODELS:  # everything rendered and every destination checked before anything is written
