@@ -26,7 +26,7 @@ serving). So the host's thread that submits (``spec_decode``'s ``execute``) neve
 
 Messages (pickled tuples)::
 
-    host → engine   ("load", engines_dir, load keyword arguments)
+    host → engine   ("load", ServeConfig, {"cpu_threads": …, "overlap_output": …})
                     ("submit", sid, Request)   ("cancel", sid)   ("stop",)
     engine → host   ("ready", info)   ("load_failed", error class name, message)
                     ("cycle", [event tuple], CycleStats tuple | None, gauges)   one per cycle (with
@@ -172,7 +172,7 @@ class EngineProcess:
             GPUs; :class:`CycleMessages` says which wait). A request's first event and its last are sent at once; a
             delta between them leaves once the next cycle's GPU work is queued, later by that cycle's host work up
             to its verify's launch (in an eager cycle, such as a request's first decode, its whole draft phase). The
-            message (28 µs per cycle on an H200 host) then overlaps the GPU instead of delaying the next cycle, as
+            message then overlaps the GPU instead of delaying the next cycle, as
             in vLLM's asynchronous output processing.
         env: the engine process's environment (None: this process's).
     Raises:
