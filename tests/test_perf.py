@@ -13,9 +13,10 @@ import pytest
 from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
                              summary_markdown)
 from splitspec.errors import ConfigError
-from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
-                            parse_genai_perf, parse_levels, perf_command, read_perf_csv, rendered_text, repo_setting,
-                            run_genai_perf_level, run_perf_analyzer_level, write_genai_perf_input, write_input_data)
+from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
+from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, load_prompts, parse_levels, rendered_text, repo_setting,
+                                          write_genai_perf_input, write_input_data)
+from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import TritonServer
 
@@ -219,7 +220,8 @@ def test_bench_client_measures_each_k(perf_server, short_prompts):
 
 
 def test_perf_markdown_tables():
-    from splitspec.measure.perf_suite import LevelResult, perf_markdown
+    from splitspec.measure.perf_levels import LevelResult
+    from splitspec.measure.perf_suite import perf_markdown
 
     rows = [LevelResult("perf_analyzer", "grpc", 4, 5.0, {"requests_per_s": 2.0, "responses_per_s": 20.0, "latency_avg_ms": 900.0,
                                                            "latency_p50_ms": 880.0, "latency_p90_ms": 950.0,
