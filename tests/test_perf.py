@@ -14,10 +14,10 @@ from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blo
                              summary_markdown)
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
-from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, load_prompts, parse_levels, rendered_text, repo_setting,
+from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, load_prompts, parse_levels, rendered_text,
                                           write_genai_perf_input, write_input_data)
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
-from splitspec.serving.repo import render_repo
+from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
 
 MAX_TOKENS = 8

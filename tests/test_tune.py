@@ -174,8 +174,7 @@ def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path
 
 def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path):
     from splitspec.serving.engine_process import EngineProcess
-    from splitspec.measure.perf_suite import repo_setting
-    from splitspec.serving.repo import render_repo
+    from splitspec.serving.repo import render_repo, repo_setting
 
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)

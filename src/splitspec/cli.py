@@ -84,9 +84,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
 
 
 def _cmd_repo(a: argparse.Namespace) -> None:
-    from splitspec.serving.repo import render_repo
-
-    from splitspec.measure.perf_suite import repo_setting
+    from splitspec.serving.repo import render_repo, repo_setting
 
     out = render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
                       draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,

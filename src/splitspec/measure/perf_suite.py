@@ -28,6 +28,7 @@ from splitspec.files import write_atomic
 from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
                                           run_bounded, tool_env)
+from splitspec.serving.repo import repo_setting
 from splitspec.serving.tritonserver import TritonServer
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
@@ -204,16 +205,6 @@ def parse_levels(value: str | Iterable[int], what: str = "concurrency") -> tuple
     if not levels:
         raise ConfigError(f"{what} is empty")
     return tuple(sorted(set(levels)))
-
-
-def repo_setting(repo: Path, model: str, key: str) -> str | None:
-    """A ``parameters`` value from ``repo/<model>/config.pbtxt`` (None when absent)."""
-    try:
-        text = (Path(repo) / model / "config.pbtxt").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-    return m.group(1) if m else None
 
 
 def _timestamp() -> str:
