@@ -36,7 +36,7 @@ def measure(a: argparse.Namespace) -> dict:
     import torch
 
     from splitspec.errors import CheckpointError, ConfigError
-    from splitspec.generate import encode_prompt, read_prompts
+    from splitspec.measure.prompts import encode_prompt, read_prompts
     from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
     ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None

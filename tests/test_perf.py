@@ -14,13 +14,14 @@ from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blo
                              summary_markdown)
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
-from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, load_prompts, parse_levels, rendered_text,
-                                          write_genai_perf_input, write_input_data)
+from splitspec.measure.perf_suite import parse_levels
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
+from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write_genai_perf_input, write_input_data
 from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
 
 MAX_TOKENS = 8
+EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "eval" / "prompts.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ MAX_TOKENS = 8
 # ---------------------------------------------------------------------------------------------
 
 
-def test_load_prompts_formats_and_errors(tmp_path, built_engines):
+def test_read_prompts_formats_and_errors(tmp_path, built_engines):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join([
         json.dumps({"id": "a", "prompt": "def f(x):"}),
@@ -37,9 +38,11 @@ def test_load_prompts_formats_and_errors(tmp_path, built_engines):
         json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi?"}]}),
         json.dumps({"id": "d", "messages": [{"role": "system", "content": "Be brief."},
                                             {"role": "user", "content": "Hi?"}]}),
+        "plain \\u2192 text",
     ]) + "\n")
-    ps = load_prompts(f, built_engines / "target")
-    assert [(p.id, p.chat) for p in ps] == [("a", False), ("b", True), ("c", True), ("d", False)]
+    ps = read_prompts(f, built_engines / "target")
+    assert [(p.id, p.chat) for p in ps] == [("a", False), ("b", True), ("c", True), ("d", False), ("line-6", False)]
+    assert ps[4].text == "plain → text"
     assert ps[2].text == "Hi?"
     assert "Be brief." in ps[3].text and ps[3].text.endswith("<|im_middle|>")
     # chat prompts rendered for genai-perf are exactly the text the server's chat template makes
@@ -49,23 +52,24 @@ def test_load_prompts_formats_and_errors(tmp_path, built_engines):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
-        load_prompts(bad)
+        read_prompts(bad)
     bad.write_text("{not json\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:1: not valid JSON"):
-        load_prompts(bad)
+        read_prompts(bad)
     with pytest.raises(ConfigError, match="not found"):
-        load_prompts(tmp_path / "missing.jsonl")
+        read_prompts(tmp_path / "missing.jsonl")
     multi = tmp_path / "multi.jsonl"
     multi.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}) + "\n")
     with pytest.raises(ConfigError, match="tokenizer"):
-        load_prompts(multi)
+        read_prompts(multi)
 
 
 def test_eval_prompts_load():
-    if not DEFAULT_PROMPTS.is_file():
-        pytest.skip(f"{DEFAULT_PROMPTS} is not there")
-    ps = load_prompts()
+    if not EVAL_PROMPTS.is_file():
+        pytest.skip(f"{EVAL_PROMPTS} is not there")
+    ps = read_prompts(EVAL_PROMPTS)
     assert len(ps) >= 5 and all(p.text for p in ps)
+    assert [p.id for p in read_prompts(None)][:2] == ["builtin-1", "builtin-2"]  # no file: the built-in prompts
 
 
 def test_input_files_for_both_protocols(tmp_path):

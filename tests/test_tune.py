@@ -143,11 +143,11 @@ def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
 
 
 def test_prompt_file_escapes_keep_other_characters(tmp_path):
-    from splitspec.generate import read_prompts
+    from splitspec.measure.prompts import read_prompts
 
     f = tmp_path / "p.txt"
     f.write_text("café \\u2192 日本語\\nx\n", encoding="utf-8")
-    assert read_prompts(f) == ["café → 日本語\nx"]
+    assert [(p.id, p.text, p.chat) for p in read_prompts(f)] == [("line-1", "café → 日本語\nx", False)]
     f.write_text("ends in a backslash\\\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="p.txt:1"):
         read_prompts(f)
@@ -214,7 +214,7 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
                                        ('{"prompt": null}', "non-empty string"), ('{"messages": "hi"}', "list of chat"),
                                        ('{"messages": [{"foo": 1}]}', "role"), ('{"messages": []}', "role")])
 def test_prompt_file_entries_are_checked_naming_the_line(tmp_path, line, why):
-    from splitspec.generate import read_prompts
+    from splitspec.measure.prompts import read_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n' + line + "\n")

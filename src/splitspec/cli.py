@@ -12,7 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from splitspec.errors import SplitspecError
+from splitspec.errors import ConfigError, SplitspecError
+
+
+def _prompt_file(path: str) -> Path:
+    """``--prompts``: the file, or a ConfigError saying what to pass."""
+    if not Path(path).exists():
+        raise ConfigError(f"--prompts {path}: no such file (run from the checkout for eval/prompts.jsonl, "
+                          "or pass --prompts FILE)")
+    return Path(path)
 
 
 def _cmd_demo_models(a: argparse.Namespace) -> None:
@@ -54,7 +62,6 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 
 
 def _cmd_tune(a: argparse.Namespace) -> None:
-    from splitspec.errors import ConfigError
     from splitspec.generate import parse_device
     from splitspec.measure.tune import tune
 
@@ -79,7 +86,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         a.batches = ",".join(map(str, sorted({min(b, limit) for b in (1, 4, 16)})))
         if limit < 16:
             print(f"batch buckets {a.batches} (the engines' max_batch_size is {limit})")
-    tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
+    tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), _prompt_file(a.prompts),
          a.max_seq_len, device_ids, synthetic, a.verify, a.cycles, a.loads)
 
 
@@ -114,7 +121,7 @@ def _cmd_perf(a: argparse.Namespace) -> None:
     run_perf_suite(engines=None if a.repo else Path(a.engines), repo=Path(a.repo) if a.repo else None,
                    out_dir=Path(a.out) if a.out else None, concurrencies=a.concurrency,
                    protocols=[p.strip() for p in a.protocol.split(",") if p.strip()], max_tokens=a.max_tokens,
-                   prompts_path=Path(a.prompts) if a.prompts else None, seconds=a.seconds,
+                   prompts_path=_prompt_file(a.prompts), seconds=a.seconds,
                    llm_metrics=not a.no_llm_metrics, llm_concurrencies=a.llm_concurrency,
                    level_timeout_s=a.level_timeout, num_draft_tokens=a.k, draft_tp=a.draft_tp)
 
@@ -266,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated concurrency levels")
     s.add_argument("--protocol", default="grpc,http", help="grpc (streaming), http (generate_stream), or both")
     s.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    s.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="JSON-lines prompts (default eval/prompts.jsonl)")
     s.add_argument("--seconds", type=float, default=3.0, help="minimum perf_analyzer measurement time per level (s)")
     s.add_argument("--llm-concurrency", default=None,
                    help="genai-perf concurrency levels (default: the same as --concurrency)")
@@ -286,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", default="1,8", help="concurrency levels; the first is the headline")
     s.add_argument("--draft-tp", default=None, help="comma list of drafter placements (default: 1 and the target's TP size)")
     s.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
-    s.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="JSON-lines prompts (default eval/prompts.jsonl)")
     s.add_argument("--requests", type=int, default=None,
                    help="requests per configuration and concurrency (default: one per prompt)")
     s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")

@@ -1,7 +1,7 @@
 """``splitspec generate``: speculative decoding from built engines in this process.
 
-One prompt (``--prompt``) or many (``--prompts FILE``: JSON lines with a "prompt" field, or plain text,
-one prompt per line), kept ``--concurrency`` requests in flight (closed loop). Prints each completion
+One prompt (``--prompt``) or many (``--prompts FILE``, read by :func:`splitspec.measure.prompts.read_prompts`),
+kept ``--concurrency`` requests in flight (closed loop). Prints each completion
 with its statistics and an aggregate line; ``--check`` also decodes target-only and fails if any greedy
 output differs.
 """
@@ -9,59 +9,13 @@ output differs.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts
 from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
 from splitspec.runtime.sampling import SamplingParams
-
-
-def read_prompts(path: Path) -> list[str | list[dict]]:
-    """Prompts from a .jsonl file ({"prompt": text} or {"messages": [chat messages]} per line) or a text file
-    (one per line, \\n escapes allowed). Chat prompts come back as message lists (see :func:`encode_prompt`).
-
-    Raises ConfigError naming the file and line for a missing or unreadable file, a line that is not such an
-    object, an empty or non-string prompt, malformed messages, a bad escape, or no prompts at all."""
-    try:
-        lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: prompt file not found") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise ConfigError(f"{path}: not a UTF-8 text file ({e})") from None
-    out = []
-    for i, ln in enumerate(lines, 1):
-        if ln.lstrip().startswith("{"):
-            try:
-                obj = json.loads(ln)
-                prompt = obj["messages"] if "messages" in obj else obj["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{i}: expected a JSON object with a 'prompt' or 'messages' field") from None
-            if isinstance(prompt, list):
-                if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                                         for m in prompt):
-                    raise ConfigError(f"{path}:{i}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
-            elif "messages" in obj:
-                raise ConfigError(f"{path}:{i}: 'messages' must be a list of chat messages, got {type(prompt).__name__}")
-            elif not isinstance(prompt, str) or not prompt:
-                raise ConfigError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
-            out.append(prompt)
-        else:
-            try:  # backslash escapes (\n, \t, \uXXXX) decoded; other characters kept as they are
-                out.append(ln.encode("latin-1", "backslashreplace").decode("unicode_escape"))
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{i}: bad backslash escape ({e.reason}); write a backslash as \\\\") from None
-    if not out:
-        raise ConfigError(f"{path}: no prompts")
-    return out
-
-
-def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:
-    """Token ids of a text prompt (wrapped in the chat template when ``chat``) or of a list of chat messages."""
-    if isinstance(prompt, list):
-        return tok.encode(tok.apply_chat_template(prompt))
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt)
 
 
 def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency: int) -> tuple[list[GenerationResult], float]:
@@ -112,7 +66,7 @@ def main(a: argparse.Namespace) -> None:
     if a.concurrency < 1:
         raise ConfigError(f"--concurrency = {a.concurrency}, expected ≥ 1")
     engines = Path(a.engines)
-    prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
+    prompts = read_prompts(Path(a.prompts), engines / "target") if a.prompts else [Prompt("prompt", a.prompt)]
     device_ids = parse_device(a.device)
     with SpeculativeEngine.load(engines, target_device_ids=device_ids, draft_tp=a.draft_tp,
                                 num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1)) as eng:
@@ -127,8 +81,7 @@ def main(a: argparse.Namespace) -> None:
         eng.on_cycle = None
         for p, r in zip(prompts, results):
             s = r.stats
-            shown = p if isinstance(p, str) else p[-1]["content"]
-            print(shown + r.text if len(prompts) == 1 else f"--- {shown[:60]!r} → {r.text[:200]!r}")
+            print(p.text + r.text if len(prompts) == 1 else f"--- {p.text[:60]!r} → {r.text[:200]!r}")
             print(f"    {s.num_output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance length {s.acceptance_length:.2f} "
                   f"over {s.num_cycles} cycles, accepted by position {s.accepted_per_position}, ttft {s.ttft_ms:.0f} ms, "
                   f"finish {r.finish_reason}{' [SYNTHETIC]' if s.synthetic else ''}")

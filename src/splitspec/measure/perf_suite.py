@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -28,160 +28,13 @@ from splitspec.files import write_atomic
 from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
                                           run_bounded, tool_env)
+from splitspec.measure.prompts import read_prompts, write_genai_perf_input, write_input_data
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.tritonserver import TritonServer
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
-#: The held-out evaluation prompts (``{"prompt": ...}`` or ``{"messages": [...]}`` per line).
-DEFAULT_PROMPTS = PROJECT_ROOT / "eval" / "prompts.jsonl"
-#: Prompts used when no prompt file is available (code completions and one chat question).
-PERF_PROMPTS: tuple[tuple[str, bool], ...] = (
-    ("def fibonacci(n):", False),
-    ("import os\n\ndef list_python_files(root):\n    \"\"\"Return every .py file under root.\"\"\"\n", False),
-    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
-    ("def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n", False),
-    ("How do I read a file line by line in Python?", True),
-)
 #: Concurrency levels of ``make perf``.
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 MAX_CONCURRENCY = 256
-
-
-# --------------------------------------------------------------------------------------------
-# Prompts and input files
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One evaluation prompt.
-
-    Attributes:
-        id: identifier from the prompt file (``code-01``) or its line number.
-        text: ``text_input`` as sent.
-        chat: True: the server wraps ``text`` as one user message in the chat template
-            (``apply_chat_template``).
-    """
-
-    id: str
-    text: str
-    chat: bool = False
-
-
-def load_prompts(path: Path | None = None, tokenizer_dir: Path | None = None) -> list[Prompt]:
-    """Read evaluation prompts from a JSON-lines file.
-
-    Each line is ``{"prompt": str}`` (sent as is; ``"chat": true`` wraps it in the chat template) or
-    ``{"messages": [{"role": ..., "content": ...}, ...]}``: a single user message is sent with
-    ``apply_chat_template``; a longer conversation is rendered here with the tokenizer's chat template
-    (``tokenizer_dir`` needed) and sent as text. Blank lines are skipped.
-
-    Args:
-        path: the file (default ``eval/prompts.jsonl``; when that file is missing the built-in
-            :data:`PERF_PROMPTS` are used).
-        tokenizer_dir: folder with ``tokenizer.json`` (only for multi-message prompts).
-    Raises:
-        ConfigError: the file is missing (an explicit path), a line is not such an object, or it holds
-            no prompt (the message names the file and line).
-    """
-    if path is None:
-        if not DEFAULT_PROMPTS.is_file():
-            return [Prompt(f"builtin-{i + 1}", t, c) for i, (t, c) in enumerate(PERF_PROMPTS)]
-        path = DEFAULT_PROMPTS
-    path = Path(path)
-    if path.exists() and not path.is_file():  # a FIFO would block the read forever
-        raise ConfigError(f"{path}: not a regular file (expected a JSON-lines prompt file)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: prompt file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the prompt file ({e})") from None
-    out: list[Prompt] = []
-    tok = None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
-        pid = str(d.get("id", f"line-{n}"))
-        if isinstance(d.get("prompt"), str) and d["prompt"]:
-            out.append(Prompt(pid, d["prompt"], bool(d.get("chat", False))))
-            continue
-        msgs = d.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs):
-            raise ConfigError(f"{where}: expected a non-empty 'prompt' string or 'messages' "
-                              "(a list of {\"role\": ..., \"content\": ...})")
-        if len(msgs) == 1 and msgs[0]["role"] == "user":
-            out.append(Prompt(pid, msgs[0]["content"], True))
-            continue
-        if tok is None:
-            tok = _tokenizer(tokenizer_dir, where)
-        out.append(Prompt(pid, tok.apply_chat_template(msgs, add_generation_prompt=True), False))
-    if not out:
-        raise ConfigError(f"{path}: no prompts")
-    return out
-
-
-def _tokenizer(tokenizer_dir: Path | None, why: str):
-    from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: PLC0415
-
-    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        raise ConfigError(f"{why}: a multi-message prompt needs the tokenizer (tokenizer_dir = {tokenizer_dir})")
-    return ChatTokenizer.from_dir(Path(tokenizer_dir))
-
-
-def rendered_text(prompts: Sequence[Prompt], tokenizer_dir: Path) -> list[str]:
-    """The text the model sees for each prompt: chat prompts rendered with the tokenizer's chat
-    template (special-token strings in it encode to the same ids as ``apply_chat_template``)."""
-    tok = None
-    out = []
-    for p in prompts:
-        if p.chat:
-            tok = tok or _tokenizer(tokenizer_dir, f"prompt {p.id}")
-            out.append(tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True))
-        else:
-            out.append(p.text)
-    return out
-
-
-def write_input_data(path: Path, prompts: Sequence[Prompt] | None = None, max_tokens: int = PERF_MAX_TOKENS,
-                     protocol: str = "grpc") -> Path:
-    """Write perf_analyzer's ``--input-data`` JSON: one entry per prompt, cycled through in order.
-
-    Requests stream (``stream`` true: one response per engine cycle), as an interactive client would.
-
-    Args:
-        prompts: default :func:`load_prompts` ``()``.
-        max_tokens: output tokens per request.
-        protocol: ``grpc``: the ensemble's tensors (``{"text_input": [..], "max_tokens": [..], ...}``);
-            ``http``: perf_analyzer's payload form, the JSON body posted to ``generate_stream``.
-    """
-    prompts = list(prompts) if prompts is not None else load_prompts()
-    if protocol == "grpc":
-        data = [{"text_input": [p.text], "max_tokens": [max_tokens], "apply_chat_template": [p.chat], "stream": [True]}
-                for p in prompts]
-    elif protocol == "http":
-        data = [{"payload": [{"text_input": p.text, "max_tokens": max_tokens, "apply_chat_template": p.chat,
-                              "stream": True}]} for p in prompts]
-    else:
-        raise ConfigError(f"protocol = {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
-    write_atomic(Path(path), json.dumps({"data": data}, indent=2, ensure_ascii=False) + "\n")
-    return Path(path)
-
-
-def write_genai_perf_input(path: Path, prompts: Sequence[Prompt], tokenizer_dir: Path) -> Path:
-    """Write genai-perf's ``--input-file`` (JSON lines ``{"text": ...}``); chat prompts are rendered
-    here (genai-perf has no per-prompt ``apply_chat_template``)."""
-    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in rendered_text(prompts, tokenizer_dir)]
-    write_atomic(Path(path), "\n".join(lines) + "\n")
-    return Path(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +85,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         concurrencies: perf_analyzer levels (requests in flight).
         protocols: subset of ``grpc``, ``http``.
         max_tokens: output tokens per request.
-        prompts_path: JSON-lines prompts (default ``eval/prompts.jsonl``).
+        prompts_path: prompt file (:func:`~splitspec.measure.prompts.read_prompts`; None: the built-in prompts).
         seconds: minimum measurement time per perf_analyzer level.
         llm_metrics: also run genai-perf (skipped with a notice when it is not installed).
         llm_concurrencies: genai-perf levels (default: ``concurrencies``).
@@ -273,7 +126,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
     srv = server or TritonServer(Path(repo), exit_timeout_s=10)
     repo_dir = srv.repo
     tokenizer_dir = Path(repo_setting(repo_dir, "preprocessing", "tokenizer_dir") or "")
-    prompts = load_prompts(prompts_path, tokenizer_dir)
+    prompts = read_prompts(prompts_path, tokenizer_dir)
     batch = repo_setting(repo_dir, "spec_decode", "max_batch_size")
     if batch and int(batch) < max(levels):
         print(f"note: {repo_dir} serves at most {batch} sequences together; levels above queue in the server",
@@ -322,7 +175,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
     for proto in protocols:
         _merge_csvs([out / "perf_analyzer" / f"{proto}_c{c}.csv" for c in levels], out / f"perf_analyzer_{proto}.csv")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "repo": str(repo_dir), "max_tokens": max_tokens,
-            "prompts": str(prompts_path or DEFAULT_PROMPTS), "num_prompts": len(prompts),
+            "prompts": str(prompts_path or "built-in"), "num_prompts": len(prompts),
             "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens") or "tuning.json's per batch bucket",
             "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp") or "tuning.json's per batch bucket", "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
@@ -465,6 +318,7 @@ def run_perf(repo: Path, seconds: float = 5.0, concurrency: str = "1", out_dir: 
         out_dir: results folder (created).
         server: an already running server to measure instead (not stopped here).
         protocol: ``grpc`` (streaming) or ``http`` (generate_stream).
+        prompts_path: prompt file (None: the built-in prompts).
     Returns:
         the CSV path.
     Raises:
@@ -481,7 +335,7 @@ def run_perf(repo: Path, seconds: float = 5.0, concurrency: str = "1", out_dir: 
     own = server is None
     srv = server or TritonServer(repo)
     tokenizer_dir = repo_setting(srv.repo, "preprocessing", "tokenizer_dir")
-    prompts = load_prompts(prompts_path, Path(tokenizer_dir) if tokenizer_dir else None)
+    prompts = read_prompts(prompts_path, Path(tokenizer_dir) if tokenizer_dir else None)
     input_data = write_input_data(out_dir / "perf_input.json", prompts, max_tokens, protocol)
     csv_path = out_dir / "perf_ensemble.csv"
     tmp_csv = out_dir / f".perf_ensemble.{os.getpid()}.csv"

@@ -60,7 +60,8 @@ import requests
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
-from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
+from splitspec.measure.perf_suite import parse_levels
+from splitspec.measure.prompts import Prompt, read_prompts
 from splitspec.serving.repo import MODELS
 from splitspec.serving.tritonserver import TritonServer
 
@@ -130,7 +131,7 @@ def git_commit() -> dict:
 
     def git(*args: str) -> str:
         try:
-            r = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=20)
+            r = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired):
             return ""
         return r.stdout.strip() if r.returncode == 0 else ""
@@ -737,8 +738,8 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
             raise ConfigError(f"draft_tp = {d}: expected 1 or the target's TP size {tp}")
     if not 1 <= max_tokens <= 4096:
         raise ConfigError(f"max_tokens = {max_tokens}: expected 1..4096")
-    prompts = load_prompts(prompts_path, engines / "target")
-    out = Path(out_dir) if out_dir else PROJECT_ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    prompts = read_prompts(prompts_path, engines / "target")
+    out = Path(out_dir) if out_dir else Path("bench", "results", time.strftime("%Y%m%d-%H%M%S"))
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **machine_info(), "engines": info, "max_tokens": max_tokens,

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from splitspec.engine.group import read_engine_meta
-from splitspec.generate import encode_prompt, read_prompts
+from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts
 from splitspec.files import write_atomic
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 
@@ -129,7 +129,7 @@ def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int]
     return samples
 
 
-def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[str] | list[list[int]], max_seq_len: int,
+def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[Prompt] | list[list[int]], max_seq_len: int,
             device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48, loads: int = 2,
             label: str = "measuring") -> list[dict]:
     """Steady-cycle rows (see :func:`_gather`) for every placement (draft_tp) × B × k, each placement's
@@ -138,7 +138,7 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
     mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
     median cycle, even k = 0, moved 5–15% from one load to the next — and a slow stretch of the machine would
     otherwise land on one placement only; alternating loads shares both between the placements compared.
-    ``prompts``: texts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
+    ``prompts``: prompts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
     Returns one row per (placement, B, k), in order (:func:`_row`): draft_tp, batch, k, cycle_ms (the mean of
     the loads' median wall ms of ``eng.step()``), cycle_ms_by_load, cycle_ms_mean, draft_ms / verify_ms
     (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / cycle_ms), acceptance_length
@@ -156,7 +156,7 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
                                         synthetic_acceptance=synthetic) as eng:
                 if not ids:
                     tok = eng.tokenizer
-                    encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
+                    encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in p.text])
                     ids = [(p if isinstance(p, list) else encode(p))[-(max_seq_len // 2):] for p in prompts]
                 got = _gather(eng, ids, batches, ks, share(i), max(1, 8 // loads), 3, max_seq_len)
             del eng  # the closed engine goes now, not once the next load has taken its own memory beside it
@@ -228,7 +228,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
             raise ConfigError(f"tune: {name} = {value} exceeds the engines' {limit} {limits[limit]} ({where})")
     if not os.access(engines_dir, os.W_OK):
         raise ConfigError(f"tune: {engines_dir} is not writable: tuning.json could not be written there")
-    prompts = read_prompts(prompts_file)
+    prompts = read_prompts(prompts_file, engines_dir / "target")
 
     def sweep(label: str) -> list[dict]:
         return measure(engines_dir, sorted({1, tp}), batches, ks, prompts, max_seq_len, device_ids, synthetic, cycles, loads, label)
