@@ -75,7 +75,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 from splitspec.measure.placement_bench import StreamWorker, engine_info, machine_info, model_stats, stats_delta  # noqa: E402
 from splitspec.serving.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
-from splitspec.generate import run_closed_loop  # noqa: E402
+from splitspec.measure.closed_loop import run_closed_loop  # noqa: E402
 from splitspec.files import read_json, write_atomic  # noqa: E402
 from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts  # noqa: E402
 from splitspec.serving.repo import render_repo  # noqa: E402
@@ -244,7 +244,7 @@ def _load_kwargs(a: argparse.Namespace) -> dict:
 @contextlib.contextmanager
 def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str, int]) -> Iterator[dict[str, Phase]]:
     """Load the engine in this process and warm it up (every measured request once); yield two
-    phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.generate.run_closed_loop`),
+    phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.measure.closed_loop.run_closed_loop`),
     ``"engine_loop"`` on the thread of an :class:`EngineLoop` started for the request (before its clock starts)
     and stopped after it. The engine is closed (its GPUs freed) on exit.
 

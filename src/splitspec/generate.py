@@ -9,43 +9,13 @@ output differs.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.measure.closed_loop import run_closed_loop
 from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts
-from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
+from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.runtime.sampling import SamplingParams
-
-
-def run_closed_loop(eng: SpeculativeEngine, requests: list[Request], concurrency: int) -> tuple[list[GenerationResult], float]:
-    """Keep ``concurrency`` requests in flight until all are done; return results (in order) and wall seconds."""
-    results: dict[int, GenerationResult] = {}
-    order, acc = {}, {}
-    nxt = 0
-    t0 = time.perf_counter()
-
-    def fill():
-        nonlocal nxt
-        while nxt < len(requests) and len(acc) < concurrency:
-            rid = eng.submit(requests[nxt])
-            order[rid], acc[rid] = nxt, ([], "")
-            nxt += 1
-
-    fill()
-    while acc:
-        for e in eng.step():
-            if e.request_id not in acc:
-                continue
-            toks, text = acc[e.request_id]
-            acc[e.request_id] = (toks + e.token_ids, text + e.text)
-            if e.finished:
-                toks, text = acc.pop(e.request_id)
-                if e.error:
-                    raise SplitspecError(f"request {order[e.request_id]} failed: {e.error}")
-                results[order[e.request_id]] = GenerationResult(toks, text, e.finish_reason, e.stats)
-        fill()
-    return [results[i] for i in range(len(requests))], time.perf_counter() - t0
 
 
 def parse_device(text: str, flag: str = "--device") -> list[int] | None:
