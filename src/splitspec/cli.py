@@ -110,9 +110,11 @@ def _cmd_serve(a: argparse.Namespace) -> None:
 
 
 def _cmd_client(a: argparse.Namespace) -> None:
-    from splitspec.serving.client import main as client_main
+    from splitspec.serving.client import run_client
 
-    client_main(a)
+    run_client(a.prompt, url=a.url, protocol=a.protocol, max_tokens=a.max_tokens, stream=a.stream, chat=a.chat,
+               num_draft_tokens=a.num_draft_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+               seed=a.seed, stop=a.stop)
 
 
 def _cmd_perf(a: argparse.Namespace) -> None:
