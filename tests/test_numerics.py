@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.testing.reference import load_hf_reference_target
 from splitspec.engine.group import Group
 from splitspec.files import read_json
 from splitspec.models.batch import ForwardBatch, single_blocks

@@ -159,7 +159,7 @@ def test_render_repo_names_missing_engine(tmp_path):
 
 def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
     """A model that cannot load: start() raises with the log tail, and no process is left."""
-    from splitspec.runtime.tokenizer import train_tokenizer
+    from splitspec.demo.tokenizer_train import train_tokenizer
 
     eng = tmp_path / "engines"
     train_tokenizer(eng / "target", vocab_size=512, max_corpus_bytes=200_000)

@@ -15,23 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitspec.build.engines import build_engines
+from splitspec.build.engines import build_pair
 from splitspec.convert.pair import convert_pair
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.demo.cache import TRAINING_INFO, cache_key, install_trained_pair
+from splitspec.demo.pair import ensure_trained_pair, train_pair
+from splitspec.demo.train_config import TrainConfig
+from splitspec.demo.train_drafter import Eagle3Trainable, ttt_attention_mask
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
-from splitspec.demo.pair import (
-    TRAINING_INFO,
-    Eagle3Trainable,
-    TrainConfig,
-    cache_key,
-    ensure_trained_pair,
-    install_trained_pair,
-    train_pair,
-    ttt_attention_mask,
-)
+from splitspec.testing.reference import load_hf_reference_target
 
 # Kimi-K2 structure at tiny width: 5 layers (dense first, MoE with shared expert and noaux_tc), MLA + YaRN.
 TINY = TrainConfig(
@@ -61,9 +55,7 @@ def tiny_pair(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny_engines")
-    convert_pair(tiny_pair / "target", tiny_pair / "drafter", root / "ckpt", tp_size=1)
-    return build_engines(root / "ckpt", root / "engines", max_batch_size=2, max_seq_len=256)
+    return build_pair(tiny_pair, tmp_path_factory.mktemp("tiny_engines"), tp_size=1, max_batch_size=2, max_seq_len=256)
 
 
 # ---------------------------------------------------------------------------- export
@@ -267,7 +259,7 @@ def test_ttt_mask_is_what_the_runtime_cache_holds(tiny_pair, tiny_engines):
 
 def test_cached_preset_pair(tmp_path):
     """The pair `make demo-models` trains: skipped unless it is already in the cache."""
-    from splitspec.demo.pair import cache_root
+    from splitspec.demo.cache import cache_root
 
     cfg = TrainConfig.preset("cpu")
     entry = cache_root() / f"demo-{cache_key(cfg)}"

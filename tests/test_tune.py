@@ -340,14 +340,14 @@ def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypat
 
 
 def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
-    """bench/cost_model.py on the one-H200 sweep of docs/data prints the fit docs/performance.md quotes and
+    """bench/cost_model.py on the one-H200 sweep of its lab entry prints the fit docs/performance.md quotes and
     writes its plot; a --png that is a file is refused before anything is read."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    data = repo / "docs" / "data" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
+    data = repo / "docs" / "lab" / "2026-12-01-h200-tp1-cost-model-tuner" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
     script = [sys.executable, str(repo / "bench" / "cost_model.py")]
     done = subprocess.run(script + ["--png", str(tmp_path / "plots"), str(data)], capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stderr

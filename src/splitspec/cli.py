@@ -30,7 +30,7 @@ def _cmd_demo_models(a: argparse.Namespace) -> None:
         # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning
         # workers can slow training steps tenfold. Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from splitspec.demo.checkpoints import make_demo_models
+    from splitspec.demo.pair import make_demo_models
 
     make_demo_models(Path(a.out), seed=a.seed, trained=not a.random, device=a.device, retrain=a.retrain)
 
