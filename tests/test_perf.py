@@ -19,6 +19,7 @@ from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, pe
 from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write_genai_perf_input, write_input_data
 from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
+from splitspec.settings import ServeConfig
 
 MAX_TOKENS = 8
 EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "eval" / "prompts.jsonl"
@@ -157,8 +158,8 @@ def test_blocks_cycle_prompts():
 
 @pytest.fixture(scope="module")
 def perf_server(built_engines, tmp_path_factory):
-    repo = render_repo(built_engines, tmp_path_factory.mktemp("perf") / "repo", num_draft_tokens=2, max_batch_size=4,
-                       kv_tokens=4096)
+    repo = render_repo(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=4096),
+                       tmp_path_factory.mktemp("perf") / "repo")
     srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
     srv.start()
     yield srv

@@ -25,6 +25,7 @@ from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.settings import ServeConfig
 from splitspec.testing.reference import load_hf_reference_target
 
 # Kimi-K2 structure at tiny width: 5 layers (dense first, MoE with shared expert and noaux_tc), MLA + YaRN.
@@ -92,7 +93,7 @@ def test_engine_matches_transformers_on_trained_target(tiny_pair, tiny_engines):
     tok = ChatTokenizer.from_dir(tiny_pair / "target")
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n")
     hf = load_hf_reference_target(tiny_pair / "target")
-    group = Group(tiny_engines)
+    group = Group(ServeConfig(tiny_engines))
     try:
         r = group.rank0
         with torch.inference_mode():
@@ -174,7 +175,7 @@ def test_ttt_forward_equals_engine_drafter(tiny_pair, tiny_engines):
     """Same weights, same inputs: the training forward's step 1 (all rows) and its step-2 / step-3 rows
     equal the engine's DrafterModel.forward run the way speculation runs it (extend, then chained steps)."""
     model = _trainable_from_export(tiny_pair)
-    group = Group(tiny_engines)
+    group = Group(ServeConfig(tiny_engines))
     m, cache = group.rank0.drafter, group.rank0.dcache
     group.close()
     g = torch.Generator().manual_seed(0)
@@ -244,7 +245,7 @@ class CacheRecorder:
 def test_ttt_mask_is_what_the_runtime_cache_holds(tiny_pair, tiny_engines):
     tok = ChatTokenizer.from_dir(tiny_pair / "target")
     ids = tok.encode("import os\nimport sys\n\n\nclass Config:\n    def __init__(self")
-    with SpeculativeEngine.load(tiny_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(tiny_engines)) as eng:
         ref = eng.generate(ids, 40, num_draft_tokens=0).token_ids
         rec = CacheRecorder(eng.group.rank0.drafter, ref, len(ids))
         eng.group.rank0.drafter = rec

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from splitspec.demo.corpus import CorpusSplit, chat_samples, corpus_split, token_windows
 from splitspec.errors import SplitspecError
+from splitspec.settings import ServeConfig
 
 
 def speculative_acceptance(engines_dir: Path, prompts: list[list[int]], max_tokens: int, k: int,
@@ -45,7 +46,8 @@ def speculative_acceptance(engines_dir: Path, prompts: list[list[int]], max_toke
     cycles, emitted, accepted = 0, 0, [0] * k
     per_prompt, outputs = [], []
     spec_s = ref_s = 0.0
-    with SpeculativeEngine.load(engines_dir, target_device_ids=target_device_ids, num_draft_tokens=k) as eng:
+    cfg = ServeConfig.from_env(engines_dir=engines_dir, target_device_ids=target_device_ids or (), num_draft_tokens=k)
+    with SpeculativeEngine.load(cfg) as eng:
         for ids in tqdm(prompts, desc=f"speculative decoding (k={k})", unit="prompt", disable=not progress,
                         dynamic_ncols=True, file=sys.stdout):
             t = time.perf_counter()
@@ -128,7 +130,7 @@ def engine_heldout_loss(engines_dir: Path, tok: Any, heldout_every: int, code_pr
 
     split = corpus_split(heldout_every)
     windows = token_windows(tok, [text for _, text in split.heldout], 256, max_windows)
-    group = Group(engines_dir, target_device_ids)
+    group = Group(ServeConfig.from_env(engines_dir=engines_dir, target_device_ids=target_device_ids or ()))
     try:
         heldout_loss, heldout_tokens = engine_loss(group, windows)
         code_loss, code_tokens = engine_loss(group, code_prompts)
