@@ -4,17 +4,18 @@ benchmark client against a real server, so CI proves the tools still work with t
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import pytest
 
-from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
+from splitspec.cli_parser import levels
+from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement,
                              summary_markdown)
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
-from splitspec.measure.perf_suite import parse_levels
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
 from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write_genai_perf_input, write_input_data
 from splitspec.serving.repo import render_repo, repo_setting
@@ -95,9 +96,10 @@ def test_command_lines(tmp_path):
                             extra_inputs={"num_draft_tokens": 0})
     assert gp[gp.index("--endpoint-type") + 1] == "generate" and "--streaming" in gp
     assert gp[gp.index("--extra-inputs") + 1] == "num_draft_tokens:0"
-    with pytest.raises(ConfigError, match="concurrency"):
-        parse_levels("1,x")
-    assert parse_levels("8,1,2,2") == (1, 2, 8) and ordered_levels("8,1,8") == [8, 1]
+    for bad in ("1,x", "0", "257", "", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
+            levels(bad)
+    assert levels("8,1,2,2") == [8, 1, 2] and levels(" 4 ") == [4]
 
 
 def test_parse_genai_perf(tmp_path):
@@ -246,7 +248,7 @@ def test_perf_suite_writes_its_results(perf_server, tmp_path, capsys):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def fibonacci(n):"}) + "\n")
-    out = run_perf_suite(server=perf_server, out_dir=tmp_path / "res", concurrencies="1", protocols=["grpc"],
+    out = run_perf_suite(server=perf_server, out_dir=tmp_path / "res", concurrencies=[1], protocols=["grpc"],
                          max_tokens=MAX_TOKENS, prompts_path=prompts, seconds=1.0, llm_metrics=False, level_timeout_s=90)
     summary = json.loads((out / "summary.json").read_text())
     assert [(lv["tool"], lv["protocol"], lv["concurrency"], lv["error"]) for lv in summary["levels"]] == [

@@ -311,7 +311,7 @@ def test_bad_device_is_refused_naming_it(built_engines, capsys, command, device)
     from splitspec.cli import main as cli_main
 
     assert cli_main([command, "--engines", str(built_engines), "--device", device]) == 2
-    assert f"--device {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err
+    assert f"argument --device: {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err
 
 
 def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypatch):

@@ -29,60 +29,34 @@ from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
                                           run_bounded, tool_env)
 from splitspec.measure.prompts import read_prompts, write_genai_perf_input, write_input_data
-from splitspec.serving.repo import repo_setting
+from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
+from splitspec.settings import ServeConfig
 
 #: Concurrency levels of ``make perf``.
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
-MAX_CONCURRENCY = 256
-
-
-# --------------------------------------------------------------------------------------------
-# make perf
-# --------------------------------------------------------------------------------------------
-
-
-def parse_levels(value: str | Iterable[int], what: str = "concurrency") -> tuple[int, ...]:
-    """``"1,2,4"`` (or ints) → (1, 2, 4), each 1..MAX_CONCURRENCY, distinct, ascending.
-
-    Raises:
-        ConfigError: malformed or out of range (names ``what``).
-    """
-    items = str(value).split(",") if isinstance(value, (str, int)) else list(value)
-    levels = []
-    for x in items:
-        s = str(x).strip()
-        if not s.isdigit() or not 1 <= int(s) <= MAX_CONCURRENCY:
-            raise ConfigError(f"{what} = {value!r}: expected comma-separated integers in 1..{MAX_CONCURRENCY}")
-        levels.append(int(s))
-    if not levels:
-        raise ConfigError(f"{what} is empty")
-    return tuple(sorted(set(levels)))
 
 
 def _timestamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out_dir: Path | None = None,
-                   concurrencies: Iterable[int] = DEFAULT_CONCURRENCIES, protocols: Iterable[str] = PROTOCOLS,
-                   max_tokens: int = PERF_MAX_TOKENS, prompts_path: Path | None = None, seconds: float = 3.0,
-                   llm_metrics: bool = True, llm_concurrencies: Iterable[int] | None = None,
-                   level_timeout_s: float = 300.0, num_draft_tokens: int | None = None, draft_tp: int | None = None,
-                   target_device_ids: str = "", draft_device_id: str = "",
-                   server: TritonServer | None = None) -> Path:
+def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, server: TritonServer | None = None,
+                   out_dir: Path | None = None, concurrencies: Iterable[int] = DEFAULT_CONCURRENCIES,
+                   protocols: Iterable[str] = PROTOCOLS, max_tokens: int = PERF_MAX_TOKENS,
+                   prompts_path: Path | None = None, seconds: float = 3.0, llm_metrics: bool = True,
+                   llm_concurrencies: Iterable[int] | None = None, level_timeout_s: float = 300.0) -> Path:
     """``make perf``: serve the ensemble, sweep concurrency with perf_analyzer (gRPC streaming and
     HTTP generate_stream) and genai-perf, write the results, stop the server.
 
-    Exactly one of ``engines`` (a repository is rendered into ``out_dir/repo`` with max_batch_size =
-    the highest concurrency, KV space for every sequence, and the given k / placement — None: the
-    engines' tuning.json, else 4 and 1), ``repo`` (an
-    already rendered repository; its max_batch_size should reach the highest concurrency) or
-    ``server`` (a running server, not stopped here) says what is measured.
+    Exactly one of ``cfg`` (the deployment: a repository is rendered into ``out_dir/repo`` from it, with
+    max_batch_size = the highest concurrency and KV space for every sequence), ``repo`` (an already
+    rendered repository; its max_batch_size should reach the highest concurrency) or ``server`` (a running
+    server, not stopped here) says what is measured.
 
     Args:
         out_dir: results folder (default ``perf_results/<timestamp>``).
-        concurrencies: perf_analyzer levels (requests in flight).
+        concurrencies: perf_analyzer levels (requests in flight; measured in ascending order).
         protocols: subset of ``grpc``, ``http``.
         max_tokens: output tokens per request.
         prompts_path: prompt file (:func:`~splitspec.measure.prompts.read_prompts`; None: the built-in prompts).
@@ -96,13 +70,12 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         ConfigError: a bad argument.
         SplitspecError: the server failed to start, or no level of any tool produced figures.
     """
-    from splitspec.serving.repo import render_repo  # noqa: PLC0415
-    from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: PLC0415
-
-    if sum(x is not None for x in (engines, repo, server)) != 1:
-        raise ConfigError("run_perf_suite: give exactly one of engines, repo, server")
-    levels = parse_levels(concurrencies)
-    llm_levels = parse_levels(llm_concurrencies) if llm_concurrencies is not None else levels
+    if sum(x is not None for x in (cfg, repo, server)) != 1:
+        raise ConfigError("run_perf_suite: give exactly one of cfg, repo, server")
+    levels = sorted(set(int(c) for c in concurrencies))
+    llm_levels = sorted(set(int(c) for c in llm_concurrencies)) if llm_concurrencies is not None else levels
+    if not levels or min(levels + llm_levels) < 1:
+        raise ConfigError(f"concurrency {levels}, {llm_levels}: expected levels ≥ 1")
     protocols = tuple(protocols)
     for p in protocols:
         if p not in PROTOCOLS:
@@ -119,13 +92,9 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         print("genai-perf is not installed (make perf-tools): LLM metrics skipped", flush=True)
 
     own = server is None
-    if engines is not None:
+    if cfg is not None:
         top = max(levels + llm_levels)
-        repo = render_repo(ServeConfig.from_env(
-            engines_dir=Path(engines), num_draft_tokens=num_draft_tokens, draft_tp=draft_tp,
-            target_device_ids=parse_ids(target_device_ids, "target_device_ids"),
-            draft_device_id=parse_id(draft_device_id, "draft_device_id"), max_batch_size=top, kv_tokens=top * 256 + 1024),
-            out / "repo")
+        repo = render_repo(cfg.replace(max_batch_size=top, kv_tokens=top * 256 + 1024), out / "repo")
     srv = server or TritonServer(Path(repo), exit_timeout_s=10)
     repo_dir = srv.repo
     tokenizer_dir = Path(repo_setting(repo_dir, "preprocessing", "tokenizer_dir") or "")
@@ -277,11 +246,6 @@ def _version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
-
-
-# --------------------------------------------------------------------------------------------
-# A single short pass (tests, quick checks)
-# --------------------------------------------------------------------------------------------
 
 
 def _parse_concurrency(value: str) -> tuple[str, int, int]:

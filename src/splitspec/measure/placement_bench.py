@@ -60,7 +60,6 @@ import requests
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
-from splitspec.measure.perf_suite import parse_levels
 from splitspec.measure.prompts import Prompt, read_prompts
 from splitspec.serving.repo import MODELS
 from splitspec.serving.tritonserver import TritonServer
@@ -70,18 +69,6 @@ DEFAULT_CONCURRENCIES = (1, 8)
 DEFAULT_MAX_TOKENS = 48
 #: Label of each placement.
 NO_SPEC = "no speculation"
-
-
-def ordered_levels(value: str | Iterable[int], what: str = "concurrency") -> list[int]:
-    """Validated levels (see :func:`splitspec.measure.perf_suite.parse_levels`) in the order given, duplicates
-    dropped: the first is the headline level."""
-    parse_levels(value, what)
-    items = str(value).split(",") if isinstance(value, (str, int)) else list(value)
-    out: list[int] = []
-    for x in items:
-        if int(str(x).strip()) not in out:
-            out.append(int(str(x).strip()))
-    return out
 
 
 def placement_label(draft_tp: int, k: int, baseline_tp: int | None = None) -> str:
@@ -706,7 +693,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
         engines: built engines (``target/`` + ``drafter/``).
         out_dir: results folder (default ``bench/results/<timestamp>``).
         ks: draft lengths measured with speculation (each 1..the engines' max_draft_len).
-        concurrencies: requests in flight; the first is the headline.
+        concurrencies: requests in flight, in the order given (duplicates dropped); the first is the headline.
         draft_tps: draft placements (default 1 and the target's TP size; 1 only when the target is TP1).
         max_tokens: output tokens per request.
         prompts_path: JSON-lines prompts (default ``eval/prompts.jsonl``).
@@ -732,7 +719,9 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     ks = sorted(set(int(k) for k in ks))
     if not ks or any(not 1 <= k <= max_draft for k in ks):
         raise ConfigError(f"k = {ks}: each must be in 1..{max_draft} (the engines' max_draft_len); k = 0 is always measured")
-    concs = ordered_levels(concurrencies)
+    concs = list(dict.fromkeys(int(c) for c in concurrencies))
+    if not concs or min(concs) < 1:
+        raise ConfigError(f"concurrency = {concs}: expected one or more levels ≥ 1")
     placements = sorted(set(int(x) for x in draft_tps)) if draft_tps is not None else sorted({1, tp})
     for d in placements:
         if d not in (1, tp):
@@ -792,13 +781,3 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     print("\n" + md, flush=True)
     print(f"results: {out / 'results.json'}, {out / 'summary.md'}, " + ", ".join(str(f.name) for f in files), flush=True)
     return out
-
-
-def main(args) -> None:
-    """``splitspec bench``: :func:`run_bench` from parsed arguments."""
-    run_bench(Path(args.engines), out_dir=Path(args.out) if args.out else None, ks=parse_levels(args.k, "k"),
-              concurrencies=args.concurrency,
-              draft_tps=parse_levels(args.draft_tp, "draft_tp") if args.draft_tp else None,
-              max_tokens=args.max_tokens, prompts_path=Path(args.prompts) if args.prompts else None,
-              requests_per_level=args.requests, target_device_ids=args.target_device_ids,
-              draft_device_id=args.draft_device_id, synthetic_acceptance=args.synthetic_acceptance)
