@@ -1,9 +1,10 @@
 """The ``splitspec`` command line: one subcommand per pipeline stage.
 
 Stages, in data-flow order: ``demo-models`` → ``convert`` → ``build`` → ``generate``;
-``repo`` → ``serve`` → ``client`` / ``perf``. Each subcommand is a thin wrapper over a
-library function; errors the user can fix are :class:`splitspec.errors.SplitspecError`
-and are printed as one line (exit status 2), never as a traceback.
+``repo`` → ``serve`` → ``client`` / ``perf``. Each subcommand builds its settings from the
+arguments (:mod:`splitspec.cli_parser`) and calls one library function with keywords; errors the
+user can fix are :class:`splitspec.errors.SplitspecError` and are printed as one line (exit
+status 2), never as a traceback.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _cmd_convert(a: argparse.Namespace) -> None:
 def _cmd_inspect(a: argparse.Namespace) -> None:
     from splitspec.convert.describe import main as inspect_main
 
-    inspect_main(Path(a.checkpoint), Path(a.target) if a.target else None, a.aux_convention)
+    inspect_main(Path(a.checkpoint), target=Path(a.target) if a.target else None, aux_convention=a.aux_convention)
 
 
 def _cmd_build(a: argparse.Namespace) -> None:
