@@ -517,7 +517,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
     skip = set(a.skip.split(","))
-    from splitspec.measure.placement_bench import git_commit
+    from splitspec.measure.machine import git_commit
 
     RESULTS["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(ngpu)] if not a.dry_run else ["cpu"],
                           "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit(),
