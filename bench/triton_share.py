@@ -73,7 +73,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
 
 from splitspec.measure.machine import engine_info, machine_info  # noqa: E402
-from splitspec.measure.placement_bench import StreamWorker, model_stats, stats_delta  # noqa: E402
+from splitspec.measure.placement_bench import StreamWorker  # noqa: E402
+from splitspec.measure.server_stats import model_stats, stats_delta  # noqa: E402
 from splitspec.serving.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402

@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import shutil
 import statistics
 import tempfile
@@ -52,13 +51,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import requests
-
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
 from splitspec.measure.machine import engine_info, machine_info
 from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
-from splitspec.serving.repo import MODELS
+from splitspec.measure.server_stats import scrape_metrics, triton_version
 from splitspec.serving.tritonserver import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
@@ -86,82 +83,6 @@ def placement_label(draft_tp: int, k: int, baseline_tp: int | None = None) -> st
     if k:
         return f"EAGLE-3, drafter TP{draft_tp}"
     return NO_SPEC if baseline_tp in (None, draft_tp) else f"{NO_SPEC} (beside drafter TP{draft_tp})"
-
-
-# --------------------------------------------------------------------------------------------
-# Server statistics
-# --------------------------------------------------------------------------------------------
-
-
-def _triton_version(srv: TritonServer) -> str | None:
-    try:
-        with requests.Session() as s:
-            s.trust_env = False
-            return s.get(f"{srv.http_url}/v2", timeout=5, headers={"Connection": "close"}).json().get("version")
-    except (requests.RequestException, ValueError):
-        return None
-
-
-_METRIC_RE = re.compile(r"^(splitspec_[a-z_]+?)(?:\{([^}]*)\})?\s+([-+0-9.eE]+|NaN)$")
-#: Prometheus series read before / after each placement.
-_SCRAPED = ("splitspec_cycles_total", "splitspec_verified_sequences_total", "splitspec_output_tokens_total",
-            "splitspec_draft_ms_sum", "splitspec_draft_ms_count", "splitspec_verify_ms_sum", "splitspec_verify_ms_count")
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """The engine's counters from the Prometheus endpoint (:data:`_SCRAPED`, plus
-    ``accepted_position_<i>``); empty when unreachable."""
-    try:
-        with requests.Session() as s:
-            s.trust_env = False
-            text = s.get(url, timeout=10, headers={"Connection": "close"}).text
-    except requests.RequestException:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        if name in _SCRAPED:
-            out[name] = out.get(name, 0.0) + float(value)
-        elif name == "splitspec_accepted_draft_tokens_total":
-            pos = re.search(r'position="(\d+)"', labels or "")
-            if pos:
-                out[f"accepted_position_{pos.group(1)}"] = float(value)
-    return out
-
-
-#: Phases of a model's ``inference_stats`` (Triton's statistics extension), each a count and nanoseconds.
-STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
-
-
-def model_stats(http: str) -> dict[str, dict]:
-    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.serving.repo.MODELS`) from Triton's
-    statistics endpoint (cumulative since the model loaded; ``{phase: {"count": n, "ns": total}}``).
-
-    Raises:
-        requests.HTTPError: a model is not served (or the endpoint answered with an error).
-    """
-    out = {}
-    with requests.Session() as s:
-        s.trust_env = False  # localhost only: never through a proxy
-        for m in MODELS:
-            r = s.get(f"{http}/v2/models/{m}/stats", timeout=10)
-            r.raise_for_status()
-            out[m] = r.json()["model_stats"][0]["inference_stats"]
-    return out
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, tuple[int, float]]]:
-    """``{model: {phase: (count, ms)}}`` between two :func:`model_stats` snapshots."""
-    out = {}
-    for m in MODELS:
-        out[m] = {}
-        for phase in STATS_PHASES:
-            b, a = before[m].get(phase, {}), after[m].get(phase, {})
-            out[m][phase] = (int(a.get("count", 0)) - int(b.get("count", 0)), (int(a.get("ns", 0)) - int(b.get("ns", 0))) / 1e6)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -665,7 +586,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
             srv.start()
             try:
                 print(f"  ready after {srv.startup_s:.1f} s", flush=True)
-                meta.setdefault("tritonserver", _triton_version(srv))
+                meta.setdefault("tritonserver", triton_version(srv.http_url))
                 run = measure_placement(srv, d, run_ks, prompts, concs, max_tokens, requests_per_level, timeout_s,
                                         log=lambda s: print(s, flush=True))
                 run.startup_s = srv.startup_s
