@@ -73,7 +73,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
 
 from splitspec.measure.machine import engine_info, machine_info  # noqa: E402
-from splitspec.measure.placement_bench import StreamWorker  # noqa: E402
+from splitspec.measure.stream_client import StreamWorker  # noqa: E402
 from splitspec.measure.server_stats import model_stats, stats_delta  # noqa: E402
 from splitspec.serving.engine_process import EngineProcess  # noqa: E402
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
@@ -93,7 +93,7 @@ PHASES = ("engine_alone", "engine_loop", "engine_process", "engine_process_trito
 
 
 def _sha(ids: list[int]) -> str:
-    """Short SHA-1 of a token id list, as :class:`splitspec.measure.placement_bench.RequestRecord` computes ``output_sha``."""
+    """Short SHA-1 of a token id list, as :class:`splitspec.measure.stream_client.RequestRecord` computes ``output_sha``."""
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
