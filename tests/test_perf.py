@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.measure.placement_bench import (PlacementRun, _blocks, aggregate, measure_placement, ordered_levels,
-                             summary_markdown)
+from splitspec.measure.placement_bench import PlacementRun, _blocks, aggregate, measure_placement, ordered_levels
+from splitspec.measure.placement_report import summary_markdown
 from splitspec.measure.stream_client import RequestRecord
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
