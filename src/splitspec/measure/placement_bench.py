@@ -52,7 +52,7 @@ from splitspec.errors import ConfigError
 from splitspec.files import write_atomic
 from splitspec.measure.machine import engine_info, machine_info
 from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
-from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
+from splitspec.measure.perf_suite import Prompt, load_prompts
 from splitspec.measure.server_stats import scrape_metrics, triton_version
 from splitspec.measure.stream_client import RequestRecord, StreamWorker
 from splitspec.serving.tritonserver import TritonServer
@@ -60,16 +60,6 @@ from splitspec.serving.tritonserver import TritonServer
 DEFAULT_KS = (1, 2, 3, 4, 5)
 DEFAULT_CONCURRENCIES = (1, 8)
 DEFAULT_MAX_TOKENS = 48
-def ordered_levels(value: str | Iterable[int], what: str = "concurrency") -> list[int]:
-    """Validated levels (see :func:`splitspec.measure.perf_suite.parse_levels`) in the order given, duplicates
-    dropped: the first is the headline level."""
-    parse_levels(value, what)
-    items = str(value).split(",") if isinstance(value, (str, int)) else list(value)
-    out: list[int] = []
-    for x in items:
-        if int(str(x).strip()) not in out:
-            out.append(int(str(x).strip()))
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,7 +81,7 @@ class PlacementRun:
     tritonserver: str | None = None
 
 
-def _blocks(prompts: Sequence[Prompt], n_requests: int, concurrency: int) -> list[list[Prompt]]:
+def request_blocks(prompts: Sequence[Prompt], n_requests: int, concurrency: int) -> list[list[Prompt]]:
     """``n_requests`` prompts (cycled) cut into blocks of ``concurrency``, the last filled up by cycling."""
     n = -(-n_requests // concurrency) * concurrency
     seq = [prompts[i % len(prompts)] for i in range(n)]
@@ -117,7 +107,7 @@ def measure_placement(srv: TritonServer, draft_tp: int, ks: Sequence[int], promp
             for k in ks:
                 workers[0].run(prompts[0], min(8, max_tokens), k, draft_tp=draft_tp, concurrency=1, block=-1)
             for c in concurrencies:
-                blocks = _blocks(prompts, requests_per_level or len(prompts), c)
+                blocks = request_blocks(prompts, requests_per_level or len(prompts), c)
                 t_level = time.monotonic()
                 for b, block in enumerate(blocks):
                     order = [ks[(b + i) % len(ks)] for i in range(len(ks))]
@@ -225,9 +215,9 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
 
     Args:
         engines: built engines (``target/`` + ``drafter/``).
-        out_dir: results folder (default ``bench/results/<timestamp>``).
+        out_dir: results folder (default ``bench/results/<timestamp>`` under the current directory).
         ks: draft lengths measured with speculation (each 1..the engines' max_draft_len).
-        concurrencies: requests in flight; the first is the headline.
+        concurrencies: requests in flight, in the order given (duplicates dropped); the first is the headline.
         draft_tps: draft placements (default 1 and the target's TP size; 1 only when the target is TP1).
         max_tokens: output tokens per request.
         prompts_path: JSON-lines prompts (default ``eval/prompts.jsonl``).
@@ -252,7 +242,9 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     ks = sorted(set(int(k) for k in ks))
     if not ks or any(not 1 <= k <= max_draft for k in ks):
         raise ConfigError(f"k = {ks}: each must be in 1..{max_draft} (the engines' max_draft_len); k = 0 is always measured")
-    concs = ordered_levels(concurrencies)
+    concs = list(dict.fromkeys(int(c) for c in concurrencies))
+    if not concs or min(concs) < 1:
+        raise ConfigError(f"concurrency = {concs}: expected one or more levels ≥ 1")
     placements = sorted(set(int(x) for x in draft_tps)) if draft_tps is not None else sorted({1, tp})
     for d in placements:
         if d not in (1, tp):
@@ -260,7 +252,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     if not 1 <= max_tokens <= 4096:
         raise ConfigError(f"max_tokens = {max_tokens}: expected 1..4096")
     prompts = load_prompts(prompts_path, engines / "target")
-    out = Path(out_dir) if out_dir else PROJECT_ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    out = Path(out_dir) if out_dir else Path("bench", "results", time.strftime("%Y%m%d-%H%M%S"))
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **machine_info(), "engines": info, "max_tokens": max_tokens,
@@ -311,12 +303,3 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     print(f"results: {out / 'results.json'}, {out / 'summary.md'}, " + ", ".join(str(f.name) for f in files), flush=True)
     return out
 
-
-def main(args) -> None:
-    """``splitspec bench``: :func:`run_bench` from parsed arguments."""
-    run_bench(Path(args.engines), out_dir=Path(args.out) if args.out else None, ks=parse_levels(args.k, "k"),
-              concurrencies=args.concurrency,
-              draft_tps=parse_levels(args.draft_tp, "draft_tp") if args.draft_tp else None,
-              max_tokens=args.max_tokens, prompts_path=Path(args.prompts) if args.prompts else None,
-              requests_per_level=args.requests, target_device_ids=args.target_device_ids,
-              draft_device_id=args.draft_device_id, synthetic_acceptance=args.synthetic_acceptance)
