@@ -51,8 +51,8 @@ from typing import Iterable, Sequence
 from splitspec.errors import ConfigError
 from splitspec.files import write_atomic
 from splitspec.measure.machine import engine_info, machine_info
-from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
 from splitspec.measure.perf_suite import Prompt, load_prompts
+from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
 from splitspec.measure.server_stats import scrape_metrics, triton_version
 from splitspec.measure.stream_client import RequestRecord, StreamWorker
 from splitspec.serving.tritonserver import TritonServer
