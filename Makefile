@@ -1,9 +1,16 @@
 # splitspec: every step of the pipeline, in data-flow order.
 #   make demo     set up, write the demo models, build engines, render the repository, serve one answer
 #   make test     the test suite (CI runs exactly this)
+#   make demo DEVICE_IDS=0,1   the same on GPUs: target ranks on GPUs 0 and 1 (TP2), bfloat16
 SHELL := /bin/bash
 PY      ?= .venv/bin/python
-TP      ?=
+# GPU deployment: DEVICE_IDS lists the target ranks' GPUs (TP = their count unless TP is given), DRAFT_DEVICE
+# the TP1 drafter's GPU (default: rank 0's), DTYPE the engines' weights (default: bfloat16 on GPUs, float32 on CPU).
+DEVICE_IDS   ?=
+DRAFT_DEVICE ?=
+comma := ,
+TP      ?= $(if $(DEVICE_IDS),$(words $(subst $(comma), ,$(DEVICE_IDS))))
+DTYPE   ?= $(if $(DEVICE_IDS),bfloat16)
 K       ?=
 DEVICE  ?= cpu
 MODELS  ?= models/demo
@@ -26,19 +33,24 @@ setup: .venv/.installed
 demo-models: setup
 	$(SPLITSPEC) demo-models --out $(MODELS) --device $(DEVICE)
 
-# Built once; TP=N rebuilds at that size, and later targets reuse whatever was built last.
+# Built once; later targets reuse whatever was built last, unless TP or DTYPE (given, or implied by DEVICE_IDS)
+# differ from what engine.json records or the models are newer: then rebuilt (default TP2, float32).
 engines: demo-models
-	@if [ -z "$(TP)" ] && [ -f $(ENGINES)/target/engine.json ] && [ $(ENGINES)/target/engine.json -nt $(MODELS)/target/config.json ]; then \
-	  echo "engines present in $(ENGINES) (TP$$(grep -o '"tp_size": [0-9]*' $(ENGINES)/target/engine.json | head -1 | grep -o '[0-9]*')); TP=N make engines rebuilds"; \
+	@meta=$(ENGINES)/target/engine.json; \
+	if [ -f $$meta ] && [ $$meta -nt $(MODELS)/target/config.json ] && \
+	   { [ -z "$(TP)" ] || grep -q '"tp_size": $(TP)\b' $$meta; } && { [ -z "$(DTYPE)" ] || grep -q '"dtype": "$(DTYPE)"' $$meta; }; then \
+	  echo "engines present in $(ENGINES) (TP$$(grep -o '"tp_size": [0-9]*' $$meta | head -1 | grep -o '[0-9]*')); TP=N make engines rebuilds"; \
 	else \
-	  $(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $${TP:-2} && \
-	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES); fi
+	  $(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $(or $(TP),2) && \
+	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES) $(if $(DTYPE),--dtype $(DTYPE)); fi
 
 generate: engines
-	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check
+	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check \
+	  $(if $(DEVICE_IDS),--device cuda:$(DEVICE_IDS))
 
 repo: engines
-	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K))
+	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K)) \
+	  $(if $(DEVICE_IDS),--target-device-ids $(DEVICE_IDS)) $(if $(DRAFT_DEVICE),--draft-device-id $(DRAFT_DEVICE))
 
 serve: repo
 	$(SPLITSPEC) serve --repo $(REPO)

@@ -4,12 +4,12 @@ Builds engines from the trained pair (convert + build at TP1 into a temporary fo
 every prompt of ``eval/prompts.jsonl`` (code completions written for this benchmark, not in the
 training corpus, and chat questions rendered with the chat template) runs greedy generation with k
 draft tokens through :class:`splitspec.runtime.scheduler.SpeculativeEngine` and checks that the output equals
-target-only greedy decoding (``num_draft_tokens=0``). Reports:
+target-only greedy decoding (``num_draft_tokens=0``); the measuring is :mod:`splitspec.demo.acceptance`. Reports:
 
 - mean acceptance length (tokens emitted per target verify forward; no speculation = 1.0) and the
   per-position acceptance rate (fraction of cycles whose draft i was accepted, i = 1..k);
 - the target's held-out loss (nats/token, through the engine): on the standard-library files held
-  out from training (``splitspec.demo.pair.corpus_split``) and on the code prompts of the eval set;
+  out from training (``splitspec.demo.corpus.corpus_split``) and on the code prompts of the eval set;
 - three sample greedy outputs.
 
 Writes ``results.json`` and ``acceptance_by_position.png`` into
@@ -33,9 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see splitspec.cli)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from splitspec.errors import SplitspecError  # noqa: E402
 
@@ -64,49 +62,6 @@ def load_prompts(path: Path, tok) -> list[dict]:
     return out
 
 
-@torch.inference_mode()
-def engine_loss(group, windows: list[list[int]]) -> tuple[float, int]:
-    """Mean next-token cross-entropy (nats/token) of a TP1 target engine (``splitspec.engine.group.Group``)
-    over token ``windows`` (each one forward from position 0 in the first KV region).
-    Returns (loss, tokens scored)."""
-    from splitspec.models.batch import ForwardBatch, single_blocks
-
-    r = group.rank0
-    blocks = single_blocks(0, group.limits["max_seq_len"])
-    total, count = 0.0, 0
-    for w in windows:
-        if len(w) < 2:
-            continue
-        logits, _ = r.target.forward(ForwardBatch.build([(blocks, 0, w[:-1])], "all", r.device), r.tcache)
-        total += float(F.cross_entropy(logits.float(), torch.tensor(w[1:]), reduction="sum"))
-        count += len(w) - 1
-    return total / max(count, 1), count
-
-
-def plot(result: dict, path: Path) -> bool:
-    """Bar chart of acceptance by draft position. Returns False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    acc = result["acceptance"]
-    pos = np.arange(1, len(acc["per_position"]) + 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(pos, acc["per_position"], color="C2")
-    for x, y in zip(pos, acc["per_position"]):
-        ax.text(x, y + 0.01, f"{y:.2f}", ha="center")
-    ax.set(ylim=(0, 1.05), xticks=pos, xlabel="draft position", ylabel="fraction of cycles accepted",
-           title=f"{len(result['prompts'])} held-out prompts, k={acc['k']}: "
-                 f"acceptance length {acc['acceptance_length']:.2f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=str(ROOT / "models" / "demo"), help="folder with target/ and drafter/ (Hugging Face)")
@@ -118,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
 
-    from splitspec.engine.group import Group
+    from splitspec.build.engines import build_pair
+    from splitspec.demo.acceptance import engine_heldout_loss, speculative_acceptance
+    from splitspec.demo.report import plot_acceptance
     from splitspec.runtime.tokenizer import ChatTokenizer
-    from splitspec.demo.pair import build_demo_engines, corpus_split, speculative_acceptance
 
     models = Path(a.models)
     if not (models / "target" / "config.json").is_file() or not (models / "drafter" / "config.json").is_file():
@@ -137,32 +93,20 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as tmp:
         t0 = time.perf_counter()
-        engines = build_demo_engines(models, Path(tmp), tp_size=1)
+        engines = build_pair(models, Path(tmp), tp_size=1, quiet=True)
         print(f"built TP1 engines from {models} in {time.perf_counter() - t0:.1f} s")
         acc = speculative_acceptance(engines, [p["ids"] for p in prompts], a.max_tokens, a.num_draft_tokens,
                                      tok.stop_token_ids, dev_ids, check_lossless=True)
-        # held-out loss through the target engine
-        split = corpus_split(info["config"]["heldout_every"] if info else 40)
-        heldout_windows = []
-        for _, text in split.heldout:
-            ids = tok.encode(text)
-            heldout_windows += [ids[s:s + 257] for s in range(0, len(ids) - 1, 257)]
-        heldout_windows = [w for w in heldout_windows if len(w) >= 2][: a.heldout_windows]
         code_windows = [tok.encode(p["prompt"]) for p in prompts if p["kind"] == "code"]
-        group = Group(engines, dev_ids)
-        try:
-            heldout_loss, heldout_tokens = engine_loss(group, heldout_windows)
-            code_loss, code_tokens = engine_loss(group, code_windows)
-        finally:
-            group.close()
+        losses, heldout_files = engine_heldout_loss(engines, tok, info["config"]["heldout_every"] if info else 40,
+                                                    code_windows, a.heldout_windows, dev_ids)
 
     outputs = acc.pop("outputs")
     result = {
         "models": str(models.resolve()), "training_key": info and info.get("key"),
         "k": a.num_draft_tokens, "max_tokens": a.max_tokens, "device": a.device,
         "acceptance": acc,
-        "heldout_loss": {"stdlib_heldout_files": heldout_loss, "stdlib_tokens": heldout_tokens,
-                         "eval_code_prompts": code_loss, "eval_code_tokens": code_tokens},
+        "heldout_loss": losses,
         "prompts": [{"id": p["id"], "kind": p["kind"], "prompt_tokens": len(p["ids"]),
                      "output": tok.decode(o, skip_special_tokens=False), **pp}
                     for p, o, pp in zip(prompts, outputs, acc["per_prompt"])],
@@ -171,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(a.out) / f"acceptance-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    png = plot(result, out_dir / "acceptance_by_position.png")
+    png = plot_acceptance(acc, len(result["prompts"]), out_dir / "acceptance_by_position.png")
 
     k = a.num_draft_tokens
     print(f"\n{'prompt':10} {'tokens':>6} {'cycles':>6} {'accept len':>10}   accepted by position")
@@ -181,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({acc['cycles']} cycles over {len(prompts)} held-out prompts; every output equals target-only greedy)")
     print("per-position acceptance rate: " + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(acc["per_position"])))
     print(f"wall time: speculative {acc['spec_seconds']:.1f} s, target-only {acc['target_only_seconds']:.1f} s (CPU, float32, TP1)")
-    print(f"target held-out loss: {heldout_loss:.3f} nats/token on {heldout_tokens:,} tokens of {len(split.heldout)} "
-          f"held-out stdlib files; {code_loss:.3f} nats/token on the {code_tokens} tokens of the eval code prompts")
+    print(f"target held-out loss: {losses['stdlib_heldout_files']:.3f} nats/token on {losses['stdlib_tokens']:,} tokens "
+          f"of {heldout_files} held-out stdlib files; {losses['eval_code_prompts']:.3f} nats/token on the "
+          f"{losses['eval_code_tokens']} tokens of the eval code prompts")
     for p in result["prompts"][:1] + [q for q in result["prompts"] if q["kind"] == "chat"][:1] + result["prompts"][1:2]:
         text = next(q["text"] for q in prompts if q["id"] == p["id"])
         print(f"\n--- sample {p['id']} (acceptance length {p['acceptance_length']:.2f}) ---\n{text}\033[1m{p['output']}\033[0m")

@@ -2,9 +2,9 @@
 """Fit the cycle cost model to GPU measurements, compare layers with their bounds, and extrapolate to
 Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
 
-    .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-eager.json docs/data/h200x2-2026-11-30-compiled.json
-    .venv/bin/python bench/cost_model.py docs/data/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
-    .venv/bin/python bench/cost_model.py --png results/ docs/data/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
+    .venv/bin/python bench/cost_model.py docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-eager.json docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-compiled.json
+    .venv/bin/python bench/cost_model.py docs/lab/2026-11-30-tuner-grouped-gemm/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
+    .venv/bin/python bench/cost_model.py --png results/ docs/lab/2026-12-01-h200-tp1-cost-model-tuner/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
 
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
@@ -226,7 +226,7 @@ def main(paths: list[str], png: Path | None = None) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("paths", nargs="*", default=["docs/data/h200x2-2026-11-30-eager.json", "docs/data/h200x2-2026-11-30-compiled.json"],
+    ap.add_argument("paths", nargs="*", default=["docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-eager.json", "docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-compiled.json"],
                     help="bench/gpu_bench.py result files")
     ap.add_argument("--png", type=Path, help="folder: also plot each engine sweep's fit there (cycle ms and tokens/s against k)")
     a = ap.parse_args()

@@ -38,11 +38,12 @@ def measure(a: argparse.Namespace) -> dict:
     from splitspec.errors import CheckpointError, ConfigError
     from splitspec.generate import encode_prompt, read_prompts
     from splitspec.runtime.scheduler import Request, SpeculativeEngine
+    from splitspec.settings import ServeConfig, parse_ids
 
-    ids = [int(x) for x in a.device_ids.split(",")] if a.device_ids else None
+    cfg = ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=parse_ids(a.device_ids, "--device-ids"),
+                               draft_tp=a.draft_tp, num_draft_tokens=a.k, max_batch_size=1)
     prompts = read_prompts(Path(a.prompts))[: a.num_prompts or None]
-    with SpeculativeEngine.load(Path(a.engines), target_device_ids=ids, draft_tp=a.draft_tp, num_draft_tokens=a.k,
-                                max_batch_size=1) as eng, torch.inference_mode():
+    with SpeculativeEngine.load(cfg) as eng, torch.inference_mode():
         steady, run = [False], eng.group.run
 
         def noting(plan, *rest):  # whether the step's cycle ran in the steady (CUDA-graph) form
@@ -78,7 +79,7 @@ def measure(a: argparse.Namespace) -> dict:
         passes(a.warmup_passes, "warm-up")
         steps, cycles, tokens, wall = passes(a.passes, "measuring")
     if len(steps) < 2:
-        if not ids and os.environ.get("SPLITSPEC_PADDED") != "1":
+        if not cfg.on_gpu and not cfg.padded:
             raise ConfigError("no steady cycles to time: on the CPU they take their static form only with SPLITSPEC_PADDED=1")
         raise ConfigError(f"{len(steps)} steady cycles measured, at least 2 needed: raise --max-tokens or --passes")
     q = statistics.quantiles(steps, n=100, method="inclusive")

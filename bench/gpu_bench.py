@@ -415,14 +415,17 @@ def engine_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: li
     a row's cycle_ms is the mean of its loads' medians, ``cycle_ms_by_load`` keeps them)."""
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE, write_synthetic_engines
     from splitspec.measure.tune import measure
+    from splitspec.settings import ServeConfig
 
     torch._dynamo.reset()  # compile for this TP size afresh, as an engine does (see layer_costs)
     eng_dir = write_synthetic_engines(tmp / f"kimi-tp{tp}-m{moe_layers}", num_layers=1 + moe_layers, tp_size=tp,
                                       max_batch_size=max(batches), max_seq_len=1024, tiny=dry_run)
     t0 = time.time()
-    measured = measure(eng_dir, [d for d in placements or sorted({1, tp}) if d in (1, tp)], batches, ks,
-                       [[1 + i] * 16 for i in range(max(batches))], 1024, None if dry_run else list(range(tp)),
-                       KIMI_DRAFTER_PROFILE, cycles, loads, f"engine sweep TP{tp}, {moe_layers} MoE layers")
+    cfg = ServeConfig.from_env(engines_dir=eng_dir, target_device_ids=() if dry_run else tuple(range(tp)),
+                               synthetic_acceptance=KIMI_DRAFTER_PROFILE)
+    measured = measure(cfg, [d for d in placements or sorted({1, tp}) if d in (1, tp)], batches, ks,
+                       [[1 + i] * 16 for i in range(max(batches))], 1024, cycles, loads,
+                       f"engine sweep TP{tp}, {moe_layers} MoE layers")
     rows = [{"tp": tp, "moe_layers": moe_layers, "layers": 1 + moe_layers} | r | {"synthetic_acceptance": True} for r in measured]
     RESULTS.setdefault("partial_rows", []).extend(rows)  # saved with the section
     return {"loads": loads, "measure_s": time.time() - t0, "rows": rows}
@@ -435,10 +438,12 @@ def tune_vs_sweep(tmp: Path, tp: int, moe_layers: int, batches: list[int], ks: l
     the tuner's own second sweep (the evaluation prompts): chosen config's tokens/s over the best."""
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
     from splitspec.measure.tune import score, tune
+    from splitspec.settings import ServeConfig
 
-    choice = tune(tmp / f"kimi-tp{tp}-m{moe_layers}", batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
-                  max_seq_len=1024, device_ids=None if dry_run else list(range(tp)), synthetic=KIMI_DRAFTER_PROFILE,
-                  verify=True, cycles=cycles, loads=loads)
+    cfg = ServeConfig.from_env(engines_dir=tmp / f"kimi-tp{tp}-m{moe_layers}",
+                               target_device_ids=() if dry_run else tuple(range(tp)), synthetic_acceptance=KIMI_DRAFTER_PROFILE)
+    choice = tune(cfg, batches, ks, Path(__file__).resolve().parent.parent / "eval" / "prompts.jsonl",
+                  max_seq_len=1024, verify=True, cycles=cycles, loads=loads)
     sc, sc_emitted = score(choice, sweep, batches), score(choice, sweep, batches, "tokens_per_s")
     for B, r in sc.items():
         print(f"tune B={B}: chosen ×{r['chosen_over_best']:.3f} of the sweep's best (draft_tp={r['best']['draft_tp']}, k={r['best']['k']}), "
@@ -463,13 +468,17 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
     from splitspec.measure.tune import steady_round
+    from splitspec.settings import ServeConfig
 
     if tp == 1:
         return {"skipped": "TP1: one placement"}
-    group = Group(tmp / f"kimi-tp{tp}-m{moe_layers}", None if dry_run else list(range(tp)), (1, tp), kv_tokens=batch * 1024)
+    cfg = ServeConfig.from_env(engines_dir=tmp / f"kimi-tp{tp}-m{moe_layers}", target_device_ids=() if dry_run else tuple(range(tp)),
+                               kv_tokens=batch * 1024, num_draft_tokens=0, max_batch_size=batch,
+                               synthetic_acceptance=KIMI_DRAFTER_PROFILE)
+    group = Group(cfg, (1, tp))
     modes = {"draft_tp=1": [1], f"draft_tp={tp}": [tp], "alternating": [1, tp]}
     times: dict[str, list[float]] = {m: [] for m in modes}
-    with SpeculativeEngine(group, 0, batch, synthetic_acceptance=KIMI_DRAFTER_PROFILE) as eng:
+    with SpeculativeEngine(group) as eng:
         prompts = [[1 + i] * prompt_tokens for i in range(batch)]
         for _ in range(4):
             for mode, turns in modes.items():

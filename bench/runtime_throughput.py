@@ -23,6 +23,7 @@ import torch
 
 from splitspec.generate import encode_prompt, read_prompts, run_closed_loop
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.settings import ServeConfig
 
 
 def main() -> None:
@@ -46,7 +47,8 @@ def main() -> None:
     out = Path(a.out or f"bench/results/runtime-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     for dtp in placements:
-        with SpeculativeEngine.load(engines, draft_tp=dtp, max_batch_size=max(concs), kv_tokens=max(concs) * 512) as eng:
+        cfg = ServeConfig.from_env(engines_dir=engines, draft_tp=dtp, max_batch_size=max(concs), kv_tokens=max(concs) * 512)
+        with SpeculativeEngine.load(cfg) as eng:
             tok = eng.tokenizer
             cycles: list = []
             eng.on_cycle = cycles.append

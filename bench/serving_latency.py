@@ -34,6 +34,7 @@ from splitspec.measure.server_stats import model_stats, stats_delta
 from splitspec.serving.client import stream_grpc
 from splitspec.serving.repo import MODELS, render_repo
 from splitspec.serving.tritonserver import TritonServer
+from splitspec.settings import ServeConfig
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(root):", "class Stack:\n    def push(self, item):",
            "for i in range(10):\n    print(", "# Copyright 2001 Python Software Foundation.\n\"\"\"Path utilities.\"\"\"\n",
@@ -150,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         grpc, http = a.grpc, (a.http or "http://127.0.0.1:8000").rstrip("/")
     else:
         tmp = tempfile.TemporaryDirectory(prefix="serving_latency.")
-        repo = render_repo(Path(a.engines), Path(tmp.name) / "repo", num_draft_tokens=a.num_draft_tokens or 4,
-                           max_batch_size=a.max_batch_size)
+        cfg = ServeConfig.from_env(engines_dir=Path(a.engines), num_draft_tokens=a.num_draft_tokens or 4,
+                                   max_batch_size=a.max_batch_size)
+        repo = render_repo(cfg, Path(tmp.name) / "repo")
         srv = TritonServer(repo, exit_timeout_s=10).start()
         grpc, http = srv.grpc_address, srv.http_url
         print(f"tritonserver ready after {srv.startup_s:.1f} s on {repo} (engines {a.engines})")

@@ -83,6 +83,7 @@ from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
 from splitspec.serving.repo import render_repo  # noqa: E402
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
 from splitspec.serving.tritonserver import TritonServer, server_env  # noqa: E402
+from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: E402
 from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: E402
 from splitspec.triton_trace import PATH_PARTS, load_traces, request_path, trace_args  # noqa: E402
 
@@ -236,11 +237,11 @@ def _requests(a: argparse.Namespace, tok, prompts: list[Prompt]) -> list[Request
     return [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
 
 
-def _load_kwargs(a: argparse.Namespace) -> dict:
-    """:meth:`SpeculativeEngine.load` keyword arguments for the settings in ``a``."""
-    return {"target_device_ids": [int(x) for x in a.device_ids.split(",")] if a.device_ids else None,
-            "draft_device_id": int(a.draft_device_id) if a.draft_device_id else None, "draft_tp": a.draft_tp,
-            "num_draft_tokens": a.k, "max_batch_size": a.max_batch_size, "kv_tokens": a.kv_tokens}
+def _serve_config(a: argparse.Namespace) -> ServeConfig:
+    """The deployment the settings in ``a`` describe (the engine switches from ``SPLITSPEC_*``)."""
+    return ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=parse_ids(a.device_ids, "--device-ids"),
+                                draft_device_id=parse_id(a.draft_device_id, "--draft-device-id"), draft_tp=a.draft_tp,
+                                num_draft_tokens=a.k, max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens)
 
 
 @contextlib.contextmanager
@@ -254,8 +255,8 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
     reader threads too, idle then) and its worker ranks', without the processes whose pids are the values of
     ``others`` (tritonserver, engine processes) and their subtrees.
     """
-    kw = _load_kwargs(a)
-    eng = SpeculativeEngine.load(Path(a.engines), **kw)
+    cfg = _serve_config(a)
+    eng = SpeculativeEngine.load(cfg)
     try:
         reqs = _requests(a, eng.tokenizer, prompts)
         for req in reqs:
@@ -283,7 +284,7 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
         eng.close()
         eng = None  # the passes hold it through their closures: let its GPU tensors go
         gc.collect()
-        if kw["target_device_ids"]:
+        if cfg.on_gpu:
             import torch  # noqa: PLC0415
 
             torch.cuda.empty_cache()
@@ -311,7 +312,7 @@ def engine_process(a: argparse.Namespace, prompts: list[Prompt], env: dict[str, 
         for sid, c in list(collectors.items()):
             c(RequestOutput(sid, [], "", True, "error", None, message))
 
-    proc = EngineProcess(Path(a.engines), on_cycle, on_failed, env=env, **_load_kwargs(a), synthetic_acceptance=None)
+    proc = EngineProcess(_serve_config(a), on_cycle, on_failed, env=env)
     others[name] = proc.pid
     try:
         reqs = _requests(a, ChatTokenizer.from_dir(Path(a.engines) / "target"), prompts)
@@ -354,9 +355,7 @@ def served_engine(a: argparse.Namespace, prompts: list[Prompt], tmp: Path, other
     sent: ``time.perf_counter_ns()``). With ``trace_file`` tritonserver traces every request's timestamps into
     ``<trace_file>.<index>`` (:mod:`splitspec.triton_trace`; each request's file is written once it is complete).
     """
-    repo = render_repo(Path(a.engines), tmp / "repo", num_draft_tokens=a.k, target_device_ids=a.device_ids,
-                       draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
-                       kv_tokens=a.kv_tokens)
+    repo = render_repo(_serve_config(a), tmp / "repo")
     trace = trace_args(trace_file) if trace_file else ()
     with TritonServer(repo, exit_timeout_s=10, extra_args=trace) as srv:
         server["startup_s"], server["pid"] = srv.startup_s, srv.pid

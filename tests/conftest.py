@@ -11,9 +11,8 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in Triton's interpreter (read at its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitspec.build.engines import build_engines
-from splitspec.convert.pair import convert_pair
-from splitspec.demo.checkpoints import make_demo_models
+from splitspec.build.engines import build_pair
+from splitspec.demo.pair import make_demo_models
 
 torch.set_num_threads(max(1, (os.cpu_count() or 1)))
 
@@ -33,9 +32,8 @@ def engines_for(demo_models, tmp_path_factory):
 
     def get(tp: int, ep: int = 1) -> Path:
         if (tp, ep) not in cache:
-            root = tmp_path_factory.mktemp(f"tp{tp}ep{ep}")
-            convert_pair(demo_models / "target", demo_models / "drafter", root / "ckpt", tp_size=tp, ep_size=ep)
-            cache[(tp, ep)] = build_engines(root / "ckpt", root / "engines", max_batch_size=2, max_seq_len=256)
+            cache[(tp, ep)] = build_pair(demo_models, tmp_path_factory.mktemp(f"tp{tp}ep{ep}"), tp_size=tp, ep_size=ep,
+                                         max_batch_size=2, max_seq_len=256)
         return cache[(tp, ep)]
 
     return get

@@ -11,15 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitspec.demo.checkpoints import load_hf_reference_target, make_demo_models
+from splitspec.demo.pair import make_demo_models
+from splitspec.demo.corpus import stdlib_corpus
+from splitspec.demo.tokenizer_train import count_token_frequencies, train_tokenizer
 from splitspec.errors import CheckpointError
-from splitspec.runtime.tokenizer import (
-    SPECIAL_TOKENS,
-    ChatTokenizer,
-    count_token_frequencies,
-    stdlib_corpus,
-    train_tokenizer,
-)
+from splitspec.runtime.tokenizer import SPECIAL_TOKENS, ChatTokenizer
+from splitspec.testing.reference import load_hf_reference_target
 
 VOCAB = 4096
 N_SPECIAL = len(SPECIAL_TOKENS)

@@ -14,6 +14,7 @@ from splitspec.serving.engine_process import CycleMessages, EngineProcess, pack_
 from splitspec.errors import CheckpointError
 from splitspec.runtime.scheduler import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.settings import ServeConfig
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "x"]
 
@@ -103,10 +104,10 @@ def tok(built_engines):
 def test_same_tokens_cancel_refusal_and_close(built_engines, tok, overlap):
     """``overlap``: events sent while the next cycle runs (the GPU default; here forced on the CPU)."""
     reqs = [Request(tok.encode(p), 16, num_draft_tokens=3, stop_token_ids=set()) for p in PROMPTS]
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=3) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=3)) as eng:
         expected = [r.token_ids for r in eng.run(reqs)]
     ev = Events()
-    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3, overlap_output=overlap)
+    proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), ev.on_cycle, ev.failed.append, overlap_output=overlap)
     try:
         assert proc.info["kv_blocks"] == proc.gauges["kv_total"] > 0 and len(proc.info["worker_pids"]) == 1
         for sid, r in enumerate(reqs, start=1):
@@ -147,7 +148,7 @@ def test_callbacks_cannot_stop_the_reader(built_engines, tok):
             if sid == 2:
                 raise RuntimeError("a bug in the callback")
 
-    proc = EngineProcess(built_engines, on_cycle, ev.failed.append, num_draft_tokens=3)
+    proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), on_cycle, ev.failed.append)
     try:
         for sid in (1, 2, 3):
             proc.submit(sid, Request(tok.encode(PROMPTS[sid - 1]), 6, stop_token_ids=set()))
@@ -176,13 +177,13 @@ def test_a_corrupt_engine_json_is_named_with_its_field(built_engines, tmp_path):
 
 def test_load_error_is_the_engines(tmp_path):
     with pytest.raises(CheckpointError, match="engine.json"):
-        EngineProcess(tmp_path, lambda *a: None, lambda m: None)
+        EngineProcess(ServeConfig(tmp_path), lambda *a: None, lambda m: None)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok, overlap):
     ev = Events()
-    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3, overlap_output=overlap)
+    proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), ev.on_cycle, ev.failed.append, overlap_output=overlap)
     try:
         proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
         pid = proc.info["worker_pids"][0]
@@ -199,7 +200,7 @@ def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok, over
 
 def test_dead_engine_process_is_reported_once_and_takes_its_workers(built_engines, tok):
     ev = Events()
-    proc = EngineProcess(built_engines, ev.on_cycle, ev.failed.append, num_draft_tokens=3)
+    proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), ev.on_cycle, ev.failed.append)
     try:
         workers = proc.info["worker_pids"]
         proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))

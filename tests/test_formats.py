@@ -32,7 +32,7 @@ from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.convert.pair import convert_pair
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.testing.reference import load_hf_reference_target
 from splitspec.errors import ConfigError
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.files import read_json

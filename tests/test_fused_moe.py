@@ -18,6 +18,7 @@ from splitspec import quant  # noqa: E402
 
 from splitspec.models import fused_moe
 from splitspec.models.target import grouped_experts, noaux_tc_route  # noqa: E402
+from splitspec.settings import ServeConfig
 
 # Small shapes that still exercise every mask: H and I not multiples of the blocks, several row blocks,
 # several K steps, pairs routed to another rank (ids -1 and E).
@@ -203,7 +204,7 @@ def test_target_forward_with_fused_kernels(engines_for, demo_models, tokens):
     from splitspec.models.batch import ForwardBatch, single_blocks
 
     ids = list(range(40, 40 + tokens))
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     try:
         runner = group.rank0
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitspec.runtime.scheduler import EngineLoop, Request, SpeculativeEngine
+from splitspec.settings import ServeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -61,8 +62,8 @@ def _runs(engines_dir, draft_device_id: int) -> dict:
     the loading thread (``spec``) and on the serving loop's thread, whose current device starts as GPU 0 (``looped``),
     each as (tokens, acceptance length) per prompt; every cycle's drafts of both (``drafts``); whether the draft graphs
     live in a cache of their own with graphs in it (``own_graphs``)."""
-    with SpeculativeEngine.load(engines_dir, target_device_ids=[1], draft_device_id=draft_device_id, draft_tp=1,
-                                max_batch_size=2) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_dir, target_device_ids=[1], draft_device_id=draft_device_id, draft_tp=1,
+                                                max_batch_size=2)) as eng:
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
         ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
         drafts = _recorded(eng)
@@ -109,7 +110,7 @@ def test_speculative_greedy_on_gpu_equals_target_only(engines_for, placement):
     if placement == "draft_tp=N" and n == 1:
         pytest.skip("one GPU: the sharded drafter is the TP1 drafter")
     draft_tp = 1 if placement == "draft_tp=1" else n
-    with SpeculativeEngine.load(engines_for(n), target_device_ids=list(range(n)), draft_tp=draft_tp, max_batch_size=2) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_for(n), target_device_ids=list(range(n)), draft_tp=draft_tp, max_batch_size=2)) as eng:
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
         ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
         assert all(len(r) == 40 for r in ref)
@@ -129,7 +130,7 @@ def test_steady_cycle_waits_for_the_gpu_once(engines_for):
     import warnings
 
     n = min(2, torch.cuda.device_count())
-    with SpeculativeEngine.load(engines_for(n), target_device_ids=list(range(n)), draft_tp=1, max_batch_size=2) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_for(n), target_device_ids=list(range(n)), draft_tp=1, max_batch_size=2)) as eng:
         ids = [eng.tokenizer.encode(p) for p in PROMPTS[:2]]
         eng.run([Request(i, 40, num_draft_tokens=3, stop_token_ids=set()) for i in ids])  # captures the graphs
         ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
@@ -175,7 +176,7 @@ def test_switching_placement_every_cycle_on_gpu(engines_for, tmp_path):
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "2": 2}, "k_by_batch": {"1": 3, "2": 3}}))
     runs = {}
     for name, dtp in (("alone", 1), ("switching", None)):
-        with SpeculativeEngine.load(eng_dir, target_device_ids=[0, 1], draft_tp=dtp, max_batch_size=2) as eng:
+        with SpeculativeEngine.load(ServeConfig(eng_dir, target_device_ids=[0, 1], draft_tp=dtp, max_batch_size=2)) as eng:
             ids = [eng.tokenizer.encode(p) for p in PROMPTS]
             ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
             placed, turns = [], itertools.cycle([2, 1])

@@ -8,12 +8,13 @@ import torch
 from safetensors.torch import load_file
 
 from splitspec.config import DrafterConfig
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.testing.reference import load_hf_reference_target
 from splitspec.engine.group import Group
 from splitspec.files import read_json
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.settings import ServeConfig
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 # float32 everywhere; the engine computes MLA in absorbed form (q·W_UK against the latent) and
@@ -44,7 +45,7 @@ class TargetOnly:
 
 @pytest.fixture(scope="module")
 def tp1_target(engines_for):
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     yield TargetOnly(group)
     group.close()
 
@@ -91,7 +92,7 @@ def test_aux_capture_matches_output_hidden_states(tp1_target, hf_target, prompt_
 
 
 def test_target_greedy_matches_transformers_generate(engines_for, hf_target, prompt_ids):
-    with SpeculativeEngine.load(engines_for(1)) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_for(1))) as eng:
         ours = eng.generate(prompt_ids, 16, num_draft_tokens=0, stop_token_ids=set()).token_ids
     with torch.inference_mode():
         ref = hf_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, len(prompt_ids):].tolist()
@@ -133,7 +134,7 @@ def _reference_eagle3(weights: dict, cfg: DrafterConfig, embed: torch.Tensor, au
 def test_drafter_matches_reference_and_cache_is_consistent(engines_for, demo_models):
     """Drafter logits equal a from-scratch EAGLE-3 forward; extending in two chunks through the KV cache
     equals one chunk; draft ids map to target ids by d2t offsets."""
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     drafter = group.rank0
     hf = load_file(str(demo_models / "drafter" / "model.safetensors"))
     embed = load_file(str(demo_models / "target" / "model-00001-of-00002.safetensors")).get("model.embed_tokens.weight")

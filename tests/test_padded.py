@@ -6,10 +6,11 @@ import torch
 
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, padded, single_blocks
+from splitspec.settings import ServeConfig
 
 
 def test_padded_target_and_drafter_match_general_form(engines_for):
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     r = group.rank0
     g = torch.Generator().manual_seed(0)
     blocks = [single_blocks(s, 64) for s in range(3)]
@@ -39,7 +40,7 @@ def test_padded_target_and_drafter_match_general_form(engines_for):
 def test_compiled_layers_match_eager(engines_for):
     """torch.compile'd layer halves (the CUDA-graph path's) compute what the eager ones compute, across
     batch shapes (dynamic shapes: no recompilation per shape)."""
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     r = group.rank0
     g = torch.Generator().manual_seed(1)
     try:
@@ -64,7 +65,7 @@ def test_compiled_target_is_freed_without_the_garbage_collector(engines_for):
     import gc
     import weakref
 
-    group = Group(engines_for(1))
+    group = Group(ServeConfig(engines_for(1)))
     r = group.rank0
     g = torch.Generator().manual_seed(2)
     gc.disable()

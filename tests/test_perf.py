@@ -19,6 +19,7 @@ from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_pe
                             run_genai_perf_level, run_perf_analyzer_level, write_genai_perf_input, write_input_data)
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import TritonServer
+from splitspec.settings import ServeConfig
 
 MAX_TOKENS = 8
 
@@ -153,8 +154,8 @@ def test_blocks_cycle_prompts():
 
 @pytest.fixture(scope="module")
 def perf_server(built_engines, tmp_path_factory):
-    repo = render_repo(built_engines, tmp_path_factory.mktemp("perf") / "repo", num_draft_tokens=2, max_batch_size=4,
-                       kv_tokens=4096)
+    repo = render_repo(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=4096),
+                       tmp_path_factory.mktemp("perf") / "repo")
     srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
     srv.start()
     yield srv

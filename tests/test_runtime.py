@@ -13,6 +13,7 @@ from splitspec.models.batch import single_blocks
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.settings import ServeConfig
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -32,7 +33,7 @@ def tok(demo_models):
 @pytest.fixture(scope="module")
 def reference(built_engines, tok):
     """Per-sequence, target-only greedy outputs (TP2, k = 0, one request at a time)."""
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=0) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0)) as eng:
         return {p: eng.generate(tok.encode(p), 20, stop_token_ids=set()).token_ids for p in PROMPTS}
 
 
@@ -44,8 +45,8 @@ def _requests(tok, k, max_tokens=20):
 def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, reference, draft_tp):
     """Requests of mixed prompt lengths join while others decode; long prompts are prefilled in chunks;
     greedy output equals per-sequence target-only output for both draft placements."""
-    with SpeculativeEngine.load(built_engines, draft_tp=draft_tp, num_draft_tokens=3, max_batch_size=8,
-                                kv_tokens=2048, max_prefill_tokens=8) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, draft_tp=draft_tp, num_draft_tokens=3, max_batch_size=8, kv_tokens=2048,
+                                            max_prefill_tokens=8)) as eng:
         reqs = _requests(tok, 3)
         out = {}
         ids = {eng.submit(r): p for r, p in zip(reqs[:3], PROMPTS[:3])}
@@ -66,7 +67,7 @@ def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, refer
 
 def test_kv_budget_queues_then_completes_and_impossible_request_errors(built_engines, tok, reference):
     # each request reserves prompt + 20 + 3 + 1 tokens (≤ 80 → 5 blocks); 10 blocks fit two at a time
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=3, max_batch_size=8, kv_tokens=160) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=3, max_batch_size=8, kv_tokens=160)) as eng:
         with pytest.raises(ConfigError, match="can never fit"):
             eng.submit(Request(tok.encode("x" * 10), 200, num_draft_tokens=3))
         ids = {eng.submit(r): p for r, p in zip(_requests(tok, 3), PROMPTS)}
@@ -83,7 +84,7 @@ def test_kv_budget_queues_then_completes_and_impossible_request_errors(built_eng
 
 
 def test_cancel_frees_kv(built_engines, tok):
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=1024) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=1024)) as eng:
         a = eng.submit(Request(tok.encode(PROMPTS[0]), 50, stop_token_ids=set()))
         b = eng.submit(Request(tok.encode(PROMPTS[1]), 10, stop_token_ids=set()))
         eng.step()
@@ -103,7 +104,7 @@ def test_rejection_sampler_matches_target_distribution(built_engines, tok):
     target's distribution p_0, and the token after an accepted draft has p_1 (context + draft)."""
     ids = tok.encode(PROMPTS[1])
     sp = SamplingParams(temperature=1.0, top_k=6)
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=0) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0)) as eng:
         p_ctx = _logits(eng, ids)[-1:]
         d1 = int(p_ctx.argmax())  # a likely draft, so it is often accepted
         logits = _logits(eng, ids + [d1])[-2:]
@@ -133,7 +134,7 @@ def _logits(eng, ids):
 
 
 def _logits_after(engines, ids):
-    with SpeculativeEngine.load(engines, num_draft_tokens=0) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines, num_draft_tokens=0)) as eng:
         return _logits(eng, ids)[-1:]
 
 
@@ -142,7 +143,7 @@ def test_engine_sampling_first_token_distribution_and_seed(built_engines, tok):
     a seeded request is reproducible."""
     ids = tok.encode(PROMPTS[0])
     sp = SamplingParams(temperature=0.8, top_p=0.9)
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=2, max_batch_size=64, kv_tokens=64 * 48) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=64, kv_tokens=64 * 48)) as eng:
         p = target_probs(_logits(eng, ids)[-1:], sp)[0]
         res = eng.run([Request(ids, 1, SamplingParams(0.8, 0.9), stop_token_ids=set()) for _ in range(3000)])
         counts = torch.bincount(torch.tensor([r.token_ids[0] for r in res]), minlength=p.numel())
@@ -159,7 +160,7 @@ def test_stop_string_stops_text_and_tokens(built_engines, tok, reference):
     ref = reference[p]
     full = tok.decode(ref)
     stop = full[len(full) // 2: len(full) // 2 + 3]
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=4) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=4)) as eng:
         res = eng.generate(tok.encode(p), 20, stop=[stop], stop_token_ids=set())
     assert res.finish_reason == "stop"
     assert res.text == full[: full.index(stop)]
@@ -168,7 +169,7 @@ def test_stop_string_stops_text_and_tokens(built_engines, tok, reference):
 
 
 def test_synthetic_acceptance_is_labelled_and_follows_profile(built_engines, tok):
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=3, synthetic_acceptance=[0.9, 0.8, 0.7]) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=3, synthetic_acceptance=[0.9, 0.8, 0.7])) as eng:
         res = eng.generate(tok.encode(PROMPTS[0]), 120, stop_token_ids=set())
     assert res.stats.synthetic
     expected = 1 + 0.9 + 0.9 * 0.8 + 0.9 * 0.8 * 0.7
@@ -178,7 +179,7 @@ def test_synthetic_acceptance_is_labelled_and_follows_profile(built_engines, tok
 def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, tok):
     """Values that would overflow the sampler or break the engine's state are refused up front."""
     ids = tok.encode(PROMPTS[0])
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=2) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2)) as eng:
         bad = [dict(sampling=SamplingParams(temperature=1e-38)), dict(sampling=SamplingParams(1.0, top_k=1.5)),
                dict(sampling=SamplingParams(1.0, seed=2**70)), dict(stop=[5]), dict(stop=[""]),
                dict(max_tokens=True), dict(prompt_ids=["a"]), dict(num_draft_tokens=2.5)]
@@ -189,4 +190,4 @@ def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, 
         assert len(eng.generate(ids, 6, stop_token_ids=set()).token_ids) == 6
     for kw in (dict(max_batch_size=-1), dict(max_prefill_tokens=0), dict(synthetic_acceptance=[2.0])):
         with pytest.raises(ConfigError):
-            SpeculativeEngine.load(built_engines, **kw)
+            SpeculativeEngine.load(ServeConfig(built_engines, **kw))

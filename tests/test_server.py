@@ -20,6 +20,7 @@ from splitspec.serving.client import ask_grpc, ask_http
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import TritonServer, find_triton, prepare_backend_dir
+from splitspec.settings import ServeConfig, parse_ids
 
 PROMPT = "def fibonacci(n):"
 CHAT_PROMPT = "How do I read a file line by line in Python?"
@@ -95,7 +96,7 @@ def engines(request) -> Path:
 
 @pytest.fixture(scope="module")
 def repo(engines, tmp_path_factory) -> Path:
-    return render_repo(engines, tmp_path_factory.mktemp("triton") / "repo", num_draft_tokens=K)
+    return render_repo(ServeConfig(engines, num_draft_tokens=K), tmp_path_factory.mktemp("triton") / "repo")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def reference(engines):
     tok = ChatTokenizer.from_dir(engines / "target")
     chat_text = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True)
     out = {"tok": tok}
-    with SpeculativeEngine.load(engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines)) as eng:
         for key, text in (("raw", PROMPT), ("chat", chat_text)):
             res = eng.generate(tok.encode(text), MAX_TOKENS, num_draft_tokens=K, stop_token_ids=set(tok.stop_token_ids))
             out[key] = (tok.decode(res.token_ids, skip_special_tokens=True), res.acceptance_length)
@@ -153,15 +154,15 @@ def test_client_sends_zero_valued_options():
 def test_render_repo_names_missing_engine(tmp_path):
     (tmp_path / "engines" / "target").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"target/engine\.json"):
-        render_repo(tmp_path / "engines", tmp_path / "repo", num_draft_tokens=4)
+        render_repo(ServeConfig(tmp_path / "engines", num_draft_tokens=4), tmp_path / "repo")
     (tmp_path / "engines" / "target" / "engine.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"drafter/engine\.json"):
-        render_repo(tmp_path / "engines", tmp_path / "repo", num_draft_tokens=4)
+        render_repo(ServeConfig(tmp_path / "engines", num_draft_tokens=4), tmp_path / "repo")
 
 
 def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
     """A model that cannot load: start() raises with the log tail, and no process is left."""
-    from splitspec.runtime.tokenizer import train_tokenizer
+    from splitspec.demo.tokenizer_train import train_tokenizer
 
     eng = tmp_path / "engines"
     train_tokenizer(eng / "target", vocab_size=512, max_corpus_bytes=200_000)
@@ -169,7 +170,7 @@ def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
         (eng / kind).mkdir(parents=True, exist_ok=True)
         (eng / kind / "engine.json").write_text(json.dumps({"kind": kind, "mapping": {"tp_size": 1},
                                                             "limits": {"max_draft_len": 8}}))
-    repo = render_repo(eng, tmp_path / "repo", num_draft_tokens=4)
+    repo = render_repo(ServeConfig(eng, num_draft_tokens=4), tmp_path / "repo")
     (eng / "target" / "tokenizer.json").unlink()  # preprocessing, postprocessing and spec_decode now fail
     srv = TritonServer(repo, startup_timeout_s=120)
     with pytest.raises(SplitspecError, match="tokenizer.json"):
@@ -180,11 +181,14 @@ def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
 
 def test_render_repo_rejects_bad_placement(engines, tmp_path):
     with pytest.raises(ConfigError, match="target_device_ids"):
-        render_repo(engines, tmp_path / "r", num_draft_tokens=K, target_device_ids="0,x")
+        render_repo(ServeConfig(engines, num_draft_tokens=K, target_device_ids=parse_ids("0,x", "target_device_ids")),
+                    tmp_path / "r")
+    with pytest.raises(ConfigError, match="target_device_ids"):
+        render_repo(ServeConfig(engines, num_draft_tokens=K, target_device_ids=(0, 1)), tmp_path / "r")  # TP1 engines
     with pytest.raises(ConfigError, match="num_draft_tokens"):
-        render_repo(engines, tmp_path / "r", num_draft_tokens=-1)
+        render_repo(ServeConfig(engines, num_draft_tokens=-1), tmp_path / "r")
     with pytest.raises(ConfigError, match="max_draft_len"):
-        render_repo(engines, tmp_path / "r", num_draft_tokens=999)
+        render_repo(ServeConfig(engines, num_draft_tokens=999), tmp_path / "r")
 
 
 @pytest.mark.parametrize("blocker", ["spec_decode", "postprocessing/1", "ensemble/config.pbtxt/"])
@@ -195,7 +199,7 @@ def test_render_repo_refuses_a_blocked_destination_before_writing(engines, tmp_p
     (out / blocker).mkdir() if blocker.endswith("/") else (out / blocker).touch()
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     with pytest.raises(ConfigError, match="cannot write the repository there"):
-        render_repo(engines, out, num_draft_tokens=K)
+        render_repo(ServeConfig(engines, num_draft_tokens=K), out)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 

@@ -25,6 +25,7 @@ from splitspec.errors import SplitspecError
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import TritonServer
+from splitspec.settings import ServeConfig
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
@@ -65,11 +66,11 @@ def reference(built_engines, tok):
 
     greedy = [(p, MAX_TOKENS) for p in PROMPTS + MANY] + [(LONG_PROMPT, 200), (LONG_PROMPT, 60), (LONG_PROMPT, 120)]
     out: dict = {}
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=0, max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0, max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80)) as eng:
         reqs = [Request(tok.encode(p), n, num_draft_tokens=0) for p, n in greedy]
         for key, res in zip(greedy, eng.run(reqs)):
             out[key] = res.token_ids
-    with SpeculativeEngine.load(built_engines, num_draft_tokens=K, max_batch_size=8) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=K, max_batch_size=8)) as eng:
         reqs = [Request(tok.encode(PROMPTS[0]), MAX_TOKENS, SamplingParams(seed=s, **SAMPLING), K) for s in SEEDS]
         for s, res in zip(SEEDS, eng.run(reqs)):
             out[("sampled", s)] = res.token_ids
@@ -78,8 +79,8 @@ def reference(built_engines, tok):
 
 @pytest.fixture(scope="module")
 def repo(built_engines, tmp_path_factory):
-    return render_repo(built_engines, tmp_path_factory.mktemp("serving") / "repo", num_draft_tokens=K,
-                       max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80)
+    return render_repo(ServeConfig(built_engines, num_draft_tokens=K, max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80),
+                       tmp_path_factory.mktemp("serving") / "repo")
 
 
 @pytest.fixture(scope="module")
@@ -445,8 +446,7 @@ def test_metrics_appear_and_move(srv):
 def test_multi_token_cycles_stream_exactly(built_engines, tok, tmp_path):
     """With every draft accepted (synthetic acceptance 1.0, benchmark mode) each cycle emits k+1
     tokens; streamed text still equals the non-streamed text and the decode of the ids, byte for byte."""
-    repo = render_repo(built_engines, tmp_path / "repo", num_draft_tokens=K, max_batch_size=16,
-                       synthetic_acceptance=[1.0])
+    repo = render_repo(ServeConfig(built_engines, num_draft_tokens=K, max_batch_size=16, synthetic_acceptance=[1.0]), tmp_path / "repo")
     with TritonServer(repo, exit_timeout_s=10) as s2:
         for p in PROMPTS:
             full = ask_http(s2.generate_url, p, 40, return_token_ids=True, return_stats=True)

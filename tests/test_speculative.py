@@ -11,6 +11,7 @@ from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.settings import ServeConfig
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"]
 
@@ -24,7 +25,7 @@ def tok(demo_models):
 def reference(engines_for, tok):
     """Target-only greedy tokens and prompt logits from the TP1 engine."""
     out = {}
-    with SpeculativeEngine.load(engines_for(1)) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_for(1))) as eng:
         for p in PROMPTS:
             ids = tok.encode(p)
             out[p] = eng.generate(ids, 24, num_draft_tokens=0, stop_token_ids=set()).token_ids
@@ -45,7 +46,7 @@ def _prompt_logits(eng, ids):
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 8)])
 def test_tp_engine_equals_tp1(engines_for, tok, reference, tp, ep):
     """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on."""
-    with SpeculativeEngine.load(engines_for(tp, ep)) as eng:
+    with SpeculativeEngine.load(ServeConfig(engines_for(tp, ep))) as eng:
         assert len(eng.group.procs) == tp - 1
         for p in PROMPTS:
             ids = tok.encode(p)
@@ -70,7 +71,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 def test_speculative_greedy_equals_target_only(built_engines, tok, reference, k):
-    with SpeculativeEngine.load(built_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
         for p in PROMPTS:
             res = eng.generate(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set())
             assert res.token_ids == reference[p]
@@ -103,14 +104,13 @@ class OracleDrafter:
 
 @pytest.mark.parametrize("k,p_wrong,padded", [(1, 0.2, False), (3, 0.2, False), (5, 0.1, False), (4, 0.0, False),
                                                (3, 0.2, True), (4, 0.0, True)])
-def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong, padded, monkeypatch):
+def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong, padded):
     """With drafts that are often right, accepted prefixes, bonus tokens and KV overwrite of rejected
     positions still give exactly the target-only tokens; acceptance statistics add up. ``padded``: steady
     cycles run in the static-shape form the GPU path captures in CUDA graphs (here eager, on the CPU)."""
     p = PROMPTS[1]
     ids = tok.encode(p)
-    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
-    with SpeculativeEngine.load(built_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, padded=padded)) as eng:
         eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, reference[p], len(ids), p_wrong, seed=k)
         res = eng.generate(ids, 24, num_draft_tokens=k, stop_token_ids=set())
     assert res.token_ids == reference[p]
@@ -124,12 +124,11 @@ def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_on_launched_runs_once_per_cycle_before_its_events(built_engines, tok, padded, monkeypatch):
+def test_on_launched_runs_once_per_cycle_before_its_events(built_engines, tok, padded):
     """``SpeculativeEngine.on_launched`` (where the engine process sends the previous cycle's events) runs once in
     every step that runs a cycle, before that cycle's events; steady cycles (``padded``) and eager ones alike."""
-    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
     order, steady = [], []
-    with SpeculativeEngine.load(built_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines, padded=padded)) as eng:
         run = eng.group.run
         eng.group.run = lambda plan, *a: (out := run(plan, *a), steady.append(plan.padded_k is not None))[0]
         eng.on_launched = lambda: order.append("L")
@@ -148,7 +147,7 @@ def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
     ids, ref = tok.encode(p), reference[p]
     stop = ref[9]
     first = ref.index(stop)
-    with SpeculativeEngine.load(built_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
         eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, ref, len(ids), 0.0, seed=0)
         res = eng.generate(ids, 24, num_draft_tokens=4, stop_token_ids={stop})
         assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
@@ -159,7 +158,7 @@ def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
 def test_request_limits_are_checked(built_engines):
     from splitspec.errors import ConfigError
 
-    with SpeculativeEngine.load(built_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
         with pytest.raises(ConfigError, match="max_seq_len"):
             eng.generate([1] * 200, 100, 4)
         with pytest.raises(ConfigError, match="empty"):
@@ -177,7 +176,7 @@ def test_target_group_reports_dead_worker(engines_for):
 
     from splitspec.engine.group import CyclePlan, SeqWork
 
-    group = Group(engines_for(2))
+    group = Group(ServeConfig(engines_for(2)))
     try:
         group.procs[0].kill()
         group.procs[0].wait()
@@ -195,7 +194,7 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
 
     from splitspec.engine.group import SHUTDOWN_WAIT_S, CyclePlan, SeqWork
 
-    group = Group(engines_for(2))
+    group = Group(ServeConfig(engines_for(2)))
     procs = list(group.procs)
     group.run(CyclePlan([SeqWork(0, [0], "prefill", 0, [1, 2, 3])]))  # the group works
     group._sending_plan = True  # as left by an interrupted _send_plan
@@ -203,7 +202,7 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
     group.close()
     assert time.monotonic() - t0 < SHUTDOWN_WAIT_S  # no wait for a shutdown plan
     assert [p.returncode for p in procs] == [-9]  # killed, not ended by an error
-    Group(engines_for(2)).close()  # the process group was left: a new one can be made
+    Group(ServeConfig(engines_for(2))).close()  # the process group was left: a new one can be made
 
 
 def _recording_drafts(eng) -> list:
@@ -214,7 +213,7 @@ def _recording_drafts(eng) -> list:
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, tok, reference, padded, monkeypatch, tmp_path):
+def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, tok, reference, padded, tmp_path):
     """Both placements loaded (per-bucket placement from tuning.json) and the drafting one switched on every
     cycle: the drafter K/V moves between the TP1 and sharded layouts, so every cycle's drafts are those of the
     TP1 drafter alone (the test pair's drafter is untrained: its drafts hang on the K/V it attends, not on
@@ -225,18 +224,17 @@ def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, t
     import json
     import shutil
 
-    monkeypatch.setenv("SPLITSPEC_PADDED", "1" if padded else "0")
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "2": 2}, "k_by_batch": {"1": 3, "2": 3}}))
     batch = [Request(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set()) for p, k in zip(PROMPTS * 2, (3, 0, 2))]
-    with SpeculativeEngine.load(eng_dir, draft_tp=1) as eng:
+    with SpeculativeEngine.load(ServeConfig(eng_dir, draft_tp=1, padded=padded)) as eng:
         assert eng.group.placements == (1,) and not eng.draft_tp_by_batch and eng.k_by_batch == {}  # tuned per bucket: not for TP1 alone
         alone = _recording_drafts(eng)
         for p in PROMPTS:
             eng.generate(tok.encode(p), 24, num_draft_tokens=3, stop_token_ids=set())
         batched = [r.token_ids for r in eng.run(batch)]
-    with SpeculativeEngine.load(eng_dir) as eng:
+    with SpeculativeEngine.load(ServeConfig(eng_dir, padded=padded)) as eng:
         assert eng.group.placements == (1, 2) and eng.draft_tp_by_batch == {1: 1, 2: 2} and eng.k_by_batch == {1: 3, 2: 3}
         drafts, placed, turns = _recording_drafts(eng), [], itertools.cycle([2, 1])
         eng.draft_tp_for, eng.switch_after = lambda batch: next(turns), 1

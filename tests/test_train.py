@@ -15,23 +15,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitspec.build.engines import build_engines
+from splitspec.build.engines import build_pair
 from splitspec.convert.pair import convert_pair
-from splitspec.demo.checkpoints import load_hf_reference_target
+from splitspec.demo.cache import TRAINING_INFO, cache_key, install_trained_pair
+from splitspec.demo.pair import ensure_trained_pair, train_pair
+from splitspec.demo.train_config import TrainConfig
+from splitspec.demo.train_drafter import Eagle3Trainable, ttt_attention_mask
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
-from splitspec.demo.pair import (
-    TRAINING_INFO,
-    Eagle3Trainable,
-    TrainConfig,
-    cache_key,
-    ensure_trained_pair,
-    install_trained_pair,
-    train_pair,
-    ttt_attention_mask,
-)
+from splitspec.settings import ServeConfig
+from splitspec.testing.reference import load_hf_reference_target
 
 # Kimi-K2 structure at tiny width: 5 layers (dense first, MoE with shared expert and noaux_tc), MLA + YaRN.
 TINY = TrainConfig(
@@ -61,9 +56,7 @@ def tiny_pair(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny_engines")
-    convert_pair(tiny_pair / "target", tiny_pair / "drafter", root / "ckpt", tp_size=1)
-    return build_engines(root / "ckpt", root / "engines", max_batch_size=2, max_seq_len=256)
+    return build_pair(tiny_pair, tmp_path_factory.mktemp("tiny_engines"), tp_size=1, max_batch_size=2, max_seq_len=256)
 
 
 # ---------------------------------------------------------------------------- export
@@ -100,7 +93,7 @@ def test_engine_matches_transformers_on_trained_target(tiny_pair, tiny_engines):
     tok = ChatTokenizer.from_dir(tiny_pair / "target")
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n")
     hf = load_hf_reference_target(tiny_pair / "target")
-    group = Group(tiny_engines)
+    group = Group(ServeConfig(tiny_engines))
     try:
         r = group.rank0
         with torch.inference_mode():
@@ -182,7 +175,7 @@ def test_ttt_forward_equals_engine_drafter(tiny_pair, tiny_engines):
     """Same weights, same inputs: the training forward's step 1 (all rows) and its step-2 / step-3 rows
     equal the engine's DrafterModel.forward run the way speculation runs it (extend, then chained steps)."""
     model = _trainable_from_export(tiny_pair)
-    group = Group(tiny_engines)
+    group = Group(ServeConfig(tiny_engines))
     m, cache = group.rank0.drafter, group.rank0.dcache
     group.close()
     g = torch.Generator().manual_seed(0)
@@ -252,7 +245,7 @@ class CacheRecorder:
 def test_ttt_mask_is_what_the_runtime_cache_holds(tiny_pair, tiny_engines):
     tok = ChatTokenizer.from_dir(tiny_pair / "target")
     ids = tok.encode("import os\nimport sys\n\n\nclass Config:\n    def __init__(self")
-    with SpeculativeEngine.load(tiny_engines) as eng:
+    with SpeculativeEngine.load(ServeConfig(tiny_engines)) as eng:
         ref = eng.generate(ids, 40, num_draft_tokens=0).token_ids
         rec = CacheRecorder(eng.group.rank0.drafter, ref, len(ids))
         eng.group.rank0.drafter = rec
@@ -267,7 +260,7 @@ def test_ttt_mask_is_what_the_runtime_cache_holds(tiny_pair, tiny_engines):
 
 def test_cached_preset_pair(tmp_path):
     """The pair `make demo-models` trains: skipped unless it is already in the cache."""
-    from splitspec.demo.pair import cache_root
+    from splitspec.demo.cache import cache_root
 
     cfg = TrainConfig.preset("cpu")
     entry = cache_root() / f"demo-{cache_key(cfg)}"

@@ -11,6 +11,7 @@ from splitspec.measure.cost_model import KimiScale, distinct_experts, expected_a
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.errors import ConfigError
 from splitspec.measure.tune import choose, score, tune
+from splitspec.settings import ServeConfig
 
 
 def _row(dtp, B, k, tps):
@@ -66,7 +67,7 @@ def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp": 1, "k_by_batch": {"1": 3, "2": 0}}))  # one placement, older form
-    with SpeculativeEngine.load(eng_dir) as eng:
+    with SpeculativeEngine.load(ServeConfig(eng_dir)) as eng:
         assert eng.group.placements == (1,) and eng.default_k() == 3
         a = eng.submit(Request([1, 2, 3], 4, stop_token_ids=set()))
         b = eng.submit(Request([1, 2, 3], 4, stop_token_ids=set()))
@@ -98,7 +99,7 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f(x):\nclass A:\n")
     (eng_dir / "tuning.json").write_text("not json {")  # a broken earlier file does not stop the tuner that replaces it
-    res = tune(eng_dir, [1, 2], [0, 2], prompts, max_seq_len=128, synthetic=[0.9], verify=True)
+    res = tune(ServeConfig(eng_dir, synthetic_acceptance=[0.9]), [1, 2], [0, 2], prompts, max_seq_len=128, verify=True)
     saved = json.loads((eng_dir / "tuning.json").read_text())
     assert saved["k_by_batch"] == res["k_by_batch"] and set(saved["k_by_batch"]) == {"1", "2"}
     rows = saved["measured"]
@@ -109,9 +110,9 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
     assert all((r["expected_acceptance_length"] > 1.5) == (r["k"] == 2) and r["n"] == 48 for r in rows)
     assert set(saved["verification"]["score"]) == {"1", "2"}
     with pytest.raises(ConfigError):
-        tune(eng_dir, [], [0, 2], prompts)
+        tune(ServeConfig(eng_dir), [], [0, 2], prompts)
     with pytest.raises(ConfigError):
-        tune(eng_dir, [1], [2], prompts)
+        tune(ServeConfig(eng_dir), [1], [2], prompts)
 
 
 @pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
@@ -169,7 +170,7 @@ def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path
         with pytest.raises(ConfigError, match=f"tuning.json.*{why}"):
             read_tuning(eng_dir)
     with pytest.raises(ConfigError, match="max_draft_len"):
-        tune(eng_dir, [1], [0, 99], tmp_path / "none.txt")
+        tune(ServeConfig(eng_dir), [1], [0, 99], tmp_path / "none.txt")
 
 
 def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path):
@@ -182,32 +183,32 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
     tp = _tp(built_engines)
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp": tp, "k_by_batch": {"1": 3, "4": 0}}))
     setting = lambda repo, key: repo_setting(repo, "spec_decode", key)  # noqa: E731
-    repo = render_repo(eng_dir, tmp_path / "r1")
+    repo = render_repo(ServeConfig(eng_dir), tmp_path / "r1")
     assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == ""
-    repo = render_repo(eng_dir, tmp_path / "r2", num_draft_tokens=2)
+    repo = render_repo(ServeConfig(eng_dir, num_draft_tokens=2), tmp_path / "r2")
     assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == "2"
     if tp > 1:  # tuned for the sharded drafter: with the split one, k is the default
-        repo = render_repo(eng_dir, tmp_path / "r3", draft_tp=1)
+        repo = render_repo(ServeConfig(eng_dir, draft_tp=1), tmp_path / "r3")
         assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"
     # what spec_decode does with an empty num_draft_tokens: the engine (in its process) follows tuning.json
-    proc = EngineProcess(eng_dir, lambda *a: None, lambda m: None, draft_tp=tp, num_draft_tokens=None)
+    proc = EngineProcess(ServeConfig(eng_dir, draft_tp=tp, num_draft_tokens=None), lambda *a: None, lambda m: None)
     try:
         assert proc.info["k_by_batch"] == {1: 3, 4: 0} and proc.info["draft_tp"] == tp
     finally:
         proc.close()
     # tuned per bucket with both placements: the engine loads both and follows the file
     (eng_dir / "tuning.json").write_text(json.dumps({"draft_tp_by_batch": {"1": 1, "4": tp}, "k_by_batch": {"1": 3, "4": 2}}))
-    repo = render_repo(eng_dir, tmp_path / "r5")
+    repo = render_repo(ServeConfig(eng_dir), tmp_path / "r5")
     assert setting(repo, "draft_tp") == ("" if tp > 1 else "1") and setting(repo, "num_draft_tokens") == ""
-    repo = render_repo(eng_dir, tmp_path / "r6", draft_tp=tp)
+    repo = render_repo(ServeConfig(eng_dir, draft_tp=tp), tmp_path / "r6")
     assert setting(repo, "draft_tp") == str(tp) and setting(repo, "num_draft_tokens") == ("4" if tp > 1 else "")
-    proc = EngineProcess(eng_dir, lambda *a: None, lambda m: None, draft_tp=None, num_draft_tokens=None)  # what "" gives
+    proc = EngineProcess(ServeConfig(eng_dir, draft_tp=None, num_draft_tokens=None), lambda *a: None, lambda m: None)  # what "" gives
     try:
         assert proc.info["draft_tp_by_batch"] == ({1: 1, 4: tp} if tp > 1 else {}) and proc.info["k_by_batch"] == {1: 3, 4: 2}
     finally:
         proc.close()
     (eng_dir / "tuning.json").unlink()
-    repo = render_repo(eng_dir, tmp_path / "r4")
+    repo = render_repo(ServeConfig(eng_dir), tmp_path / "r4")
     assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"
 
 
@@ -227,9 +228,9 @@ def test_tune_refuses_what_the_engines_cannot_do_before_measuring(built_engines,
     prompts = tmp_path / "p.txt"
     prompts.write_text("x\n")
     with pytest.raises(ConfigError, match="max_batch_size"):
-        tune(built_engines, [1, 10_000], [0, 1], prompts)
+        tune(ServeConfig(built_engines), [1, 10_000], [0, 1], prompts)
     with pytest.raises(ConfigError, match="max_seq_len"):
-        tune(built_engines, [1], [0, 1], prompts, max_seq_len=100_000)
+        tune(ServeConfig(built_engines), [1], [0, 1], prompts, max_seq_len=100_000)
 
 
 @pytest.mark.parametrize("whom", ["group", "leader"])
@@ -280,15 +281,16 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
 
     order, real_load = [], SpeculativeEngine.load
     monkeypatch.setattr(tune_mod.SpeculativeEngine, "load",
-                        lambda *a, **kw: order.append(kw["draft_tp"]) or real_load(*a, **kw))
-    rows = tune_mod.measure(built_engines, [1, 2], [1], [0, 1], ["def f(x):"], 64, None, [0.9], cycles=7, loads=3)
+                        lambda cfg: order.append(cfg.draft_tp) or real_load(cfg))
+    rows = tune_mod.measure(ServeConfig(built_engines, synthetic_acceptance=[0.9]), [1, 2], [1], [0, 1], ["def f(x):"], 64,
+                            cycles=7, loads=3)
     assert order == [1, 2, 2, 1, 1, 2]
     assert {(r["draft_tp"], r["k"]) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
     for r in rows:
         assert r["n"] == 7 and len(r["cycle_ms_by_load"]) == 3
         assert r["cycle_ms"] == pytest.approx(sum(r["cycle_ms_by_load"]) / 3)
     with pytest.raises(ConfigError, match="loads = 3"):
-        tune(built_engines, [1], [0, 1], tmp_path / "none.txt", cycles=2, loads=3)
+        tune(ServeConfig(built_engines), [1], [0, 1], tmp_path / "none.txt", cycles=2, loads=3)
 
 
 def test_row_is_the_mean_of_each_loads_median():
@@ -334,21 +336,21 @@ def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypat
     monkeypatch.setattr(tune_mod.SpeculativeEngine, "load", load)
     gc.disable()  # freed by its last reference going, not by a collector run that may or may not come
     try:
-        rows = tune_mod.measure(built_engines, [1], [1], [0, 1], [[5, 6, 7, 8]], 64, None, None, cycles=2, loads=2)
+        rows = tune_mod.measure(ServeConfig(built_engines), [1], [1], [0, 1], [[5, 6, 7, 8]], 64, cycles=2, loads=2)
     finally:
         gc.enable()
     assert alive_at_load == [False, False] and {r["k"] for r in rows} == {0, 1}
 
 
 def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
-    """bench/cost_model.py on the one-H200 sweep of docs/data prints the fit docs/performance.md quotes and
+    """bench/cost_model.py on the one-H200 sweep of its lab entry prints the fit docs/performance.md quotes and
     writes its plot; a --png that is a file is refused before anything is read."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    data = repo / "docs" / "data" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
+    data = repo / "docs" / "lab" / "2026-12-01-h200-tp1-cost-model-tuner" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
     script = [sys.executable, str(repo / "bench" / "cost_model.py")]
     done = subprocess.run(script + ["--png", str(tmp_path / "plots"), str(data)], capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stderr

@@ -22,7 +22,7 @@ def _cmd_demo_models(a: argparse.Namespace) -> None:
         # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning
         # workers can slow training steps tenfold. Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from splitspec.demo.checkpoints import make_demo_models
+    from splitspec.demo.pair import make_demo_models
 
     make_demo_models(Path(a.out), seed=a.seed, trained=not a.random, device=a.device, retrain=a.retrain)
 
@@ -48,15 +48,19 @@ def _cmd_build(a: argparse.Namespace) -> None:
 
 
 def _cmd_generate(a: argparse.Namespace) -> None:
-    from splitspec.generate import main as generate_main
+    from splitspec.generate import main as generate_main, parse_device
+    from splitspec.settings import ServeConfig
 
-    generate_main(a)
+    cfg = ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=parse_device(a.device) or (),
+                               draft_tp=a.draft_tp, num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1))
+    generate_main(a, cfg)
 
 
 def _cmd_tune(a: argparse.Namespace) -> None:
     from splitspec.errors import ConfigError
     from splitspec.generate import parse_device
     from splitspec.measure.tune import tune
+    from splitspec.settings import ServeConfig
 
     def numbers(flag: str, text: str, kind=int) -> list:
         try:
@@ -79,8 +83,9 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         a.batches = ",".join(map(str, sorted({min(b, limit) for b in (1, 4, 16)})))
         if limit < 16:
             print(f"batch buckets {a.batches} (the engines' max_batch_size is {limit})")
-    tune(Path(a.engines), list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
-         a.max_seq_len, device_ids, synthetic, a.verify, a.cycles, a.loads)
+    cfg = ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=device_ids or (), synthetic_acceptance=synthetic)
+    tune(cfg, list(parse_levels(a.batches, "--batches")), sorted(set(numbers("-k", a.k))), Path(a.prompts),
+         max_seq_len=a.max_seq_len, verify=a.verify, cycles=a.cycles, loads=a.loads)
 
 
 def _cmd_repo(a: argparse.Namespace) -> None:
@@ -88,9 +93,14 @@ def _cmd_repo(a: argparse.Namespace) -> None:
 
     from splitspec.measure.perf_suite import repo_setting
 
-    out = render_repo(Path(a.engines), Path(a.out), num_draft_tokens=a.k, target_device_ids=a.target_device_ids,
-                      draft_device_id=a.draft_device_id, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size,
-                      kv_tokens=a.kv_tokens, synthetic_acceptance=a.synthetic_acceptance)
+    from splitspec.settings import ServeConfig, parse_id, parse_ids
+
+    cfg = ServeConfig.from_env(engines_dir=Path(a.engines), num_draft_tokens=a.k,
+                               target_device_ids=parse_ids(a.target_device_ids, "--target-device-ids"),
+                               draft_device_id=parse_id(a.draft_device_id, "--draft-device-id"), draft_tp=a.draft_tp,
+                               max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens,
+                               synthetic_acceptance=a.synthetic_acceptance)
+    out = render_repo(cfg, Path(a.out))
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
     dtp = repo_setting(out, "spec_decode", "draft_tp") or "per batch bucket"
     why = " (tuning.json)" if a.draft_tp is None and (Path(a.engines) / "tuning.json").exists() else ""

@@ -128,10 +128,11 @@ def write_png(fig, path: Path, dpi: int = 110) -> Path:
     return Path(path)
 
 
-def write_json(obj: Any, path: Path) -> None:
-    """Write ``obj`` as indented JSON, atomically (:func:`write_atomic`: never a half-written file)."""
-    write_atomic(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n", mode=None)
-
+def write_json(obj: Any, path: Path, ensure_ascii: bool = True) -> None:
+    """Write ``obj`` as indented JSON (UTF-8), atomically (:func:`write_atomic`: never a half-written file).
+    ``ensure_ascii=False`` writes non-ASCII characters as they are instead of ``\\u`` escapes (tokenizer
+    files, which Hugging Face writes that way)."""
+    write_atomic(Path(path), json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=ensure_ascii) + "\n", mode=None)
 
 
 def default_permissions(root: Path) -> None:

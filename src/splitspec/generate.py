@@ -15,6 +15,7 @@ from pathlib import Path
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
+from splitspec.settings import ServeConfig
 from splitspec.runtime.sampling import SamplingParams
 
 
@@ -108,14 +109,12 @@ def parse_device(text: str, flag: str = "--device") -> list[int] | None:
     return [int(i) for i in ids]
 
 
-def main(a: argparse.Namespace) -> None:
+def main(a: argparse.Namespace, cfg: ServeConfig) -> None:
     if a.concurrency < 1:
         raise ConfigError(f"--concurrency = {a.concurrency}, expected ≥ 1")
     engines = Path(a.engines)
     prompts = read_prompts(Path(a.prompts)) if a.prompts else [a.prompt]
-    device_ids = parse_device(a.device)
-    with SpeculativeEngine.load(engines, target_device_ids=device_ids, draft_tp=a.draft_tp,
-                                num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1)) as eng:
+    with SpeculativeEngine.load(cfg) as eng:
         tok = eng.tokenizer
         if tok is None:
             raise ConfigError(f"{engines}/target: no tokenizer files beside the engine")

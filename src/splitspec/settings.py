@@ -47,6 +47,14 @@ def parse_ids(text: str, what: str) -> tuple[int, ...]:
     return ids
 
 
+def parse_id(text: str, what: str) -> int | None:
+    """``"3"`` → 3; ``""`` → None. Raises ConfigError naming ``what`` on anything else (two ids too)."""
+    ids = parse_ids(text, what)
+    if len(ids) > 1:
+        raise ConfigError(f"{what} = {text!r}: expected one GPU id")
+    return ids[0] if ids else None
+
+
 def _flag(name: str, raw: str) -> bool:
     if raw.strip() in ("1", "true", "yes", "on"):
         return True
@@ -178,9 +186,6 @@ class ServeConfig:
 
         if not text("engines_dir"):
             raise ConfigError(f"{_WHERE}: parameter 'engines_dir' is empty")
-        draft = parse_ids(text("draft_device_id"), f"{_WHERE}: parameter 'draft_device_id'")
-        if len(draft) > 1:
-            raise ConfigError(f"{_WHERE}: parameter 'draft_device_id' = {text('draft_device_id')!r}, expected one GPU id")
         synthetic = text("synthetic_acceptance")
         try:
             probs = tuple(float(v) for v in synthetic.split(",")) if synthetic else None
@@ -190,7 +195,7 @@ class ServeConfig:
         fields = dict(
             engines_dir=Path(text("engines_dir")),
             target_device_ids=parse_ids(text("target_device_ids"), f"{_WHERE}: parameter 'target_device_ids'"),
-            draft_device_id=draft[0] if draft else None,
+            draft_device_id=parse_id(text("draft_device_id"), f"{_WHERE}: parameter 'draft_device_id'"),
             draft_tp=number("draft_tp"), num_draft_tokens=number("num_draft_tokens"),
             max_batch_size=number("max_batch_size"), kv_tokens=number("kv_tokens"),
             synthetic_acceptance=probs,

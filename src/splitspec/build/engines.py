@@ -21,11 +21,14 @@ checkpoint is dequantised here (tile × scale in float32, then cast).
 
 ``engine.json`` records architecture, dtype, weight format, model config, mapping, limits (max batch size,
 max sequence length, max draft length) and, for the drafter, its aux layer ids and convention.
-Weights are read and written one tensor at a time.
+Weights are read and written one tensor at a time. :func:`build_pair` is convert + build in one call, for
+a Hugging Face pair folder (the demo, the tests, bench/acceptance.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -35,7 +38,7 @@ from tqdm import tqdm
 
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.convert.pair import FORMAT, TOKENIZER_FILES
+from splitspec.convert.pair import FORMAT, TOKENIZER_FILES, convert_pair
 from splitspec.errors import CheckpointError, ConfigError
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.files import atomic_dir, read_json, write_json
@@ -235,3 +238,22 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
           + (f": FP8 weights in {block[0]}×{block[1]} tiles, bf16 activations" if keep_fp8 else "")
           + f") and {out}/drafter (TP1, {str(tdt).removeprefix('torch.')}); limits {limits}")
     return out
+
+
+def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int = 1, max_batch_size: int = 1,
+               max_seq_len: int = 1024, quiet: bool = False) -> Path:
+    """Convert and build ``models_dir/{target,drafter}`` (Hugging Face checkpoints) into ``out_dir``: the
+    converted checkpoint in ``out_dir/ckpt``, float32 engines in ``out_dir/engines`` (returned).
+
+    Args:
+        tp_size, ep_size: the target's mapping (:func:`splitspec.convert.pair.convert_pair`).
+        max_batch_size, max_seq_len: engine limits (:func:`build_engines`).
+        quiet: swallow what convert and build print (progress bars, notices).
+    """
+    models_dir, out_dir = Path(models_dir), Path(out_dir)
+    with contextlib.ExitStack() as stack:
+        if quiet:
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size, ep_size=ep_size)
+        return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=max_batch_size, max_seq_len=max_seq_len)

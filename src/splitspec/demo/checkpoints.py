@@ -1,8 +1,9 @@
 """Tiny demo checkpoints in the published formats: a Kimi-K2 target and its EAGLE-3 drafter.
 
-:func:`make_demo_models` writes either the trained pair (``trained=True``: trained once per machine
-by :mod:`splitspec.demo.pair` and cached, with real acceptance lengths) or, with random but
-deterministic weights (the default, for numerics tests),
+:func:`write_random_pair` writes the pair with random but deterministic weights (``splitspec
+demo-models --random``, and the numerics tests); :func:`write_target_checkpoint` and
+:func:`write_drafter_checkpoint` write the trained pair's weights in the same layout
+(:mod:`splitspec.demo.pair`). A pair folder holds
 
 - ``target/``: a Hugging Face Kimi-K2 checkpoint (``model_type: kimi_k2``, architecture
   ``DeepseekV3ForCausalLM``): MLA attention, one dense layer then MoE layers with a
@@ -19,7 +20,6 @@ checkpoints, so converters and engines run the same code paths on them.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import tempfile
@@ -29,24 +29,16 @@ from typing import Any
 
 import torch
 
-from splitspec.errors import CheckpointError, ConfigError
-from splitspec.files import default_permissions, replace_dir
-from splitspec.runtime.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    IM_END_TOKEN,
-    PAD_TOKEN,
-    ChatTokenizer,
-    count_token_frequencies,
-    select_draft_vocab,
-    stdlib_corpus,
-    train_tokenizer,
-)
+from splitspec.demo.corpus import stdlib_corpus
+from splitspec.demo.report import log
+from splitspec.demo.tokenizer_train import count_token_frequencies, select_draft_vocab, train_tokenizer
+from splitspec.errors import ConfigError
+from splitspec.files import default_permissions, replace_dir, write_json
+from splitspec.runtime.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer
 
 VOCAB_SIZE = 4096
 DRAFT_VOCAB_SIZE = 1024
 TARGET_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Initialisation scales. Projections have unit gain (std 1/sqrt(fan_in)) so every sublayer
 # contributes to the residual stream as much as the embedding does: with a std of 0.02 the
@@ -57,10 +49,6 @@ LM_HEAD_STD = 0.08  # logits std ~1.3 over the vocabulary: no near-ties for gree
 NORM_NOISE_STD = 0.05  # norms = 1 + noise, so a missing or misplaced norm weight shows
 ROUTER_STD = 0.1
 CORRECTION_BIAS_STD = 0.1  # non-zero: selection-only use of the bias matters
-
-
-def _log(msg: str) -> None:
-    print(f"[demo-models] {msg}", flush=True)
 
 
 def target_config(bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -195,10 +183,6 @@ def _init_tensor(shape: tuple[int, ...], kind: str, scale: float, gen: torch.Gen
     return x.to(torch.bfloat16).contiguous()
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _target_shard(name: str, n_layers: int) -> int:
     """Shard index (0 or 1) of a target tensor: shard 1 holds the embedding and layers [0, (L+1)//2)."""
     split = (n_layers + 1) // 2
@@ -239,11 +223,11 @@ def write_target_checkpoint(target_dir: Path, cfg: dict[str, Any], tensors: dict
             weight_map[name] = fname
             total_bytes += t.numel() * t.element_size()
             n_params += t.numel()
-    _write_json(target_dir / "model.safetensors.index.json",
-                {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))})
-    _write_json(target_dir / "config.json", cfg)
-    _write_json(target_dir / "generation_config.json",
-                {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos_ids, "pad_token_id": cfg["pad_token_id"]})
+    write_json({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+               target_dir / "model.safetensors.index.json", ensure_ascii=False)
+    write_json(cfg, target_dir / "config.json", ensure_ascii=False)
+    write_json({"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos_ids, "pad_token_id": cfg["pad_token_id"]},
+               target_dir / "generation_config.json", ensure_ascii=False)
     return n_params
 
 
@@ -279,7 +263,7 @@ def write_drafter_checkpoint(drafter_dir: Path, cfg: dict[str, Any], tensors: di
     t2d[draft_ids] = True
     tensors["t2d"] = t2d
     save_file(tensors, str(drafter_dir / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(drafter_dir / "config.json", cfg)
+    write_json(cfg, drafter_dir / "config.json", ensure_ascii=False)
     return sum(t.numel() for name, t in tensors.items() if name not in ("d2t", "t2d"))
 
 
@@ -290,39 +274,6 @@ def _write_drafter(drafter_dir: Path, cfg: dict[str, Any], draft_ids: torch.Tens
     for name, shape, kind, scale in _drafter_specs(cfg):
         tensors[name] = _init_tensor(shape, kind, scale, gen)
     return write_drafter_checkpoint(drafter_dir, cfg, tensors, draft_ids)
-
-
-def load_hf_reference_target(target_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
-    """Load a Kimi-K2 / DeepSeek-V3 checkpoint with transformers' native ``DeepseekV3ForCausalLM``.
-
-    The numerical reference for tests. Kimi-K2 configs say ``model_type: kimi_k2``, which
-    transformers does not know: loaded as is, its per-expert -> stacked-expert weight
-    conversion (registered under ``deepseek_v3``) is skipped and every routed expert is left
-    randomly initialised with only a warning. This loads the config, sets ``model_type`` to
-    ``deepseek_v3`` and insists that no key is missing or unexpected.
-
-    Args:
-        target_dir: folder with ``config.json`` and safetensors weights.
-        dtype: parameter dtype of the loaded model (router weight and bias stay float32).
-
-    Returns:
-        ``transformers.DeepseekV3ForCausalLM`` in eval mode on the CPU.
-
-    Raises:
-        CheckpointError: keys missing, unexpected or of mismatched shape.
-    """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config.from_pretrained(str(target_dir))
-    cfg.model_type = "deepseek_v3"
-    model, info = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), config=cfg, dtype=dtype,
-                                                        output_loading_info=True)
-    problems = {k: sorted(info[k])[:5] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info[k]}
-    if problems:
-        raise CheckpointError(f"{target_dir}: transformers DeepseekV3ForCausalLM could not load every tensor: {problems}")
-    return model.eval()
-
-
 
 
 _README = """\
@@ -343,47 +294,22 @@ random, so generated text is meaningless and acceptance lengths are low; only fo
 """
 
 
-def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device: str = "cpu",
-                     retrain: bool = False, progress: bool = True) -> None:
-    """Write the demo target, drafter, tokenizer and README into ``out_dir``.
+def write_random_pair(out_dir: Path, seed: int = 0) -> None:
+    """Write the demo target, drafter, tokenizer and README with random weights into ``out_dir``.
 
-    With ``trained=False`` (the default, used by the numerics tests) the weights are random: the
-    pair is written in seconds and exercises formats and numerics only (acceptance length ≈ 1).
-    With ``trained=True`` the pair trained by :mod:`splitspec.demo.pair` (``TrainConfig.preset(device,
-    seed)``) is taken from the cache (``$SPLITSPEC_CACHE``, default ``~/.cache/splitspec``), trained
-    there first if missing (about 10 minutes on a 2-core CPU), and copied to ``out_dir`` unless
-    ``out_dir`` already holds it; the folder then also holds ``training.json`` and PNG plots.
-
-    Everything is built in a temporary sibling folder and renamed into place; an existing
-    ``out_dir`` is replaced only once the new one is complete. The same ``seed`` on the same
-    Python installation (the tokenizer corpus) gives identical files.
-
-    Layout: ``out_dir/target/`` (``config.json``, ``generation_config.json``, two bf16
-    safetensors shards + ``model.safetensors.index.json``, tokenizer files), ``out_dir/drafter/``
-    (``config.json``, ``model.safetensors`` with bf16 weights, ``d2t`` int64 [1024], ``t2d``
-    bool [4096]) and ``out_dir/README.md``.
+    The pair (laid out as the module says; ``d2t`` int64 [1024], ``t2d`` bool [4096]) is written in
+    seconds and exercises formats and numerics only (acceptance length ≈ 1). Everything is built in a
+    temporary sibling folder and renamed into place; an existing ``out_dir`` is replaced only once the
+    new one is complete. The same ``seed`` on the same Python installation (the tokenizer corpus)
+    gives identical files.
 
     Args:
         out_dir: destination folder.
-        seed: seed of the torch generators (random: target ``seed``, drafter ``seed + 1``; trained:
-            the training seed).
-        trained: write the trained pair instead of random weights.
-        device: trained pair only: ``cpu`` or ``cuda[:N]`` (a larger pair on a GPU).
-        retrain: trained pair only: train again even when the cache holds the pair.
-        progress: trained pair only: show progress bars and loss lines while training.
+        seed: seed of the torch generators (target ``seed``, drafter ``seed + 1``).
 
     Raises:
-        ConfigError: ``out_dir`` exists and is not a folder; an unknown or unavailable device.
+        ConfigError: ``out_dir`` exists and is not a folder.
     """
-    if trained:
-        from splitspec.demo.pair import TrainConfig, ensure_trained_pair, install_trained_pair
-
-        entry = ensure_trained_pair(TrainConfig.preset(device, seed), retrain=retrain, progress=progress)
-        if install_trained_pair(entry, Path(out_dir)):
-            _log(f"copied the trained pair {entry.name} to {out_dir}")
-        else:
-            _log(f"{out_dir} already holds the trained pair {entry.name}")
-        return
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"demo models output {out_dir} exists and is not a folder")
@@ -396,24 +322,24 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
         target_dir.mkdir()
         drafter_dir.mkdir()
 
-        _log(f"training byte-level BPE tokenizer ({VOCAB_SIZE} tokens) on the Python standard library sources")
+        log(f"training byte-level BPE tokenizer ({VOCAB_SIZE} tokens) on the Python standard library sources")
         train_tokenizer(target_dir, vocab_size=VOCAB_SIZE)
         tok = ChatTokenizer.from_dir(target_dir)
         ids = {t: tok.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_END_TOKEN)}
 
         tcfg = target_config(ids[BOS_TOKEN], ids[EOS_TOKEN], ids[PAD_TOKEN])
-        _log(f"writing target (Kimi-K2 layout, {tcfg['num_hidden_layers']} layers, "
-             f"{tcfg['n_routed_experts']} experts) with seed {seed}")
+        log(f"writing target (Kimi-K2 layout, {tcfg['num_hidden_layers']} layers, "
+            f"{tcfg['n_routed_experts']} experts) with seed {seed}")
         target_params = _write_target(target_dir, tcfg, [ids[EOS_TOKEN], ids[IM_END_TOKEN]], seed)
-        _log(f"target: {target_params:,} parameters")
+        log(f"target: {target_params:,} parameters")
 
-        _log(f"choosing the {DRAFT_VOCAB_SIZE}-token draft vocabulary from token frequencies on the corpus")
+        log(f"choosing the {DRAFT_VOCAB_SIZE}-token draft vocabulary from token frequencies on the corpus")
         counts = count_token_frequencies(tok, stdlib_corpus())
         draft_ids = select_draft_vocab(counts, DRAFT_VOCAB_SIZE, always_include=[ids[EOS_TOKEN], ids[IM_END_TOKEN]])
         dcfg = drafter_config(ids[BOS_TOKEN], ids[EOS_TOKEN])
-        _log(f"writing EAGLE-3 drafter with seed {seed + 1}")
+        log(f"writing EAGLE-3 drafter with seed {seed + 1}")
         drafter_params = _write_drafter(drafter_dir, dcfg, torch.from_numpy(draft_ids), seed + 1)
-        _log(f"drafter: {drafter_params:,} parameters")
+        log(f"drafter: {drafter_params:,} parameters")
 
         (tmp / "README.md").write_text(_README.format(
             seed=seed, n_layers=tcfg["num_hidden_layers"], n_experts=tcfg["n_routed_experts"],
@@ -426,4 +352,4 @@ def make_demo_models(out_dir: Path, seed: int = 0, trained: bool = False, device
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"wrote {out_dir} in {time.perf_counter() - t0:.1f} s")
+    log(f"wrote {out_dir} in {time.perf_counter() - t0:.1f} s")

@@ -42,11 +42,11 @@ from splitspec.models.layers import TPComm
 from splitspec.models.batch import ForwardBatch, padded, to_device
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
 from splitspec.models.target import TargetKVCache, TargetModel
+from splitspec.settings import ServeConfig
 
 #: Seconds close() waits for the workers to take the shutdown plan (an idle worker takes it at once; one
 #: left inside a collective by an interrupted cycle never does) before it kills them.
 SHUTDOWN_WAIT_S = 2.0
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SPLITSPEC_COLLECTIVE_TIMEOUT_S", "300")))
 # Workers wait for the next cycle plan on a control group of their own: an idle server may wait for
 # requests indefinitely (a leader that dies closes the connection, which ends the wait at once).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -189,10 +189,13 @@ class RankRunner:
         rank, world: position in the target's group; ``comm`` its collectives.
         placements: the draft_tp values loaded, each 1 (drafter on the leader, at ``draft_device``) or world
             (sharded over the group); the first drafts until :meth:`switch_placement`.
+        compile, cuda_graphs: on a GPU, ``torch.compile`` the target's layers / replay steady cycles from CUDA graphs
+            (:class:`splitspec.settings.ServeConfig`).
     """
 
     def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
-                 draft_device: str | None = None, kv_tokens: int | None = None):
+                 draft_device: str | None = None, kv_tokens: int | None = None, compile: bool = True,
+                 cuda_graphs: bool = True):
         engines_dir = Path(engines_dir)
         meta = read_engine_meta(engines_dir / "target", "target")
         self.cfg = TargetConfig.from_dict(meta["config"])
@@ -204,9 +207,9 @@ class RankRunner:
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
         self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
-        self.graphs = GraphCache(device)
+        self.graphs = GraphCache(device, cuda_graphs)
         self.clock = PhaseClock(device)
-        if self.graphs.on and os.environ.get("SPLITSPEC_COMPILE", "1") == "1":
+        if self.graphs.on and compile:
             self.target.compile()  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
         rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
@@ -231,7 +234,7 @@ class RankRunner:
             if ddev not in loaded:
                 loaded[ddev] = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
             dw = shard_drafter(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
-            graphs = GraphCache(ddev) if torch.device(ddev) != torch.device(device) else self.graphs
+            graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
             self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
                                     DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
@@ -462,15 +465,15 @@ def bucket(batch: int) -> int:
 
 class GraphCache:
     """CUDA graphs of static-shape functions on one device, captured on first use per key (eager on CPU or when
-    ``SPLITSPEC_CUDA_GRAPHS=0``). Inputs are copied into the graph's static buffers before each replay;
+    not ``enabled``: ``ServeConfig.cuda_graphs``). Inputs are copied into the graph's static buffers before each replay;
     outputs are the graph's static output tensors (valid until the next replay of the same key). Capture and
     replay run with ``device`` current, whatever the calling thread's current device, and capture on a stream
     of this device: ``torch.cuda.graph``'s default capture stream is one per process, made on the device
     current at the first capture, and a graph captured on another device's stream records none of this
     device's kernels (its replays then return the capture-time outputs)."""
 
-    def __init__(self, device: str):
-        self.on = device.startswith("cuda") and os.environ.get("SPLITSPEC_CUDA_GRAPHS", "1") == "1"
+    def __init__(self, device: str, enabled: bool = True):
+        self.on = device.startswith("cuda") and enabled
         self.device = torch.device(device)
         self.graphs: dict = {}
         self.pool = self.capture_stream = None
@@ -516,17 +519,21 @@ def _threads_per_rank(world: int) -> int:
 
 
 def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, placements: tuple[int, ...],
-                kv_tokens: int | None = None) -> None:
-    """Body of a worker rank: join the group, load its shards, execute plans until shutdown."""
+                kv_tokens: int | None = None, compile: bool = True, cuda_graphs: bool = True,
+                collective_timeout_s: int = 300) -> None:
+    """Body of a worker rank: join the group, load its shards, execute plans until shutdown. The switches are
+    the leader's :class:`ServeConfig`'s, passed on the worker's command line."""
     torch.set_num_threads(_threads_per_rank(world))
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timeout)
     store.set(f"up/{rank}", "1")
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, placements, kv_tokens=kv_tokens)
+    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, placements, kv_tokens=kv_tokens,
+                        compile=compile, cuda_graphs=cuda_graphs)
     store.set(f"ready/{rank}", "1")
     with torch.inference_mode():
         while True:
@@ -556,17 +563,19 @@ class Group:
     """The leader's handle on the target's TP group (rank 0 here, workers started here) and the drafter.
 
     Args:
-        engines_dir: folder with built ``target/`` and ``drafter/`` engines.
-        device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
-        draft_tp: 1 or the target's TP size, or a tuple of both to load both placements (the first drafts until
-            a plan names the other). draft_device_id: GPU of a TP1 drafter (None: rank 0's).
+        cfg: the deployment: engines_dir, target_device_ids (``()``: CPU), draft_device_id (a TP1 drafter's GPU; None:
+            rank 0's), kv_tokens and the switches padded, compile, cuda_graphs, collective_timeout_s.
+        placements: the draft_tp values to load, 1 and/or the target's TP size (the first drafts until a plan names
+            the other); None: ``(cfg.draft_tp or 1,)``.
     Raises:
         ConfigError: a placement the engines cannot take. EngineError: a worker fails to start or dies.
     """
 
-    def __init__(self, engines_dir: Path, device_ids: list[int] | None = None, draft_tp: int | tuple[int, ...] = 1,
-                 draft_device_id: int | None = None, kv_tokens: int | None = None, start_timeout_s: float = 300.0):
-        self.engines_dir = Path(engines_dir)
+    def __init__(self, cfg: ServeConfig, placements: tuple[int, ...] | None = None, start_timeout_s: float = 300.0):
+        self.config = cfg
+        self.engines_dir = cfg.engines_dir
+        device_ids, kv_tokens = list(cfg.target_device_ids), cfg.kv_tokens
+        draft_tp = (cfg.draft_tp or 1,) if placements is None else placements
         meta = read_engine_meta(self.engines_dir / "target", "target")
         self.world = int(meta["mapping"]["tp_size"])
         self.placements = tuple(dict.fromkeys((draft_tp,) if isinstance(draft_tp, int) else draft_tp))
@@ -578,11 +587,10 @@ class Group:
         if device_ids and (not torch.cuda.is_available() or max(device_ids) >= torch.cuda.device_count()):
             raise ConfigError(f"target_device_ids {device_ids}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
         self.devices = [f"cuda:{i}" for i in device_ids] if device_ids else ["cpu"] * self.world
-        draft_device = f"cuda:{draft_device_id}" if draft_device_id is not None else None
-        if draft_device and not device_ids:
-            raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
+        draft_device = f"cuda:{cfg.draft_device_id}" if cfg.draft_device_id is not None else None
         # steady decode cycles in the static-shape form: always on GPU (CUDA graphs), opt-in on CPU
-        self.padded = bool(device_ids) or os.environ.get("SPLITSPEC_PADDED") == "1"
+        self.padded = bool(device_ids) or cfg.padded
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
         self.procs: list[subprocess.Popen] = []
         self.control = None
         self.closed = False
@@ -593,26 +601,29 @@ class Group:
         if self.world > 1:
             if dist.is_initialized():
                 raise EngineError("a torch.distributed group already exists in this process; one target group per process")
-            self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+            self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False, timeout=timeout)
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             for r in range(1, self.world):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "splitspec.engine.worker", "--engines", str(self.engines_dir), "--rank", str(r),
                      "--world", str(self.world), "--store-port", str(self.store.port), "--device", self.devices[r],
-                     "--draft-tp", ",".join(map(str, self.placements)), "--kv-tokens", str(kv_tokens or 0)], env=env))
+                     "--draft-tp", ",".join(map(str, self.placements)), "--kv-tokens", str(kv_tokens or 0),
+                     "--collective-timeout-s", str(cfg.collective_timeout_s)]
+                    + ["--no-compile"] * (not cfg.compile) + ["--no-cuda-graphs"] * (not cfg.cuda_graphs), env=env))
             torch.set_num_threads(_threads_per_rank(self.world))
             try:
                 # join only once every worker is up: init_process_group cannot notice a worker that died
                 # starting (or be interrupted by Ctrl-C) until its timeout
                 self._wait_for("up", start_timeout_s)
                 dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=self.store, rank=0,
-                                        world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
+                                        world_size=self.world, timeout=timeout)
                 self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             except BaseException:
                 self._kill()
                 raise
         try:
-            self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], self.placements, draft_device, kv_tokens)
+            self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], self.placements,
+                                    draft_device, kv_tokens, cfg.compile, cfg.cuda_graphs)
             self._wait_for("ready", start_timeout_s)
         except BaseException:
             self.close()

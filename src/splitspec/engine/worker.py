@@ -1,5 +1,8 @@
 """Entry point of a target worker rank:
-``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``."""
+``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``.
+
+The leader's :class:`splitspec.settings.ServeConfig` switches arrive as options (``--no-compile``,
+``--no-cuda-graphs``, ``--collective-timeout-s``); a worker reads no ``SPLITSPEC_*`` variable."""
 
 import signal
 
@@ -24,10 +27,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--draft-tp", default="1", help="comma list: the drafter placements loaded (1 and/or N)")
     p.add_argument("--kv-tokens", type=int, default=0, help="KV token budget (0: the engine's default)")
+    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the target's layers")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run steady cycles eagerly, without CUDA graphs")
+    p.add_argument("--collective-timeout-s", type=int, default=300, help="how long a collective may wait, seconds")
     a = p.parse_args()
     try:
         worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, tuple(int(x) for x in a.draft_tp.split(",")),
-                    a.kv_tokens or None)
+                    a.kv_tokens or None, compile=not a.no_compile, cuda_graphs=not a.no_cuda_graphs,
+                    collective_timeout_s=a.collective_timeout_s)
     except RuntimeError as e:
         if "Connection closed by peer" not in str(e):
             raise

@@ -630,6 +630,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
         SplitspecError: the server failed to start, or no level of any tool produced figures.
     """
     from splitspec.serving.repo import render_repo  # noqa: PLC0415
+    from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: PLC0415
 
     if sum(x is not None for x in (engines, repo, server)) != 1:
         raise ConfigError("run_perf_suite: give exactly one of engines, repo, server")
@@ -653,9 +654,11 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
     own = server is None
     if engines is not None:
         top = max(levels + llm_levels)
-        repo = render_repo(Path(engines), out / "repo", num_draft_tokens=num_draft_tokens, draft_tp=draft_tp,
-                           target_device_ids=target_device_ids, draft_device_id=draft_device_id,
-                           max_batch_size=top, kv_tokens=top * 256 + 1024)
+        repo = render_repo(ServeConfig.from_env(
+            engines_dir=Path(engines), num_draft_tokens=num_draft_tokens, draft_tp=draft_tp,
+            target_device_ids=parse_ids(target_device_ids, "target_device_ids"),
+            draft_device_id=parse_id(draft_device_id, "draft_device_id"), max_batch_size=top, kv_tokens=top * 256 + 1024),
+            out / "repo")
     srv = server or TritonServer(Path(repo), exit_timeout_s=10)
     repo_dir = srv.repo
     tokenizer_dir = Path(repo_setting(repo_dir, "preprocessing", "tokenizer_dir") or "")

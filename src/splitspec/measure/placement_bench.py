@@ -234,6 +234,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
         SplitspecError: a server failed to start or a request failed.
     """
     from splitspec.serving.repo import render_repo  # noqa: PLC0415
+    from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: PLC0415
 
     engines = Path(engines).resolve()
     info = engine_info(engines)
@@ -270,10 +271,12 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     for n, d in enumerate(placements):
         run_ks = [0] + ks
         with tempfile.TemporaryDirectory(prefix=f"splitspec-bench-tp{d}-") as tmp:
-            repo = render_repo(engines, Path(tmp) / "repo", num_draft_tokens=max(ks), draft_tp=d,
-                               target_device_ids=target_device_ids, draft_device_id=draft_device_id if d == 1 else "",
-                               max_batch_size=max(concs), kv_tokens=max(concs) * 512 + 1024,
-                               synthetic_acceptance=synthetic_acceptance)
+            repo = render_repo(ServeConfig.from_env(
+                engines_dir=engines, num_draft_tokens=max(ks), draft_tp=d,
+                target_device_ids=parse_ids(target_device_ids, "target_device_ids"),
+                draft_device_id=parse_id(draft_device_id, "draft_device_id") if d == 1 else None,
+                max_batch_size=max(concs), kv_tokens=max(concs) * 512 + 1024,
+                synthetic_acceptance=synthetic_acceptance), Path(tmp) / "repo")
             srv = TritonServer(repo, exit_timeout_s=10)
             print(f"[{n + 1}/{len(placements)}] draft_tp={d}: starting tritonserver ...", flush=True)
             srv.start()

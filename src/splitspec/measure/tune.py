@@ -27,6 +27,7 @@ from splitspec.engine.group import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
 from splitspec.files import write_atomic
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.settings import ServeConfig
 
 
 #: What configurations are compared by: tokens/s with acceptance pooled over k (:func:`pool_acceptance`).
@@ -129,10 +130,10 @@ def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int]
     return samples
 
 
-def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: list[int], prompts: list[str] | list[list[int]], max_seq_len: int,
-            device_ids: list[int] | None, synthetic: list[float] | None, cycles: int = 48, loads: int = 2,
-            label: str = "measuring") -> list[dict]:
-    """Steady-cycle rows (see :func:`_gather`) for every placement (draft_tp) × B × k, each placement's
+def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: list[int], prompts: list[str] | list[list[int]],
+            max_seq_len: int, cycles: int = 48, loads: int = 2, label: str = "measuring") -> list[dict]:
+    """Steady-cycle rows (see :func:`_gather`) of the deployment ``cfg`` (its engines, devices, switches and
+    synthetic acceptance; draft_tp, k and the batch and KV limits are set here) for every placement (draft_tp) × B × k, each placement's
     engines loaded ``loads`` times in the order A B B A A B … (reversed every other time): each load
     gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms is the
     mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
@@ -151,9 +152,8 @@ def measure(engines_dir: Path, placements: list[int], batches: list[int], ks: li
     for i in range(loads):
         for dtp in placements if i % 2 == 0 else placements[::-1]:
             print(f"{label}: draft_tp={dtp}, engine load {i + 1} of {loads} ...", flush=True)
-            with SpeculativeEngine.load(engines_dir, target_device_ids=device_ids, draft_tp=dtp, num_draft_tokens=0,
-                                        max_batch_size=max(batches), kv_tokens=max(batches) * max_seq_len,
-                                        synthetic_acceptance=synthetic) as eng:
+            with SpeculativeEngine.load(cfg.replace(draft_tp=dtp, num_draft_tokens=0, max_batch_size=max(batches),
+                                                    kv_tokens=max(batches) * max_seq_len)) as eng:
                 if not ids:
                     tok = eng.tokenizer
                     encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
@@ -203,10 +203,10 @@ def score(choice: dict, rows: list[dict], batches: list[int], metric: str = METR
     return out
 
 
-def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Path, max_seq_len: int = 512,
-         device_ids: list[int] | None = None, synthetic: list[float] | None = None, verify: bool = False,
-         cycles: int = 48, loads: int = 2) -> dict:
-    """Measure, choose, write ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
+def tune(cfg: ServeConfig, batches: list[int], ks: list[int], prompts_file: Path, max_seq_len: int = 512,
+         verify: bool = False, cycles: int = 48, loads: int = 2) -> dict:
+    """Measure the deployment ``cfg`` (engines, devices, switches, synthetic acceptance), choose, write
+    ``engines_dir/tuning.json``; return the choice (with ``verification`` when asked).
 
     ``cycles``: steady cycles timed per (placement, batch, k) (see :func:`_gather`), spread over
     ``loads`` engine loads per placement, alternating between placements (see :func:`measure`).
@@ -218,7 +218,8 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
         raise ConfigError(f"tune: cycles = {cycles} over loads = {loads}, expected loads ≥ 1 and at least one cycle per load")
     if not batches or min(batches) < 1 or not ks or min(ks) < 0 or 0 not in ks:
         raise ConfigError(f"tune: batches must be ≥ 1 and k ≥ 0 with 0 among them (got batches {batches}, k {ks})")
-    engines_dir = Path(engines_dir)
+    engines_dir = cfg.engines_dir
+    synthetic = None if cfg.synthetic_acceptance is None else list(cfg.synthetic_acceptance)
     meta = read_engine_meta(engines_dir / "target", "target")
     tp = int(meta["mapping"]["tp_size"])
     limits, where = meta["limits"], engines_dir / "target" / "engine.json"
@@ -231,7 +232,7 @@ def tune(engines_dir: Path, batches: list[int], ks: list[int], prompts_file: Pat
     prompts = read_prompts(prompts_file)
 
     def sweep(label: str) -> list[dict]:
-        return measure(engines_dir, sorted({1, tp}), batches, ks, prompts, max_seq_len, device_ids, synthetic, cycles, loads, label)
+        return measure(cfg, sorted({1, tp}), batches, ks, prompts, max_seq_len, cycles, loads, label)
 
     rows = sweep("measuring")
     choice = choose(rows, batches)

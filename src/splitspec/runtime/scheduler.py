@@ -27,6 +27,7 @@ from splitspec.engine.group import CyclePlan, EngineError, Group, SeqWork, read_
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.engine.kv import BlockAllocator
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
+from splitspec.settings import ServeConfig
 
 
 @dataclass
@@ -173,33 +174,24 @@ class SpeculativeEngine:
     Single-threaded core: :meth:`submit` (thread-safe) queues requests, :meth:`step` runs one cycle.
     :meth:`generate` runs one request to completion; :class:`EngineLoop` runs cycles in a background thread.
 
-    Args (of :meth:`load`):
-        engines_dir: folder with ``target/`` and ``drafter/`` engines (``splitspec build``).
-        target_device_ids: GPU ids of target ranks 0..N−1 (None: CPU).
-        draft_device_id: GPU of a TP1 drafter (None: target rank 0's device).
-        draft_tp: 1 (split placement, default) or N (drafter sharded over the target's group); left None with a
-            tuning.json whose buckets' placements differ, both are loaded and each cycle drafts with its bucket's.
-        num_draft_tokens: default k per request (0 disables speculation).
-        kv_tokens: KV-cache token budget (default: engine max_batch_size × max_seq_len).
-        max_batch_size: sequences decoded at once (default: the engine's).
-        max_prefill_tokens: prompt tokens prefetched per cycle (chunked prefill bound).
-        tokenizer_dir: folder of tokenizer files for stop strings and text (default ``engines_dir/target``).
-        synthetic_acceptance: benchmark only — per-position acceptance probabilities; outputs are then
-            NOT the target's and every result is labelled ``synthetic``.
+    The deployment's settings are the group's :class:`~splitspec.settings.ServeConfig` (``group.config``):
+    num_draft_tokens (default k per request; 0 disables speculation; None: 4), max_batch_size (sequences decoded at
+    once; None: the engine's), max_prefill_tokens (prompt tokens prefilled per cycle) and synthetic_acceptance
+    (benchmark only — per-position acceptance probabilities; outputs are then NOT the target's and every result
+    is labelled ``synthetic``). ``tokenizer``: for stop strings and text (None: token ids only).
     """
 
-    def __init__(self, group: Group, num_draft_tokens: int = 4, max_batch_size: int | None = None,
-                 max_prefill_tokens: int = 512, tokenizer=None, synthetic_acceptance: list[float] | None = None):
+    def __init__(self, group: Group, tokenizer=None):
         self.group = group
+        self.config = cfg = group.config
         limits = group.limits
         self.max_seq_len, self.max_draft_len = limits["max_seq_len"], limits["max_draft_len"]
-        self.max_batch_size = limits["max_batch_size"] if max_batch_size is None else max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
-        for name, v in (("max_batch_size", self.max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} = {v!r}, expected an integer ≥ 1")
-        if synthetic_acceptance is not None and not all(0 <= p <= 1 for p in synthetic_acceptance):
-            raise ConfigError(f"synthetic_acceptance = {synthetic_acceptance}, expected probabilities in [0, 1]")
+        self.max_batch_size = limits["max_batch_size"] if cfg.max_batch_size is None else cfg.max_batch_size
+        self.max_prefill_tokens = cfg.max_prefill_tokens
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size = {self.max_batch_size!r}, expected an integer ≥ 1")
+        num_draft_tokens = 4 if cfg.num_draft_tokens is None else cfg.num_draft_tokens
+        synthetic_acceptance = None if cfg.synthetic_acceptance is None else list(cfg.synthetic_acceptance)
         self.num_draft_tokens = num_draft_tokens
         self._check_k(num_draft_tokens)
         if num_draft_tokens and group.rank0.drafter is None:
@@ -226,18 +218,16 @@ class SpeculativeEngine:
         self.last_cycle: CycleStats | None = None
 
     @classmethod
-    def load(cls, engines_dir: Path, target_device_ids: list[int] | None = None, draft_device_id: int | None = None,
-             draft_tp: int | None = None, num_draft_tokens: int | None = None, kv_tokens: int | None = None,
-             max_batch_size: int | None = None, max_prefill_tokens: int = 512, tokenizer_dir: Path | None = None,
-             synthetic_acceptance: list[float] | None = None) -> "SpeculativeEngine":
-        """Start the target group, load the drafter, and return the engine (see the class docstring).
+    def load(cls, cfg: ServeConfig, tokenizer_dir: Path | None = None) -> "SpeculativeEngine":
+        """Start the target group, load the drafter, and return the engine for the deployment ``cfg``.
 
-        ``draft_tp`` / ``num_draft_tokens`` left None take the choice ``splitspec tune`` wrote to
+        ``cfg.draft_tp`` / ``cfg.num_draft_tokens`` left None take the choice ``splitspec tune`` wrote to
         ``engines_dir/tuning.json`` (placement and k per batch-size bucket: where the buckets' placements
         differ, both are loaded and each cycle drafts with its bucket's), else draft_tp 1 and k 4. With
         ``draft_tp`` given, k follows tuning.json only where every bucket was tuned for that placement.
+        ``tokenizer_dir``: folder of tokenizer files for stop strings and text (default ``engines_dir/target``).
         """
-        engines_dir = Path(engines_dir)
+        engines_dir, draft_tp, num_draft_tokens = cfg.engines_dir, cfg.draft_tp, cfg.num_draft_tokens
         tuning = read_tuning(engines_dir) if draft_tp is None or num_draft_tokens is None else None  # not read when unused
         tuned = {int(b): int(d) for b, d in tuning["draft_tp_by_batch"].items()} if tuning else {}
         # with both, the smallest bucket's placement drafts first
@@ -248,10 +238,9 @@ class SpeculativeEngine:
             from splitspec.runtime.tokenizer import ChatTokenizer
 
             tok = ChatTokenizer.from_dir(tdir)
-        group = Group(engines_dir, target_device_ids, placements, draft_device_id, kv_tokens)
+        group = Group(cfg, placements)
         try:
-            eng = cls(group, 4 if num_draft_tokens is None else num_draft_tokens, max_batch_size, max_prefill_tokens, tok,
-                      synthetic_acceptance)
+            eng = cls(group, tok)
             if num_draft_tokens is None and tuning and set(tuned.values()) <= set(placements):
                 eng.k_by_batch = {int(b): int(k) for b, k in tuning["k_by_batch"].items()}
             if len(placements) > 1:

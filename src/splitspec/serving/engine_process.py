@@ -59,13 +59,13 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Callable, Mapping
 
 from splitspec import errors
 from splitspec.engine.group import EngineError
 from splitspec.errors import SplitspecError
 from splitspec.runtime.scheduler import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.settings import ServeConfig
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
 HEALTH_CHECK_S = 0.2
@@ -168,7 +168,8 @@ class EngineProcess:
     (the engine stopped serving), and no cycle statistics (``cycle_stats`` None).
 
     Args:
-        engines_dir: the built engines; ``load_kwargs`` go to :meth:`SpeculativeEngine.load`.
+        cfg: the deployment, sent to the engine process for :meth:`SpeculativeEngine.load` (a frozen dataclass:
+            it pickles).
         cpu_threads: intra-op threads of a CPU engine's rank 0 (None: its share of the cores less one,
             which Triton's processes need).
         overlap_output: send a cycle's events while the next cycle runs on the GPU (None: when the target runs on
@@ -183,9 +184,9 @@ class EngineProcess:
         EngineError if the process exits or is not ready within ``start_timeout_s``.
     """
 
-    def __init__(self, engines_dir: Path, on_cycle: Callable, on_failed: Callable[[str], None],
+    def __init__(self, cfg: ServeConfig, on_cycle: Callable, on_failed: Callable[[str], None],
                  start_timeout_s: float = 900.0, cpu_threads: int | None = None, env: Mapping[str, str] | None = None,
-                 overlap_output: bool | None = None, **load_kwargs):
+                 overlap_output: bool | None = None):
         self.on_cycle, self.on_failed = on_cycle, on_failed
         self.closed = False
         self.error: str | None = None  # why the engine stopped serving
@@ -201,7 +202,7 @@ class EngineProcess:
         self.pid = self.proc.pid
         self.conn = Connection(ours.detach())
         try:
-            self._send(("load", str(engines_dir), dict(load_kwargs, cpu_threads=cpu_threads, overlap_output=overlap_output)))
+            self._send(("load", cfg, {"cpu_threads": cpu_threads, "overlap_output": overlap_output}))
             self.info: dict = self._wait_ready(start_timeout_s)
         except BaseException:
             self._kill()
@@ -351,17 +352,17 @@ def serve(conn: Connection) -> int:
     to stop or the host goes away."""
     import torch
 
-    _, engines_dir, kwargs = conn.recv()
-    cpu_threads = kwargs.pop("cpu_threads", None)
-    overlap = kwargs.pop("overlap_output", None)
+    _, cfg, kwargs = conn.recv()
+    cpu_threads = kwargs.get("cpu_threads")
+    overlap = kwargs.get("overlap_output")
     if overlap is None:
-        overlap = bool(kwargs.get("target_device_ids"))
+        overlap = cfg.on_gpu
     try:
-        eng = SpeculativeEngine.load(Path(engines_dir), **kwargs)
+        eng = SpeculativeEngine.load(cfg)
     except BaseException as e:  # noqa: BLE001 - reported to the host, which fails the model load
         conn.send(("load_failed", type(e).__name__, str(e)))
         return 1
-    if not kwargs.get("target_device_ids"):  # rank 0 on the CPU: leave a core to the serving processes
+    if not cfg.on_gpu:  # rank 0 on the CPU: leave a core to the serving processes
         world = eng.group.world
         torch.set_num_threads(cpu_threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world - 1)))
     send_lock = threading.Lock()

@@ -17,6 +17,7 @@ from string import Template
 
 from splitspec.errors import ConfigError
 from splitspec.files import write_atomic
+from splitspec.settings import ServeConfig
 
 #: Models of the repository, in pipeline order (the ensemble last).
 MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
@@ -40,22 +41,6 @@ def template_repo() -> Path:
     if not (root / "ensemble" / TEMPLATE_NAME).is_file():
         raise ConfigError(f"{root}: model repository templates not found (use an editable install of splitspec)")
     return root
-
-
-def _parse_ids(value: str, what: str) -> list[int]:
-    """Parse ``"0,1,2"`` (or ``""``) into GPU ids; ConfigError naming ``what`` otherwise."""
-    value = (value or "").strip()
-    if not value:
-        return []
-    ids = []
-    for part in value.split(","):
-        part = part.strip()
-        if not part.isdigit():
-            raise ConfigError(f"{what} = {value!r}: expected comma-separated non-negative GPU ids, e.g. '0,1'")
-        ids.append(int(part))
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"{what} = {value!r}: a GPU id appears twice")
-    return ids
 
 
 def _engine_json(path: Path) -> dict:
@@ -82,46 +67,29 @@ def _find_int(d: dict, *keys: str) -> int | None:
     return None
 
 
-def _optional_positive(value: int | None, what: str) -> str:
-    """'' for None, else the integer as text; ConfigError naming ``what`` unless it is an int ≥ 1."""
-    if value is None:
-        return ""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} = {value!r}: expected an integer >= 1 (or nothing for the engine's default)")
-    return str(value)
-
-
-def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | None = None, target_device_ids: str = "",
-                draft_device_id: str = "", draft_tp: int | None = None, max_batch_size: int | None = None,
-                kv_tokens: int | None = None, synthetic_acceptance: list[float] | None = None) -> Path:
-    """Write the model repository for the engines in ``engines_dir`` to ``out_dir``.
+def render_repo(cfg: ServeConfig, out_dir: Path) -> Path:
+    """Write the model repository for the deployment ``cfg`` to ``out_dir``: ``cfg``'s
+    :data:`~splitspec.settings.PARAMETER_FIELDS` become ``spec_decode``'s parameters.
 
     Args:
-        engines_dir: folder holding ``target/`` and ``drafter/`` (each with ``engine.json``;
-            the tokenizer files in ``target/``).
+        cfg: the deployment. ``engines_dir`` holds ``target/`` and ``drafter/`` (each with ``engine.json``;
+            the tokenizer files in ``target/``). ``num_draft_tokens`` None: the k per batch bucket of
+            ``engines_dir/tuning.json`` (``splitspec tune``) when every bucket was tuned for the placement
+            served (the parameter is then left empty and the engine reads the file), else 4. ``draft_tp`` None:
+            tuning.json's placement per batch bucket (left empty when the buckets' placements differ: the
+            engine loads both), else 1. ``target_device_ids`` ``()``: CPU; ``draft_device_id`` None: target rank
+            0's device. ``max_batch_size`` / ``kv_tokens`` None: the engine's. ``synthetic_acceptance``:
+            BENCHMARK ONLY — served outputs are then NOT the target's (the engine labels them synthetic and the
+            model logs a warning).
         out_dir: repository folder; the project's ``triton_repo/`` renders in place, any other
             folder also receives a copy of the models' code.
-        num_draft_tokens: default draft tokens per cycle (k ≥ 0; 0: no speculation); None: the k per batch bucket of
-            ``engines_dir/tuning.json`` (``splitspec tune``) when every bucket was tuned for the placement
-            served (the parameter is then left empty and the engine reads the file), else 4.
-        target_device_ids: GPU ids of the target ranks, comma-separated; empty: CPU.
-        draft_device_id: GPU id of the TP1 drafter; empty: target rank 0's device.
-        draft_tp: drafter tensor-parallel size (1, or the target's TP size); None: tuning.json's placement per
-            batch bucket (left empty when the buckets' placements differ: the engine loads both), else 1.
-        max_batch_size: sequences ``spec_decode`` decodes together (continuous batching);
-            None: the engine's ``max_batch_size``.
-        kv_tokens: KV-cache budget in tokens shared by all sequences; None: the engine's
-            ``max_batch_size`` × ``max_seq_len``.
-        synthetic_acceptance: BENCHMARK ONLY — per-position probabilities with which a draft token
-            is accepted regardless of its value; served outputs are then NOT the target's (the
-            engine labels them synthetic and the model logs a warning). None: real verification.
     Returns:
         ``out_dir`` resolved.
     Raises:
         ConfigError: an engine or tokenizer file is missing, ``out_dir`` cannot be written, or a
-            parameter is invalid (the message names it).
+            setting does not fit the engines (the message names it).
     """
-    engines_dir = Path(engines_dir).resolve()
+    engines_dir = cfg.engines_dir.resolve()
     out_dir = Path(out_dir).resolve()
     target = _engine_json(engines_dir / "target" / "engine.json")
     drafter = _engine_json(engines_dir / "drafter" / "engine.json")
@@ -132,19 +100,12 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
     from splitspec.runtime.scheduler import read_tuning
 
     tuning = read_tuning(engines_dir)  # refused here, naming the file, if it does not fit these engines
-    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
-                                         or num_draft_tokens < 0):
-        raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens!r}: expected an integer >= 0 (0: no speculation)")
+    num_draft_tokens, draft_tp = cfg.num_draft_tokens, cfg.draft_tp
     max_draft = _find_int(drafter, "max_draft_len") or _find_int(target, "max_draft_len")
     if max_draft is not None and num_draft_tokens is not None and num_draft_tokens > max_draft:
         raise ConfigError(f"num_draft_tokens (-k) = {num_draft_tokens} exceeds the engines' max_draft_len "
                           f"{max_draft} ({engines_dir}); rebuild with a larger --max-draft-len")
-    tgt_ids = _parse_ids(target_device_ids, "target_device_ids")
-    drf_ids = _parse_ids(draft_device_id, "draft_device_id")
-    if len(drf_ids) > 1:
-        raise ConfigError(f"draft_device_id = {draft_device_id!r}: expected one GPU id (or empty)")
-    if drf_ids and not tgt_ids:
-        raise ConfigError(f"draft_device_id = {draft_device_id!r} needs target_device_ids too (empty means CPU)")
+    tgt_ids = cfg.target_device_ids
     draft_tp_given = draft_tp is not None
     tuned = set(tuning["draft_tp_by_batch"].values()) if tuning else {1}
     per_bucket = draft_tp is None and len(tuned) > 1  # "": the engine follows tuning.json bucket by bucket
@@ -152,45 +113,26 @@ def render_repo(engines_dir: Path, out_dir: Path, *, num_draft_tokens: int | Non
         (draft_tp,) = tuned
     # k: as given; else "" (the engine takes tuning.json's k per batch bucket) where tuning.json was made
     # for the placement(s) served; else 4
-    k_value = str(num_draft_tokens) if num_draft_tokens is not None else (
-        "" if tuning and (per_bucket or tuned == {draft_tp}) else "4")
-    if not per_bucket and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1):
-        raise ConfigError(f"draft_tp = {draft_tp!r}: expected an integer >= 1")
+    if num_draft_tokens is None and not (tuning and (per_bucket or tuned == {draft_tp})):
+        num_draft_tokens = 4
     tp = _find_int(target, "tp_size")
     if tp is not None:
         if tgt_ids and len(tgt_ids) != tp:
-            raise ConfigError(f"target_device_ids = {target_device_ids!r} lists {len(tgt_ids)} GPUs, but the "
+            raise ConfigError(f"target_device_ids = {','.join(map(str, tgt_ids))!r} lists {len(tgt_ids)} GPUs, but the "
                               f"target engine has tp_size {tp} ({engines_dir / 'target' / 'engine.json'})")
         if not per_bucket and draft_tp not in (1, tp):
             raise ConfigError(f"draft_tp = {draft_tp}: expected 1 (own device) or the target's tp_size {tp}")
-    if not per_bucket and draft_tp > 1 and drf_ids:
+    if not per_bucket and draft_tp > 1 and cfg.draft_device_id is not None:
         where = "" if draft_tp_given else f" (draft_tp {draft_tp} from {engines_dir / 'tuning.json'})"
         raise ConfigError(f"draft_device_id applies to a TP1 drafter only; with draft_tp > 1{where} the drafter "
                           "runs on target_device_ids")
+    if cfg.synthetic_acceptance is not None and not cfg.synthetic_acceptance:
+        raise ConfigError("synthetic_acceptance = []: expected a non-empty list of probabilities in [0, 1]")
 
-    synthetic_value = ""
-    if synthetic_acceptance is not None:
-        probs = list(synthetic_acceptance)
-        if not probs or any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0
-                            for p in probs):
-            raise ConfigError(f"synthetic_acceptance = {synthetic_acceptance!r}: expected a non-empty list of "
-                              "probabilities in [0, 1]")
-        synthetic_value = ",".join(repr(float(p)) for p in probs)
-    batch_value = _optional_positive(max_batch_size, "max_batch_size")
-    kv_value = _optional_positive(kv_tokens, "kv_tokens")
-
-    values = {
-        "engines_dir": str(engines_dir),
-        "tokenizer_dir": str(engines_dir / "target"),
-        "num_draft_tokens": k_value,
-        "target_device_ids": ",".join(map(str, tgt_ids)),
-        "draft_device_id": ",".join(map(str, drf_ids)),
-        "draft_tp": "" if per_bucket else str(draft_tp),
-        "max_tokens_limit": str(MAX_TOKENS_LIMIT),
-        "max_batch_size": batch_value,
-        "kv_tokens": kv_value,
-        "synthetic_acceptance": synthetic_value,
-    }
+    served = cfg.replace(engines_dir=engines_dir, num_draft_tokens=num_draft_tokens,
+                         draft_tp=None if per_bucket else draft_tp)
+    values = served.to_parameters() | {"tokenizer_dir": str(engines_dir / "target"),
+                                       "max_tokens_limit": str(MAX_TOKENS_LIMIT)}
     for k, v in values.items():
         if '"' in v or "\\" in v or "\n" in v:
             raise ConfigError(f"{k} = {v!r}: quotes, backslashes and newlines cannot go into config.pbtxt")

@@ -49,7 +49,6 @@ import random
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -61,6 +60,7 @@ from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S
 from splitspec.runtime.scheduler import Request, RequestOutput
 from splitspec.runtime.sampling import SamplingParams
+from splitspec.settings import ServeConfig
 
 #: Inputs of the ensemble (named when a request carries an unknown parameter).
 ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -110,17 +110,6 @@ def _strings(request, name):
     return out
 
 
-def _parse_ids(value, what):
-    value = (value or "").strip()
-    if not value:
-        return []
-    try:
-        return [int(v) for v in value.split(",")]
-    except ValueError:
-        raise ConfigError(f"spec_decode/config.pbtxt: parameter '{what}' = {value!r}, "
-                          "expected GPU ids like '0,1'") from None
-
-
 def _tensor(name, values, dtype):
     return pb_utils.Tensor(name, np.asarray(values, dtype=dtype))
 
@@ -159,22 +148,14 @@ class TritonPythonModel:
                 raise ConfigError(f"spec_decode/config.pbtxt: parameter '{name}' = {raw!r}, "
                                   f"expected {'an integer' if cast is int else 'a number'}") from None
 
-        engines_dir = params.get("engines_dir", "")
-        if not engines_dir:
-            raise ConfigError("spec_decode/config.pbtxt: parameter 'engines_dir' is empty")
-        self.engines_dir = Path(engines_dir)
-        default_k = param("num_draft_tokens", None)  # None: tuning.json's k per batch bucket, else 4
+        # the deployment (num_draft_tokens / draft_tp empty: tuning.json's per batch bucket, else 4 / 1)
+        serve_cfg = ServeConfig.from_parameters(params)
+        self.engines_dir = serve_cfg.engines_dir
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
-        target_ids = _parse_ids(params.get("target_device_ids"), "target_device_ids")
-        draft_ids = _parse_ids(params.get("draft_device_id"), "draft_device_id")
-        draft_tp = param("draft_tp", None)  # None: tuning.json's, else 1
-        synthetic = params.get("synthetic_acceptance", "").strip()
-        try:
-            synthetic = [float(v) for v in synthetic.split(",")] if synthetic else None
-        except ValueError:
-            raise ConfigError(f"spec_decode/config.pbtxt: parameter 'synthetic_acceptance' = {synthetic!r}, "
-                              "expected comma-separated probabilities") from None
+        target_ids = list(serve_cfg.target_device_ids)
+        draft_ids = [] if serve_cfg.draft_device_id is None else [serve_cfg.draft_device_id]
+        synthetic = None if serve_cfg.synthetic_acceptance is None else list(serve_cfg.synthetic_acceptance)
         self.engine = self.exporter = None
         self.lock = threading.Lock()
         self.streams = {}  # stream_id -> _Stream, while open
@@ -183,16 +164,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self._rng = random.SystemRandom()
         self.collector = MetricsCollector()
-        self.engine = EngineProcess(
-            self.engines_dir, self._on_cycle, self._engine_failed,
-            target_device_ids=target_ids or None,
-            draft_device_id=draft_ids[0] if draft_ids else None,
-            draft_tp=draft_tp,
-            num_draft_tokens=default_k,
-            max_batch_size=param("max_batch_size", None),
-            kv_tokens=param("kv_tokens", None),
-            synthetic_acceptance=synthetic,
-        )
+        self.engine = EngineProcess(serve_cfg, self._on_cycle, self._engine_failed)
         try:
             self._start(target_ids, draft_ids, synthetic)
         except BaseException:
