@@ -1,22 +1,20 @@
-"""splitspec.triton_trace: a request's latency split by step of the ensemble, from a trace file built by hand with
+"""bench/lab/triton_trace.py: a request's latency split by step of the ensemble, from a trace file built by hand with
 known times (checked part by part), clear errors on files that are not Triton's traces, and the split from a real
 tritonserver's traces (bench/triton_share.py --trace on the demo engines)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from splitspec.errors import SplitspecError
-from splitspec.triton_trace import PATH_PARTS, TIMESTAMPS, load_traces, request_path
+
+import triton_share
+from lab.triton_trace import PATH_PARTS, TIMESTAMPS, load_traces, request_path
 
 MS = 1_000_000  # ns
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "triton_share.py"
 
 
 def _entries(tid: int, model: str, rid: str, parent: int | None, start_ms: float, end_ms: float) -> list[dict]:
@@ -119,15 +117,11 @@ def test_request_path_names_what_is_missing(tmp_path):
 @pytest.mark.server
 @pytest.mark.slow
 def test_triton_share_trace_on_a_real_server(built_engines, tmp_path):
-    spec = importlib.util.spec_from_file_location("triton_share_trace", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["triton_share_trace"] = mod
-    spec.loader.exec_module(mod)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "def fibonacci(n):"}\n'
                        '{"id": "b", "prompt": "How do I read a file line by line?", "chat": true}\n')
     out = tmp_path / "out"
-    assert mod.main(["--engines", str(built_engines), "--max-tokens", "8", "--rounds", "1", "--loads", "2", "--trace",
+    assert triton_share.main(["--engines", str(built_engines), "--max-tokens", "8", "--rounds", "1", "--loads", "2", "--trace",
                      "-k", "2", "--prompts", str(prompts), "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
     # each load's server traced into a folder of its own (trace ids restart with each server)

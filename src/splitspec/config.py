@@ -1,7 +1,7 @@
 """Model and parallel-mapping configurations, read from Hugging Face ``config.json`` files.
 
 Field names follow the DeepSeek-V3 / Kimi-K2 config (``DeepseekV3Config``) and the
-EAGLE-3 drafter config (``LlamaForCausalLMEagle3``); see DESIGN.md, "Formats".
+EAGLE-3 drafter config (``LlamaForCausalLMEagle3``); see docs/formats.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Quantised weight formats of published Kimi-K2-class checkpoints: parsing, dequantisation, and an
 FP8 block-scaled linear for engines built with ``--dtype fp8``.
 
-Formats (DESIGN.md, "Quantized forms"):
+Formats (docs/formats.md, "Target checkpoints"):
 
 - **FP8, block-scaled** (Kimi-K2-Instruct, DeepSeek-V3): ``quantization_config = {"quant_method": "fp8",
   "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``. A quantised linear

@@ -19,7 +19,7 @@ from splitspec.files import atomic_dir, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 # Conditional acceptance by draft position for synthetic runs, chosen so that the expected acceptance length
-# at k = 3 is 3.28 — inside the published Kimi-K2 EAGLE-3 drafter's 3.2–3.5 at 3 steps (DESIGN.md).
+# at k = 3 is 3.28 — inside the published Kimi-K2 EAGLE-3 drafter's 3.2–3.5 at 3 steps (docs/lab/README.md, "Conventions").
 KIMI_DRAFTER_PROFILE = [0.90, 0.85, 0.80, 0.75, 0.70, 0.65, 0.60, 0.55]
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from splitspec import quant
 from splitspec.config import MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
-from splitspec.convert.pair import VISION_PREFIXES, tokenizer_vocab_size
+from splitspec.convert.pair import tokenizer_vocab_size
+from splitspec.convert.target import VISION_PREFIXES
 from splitspec.errors import CheckpointError
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.files import read_json

@@ -30,7 +30,7 @@ class RequestRecord:
         engine_ttft_ms, engine_e2e_ms, queue_ms, finish_reason: from ``return_stats``.
         output_sha: SHA-1 of the output token ids (greedy outputs are compared across k).
         request_id: the id it was sent with; sent_ns: when (``time.perf_counter_ns()``: ``CLOCK_MONOTONIC`` on
-            Linux, the clock of Triton's trace timestamps, :mod:`splitspec.triton_trace`); "" and 0 when not known.
+            Linux, the clock of Triton's trace timestamps, bench/lab/triton_trace.py); "" and 0 when not known.
     """
 
     draft_tp: int

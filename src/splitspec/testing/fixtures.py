@@ -1,7 +1,7 @@
 """Tiny checkpoints in every published form, all from ONE set of float weights, for format tests.
 
 :func:`make_fixtures` draws one float target (bf16-representable float32 values) and one float
-EAGLE-3 drafter, then writes them in each form a user may bring (DESIGN.md, "Formats", "Quantized forms"):
+EAGLE-3 drafter, then writes them in each form a user may bring (docs/formats.md, "Target checkpoints", "EAGLE-3 drafters"):
 
 ==================  ====================================================================================
 ``float/``          the float original: ``kimi_k2`` config, float32 tensors
