@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
-                             summary_markdown)
+from splitspec.measure.placement_bench import PlacementRun, aggregate, measure_placement, request_blocks
+from splitspec.measure.placement_report import summary_markdown
+from splitspec.measure.stream_client import RequestRecord
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
                             parse_genai_perf, parse_levels, perf_command, read_perf_csv, rendered_text, repo_setting,
@@ -92,7 +93,7 @@ def test_command_lines(tmp_path):
     assert gp[gp.index("--extra-inputs") + 1] == "num_draft_tokens:0"
     with pytest.raises(ConfigError, match="concurrency"):
         parse_levels("1,x")
-    assert parse_levels("8,1,2,2") == (1, 2, 8) and ordered_levels("8,1,8") == [8, 1]
+    assert parse_levels("8,1,2,2") == (1, 2, 8)
 
 
 def test_parse_genai_perf(tmp_path):
@@ -142,8 +143,8 @@ def test_aggregate_ratios_acceptance_and_summary():
 
 def test_blocks_cycle_prompts():
     ps = [Prompt(str(i), f"p{i}") for i in range(3)]
-    assert [[p.id for p in b] for b in _blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
-    assert [[p.id for p in b] for b in _blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
+    assert [[p.id for p in b] for b in request_blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
+    assert [[p.id for p in b] for b in request_blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
 
 
 # ---------------------------------------------------------------------------------------------

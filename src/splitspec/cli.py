@@ -132,9 +132,16 @@ def _cmd_perf(a: argparse.Namespace) -> None:
 
 
 def _cmd_bench(a: argparse.Namespace) -> None:
-    from splitspec.measure.placement_bench import main as bench_main
+    from splitspec.measure.perf_suite import parse_levels
+    from splitspec.measure.placement_bench import run_bench
 
-    bench_main(a)
+    parse_levels(a.concurrency)  # checked here; the order given is kept: the first level is the headline
+    run_bench(Path(a.engines), out_dir=Path(a.out) if a.out else None, ks=list(parse_levels(a.k, "k")),
+              concurrencies=[int(c) for c in a.concurrency.split(",")],
+              draft_tps=list(parse_levels(a.draft_tp, "draft_tp")) if a.draft_tp else None,
+              max_tokens=a.max_tokens, prompts_path=Path(a.prompts) if a.prompts else None,
+              requests_per_level=a.requests, target_device_ids=a.target_device_ids,
+              draft_device_id=a.draft_device_id, synthetic_acceptance=a.synthetic_acceptance)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,6 +58,7 @@ from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
+from splitspec.measure.machine import machine_info, package_version
 from splitspec.serving.tritonserver import TritonServer, find_triton, server_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
@@ -714,9 +715,7 @@ def run_perf_suite(*, engines: Path | None = None, repo: Path | None = None, out
             "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens") or "tuning.json's per batch bucket",
             "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp") or "tuning.json's per batch bucket", "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
-            "genai_perf": _version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
-    from splitspec.measure.placement_bench import machine_info  # noqa: PLC0415
-
+            "genai_perf": package_version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
     meta.update(machine_info())
     write_atomic(out / "summary.json", json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
     write_atomic(out / "summary.md", perf_markdown(meta, results))
@@ -802,13 +801,6 @@ def perf_markdown(meta: dict, results: Sequence[LevelResult]) -> str:
                          f"{_fmt(m.get('itl_ms_p50'))} / {_fmt(m.get('itl_ms_p99'))} | {_fmt(m.get('latency_ms_p50'), 0)} |")
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 # --------------------------------------------------------------------------------------------
