@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--out {a.out}: results.json there is a folder")
         _writable_folder(p, a.out, "--out")
     import splitspec
-    from splitspec.measure.placement_bench import machine_info
+    from splitspec.measure.machine import machine_info
     from splitspec.errors import SplitspecError
     from splitspec.files import write_json
 

@@ -68,7 +68,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.files import read_json, write_atomic  # noqa: E402
-from splitspec.measure.placement_bench import engine_info, machine_info  # noqa: E402
+from splitspec.measure.machine import engine_info, machine_info  # noqa: E402
 from splitspec.measure.prompts import Prompt, read_prompts  # noqa: E402
 from splitspec.serving.tritonserver import server_env  # noqa: E402
 

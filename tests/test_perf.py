@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from splitspec.cli_parser import levels
-from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement,
-                             summary_markdown)
+from splitspec.measure.placement_bench import PlacementRun, aggregate, measure_placement, request_blocks
+from splitspec.measure.placement_report import summary_markdown
+from splitspec.measure.stream_client import RequestRecord
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
@@ -149,8 +150,8 @@ def test_aggregate_ratios_acceptance_and_summary():
 
 def test_blocks_cycle_prompts():
     ps = [Prompt(str(i), f"p{i}") for i in range(3)]
-    assert [[p.id for p in b] for b in _blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
-    assert [[p.id for p in b] for b in _blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
+    assert [[p.id for p in b] for b in request_blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
+    assert [[p.id for p in b] for b in request_blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
 
 
 # ---------------------------------------------------------------------------------------------

@@ -295,11 +295,11 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
 def test_row_is_the_mean_of_each_loads_median():
     from types import SimpleNamespace
 
-    from splitspec.measure.tune import _row
+    from splitspec.measure.tune import row
 
     st = lambda e: SimpleNamespace(emitted=[e], accepted_by_position=[e - 1], draft_ms=1.0, verify_ms=2.0)  # noqa: E731
     by_load = [[(10.0, st(2)), (30.0, st(2)), (11.0, st(1))], [(20.0, st(2)), (21.0, st(1))]]
-    r = _row(1, 1, by_load)
+    r = row(1, 1, by_load)
     assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
     assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
     assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from splitspec.measure.closed_loop import run_closed_loop
-from splitspec.measure.placement_bench import StreamWorker, model_stats, stats_delta
 from splitspec.measure.prompts import Prompt, encode_prompt
+from splitspec.measure.server_stats import model_stats, stats_delta
+from splitspec.measure.stream_client import StreamWorker
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.engine_process import EngineProcess
@@ -54,7 +55,7 @@ class Phase:
 
 
 def _sha(ids: list[int]) -> str:
-    """Short SHA-1 of a token id list, as :class:`splitspec.measure.placement_bench.RequestRecord` computes ``output_sha``."""
+    """Short SHA-1 of a token id list, as :class:`splitspec.measure.stream_client.RequestRecord` computes ``output_sha``."""
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 

@@ -19,12 +19,12 @@ import re
 import shutil
 import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
+from splitspec.measure.machine import machine_info, package_version
 from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
                                           run_bounded, tool_env)
@@ -151,9 +151,7 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
             "num_draft_tokens_default": repo_setting(repo_dir, "spec_decode", "num_draft_tokens") or "tuning.json's per batch bucket",
             "draft_tp": repo_setting(repo_dir, "spec_decode", "draft_tp") or "tuning.json's per batch bucket", "max_batch_size": batch,
             "concurrencies": list(levels), "llm_concurrencies": list(llm_levels) if genai else [],
-            "genai_perf": _version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
-    from splitspec.measure.placement_bench import machine_info  # noqa: PLC0415
-
+            "genai_perf": package_version("genai-perf") if genai else None, "wall_s": round(time.monotonic() - t_start, 1)}
     meta.update(machine_info())
     write_atomic(out / "summary.json", json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
     write_atomic(out / "summary.md", perf_markdown(meta, results))
@@ -239,13 +237,6 @@ def perf_markdown(meta: dict, results: Sequence[LevelResult]) -> str:
                          f"{_fmt(m.get('itl_ms_p50'))} / {_fmt(m.get('itl_ms_p99'))} | {_fmt(m.get('latency_ms_p50'), 0)} |")
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _parse_concurrency(value: str) -> tuple[str, int, int]:

@@ -124,7 +124,7 @@ def _messages(d: dict, where: str) -> list[dict] | None:
 
 
 def _tokenizer(tokenizer_dir: Path | None, why: str):
-    from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: PLC0415  (tokenizers loads only when needed)
+    from splitspec.runtime.tokenizer import ChatTokenizer  # loaded only for a prompt that needs it
 
     if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ConfigError(f"{why}: a multi-message prompt needs the tokenizer (tokenizer_dir = {tokenizer_dir})")
