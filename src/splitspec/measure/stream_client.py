@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from splitspec.errors import SplitspecError
-from splitspec.measure.perf_suite import Prompt
+from splitspec.measure.prompts import Prompt
 
 
 @dataclass
