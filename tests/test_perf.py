@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from splitspec.cli_parser import levels
-from splitspec.measure.placement_bench import PlacementRun, aggregate, measure_placement, request_blocks
+from splitspec.measure.placement_bench import aggregate, measure_placement, request_blocks
 from splitspec.measure.placement_report import summary_markdown
-from splitspec.measure.stream_client import RequestRecord
+from splitspec.measure.stream_client import PlacementRun, RequestRecord
 from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command

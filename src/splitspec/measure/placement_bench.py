@@ -44,7 +44,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -54,7 +54,7 @@ from splitspec.measure.machine import engine_info, machine_info
 from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
 from splitspec.measure.prompts import Prompt, read_prompts
 from splitspec.measure.server_stats import scrape_metrics, triton_version
-from splitspec.measure.stream_client import RequestRecord, StreamWorker
+from splitspec.measure.stream_client import PlacementRun, StreamWorker
 from splitspec.serving.tritonserver import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
@@ -65,20 +65,6 @@ DEFAULT_MAX_TOKENS = 48
 # --------------------------------------------------------------------------------------------
 # Measuring one placement
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PlacementRun:
-    """What one server (one draft placement) produced."""
-
-    draft_tp: int
-    ks: list[int]
-    records: list[RequestRecord] = field(default_factory=list)
-    #: (k, concurrency) → summed wall seconds of its blocks.
-    wall_s: dict = field(default_factory=dict)
-    metrics_delta: dict = field(default_factory=dict)
-    startup_s: float | None = None
-    tritonserver: str | None = None
 
 
 def request_blocks(prompts: Sequence[Prompt], n_requests: int, concurrency: int) -> list[list[Prompt]]:

@@ -6,10 +6,9 @@ the machine and engines it ran on) and the plots ``tokens_per_s.png``, ``accepta
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from splitspec.measure.placement_bench import PlacementRun
+from splitspec.measure.stream_client import PlacementRun
 
 #: Label of each placement.
 NO_SPEC = "no speculation"

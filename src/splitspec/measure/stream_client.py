@@ -10,7 +10,7 @@ import json
 import os
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitspec.errors import SplitspecError
 from splitspec.measure.prompts import Prompt
@@ -149,3 +149,17 @@ class StreamWorker:
             engine_ttft_ms=final.get("ttft_ms"), engine_e2e_ms=final.get("e2e_ms"), queue_ms=final.get("queue_ms"),
             finish_reason=final.get("finish_reason"),
             output_sha=hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16], request_id=rid, sent_ns=sent_ns)
+
+
+@dataclass
+class PlacementRun:
+    """What one server (one draft placement) produced."""
+
+    draft_tp: int
+    ks: list[int]
+    records: list[RequestRecord] = field(default_factory=list)
+    #: (k, concurrency) → summed wall seconds of its blocks.
+    wall_s: dict = field(default_factory=dict)
+    metrics_delta: dict = field(default_factory=dict)
+    startup_s: float | None = None
+    tritonserver: str | None = None
