@@ -38,30 +38,6 @@ import torch  # noqa: E402
 from splitspec.errors import SplitspecError  # noqa: E402
 
 
-def load_prompts(path: Path, tok) -> list[dict]:
-    """Read ``eval/prompts.jsonl``: ``{"id", "kind": "code", "prompt"}`` or ``{"id", "kind": "chat",
-    "messages"}`` per line; adds ``text`` (what is encoded) and ``ids``."""
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            p = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SplitspecError(f"{path}:{n}: not valid JSON ({e})") from None
-        if p.get("kind") == "code" and isinstance(p.get("prompt"), str):
-            p["text"] = p["prompt"]
-        elif p.get("kind") == "chat" and isinstance(p.get("messages"), list):
-            p["text"] = tok.apply_chat_template(p["messages"])
-        else:
-            raise SplitspecError(f"{path}:{n}: expected kind 'code' with a 'prompt' string or kind 'chat' with 'messages'")
-        p["ids"] = tok.encode(p["text"])
-        out.append(p)
-    if not out:
-        raise SplitspecError(f"{path}: no prompts")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=str(ROOT / "models" / "demo"), help="folder with target/ and drafter/ (Hugging Face)")
@@ -76,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitspec.build.engines import build_pair
     from splitspec.demo.acceptance import engine_heldout_loss, speculative_acceptance
     from splitspec.demo.report import plot_acceptance
+    from splitspec.measure.prompts import encode_prompt, prompt_text, read_prompts
     from splitspec.runtime.tokenizer import ChatTokenizer
 
     models = Path(a.models)
@@ -87,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {models} has no training.json: this is not the trained pair (random weights give "
               "acceptance ≈ 1)", file=sys.stderr)
     tok = ChatTokenizer.from_dir(models / "target")
-    prompts = load_prompts(Path(a.prompts), tok)
+    prompts = read_prompts(Path(a.prompts), models / "target")
+    ids = [encode_prompt(tok, p) for p in prompts]
     dev_ids = [int(a.device.split(":")[1]) if ":" in a.device else 0] if a.device.startswith("cuda") else None
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -95,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engines = build_pair(models, Path(tmp), tp_size=1, quiet=True)
         print(f"built TP1 engines from {models} in {time.perf_counter() - t0:.1f} s")
-        acc = speculative_acceptance(engines, [p["ids"] for p in prompts], a.max_tokens, a.num_draft_tokens,
+        acc = speculative_acceptance(engines, ids, a.max_tokens, a.num_draft_tokens,
                                      tok.stop_token_ids, dev_ids, check_lossless=True)
-        code_windows = [tok.encode(p["prompt"]) for p in prompts if p["kind"] == "code"]
+        code_windows = [tok.encode(p.text) for p in prompts if not p.chat]
         losses, heldout_files = engine_heldout_loss(engines, tok, info["config"]["heldout_every"] if info else 40,
                                                     code_windows, a.heldout_windows, dev_ids)
 
@@ -107,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         "k": a.num_draft_tokens, "max_tokens": a.max_tokens, "device": a.device,
         "acceptance": acc,
         "heldout_loss": losses,
-        "prompts": [{"id": p["id"], "kind": p["kind"], "prompt_tokens": len(p["ids"]),
+        "prompts": [{"id": p.id, "kind": "chat" if p.chat else "code", "prompt_tokens": len(i),
                      "output": tok.decode(o, skip_special_tokens=False), **pp}
-                    for p, o, pp in zip(prompts, outputs, acc["per_prompt"])],
+                    for p, i, o, pp in zip(prompts, ids, outputs, acc["per_prompt"])],
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(a.out) / f"acceptance-{stamp}"
@@ -129,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
           f"of {heldout_files} held-out stdlib files; {losses['eval_code_prompts']:.3f} nats/token on the "
           f"{losses['eval_code_tokens']} tokens of the eval code prompts")
     for p in result["prompts"][:1] + [q for q in result["prompts"] if q["kind"] == "chat"][:1] + result["prompts"][1:2]:
-        text = next(q["text"] for q in prompts if q["id"] == p["id"])
+        text = next(prompt_text(tok, q) for q in prompts if q.id == p["id"])
         print(f"\n--- sample {p['id']} (acceptance length {p['acceptance_length']:.2f}) ---\n{text}\033[1m{p['output']}\033[0m")
     print(f"\nwrote {out_dir / 'results.json'}" + (f" and {out_dir / 'acceptance_by_position.png'}" if png else
                                                    " (no PNG: matplotlib missing)"))

@@ -36,7 +36,7 @@ def measure(a: argparse.Namespace) -> dict:
     import torch
 
     from splitspec.errors import CheckpointError, ConfigError
-    from splitspec.generate import encode_prompt, read_prompts
+    from splitspec.measure.prompts import encode_prompt, read_prompts
     from splitspec.runtime.scheduler import Request, SpeculativeEngine
     from splitspec.settings import ServeConfig, parse_ids
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--out {a.out}: results.json there is a folder")
         _writable_folder(p, a.out, "--out")
     import splitspec
-    from splitspec.measure.placement_bench import machine_info
+    from splitspec.measure.machine import machine_info
     from splitspec.errors import SplitspecError
     from splitspec.files import write_json
 

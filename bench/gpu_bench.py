@@ -241,7 +241,7 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
     from splitspec.engine.kv import BLOCK_SIZE
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
-    from splitspec.measure.tune import _steady_round
+    from splitspec.measure.tune import steady_round
     from splitspec.settings import ServeConfig
 
     if tp == 1:
@@ -258,7 +258,7 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
             for mode, turns in modes.items():
                 order = itertools.cycle(turns)
                 eng.draft_tp_for = lambda b, order=order: next(order)
-                times[mode] += [t for t, _ in _steady_round(eng, prompts, k, -(-cycles // 4), 3)]
+                times[mode] += [t for t, _ in steady_round(eng, prompts, k, -(-cycles // 4), 3)]
         dcache = group.rank0.slots[tp][1]
         steady = prompt_tokens + 3 * (k + 1)  # a sequence's drafter K/V after the warm-up (≥ 1 token per cycle)
         rows = batch * -(-steady // BLOCK_SIZE) * BLOCK_SIZE  # at least this much, whole blocks
@@ -300,7 +300,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ngpu = torch.cuda.device_count() if not a.dry_run else 2
     skip = set(a.skip.split(","))
-    from splitspec.measure.placement_bench import git_commit
+    from splitspec.measure.machine import git_commit
 
     RESULTS["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(ngpu)] if not a.dry_run else ["cpu"],
                           "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit(),

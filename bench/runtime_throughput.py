@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from splitspec.generate import encode_prompt, read_prompts, run_closed_loop
+from splitspec.measure.closed_loop import run_closed_loop
+from splitspec.measure.prompts import encode_prompt, read_prompts
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.settings import ServeConfig
 

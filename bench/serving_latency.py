@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from splitspec.measure.placement_bench import model_stats, stats_delta
+from splitspec.measure.server_stats import model_stats, stats_delta
 from splitspec.serving.client import stream_grpc
 from splitspec.serving.repo import MODELS, render_repo
 from splitspec.serving.tritonserver import TritonServer

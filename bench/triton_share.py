@@ -68,8 +68,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402
 from splitspec.files import read_json, write_atomic  # noqa: E402
-from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
-from splitspec.measure.placement_bench import engine_info, machine_info  # noqa: E402
+from splitspec.measure.machine import engine_info, machine_info  # noqa: E402
+from splitspec.measure.prompts import Prompt, read_prompts  # noqa: E402
 from splitspec.serving.triton_install import server_env  # noqa: E402
 
 from lab.pinning import core_plan, cpu_spent, pin  # noqa: E402
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="engines/demo", help="built engines (target/ + drafter/, tokenizer in target/)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per cycle (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (default 128)")
-    p.add_argument("--prompts", default=None, help="JSON-lines prompts (default eval/prompts.jsonl)")
+    p.add_argument("--prompts", default="eval/prompts.jsonl", help="JSON-lines prompts (default eval/prompts.jsonl)")
     p.add_argument("--device-ids", default="", help="GPU ids of the target's ranks, e.g. 0 or 0,1 (default: CPU)")
     p.add_argument("--draft-device-id", default="", help="GPU of a TP1 drafter (default: target rank 0's)")
     p.add_argument("--draft-tp", type=int, default=1, help="drafter TP size: 1 or the target's")
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (engines / part / "engine.json").is_file():
             p.error(f"--engines {engines}: no {part}/engine.json (expected the folder `splitspec build` wrote)")
     try:
-        prompts = load_prompts(Path(a.prompts) if a.prompts else None, engines / "target")
+        prompts = read_prompts(Path(a.prompts), engines / "target")
     except SplitspecError as e:
         p.error(f"--prompts: {e}")
     out = Path(a.out or f"bench/results/triton-share-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -4,23 +4,27 @@ benchmark client against a real server, so CI proves the tools still work with t
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import pytest
 
-from splitspec.measure.placement_bench import (PlacementRun, RequestRecord, _blocks, aggregate, measure_placement, ordered_levels,
-                             summary_markdown)
+from splitspec.cli_parser import levels
+from splitspec.measure.placement_bench import aggregate, measure_placement, request_blocks
+from splitspec.measure.placement_report import summary_markdown
+from splitspec.measure.stream_client import PlacementRun, RequestRecord
 from splitspec.errors import ConfigError
-from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
-                            parse_genai_perf, parse_levels, perf_command, read_perf_csv, rendered_text, repo_setting,
-                            run_genai_perf_level, run_perf_analyzer_level, write_genai_perf_input, write_input_data)
-from splitspec.serving.repo import render_repo
+from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
+from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
+from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write_genai_perf_input, write_input_data
+from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
 from splitspec.settings import ServeConfig
 
 MAX_TOKENS = 8
+EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "eval" / "prompts.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,7 +32,7 @@ MAX_TOKENS = 8
 # ---------------------------------------------------------------------------------------------
 
 
-def test_load_prompts_formats_and_errors(tmp_path, built_engines):
+def test_read_prompts_formats_and_errors(tmp_path, built_engines):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join([
         json.dumps({"id": "a", "prompt": "def f(x):"}),
@@ -37,9 +41,11 @@ def test_load_prompts_formats_and_errors(tmp_path, built_engines):
         json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi?"}]}),
         json.dumps({"id": "d", "messages": [{"role": "system", "content": "Be brief."},
                                             {"role": "user", "content": "Hi?"}]}),
+        "plain \\u2192 text",
     ]) + "\n")
-    ps = load_prompts(f, built_engines / "target")
-    assert [(p.id, p.chat) for p in ps] == [("a", False), ("b", True), ("c", True), ("d", False)]
+    ps = read_prompts(f, built_engines / "target")
+    assert [(p.id, p.chat) for p in ps] == [("a", False), ("b", True), ("c", True), ("d", False), ("line-6", False)]
+    assert ps[4].text == "plain → text"
     assert ps[2].text == "Hi?"
     assert "Be brief." in ps[3].text and ps[3].text.endswith("<|im_middle|>")
     # chat prompts rendered for genai-perf are exactly the text the server's chat template makes
@@ -49,23 +55,24 @@ def test_load_prompts_formats_and_errors(tmp_path, built_engines):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
-        load_prompts(bad)
+        read_prompts(bad)
     bad.write_text("{not json\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:1: not valid JSON"):
-        load_prompts(bad)
+        read_prompts(bad)
     with pytest.raises(ConfigError, match="not found"):
-        load_prompts(tmp_path / "missing.jsonl")
+        read_prompts(tmp_path / "missing.jsonl")
     multi = tmp_path / "multi.jsonl"
     multi.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}) + "\n")
     with pytest.raises(ConfigError, match="tokenizer"):
-        load_prompts(multi)
+        read_prompts(multi)
 
 
 def test_eval_prompts_load():
-    if not DEFAULT_PROMPTS.is_file():
-        pytest.skip(f"{DEFAULT_PROMPTS} is not there")
-    ps = load_prompts()
+    if not EVAL_PROMPTS.is_file():
+        pytest.skip(f"{EVAL_PROMPTS} is not there")
+    ps = read_prompts(EVAL_PROMPTS)
     assert len(ps) >= 5 and all(p.text for p in ps)
+    assert [p.id for p in read_prompts(None)][:2] == ["builtin-1", "builtin-2"]  # no file: the built-in prompts
 
 
 def test_input_files_for_both_protocols(tmp_path):
@@ -90,9 +97,10 @@ def test_command_lines(tmp_path):
                             extra_inputs={"num_draft_tokens": 0})
     assert gp[gp.index("--endpoint-type") + 1] == "generate" and "--streaming" in gp
     assert gp[gp.index("--extra-inputs") + 1] == "num_draft_tokens:0"
-    with pytest.raises(ConfigError, match="concurrency"):
-        parse_levels("1,x")
-    assert parse_levels("8,1,2,2") == (1, 2, 8) and ordered_levels("8,1,8") == [8, 1]
+    for bad in ("1,x", "0", "257", "", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
+            levels(bad)
+    assert levels("8,1,2,2") == [8, 1, 2] and levels(" 4 ") == [4]
 
 
 def test_parse_genai_perf(tmp_path):
@@ -142,8 +150,8 @@ def test_aggregate_ratios_acceptance_and_summary():
 
 def test_blocks_cycle_prompts():
     ps = [Prompt(str(i), f"p{i}") for i in range(3)]
-    assert [[p.id for p in b] for b in _blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
-    assert [[p.id for p in b] for b in _blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
+    assert [[p.id for p in b] for b in request_blocks(ps, 4, 2)] == [["0", "1"], ["2", "0"]]
+    assert [[p.id for p in b] for b in request_blocks(ps, 3, 2)] == [["0", "1"], ["2", "0"]]  # filled up to the concurrency
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +228,8 @@ def test_bench_client_measures_each_k(perf_server, short_prompts):
 
 
 def test_perf_markdown_tables():
-    from splitspec.measure.perf_suite import LevelResult, perf_markdown
+    from splitspec.measure.perf_levels import LevelResult
+    from splitspec.measure.perf_suite import perf_markdown
 
     rows = [LevelResult("perf_analyzer", "grpc", 4, 5.0, {"requests_per_s": 2.0, "responses_per_s": 20.0, "latency_avg_ms": 900.0,
                                                            "latency_p50_ms": 880.0, "latency_p90_ms": 950.0,
@@ -240,7 +249,7 @@ def test_perf_suite_writes_its_results(perf_server, tmp_path, capsys):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def fibonacci(n):"}) + "\n")
-    out = run_perf_suite(server=perf_server, out_dir=tmp_path / "res", concurrencies="1", protocols=["grpc"],
+    out = run_perf_suite(server=perf_server, out_dir=tmp_path / "res", concurrencies=[1], protocols=["grpc"],
                          max_tokens=MAX_TOKENS, prompts_path=prompts, seconds=1.0, llm_metrics=False, level_timeout_s=90)
     summary = json.loads((out / "summary.json").read_text())
     assert [(lv["tool"], lv["protocol"], lv["concurrency"], lv["error"]) for lv in summary["levels"]] == [

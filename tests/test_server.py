@@ -143,12 +143,10 @@ def test_backend_folder_links_the_matching_stub(tmp_path):
 
 
 def test_client_sends_zero_valued_options():
-    import argparse
+    from splitspec.serving.client import request_parameters
 
-    from splitspec.serving.client import cli_parameters
-
-    a = argparse.Namespace(chat=False, num_draft_tokens=0, temperature=0.0, top_p=None, top_k=0, seed=0, stop=None, stream=True)
-    assert cli_parameters(a) == {"return_stats": True, "num_draft_tokens": 0, "temperature": 0.0, "top_k": 0, "seed": 0,
+    a = dict(chat=False, num_draft_tokens=0, temperature=0.0, top_p=None, top_k=0, seed=0, stop=None, stream=True)
+    assert request_parameters(**a) == {"return_stats": True, "num_draft_tokens": 0, "temperature": 0.0, "top_k": 0, "seed": 0,
                                  "stream": True}
 
 

@@ -144,11 +144,11 @@ def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
 
 
 def test_prompt_file_escapes_keep_other_characters(tmp_path):
-    from splitspec.generate import read_prompts
+    from splitspec.measure.prompts import read_prompts
 
     f = tmp_path / "p.txt"
     f.write_text("café \\u2192 日本語\\nx\n", encoding="utf-8")
-    assert read_prompts(f) == ["café → 日本語\nx"]
+    assert [(p.id, p.text, p.chat) for p in read_prompts(f)] == [("line-1", "café → 日本語\nx", False)]
     f.write_text("ends in a backslash\\\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="p.txt:1"):
         read_prompts(f)
@@ -175,8 +175,7 @@ def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path
 
 def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path):
     from splitspec.serving.engine_process import EngineProcess
-    from splitspec.measure.perf_suite import repo_setting
-    from splitspec.serving.repo import render_repo
+    from splitspec.serving.repo import render_repo, repo_setting
 
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)
@@ -216,7 +215,7 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
                                        ('{"prompt": null}', "non-empty string"), ('{"messages": "hi"}', "list of chat"),
                                        ('{"messages": [{"foo": 1}]}', "role"), ('{"messages": []}', "role")])
 def test_prompt_file_entries_are_checked_naming_the_line(tmp_path, line, why):
-    from splitspec.generate import read_prompts
+    from splitspec.measure.prompts import read_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n' + line + "\n")
@@ -296,11 +295,11 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
 def test_row_is_the_mean_of_each_loads_median():
     from types import SimpleNamespace
 
-    from splitspec.measure.tune import _row
+    from splitspec.measure.tune import row
 
     st = lambda e: SimpleNamespace(emitted=[e], accepted_by_position=[e - 1], draft_ms=1.0, verify_ms=2.0)  # noqa: E731
     by_load = [[(10.0, st(2)), (30.0, st(2)), (11.0, st(1))], [(20.0, st(2)), (21.0, st(1))]]
-    r = _row(1, 1, by_load)
+    r = row(1, 1, by_load)
     assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
     assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
     assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)
@@ -312,7 +311,7 @@ def test_bad_device_is_refused_naming_it(built_engines, capsys, command, device)
     from splitspec.cli import main as cli_main
 
     assert cli_main([command, "--engines", str(built_engines), "--device", device]) == 2
-    assert f"--device {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err
+    assert f"argument --device: {device!r}: expected cpu or cuda:0,1,..." in capsys.readouterr().err
 
 
 def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypatch):

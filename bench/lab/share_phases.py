@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from splitspec.generate import encode_prompt, run_closed_loop
-from splitspec.measure.perf_suite import Prompt
-from splitspec.measure.placement_bench import StreamWorker, model_stats, stats_delta
+from splitspec.measure.closed_loop import run_closed_loop
+from splitspec.measure.prompts import Prompt, encode_prompt
+from splitspec.measure.server_stats import model_stats, stats_delta
+from splitspec.measure.stream_client import StreamWorker
 from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.engine_process import EngineProcess
@@ -54,7 +55,7 @@ class Phase:
 
 
 def _sha(ids: list[int]) -> str:
-    """Short SHA-1 of a token id list, as :class:`splitspec.measure.placement_bench.RequestRecord` computes ``output_sha``."""
+    """Short SHA-1 of a token id list, as :class:`splitspec.measure.stream_client.RequestRecord` computes ``output_sha``."""
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
@@ -93,7 +94,7 @@ class _Collector:
 def _requests(a: argparse.Namespace, tok, prompts: list[Prompt]) -> list[Request]:
     """The measured requests (greedy, ``a.max_tokens``, k = ``a.k``), one per prompt; each phase runs them all once
     to warm up."""
-    return [Request(encode_prompt(tok, p.text, p.chat), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
+    return [Request(encode_prompt(tok, p), a.max_tokens, num_draft_tokens=a.k) for p in prompts]
 
 
 def _serve_config(a: argparse.Namespace) -> ServeConfig:
@@ -106,7 +107,7 @@ def _serve_config(a: argparse.Namespace) -> ServeConfig:
 @contextlib.contextmanager
 def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str, int]) -> Iterator[dict[str, Phase]]:
     """Load the engine in this process and warm it up (every measured request once); yield two
-    phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.generate.run_closed_loop`),
+    phases on it: ``"engine_alone"`` steps its cycles on this thread (:func:`splitspec.measure.closed_loop.run_closed_loop`),
     ``"engine_loop"`` on the thread of an :class:`EngineLoop` started for the request (before its clock starts)
     and stopped after it. The engine is closed (its GPUs freed) on exit.
 

@@ -1,6 +1,6 @@
 """Cost model of a speculative-decoding cycle, fitted from measurements and carried to Kimi-K2 scale.
 
-Cycle time (DESIGN.md, "Speculation, in numbers"):
+Cycle time (docs/architecture.md):
 
     t_cycle(B, k, L) = f0 + f1·B + f_token·T + t_draft(placement, B, k) + L · (m0 + m_expert·E(T) + m_token·T)
     t_draft = [k > 0]·(e0 + e1·B) + (k − 1)⁺·(s0 + s1·B)      (one extend forward, then k − 1 steps)
@@ -119,7 +119,7 @@ class KimiScale:
     allreduce_GBps: float = 150.0       # effective bus bandwidth for the size term
     lm_head_vocab: int = 163840
     draft_step_tp1_ms: float = 0.70     # measured: Kimi-width EAGLE-3 step, TP1, in a graph, batch 1 (bench/gpu_bench.py)
-    draft_step_shard_ms: float = 0.17   # DESIGN.md: same, TP8 shard before communication, in a graph
+    draft_step_shard_ms: float = 0.17   # same, TP8 shard before communication, in a graph (docs/architecture.md)
     fixed_cycle_ms: float = 0.3         # scheduler + one host copy per cycle
 
     H: int = 7168

@@ -39,369 +39,27 @@ histogram sums) as a cross-check. Results go to ``bench/results/<timestamp>/``: 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import json
-import os
-import platform
-import queue
-import re
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import requests
-
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.errors import ConfigError
 from splitspec.files import write_atomic
-from splitspec.measure.perf_suite import PROJECT_ROOT, Prompt, load_prompts, parse_levels
-from splitspec.serving.repo import MODELS
+from splitspec.measure.machine import engine_info, machine_info
+from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
+from splitspec.measure.prompts import Prompt, read_prompts
+from splitspec.measure.server_stats import scrape_metrics, triton_version
+from splitspec.measure.stream_client import PlacementRun, StreamWorker
 from splitspec.serving.tritonserver import TritonServer
 
 DEFAULT_KS = (1, 2, 3, 4, 5)
 DEFAULT_CONCURRENCIES = (1, 8)
 DEFAULT_MAX_TOKENS = 48
-#: Label of each placement.
-NO_SPEC = "no speculation"
-
-
-def ordered_levels(value: str | Iterable[int], what: str = "concurrency") -> list[int]:
-    """Validated levels (see :func:`splitspec.measure.perf_suite.parse_levels`) in the order given, duplicates
-    dropped: the first is the headline level."""
-    parse_levels(value, what)
-    items = str(value).split(",") if isinstance(value, (str, int)) else list(value)
-    out: list[int] = []
-    for x in items:
-        if int(str(x).strip()) not in out:
-            out.append(int(str(x).strip()))
-    return out
-
-
-def placement_label(draft_tp: int, k: int, baseline_tp: int | None = None) -> str:
-    """``EAGLE-3, drafter TP<draft_tp>`` for k ≥ 1; for k = 0 ``no speculation``, or ``no speculation
-    (beside drafter TP<draft_tp>)`` when measured on another server than ``baseline_tp``'s."""
-    if k:
-        return f"EAGLE-3, drafter TP{draft_tp}"
-    return NO_SPEC if baseline_tp in (None, draft_tp) else f"{NO_SPEC} (beside drafter TP{draft_tp})"
-
-
-# --------------------------------------------------------------------------------------------
-# Machine, versions, engines
-# --------------------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _gpus() -> list[str]:
-    """GPU names from ``nvidia-smi`` (empty when there is none)."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()] if out.returncode == 0 else []
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def git_commit() -> dict:
-    """``{"commit": HEAD's hash or None, "dirty": whether tracked files differ from it}`` of this checkout."""
-
-    def git(*args: str) -> str:
-        try:
-            r = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def machine_info() -> dict:
-    """Machine and software versions: CPU model and count, memory (GiB), GPUs, load average,
-    Python, torch, numpy, tritonclient, nvidia-pytriton (tritonserver 2.51), genai-perf, git commit."""
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem = None
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    torch_v = None
-    if "torch" in sys.modules or _version("torch"):
-        try:
-            import torch  # noqa: PLC0415
-
-            torch_v = torch.__version__
-        except ImportError:
-            pass
-    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "memory_gib": round(mem, 1) if mem else None, "gpus": _gpus(), "load_average": load,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "versions": {"torch": torch_v, "numpy": _version("numpy"), "tritonclient": _version("tritonclient"),
-                         "nvidia-pytriton": _version("nvidia-pytriton"), "genai-perf": _version("genai-perf"),
-                         "splitspec": _version("splitspec")},
-            "git": git_commit()}
-
-
-def engine_info(engines: Path) -> dict:
-    """``engine.json`` of target and drafter (dtype, mapping, limits, model sizes) and a short
-    SHA-256 of each rank's weights (which pair was benchmarked)."""
-    out = {"engines_dir": str(Path(engines).resolve())}
-    for kind in ("target", "drafter"):
-        p = Path(engines) / kind / "engine.json"
-        try:
-            e = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"{p}: cannot read the engine description ({err}); build the engines first") from None
-        cfg = e.get("config", {})
-        keep = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
-                                    "vocab_size", "draft_vocab_size", "aux_layer_ids") if k in cfg}
-        hashes = {}
-        for w in sorted((Path(engines) / kind).glob("rank*.safetensors")):
-            h = hashlib.sha256()
-            with open(w, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            hashes[w.name] = h.hexdigest()[:16]
-        out[kind] = {"dtype": e.get("dtype"), "mapping": e.get("mapping"), "limits": e.get("limits"),
-                     "config": keep, "weights_sha256": hashes}
-    return out
-
-
-def _triton_version(srv: TritonServer) -> str | None:
-    try:
-        with requests.Session() as s:
-            s.trust_env = False
-            return s.get(f"{srv.http_url}/v2", timeout=5, headers={"Connection": "close"}).json().get("version")
-    except (requests.RequestException, ValueError):
-        return None
-
-
-_METRIC_RE = re.compile(r"^(splitspec_[a-z_]+?)(?:\{([^}]*)\})?\s+([-+0-9.eE]+|NaN)$")
-#: Prometheus series read before / after each placement.
-_SCRAPED = ("splitspec_cycles_total", "splitspec_verified_sequences_total", "splitspec_output_tokens_total",
-            "splitspec_draft_ms_sum", "splitspec_draft_ms_count", "splitspec_verify_ms_sum", "splitspec_verify_ms_count")
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """The engine's counters from the Prometheus endpoint (:data:`_SCRAPED`, plus
-    ``accepted_position_<i>``); empty when unreachable."""
-    try:
-        with requests.Session() as s:
-            s.trust_env = False
-            text = s.get(url, timeout=10, headers={"Connection": "close"}).text
-    except requests.RequestException:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        if name in _SCRAPED:
-            out[name] = out.get(name, 0.0) + float(value)
-        elif name == "splitspec_accepted_draft_tokens_total":
-            pos = re.search(r'position="(\d+)"', labels or "")
-            if pos:
-                out[f"accepted_position_{pos.group(1)}"] = float(value)
-    return out
-
-
-#: Phases of a model's ``inference_stats`` (Triton's statistics extension), each a count and nanoseconds.
-STATS_PHASES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
-
-
-def model_stats(http: str) -> dict[str, dict]:
-    """``{model: inference_stats}`` of the repository's models (:data:`splitspec.serving.repo.MODELS`) from Triton's
-    statistics endpoint (cumulative since the model loaded; ``{phase: {"count": n, "ns": total}}``).
-
-    Raises:
-        requests.HTTPError: a model is not served (or the endpoint answered with an error).
-    """
-    out = {}
-    with requests.Session() as s:
-        s.trust_env = False  # localhost only: never through a proxy
-        for m in MODELS:
-            r = s.get(f"{http}/v2/models/{m}/stats", timeout=10)
-            r.raise_for_status()
-            out[m] = r.json()["model_stats"][0]["inference_stats"]
-    return out
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, tuple[int, float]]]:
-    """``{model: {phase: (count, ms)}}`` between two :func:`model_stats` snapshots."""
-    out = {}
-    for m in MODELS:
-        out[m] = {}
-        for phase in STATS_PHASES:
-            b, a = before[m].get(phase, {}), after[m].get(phase, {})
-            out[m][phase] = (int(a.get("count", 0)) - int(b.get("count", 0)), (int(a.get("ns", 0)) - int(b.get("ns", 0))) / 1e6)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# The client
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRecord:
-    """One measured request (times in ms; client times are measured from sending the request).
-
-    Attributes:
-        draft_tp, k, concurrency, prompt_id: the configuration and prompt.
-        block: the index of the block of ``concurrency`` requests it was sent in.
-        latency_ms: sent → final response (client).
-        ttft_ms: sent → first response carrying tokens (client).
-        token_times_ms: (ms since sent, tokens) of every response carrying tokens.
-        num_output_tokens, acceptance_length, accepted_per_position, draft_ms, verify_ms,
-        engine_ttft_ms, engine_e2e_ms, queue_ms, finish_reason: from ``return_stats``.
-        output_sha: SHA-1 of the output token ids (greedy outputs are compared across k).
-        request_id: the id it was sent with; sent_ns: when (``time.perf_counter_ns()``: ``CLOCK_MONOTONIC`` on
-            Linux, the clock of Triton's trace timestamps, :mod:`splitspec.triton_trace`); "" and 0 when not known.
-    """
-
-    draft_tp: int
-    k: int
-    concurrency: int
-    prompt_id: str
-    block: int
-    latency_ms: float
-    ttft_ms: float | None
-    token_times_ms: list[tuple[float, int]]
-    num_output_tokens: int
-    acceptance_length: float
-    accepted_per_position: list[int]
-    draft_ms: float
-    verify_ms: float
-    engine_ttft_ms: float | None
-    engine_e2e_ms: float | None
-    queue_ms: float | None
-    finish_reason: str | None
-    output_sha: str
-    request_id: str = ""
-    sent_ns: int = 0
-
-    @property
-    def cycles(self) -> int:
-        """Verify cycles of the request: (n_output − 1) / acceptance length (the first token comes
-        from prefill)."""
-        if self.num_output_tokens <= 1 or self.acceptance_length <= 0:
-            return 0
-        return max(1, round((self.num_output_tokens - 1) / self.acceptance_length))
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens / client latency (tokens/s)."""
-        return self.num_output_tokens / (self.latency_ms / 1e3) if self.latency_ms > 0 else 0.0
-
-    @property
-    def tpot_ms(self) -> float | None:
-        """Time per output token after the first: (t_last − t_first) / (n − 1) (ms)."""
-        if len(self.token_times_ms) < 2 or self.num_output_tokens < 2:
-            return None
-        return (self.token_times_ms[-1][0] - self.token_times_ms[0][0]) / (self.num_output_tokens - 1)
-
-
-class StreamWorker:
-    """A gRPC client with one open stream, sending one request at a time and timing its responses."""
-
-    def __init__(self, address: str, timeout_s: float = 300.0):
-        import tritonclient.grpc as grpcclient  # noqa: PLC0415
-
-        self.address, self.timeout_s = address, timeout_s
-        self._answers: queue.Queue = queue.Queue()
-        self._ids = iter(range(1 << 62))
-        self.client = grpcclient.InferenceServerClient(address)
-        self.client.start_stream(callback=lambda result, error: self._answers.put((time.perf_counter(), result, error)))
-
-    def close(self) -> None:
-        try:
-            self.client.stop_stream(cancel_requests=True)
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
-        self.client.close()
-
-    def run(self, prompt: Prompt, max_tokens: int, k: int, *, draft_tp: int, concurrency: int, block: int) -> RequestRecord:
-        """Send one greedy streaming request and wait for its final response.
-
-        Raises:
-            SplitspecError: the server answered with an error or nothing arrived within ``timeout_s``.
-        """
-        from splitspec.serving.client import grpc_inputs  # noqa: PLC0415
-
-        inputs = grpc_inputs(prompt.text, max_tokens, num_draft_tokens=k, stream=True, return_stats=True,
-                             return_token_ids=True, apply_chat_template=True if prompt.chat else None)
-        rid = f"{os.getpid()}-{next(self._ids)}"
-        times: list[tuple[float, int]] = []
-        ids: list[int] = []
-        final: dict = {}
-        sent_ns = time.perf_counter_ns()
-        t0 = sent_ns / 1e9
-        self.client.async_stream_infer("ensemble", inputs, request_id=rid, enable_empty_final_response=True)
-        while True:
-            try:
-                t, result, error = self._answers.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise SplitspecError(f"grpc {self.address}: no response within {self.timeout_s:.0f} s "
-                                     f"(prompt {prompt.id}, k={k})") from None
-            if error is not None:
-                msg = error.message() if hasattr(error, "message") else str(error)
-                raise SplitspecError(f"grpc {self.address}: prompt {prompt.id}, k={k}: {msg}")
-            resp = result.get_response()
-            if resp.id != rid:  # a late answer of an earlier request on this stream
-                continue
-            out = result.as_numpy("output_ids")
-            if out is not None and out.size:
-                times.append(((t - t0) * 1e3, int(out.size)))
-                ids += [int(x) for x in out.reshape(-1)]
-            for name in ("num_output_tokens", "acceptance_length", "accepted_per_position", "draft_ms", "verify_ms",
-                         "ttft_ms", "e2e_ms", "queue_ms", "finish_reason"):
-                a = result.as_numpy(name)
-                if a is not None:
-                    vals = [v.decode() if isinstance(v, bytes) else v.item() for v in a.reshape(-1)]
-                    final[name] = vals if name == "accepted_per_position" else (vals[0] if vals else None)
-            p = resp.parameters
-            if "triton_final_response" in p and p["triton_final_response"].bool_param:
-                latency = (t - t0) * 1e3
-                break
-        if "acceptance_length" not in final:
-            raise SplitspecError(f"grpc {self.address}: the final response carries no statistics (return_stats)")
-        return RequestRecord(
-            draft_tp=draft_tp, k=k, concurrency=concurrency, prompt_id=prompt.id, block=block, latency_ms=latency,
-            ttft_ms=times[0][0] if times else None, token_times_ms=times,
-            num_output_tokens=int(final.get("num_output_tokens", len(ids))),
-            acceptance_length=float(final["acceptance_length"]),
-            accepted_per_position=[int(x) for x in final.get("accepted_per_position") or []],
-            draft_ms=float(final.get("draft_ms", 0.0)), verify_ms=float(final.get("verify_ms", 0.0)),
-            engine_ttft_ms=final.get("ttft_ms"), engine_e2e_ms=final.get("e2e_ms"), queue_ms=final.get("queue_ms"),
-            finish_reason=final.get("finish_reason"),
-            output_sha=hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16], request_id=rid, sent_ns=sent_ns)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,21 +67,7 @@ class StreamWorker:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PlacementRun:
-    """What one server (one draft placement) produced."""
-
-    draft_tp: int
-    ks: list[int]
-    records: list[RequestRecord] = field(default_factory=list)
-    #: (k, concurrency) → summed wall seconds of its blocks.
-    wall_s: dict = field(default_factory=dict)
-    metrics_delta: dict = field(default_factory=dict)
-    startup_s: float | None = None
-    tritonserver: str | None = None
-
-
-def _blocks(prompts: Sequence[Prompt], n_requests: int, concurrency: int) -> list[list[Prompt]]:
+def request_blocks(prompts: Sequence[Prompt], n_requests: int, concurrency: int) -> list[list[Prompt]]:
     """``n_requests`` prompts (cycled) cut into blocks of ``concurrency``, the last filled up by cycling."""
     n = -(-n_requests // concurrency) * concurrency
     seq = [prompts[i % len(prompts)] for i in range(n)]
@@ -449,7 +93,7 @@ def measure_placement(srv: TritonServer, draft_tp: int, ks: Sequence[int], promp
             for k in ks:
                 workers[0].run(prompts[0], min(8, max_tokens), k, draft_tp=draft_tp, concurrency=1, block=-1)
             for c in concurrencies:
-                blocks = _blocks(prompts, requests_per_level or len(prompts), c)
+                blocks = request_blocks(prompts, requests_per_level or len(prompts), c)
                 t_level = time.monotonic()
                 for b, block in enumerate(blocks):
                     order = [ks[(b + i) % len(ks)] for i in range(len(ks))]
@@ -544,152 +188,6 @@ def aggregate(runs: Sequence[PlacementRun]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
-# Reports
-# --------------------------------------------------------------------------------------------
-
-
-def _f(v, nd: int = 1) -> str:
-    return "—" if v is None else f"{v:.{nd}f}"
-
-
-def summary_markdown(meta: dict, rows: Sequence[dict]) -> str:
-    """The markdown summary: one table per concurrency, best k per placement, the setup."""
-    eng = meta.get("engines", {})
-    tgt = eng.get("target", {})
-    lines = [f"# Speculation benchmark — {meta.get('date', '')}", "",
-             f"- machine: {meta.get('cpu')} × {meta.get('cpu_count')} CPUs, {meta.get('memory_gib')} GiB"
-             + (f"; GPUs: {', '.join(meta['gpus'])}" if meta.get("gpus") else "; no GPU")
-             + f"; load average at start {meta.get('load_average')}",
-             f"- versions: tritonserver {meta.get('tritonserver')}, " + ", ".join(
-                 f"{k} {v}" for k, v in meta.get("versions", {}).items() if v),
-             f"- commit: {(meta.get('git') or {}).get('commit')}" + (" (uncommitted changes)" if (meta.get("git") or {}).get("dirty") else ""),
-             f"- engines: {eng.get('engines_dir')}; target {tgt.get('dtype')}, TP{(tgt.get('mapping') or {}).get('tp_size')}, "
-             f"limits {tgt.get('limits')}; {meta.get('num_prompts')} prompts ({meta.get('prompts')}), greedy, "
-             f"max_tokens {meta.get('max_tokens')}, gRPC streaming"
-             + ("; SYNTHETIC acceptance " + str(meta["synthetic_acceptance"]) if meta.get("synthetic_acceptance") else ""),
-             ""]
-    for c in sorted({r["concurrency"] for r in rows}):
-        lines += [f"## Concurrency {c}", "",
-                  "| configuration | k | tokens/s per user | × no spec | aggregate tokens/s | × no spec | acceptance length "
-                  "| acceptance by position | draft ms / cycle | verify ms / cycle | TTFT p50 ms | latency p50 ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted((r for r in rows if r["concurrency"] == c), key=lambda r: (r["draft_tp"], r["k"])):
-            pos = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "—"
-            lines.append(f"| {r['configuration']} | {r['k']} | {r['tokens_per_s_per_user']:.1f} | {_f(r['ratio_per_user'], 2)} | "
-                         f"{r['tokens_per_s']:.1f} | {_f(r['ratio_aggregate'], 2)} | {r['acceptance_length']:.2f} | {pos} | "
-                         f"{r['draft_ms_per_cycle']:.1f} | {r['verify_ms_per_cycle']:.1f} | {_f(r['ttft_ms_p50'], 0)} | "
-                         f"{_f(r['latency_ms_p50'], 0)} |")
-        best = {}
-        for r in rows:
-            if r["concurrency"] == c and r["k"] > 0:
-                if r["draft_tp"] not in best or r["tokens_per_s_per_user"] > best[r["draft_tp"]]["tokens_per_s_per_user"]:
-                    best[r["draft_tp"]] = r
-        if best:
-            lines += ["", "Best k per placement: " + "; ".join(
-                f"{r['configuration']}: k = {r['k']}, ×{_f(r['ratio_per_user'], 2)} per user" for r in best.values()) + "."]
-        lines.append("")
-    mism = sum(r["outputs_differing_from_no_speculation"] for r in rows)
-    lines += [f"Greedy outputs differing from no speculation (same prompt and concurrency): {mism}.", "",
-              "tokens/s per user = a request's output tokens / its latency at the client (including time to first "
-              "token), averaged over requests; aggregate = all output tokens / wall time. Acceptance length = tokens "
-              "per target verify forward (1.00 = nothing accepted); acceptance by position i = share of cycles whose "
-              "i-th draft token was accepted.", ""]
-    return "\n".join(lines)
-
-
-def plot_results(rows: Sequence[dict], runs: Sequence[PlacementRun], out: Path) -> list[Path]:
-    """Write ``tokens_per_s.png``, ``acceptance_by_position.png`` and ``latency_cdf.png`` into ``out``."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    files = []
-    concs = sorted({r["concurrency"] for r in rows})
-    tps = sorted({r["draft_tp"] for r in rows if r["k"] > 0})
-    colours = {tp: f"C{i}" for i, tp in enumerate(tps)}
-
-    fig, axes = plt.subplots(2, len(concs), figsize=(5.2 * len(concs), 7.5), squeeze=False)
-    for j, c in enumerate(concs):
-        for i, (key, label) in enumerate((("tokens_per_s_per_user", "tokens/s per user"),
-                                          ("tokens_per_s", "aggregate tokens/s"))):
-            ax = axes[i][j]
-            for b in sorted((r for r in rows if r["concurrency"] == c and r["k"] == 0), key=lambda r: r["draft_tp"]):
-                first = b["configuration"] == NO_SPEC
-                ax.axhline(b[key], color="k" if first else colours.get(b["draft_tp"], "grey"),
-                           linestyle="--" if first else ":", linewidth=1, label=b["configuration"])
-            for tp in tps:
-                pts = sorted((r["k"], r[key]) for r in rows if r["concurrency"] == c and r["draft_tp"] == tp and r["k"] > 0)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", color=colours[tp], label=placement_label(tp, 1))
-            ax.set_xticks(sorted({r["k"] for r in rows if r["k"] > 0}))
-            ax.set_xlabel("draft tokens per cycle (k)")
-            ax.set_ylabel(label)
-            ax.set_title(f"concurrency {c}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle("Served ensemble: tokens/s against k, per draft placement")
-    fig.tight_layout()
-    files.append(out / "tokens_per_s.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, max(len(tps), 1), figsize=(5.2 * max(len(tps), 1), 4), squeeze=False)
-    for j, tp in enumerate(tps):
-        ax = axes[0][j]
-        for k in sorted({r["k"] for r in rows if r["draft_tp"] == tp and r["k"] > 0}):
-            recs = [x for run in runs if run.draft_tp == tp for x in run.records if x.k == k]
-            cycles = sum(x.cycles for x in recs)
-            if not recs or not cycles:
-                continue
-            acc = [sum(x.accepted_per_position[i] for x in recs if i < len(x.accepted_per_position)) / cycles
-                   for i in range(k)]
-            length = sum(max(x.num_output_tokens - 1, 0) for x in recs) / cycles
-            ax.plot(range(1, k + 1), acc, marker="o", label=f"k = {k} (acceptance length {length:.2f})")
-        ax.set_xticks(range(1, max([r["k"] for r in rows if r["draft_tp"] == tp] + [1]) + 1))
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("share of cycles accepted")
-        ax.set_ylim(0, 1.02)
-        ax.set_title(placement_label(tp, 1) + " (all concurrencies)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / "acceptance_by_position.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-
-    c0 = concs[0]
-    chosen = [(0, None)]
-    for tp in tps:
-        cand = [r for r in rows if r["concurrency"] == c0 and r["draft_tp"] == tp and r["k"] > 0]
-        if cand:
-            chosen.append((max(cand, key=lambda r: r["tokens_per_s_per_user"])["k"], tp))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for k, tp in chosen:
-        recs = [x for run in runs for x in run.records if x.concurrency == c0 and x.k == k
-                and run.draft_tp == (runs[0].draft_tp if tp is None else tp)]
-        label = NO_SPEC if k == 0 else f"{placement_label(tp, k)}, k = {k}"
-        colour = "k" if k == 0 else colours[tp]
-        for ax, vals in ((axes[0], [x.latency_ms for x in recs]), (axes[1], [x.tpot_ms for x in recs if x.tpot_ms])):
-            vals = sorted(vals)
-            if vals:
-                ax.step([vals[0], *vals], [0.0] + [(i + 1) / len(vals) for i in range(len(vals))], where="post",
-                        color=colour, label=label)
-    axes[0].set_xlabel("request latency at the client (ms)")
-    axes[1].set_xlabel("time per output token after the first (ms)")
-    for ax in axes:
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Latency CDF at concurrency {c0} (best k per placement)")
-    fig.tight_layout()
-    files.append(out / "latency_cdf.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-    return files
-
-
-# --------------------------------------------------------------------------------------------
 # make bench
 # --------------------------------------------------------------------------------------------
 
@@ -703,12 +201,12 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
 
     Args:
         engines: built engines (``target/`` + ``drafter/``).
-        out_dir: results folder (default ``bench/results/<timestamp>``).
+        out_dir: results folder (default ``bench/results/<timestamp>`` under the current directory).
         ks: draft lengths measured with speculation (each 1..the engines' max_draft_len).
-        concurrencies: requests in flight; the first is the headline.
+        concurrencies: requests in flight, in the order given (duplicates dropped); the first is the headline.
         draft_tps: draft placements (default 1 and the target's TP size; 1 only when the target is TP1).
         max_tokens: output tokens per request.
-        prompts_path: JSON-lines prompts (default ``eval/prompts.jsonl``).
+        prompts_path: prompt file (:func:`~splitspec.measure.prompts.read_prompts`; None: the built-in prompts).
         requests_per_level: requests per (placement, k, concurrency) (default: one per prompt, rounded
             up to a multiple of the concurrency).
         target_device_ids, draft_device_id: GPU placement (empty: CPU), as for ``splitspec repo``.
@@ -731,19 +229,21 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     ks = sorted(set(int(k) for k in ks))
     if not ks or any(not 1 <= k <= max_draft for k in ks):
         raise ConfigError(f"k = {ks}: each must be in 1..{max_draft} (the engines' max_draft_len); k = 0 is always measured")
-    concs = ordered_levels(concurrencies)
+    concs = list(dict.fromkeys(int(c) for c in concurrencies))
+    if not concs or min(concs) < 1:
+        raise ConfigError(f"concurrency = {concs}: expected one or more levels ≥ 1")
     placements = sorted(set(int(x) for x in draft_tps)) if draft_tps is not None else sorted({1, tp})
     for d in placements:
         if d not in (1, tp):
             raise ConfigError(f"draft_tp = {d}: expected 1 or the target's TP size {tp}")
     if not 1 <= max_tokens <= 4096:
         raise ConfigError(f"max_tokens = {max_tokens}: expected 1..4096")
-    prompts = load_prompts(prompts_path, engines / "target")
-    out = Path(out_dir) if out_dir else PROJECT_ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    prompts = read_prompts(prompts_path, engines / "target")
+    out = Path(out_dir) if out_dir else Path("bench", "results", time.strftime("%Y%m%d-%H%M%S"))
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **machine_info(), "engines": info, "max_tokens": max_tokens,
-            "prompts": str(prompts_path or "eval/prompts.jsonl"), "num_prompts": len(prompts), "ks": ks,
+            "prompts": str(prompts_path or "built-in"), "num_prompts": len(prompts), "ks": ks,
             "concurrencies": concs, "draft_tps": placements, "synthetic_acceptance": synthetic_acceptance,
             "requests_per_level": requests_per_level, "client": "gRPC streaming (tritonclient), greedy"}
     if tp == 1:
@@ -768,7 +268,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
             srv.start()
             try:
                 print(f"  ready after {srv.startup_s:.1f} s", flush=True)
-                meta.setdefault("tritonserver", _triton_version(srv))
+                meta.setdefault("tritonserver", triton_version(srv.http_url))
                 run = measure_placement(srv, d, run_ks, prompts, concs, max_tokens, requests_per_level, timeout_s,
                                         log=lambda s: print(s, flush=True))
                 run.startup_s = srv.startup_s
@@ -792,12 +292,3 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     print(f"results: {out / 'results.json'}, {out / 'summary.md'}, " + ", ".join(str(f.name) for f in files), flush=True)
     return out
 
-
-def main(args) -> None:
-    """``splitspec bench``: :func:`run_bench` from parsed arguments."""
-    run_bench(Path(args.engines), out_dir=Path(args.out) if args.out else None, ks=parse_levels(args.k, "k"),
-              concurrencies=args.concurrency,
-              draft_tps=parse_levels(args.draft_tp, "draft_tp") if args.draft_tp else None,
-              max_tokens=args.max_tokens, prompts_path=Path(args.prompts) if args.prompts else None,
-              requests_per_level=args.requests, target_device_ids=args.target_device_ids,
-              draft_device_id=args.draft_device_id, synthetic_acceptance=args.synthetic_acceptance)

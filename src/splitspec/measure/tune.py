@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from splitspec.engine.group import read_engine_meta
-from splitspec.generate import encode_prompt, read_prompts
+from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts
 from splitspec.files import write_atomic
 from splitspec.runtime.scheduler import Request, SpeculativeEngine
 from splitspec.settings import ServeConfig
@@ -34,7 +34,7 @@ from splitspec.settings import ServeConfig
 METRIC = "tokens_per_s_pooled"
 
 
-def _steady_round(eng: SpeculativeEngine, used: list[list[int]], k: int, n: int, warmup: int) -> list[tuple]:
+def steady_round(eng: SpeculativeEngine, used: list[list[int]], k: int, n: int, warmup: int) -> list[tuple]:
     """One round: ``used`` (B prompts) decode with k draft tokens to their end; returns up to ``n``
     ``(wall ms of eng.step(), CycleStats)`` of steady cycles (every sequence decoding, no prefill) after
     the first ``warmup`` of them."""
@@ -53,7 +53,7 @@ def _steady_round(eng: SpeculativeEngine, used: list[list[int]], k: int, n: int,
     return [(t, s) for t, s in zip(times, stats) if s.decode_seqs == len(used) and s.prefill_tokens == 0][warmup:warmup + n]
 
 
-def _row(B: int, k: int, by_load: list[list[tuple]]) -> dict:
+def row(B: int, k: int, by_load: list[list[tuple]]) -> dict:
     """One configuration's row from its steady ``(wall ms, CycleStats)`` samples, one list per engine load:
     cycle_ms is the mean over loads of each load's median (a median: host jitter spikes are not the
     configuration's cost; a mean over loads: each load counts alike), cycle_ms_by_load those medians."""
@@ -123,14 +123,14 @@ def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int]
         for (B, k), (used, per_round) in plan.items():
             want = cycles * (i + 1) // passes  # cumulative share after this pass
             while len(samples[B, k]) < want:
-                got = _steady_round(eng, used, k, min(per_round, want - len(samples[B, k])), warmup)
+                got = steady_round(eng, used, k, min(per_round, want - len(samples[B, k])), warmup)
                 if not got:
                     break
                 samples[B, k] += got
     return samples
 
 
-def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: list[int], prompts: list[str] | list[list[int]],
+def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: list[int], prompts: list[Prompt] | list[list[int]],
             max_seq_len: int, cycles: int = 48, loads: int = 2, label: str = "measuring") -> list[dict]:
     """Steady-cycle rows (see :func:`_gather`) of the deployment ``cfg`` (its engines, devices, switches and
     synthetic acceptance; draft_tp, k and the batch and KV limits are set here) for every placement (draft_tp) × B × k, each placement's
@@ -139,8 +139,8 @@ def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: lis
     mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
     median cycle, even k = 0, moved 5–15% from one load to the next — and a slow stretch of the machine would
     otherwise land on one placement only; alternating loads shares both between the placements compared.
-    ``prompts``: texts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
-    Returns one row per (placement, B, k), in order (:func:`_row`): draft_tp, batch, k, cycle_ms (the mean of
+    ``prompts``: prompts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
+    Returns one row per (placement, B, k), in order (:func:`row`): draft_tp, batch, k, cycle_ms (the mean of
     the loads' median wall ms of ``eng.step()``), cycle_ms_by_load, cycle_ms_mean, draft_ms / verify_ms
     (means), tokens_per_cycle, tokens_per_s (aggregate: tokens per cycle / cycle_ms), acceptance_length
     (tokens per sequence per cycle), n (cycles timed), accepted_by_position, and the pooled estimate
@@ -156,7 +156,7 @@ def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: lis
                                                     kv_tokens=max(batches) * max_seq_len)) as eng:
                 if not ids:
                     tok = eng.tokenizer
-                    encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in str(p)])
+                    encode = (lambda p: encode_prompt(tok, p)) if tok else (lambda p: [1 + (ord(c) % 200) for c in p.text])
                     ids = [(p if isinstance(p, list) else encode(p))[-(max_seq_len // 2):] for p in prompts]
                 got = _gather(eng, ids, batches, ks, share(i), max(1, 8 // loads), 3, max_seq_len)
             del eng  # the closed engine goes now, not once the next load has taken its own memory beside it
@@ -164,12 +164,12 @@ def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: lis
                 by_load.setdefault((dtp, B, k), []).append(samples)
     rows = []
     for dtp in placements:
-        mine = pool_acceptance([_row(B, k, s) for (d, B, k), s in by_load.items() if d == dtp and any(s)])
-        for row in mine:
-            print(f"  draft_tp={dtp} B={row['batch']:>3} k={row['k']}: {row['tokens_per_s_pooled']:8.1f} tok/s "
-                  f"(acceptance pooled over k {row['expected_acceptance_length']:.2f}; this row's own {row['acceptance_length']:.2f}: "
-                  f"{row['tokens_per_s']:.1f} tok/s), cycle {row['cycle_ms']:.2f} ms "
-                  f"(by load {' '.join(f'{t:.2f}' for t in row['cycle_ms_by_load'])})", flush=True)
+        mine = pool_acceptance([row(B, k, s) for (d, B, k), s in by_load.items() if d == dtp and any(s)])
+        for r in mine:
+            print(f"  draft_tp={dtp} B={r['batch']:>3} k={r['k']}: {r['tokens_per_s_pooled']:8.1f} tok/s "
+                  f"(acceptance pooled over k {r['expected_acceptance_length']:.2f}; this row's own {r['acceptance_length']:.2f}: "
+                  f"{r['tokens_per_s']:.1f} tok/s), cycle {r['cycle_ms']:.2f} ms "
+                  f"(by load {' '.join(f'{t:.2f}' for t in r['cycle_ms_by_load'])})", flush=True)
         rows += [{"draft_tp": dtp} | r for r in mine]
     return rows
 
@@ -229,7 +229,7 @@ def tune(cfg: ServeConfig, batches: list[int], ks: list[int], prompts_file: Path
             raise ConfigError(f"tune: {name} = {value} exceeds the engines' {limit} {limits[limit]} ({where})")
     if not os.access(engines_dir, os.W_OK):
         raise ConfigError(f"tune: {engines_dir} is not writable: tuning.json could not be written there")
-    prompts = read_prompts(prompts_file)
+    prompts = read_prompts(prompts_file, engines_dir / "target")
 
     def sweep(label: str) -> list[dict]:
         return measure(cfg, sorted({1, tp}), batches, ks, prompts, max_seq_len, cycles, loads, label)

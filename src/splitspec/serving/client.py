@@ -15,7 +15,6 @@ false, the default), HTTP ``generate_stream`` (server-sent events) takes either.
 
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import sys
@@ -280,46 +279,51 @@ def ask_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: float =
 # --------------------------------------------------------------------------------------------
 
 
-def cli_parameters(args: argparse.Namespace) -> dict:
+def request_parameters(*, chat: bool = False, num_draft_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                       stop: list[str] | None = None, stream: bool = True) -> dict:
     """The request inputs ``splitspec client`` sends besides the prompt and max_tokens: ``return_stats``,
     ``stream`` and every option given (0 is a value: ``-k 0`` turns speculation off, ``--seed 0`` seeds)."""
     params: dict = {"return_stats": True}
-    for name, key in (("chat", "apply_chat_template"), ("num_draft_tokens", "num_draft_tokens"),
-                      ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
-        v = getattr(args, name, None)
+    for key, v in (("apply_chat_template", chat), ("num_draft_tokens", num_draft_tokens), ("temperature", temperature),
+                   ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if v is not None and v is not False:
             params[key] = v
-    if getattr(args, "stop", None):
-        params["stop"] = list(args.stop)
-    params["stream"] = getattr(args, "stream", True)
+    if stop:
+        params["stop"] = list(stop)
+    params["stream"] = stream
     return params
 
 
-def main(args: argparse.Namespace) -> None:
-    """``splitspec client``: send ``args.prompt`` to a running server and print the answer as it streams.
+def run_client(prompt: str, *, url: str | None = None, protocol: str = "http", max_tokens: int = 64,
+               stream: bool = True, **options) -> None:
+    """``splitspec client``: send ``prompt`` to a running server and print the answer as it streams.
 
-    Uses ``args.url`` (``host:port``; the HTTP port for http, the gRPC port for grpc; None:
-    127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc), ``args.protocol`` (``http`` or ``grpc``),
-    ``args.max_tokens``, ``args.stream``, and when present ``args.chat``, ``args.num_draft_tokens``,
-    ``args.temperature``, ``args.top_p``, ``args.top_k``, ``args.seed``, ``args.stop``. Ends with one
-    line of statistics: time to first text, output tokens per second, acceptance length.
+    Args:
+        url: ``host:port`` (the HTTP port for http, the gRPC port for grpc; None: 127.0.0.1:8000 for
+            http, 127.0.0.1:8001 for grpc).
+        protocol: ``http`` or ``grpc``.
+        stream: one response per engine cycle (False: one at the end).
+        options: the request's options (:func:`request_parameters`: ``chat``, ``num_draft_tokens``,
+            ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``).
+
+    Ends with one line of statistics: time to first text, output tokens per second, acceptance length.
 
     Raises:
         ConfigError: a bad argument (the message names it).
         SplitspecError: the server is unreachable or answered with an error.
     """
-    if not 1 <= args.max_tokens <= 4096:
-        raise ConfigError(f"--max-tokens = {args.max_tokens}: expected 1..4096")
-    params = cli_parameters(args)
-    stream = params["stream"]
-    url = args.url or DEFAULT_URLS.get(args.protocol, "")
-    if args.protocol == "http":
+    if not 1 <= max_tokens <= 4096:
+        raise ConfigError(f"--max-tokens = {max_tokens}: expected 1..4096")
+    params = request_parameters(stream=stream, **options)
+    url = url or DEFAULT_URLS.get(protocol, "")
+    if protocol == "http":
         base = f"{_http_base(url)}/v2/models/ensemble"
-        events = stream_http(f"{base}/generate_stream", args.prompt, args.max_tokens, **params)
-    elif args.protocol == "grpc":
-        events = stream_grpc(url.split("://", 1)[-1].rstrip("/"), args.prompt, args.max_tokens, **params)
+        events = stream_http(f"{base}/generate_stream", prompt, max_tokens, **params)
+    elif protocol == "grpc":
+        events = stream_grpc(url.split("://", 1)[-1].rstrip("/"), prompt, max_tokens, **params)
     else:
-        raise ConfigError(f"--protocol = {args.protocol!r}: expected http or grpc")
+        raise ConfigError(f"--protocol = {protocol!r}: expected http or grpc")
     t0 = time.monotonic()
     first = None
     seen = []
@@ -335,7 +339,7 @@ def main(args: argparse.Namespace) -> None:
     ans = merge(seen)
     n = ans.get("num_output_tokens")
     acc = ans.get("acceptance_length")
-    parts = [f"{args.protocol}{' stream' if stream else ''}", f"{total * 1000:.0f} ms"]
+    parts = [f"{protocol}{' stream' if stream else ''}", f"{total * 1000:.0f} ms"]
     if first is not None:
         parts.append(f"first text after {first * 1000:.0f} ms")
     if n:

@@ -13,6 +13,7 @@ into place.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from string import Template
 
@@ -177,3 +178,13 @@ def _copy_model_code(src: Path, dst: Path) -> None:
         if not f.is_file() or f.name == TEMPLATE_NAME or f.name == "config.pbtxt" or "__pycache__" in f.parts:
             continue
         write_atomic(dst / f.relative_to(src), f.read_bytes(), mode=0o644)
+
+
+def repo_setting(repo: Path, model: str, key: str) -> str | None:
+    """A ``parameters`` value from ``repo/<model>/config.pbtxt`` (None when absent)."""
+    try:
+        text = (Path(repo) / model / "config.pbtxt").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    return m.group(1) if m else None

@@ -1,0 +1,210 @@
+"""The ``splitspec`` command line's arguments: :func:`build_parser` and the argument types it uses.
+
+An argument type turns the text of one flag into what the library takes (a list of levels, GPU ids, numbers),
+so a malformed value is refused by argparse, naming the flag, before any command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = "The ``splitspec`` command line: one subcommand per pipeline stage."
+#: Highest level a ``levels`` argument accepts (concurrency, batch bucket, k, draft_tp).
+MAX_LEVEL = 256
+
+
+def levels(text: str) -> list[int]:
+    """``"8,1,2,2"`` → ``[8, 1, 2]``: comma-separated integers in 1..:data:`MAX_LEVEL`, in the order given,
+    duplicates dropped (the order matters where the first level is the headline; sort where it does not)."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(x.isascii() and x.isdigit() and 1 <= int(x) <= MAX_LEVEL for x in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in 1..{MAX_LEVEL}, got {text!r}")
+    return list(dict.fromkeys(int(x) for x in items))
+
+
+def numbers(kind):
+    """An argument type: a comma-separated list of ``kind`` (``int`` or ``float``)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from None
+
+    parse.__name__ = f"{kind.__name__}_list"
+    return parse
+
+
+def device(text: str) -> list[int] | None:
+    """``"cpu"`` → None; ``"cuda:0,1"`` → ``[0, 1]`` (one GPU per target rank)."""
+    if text == "cpu":
+        return None
+    ids = text.removeprefix("cuda:").split(",")
+    if not text.startswith("cuda:") or not all(i.isascii() and i.isdigit() for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu or cuda:0,1,... (one GPU per target rank)")
+    return [int(i) for i in ids]
+
+
+def names(text: str) -> list[str]:
+    """``"grpc, http"`` → ``["grpc", "http"]`` (empty items dropped)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("demo-models", help="train (once per machine, cached) the demo target + EAGLE-3 drafter + tokenizer, "
+                                           "or write a random pair (Hugging Face formats)")
+    s.add_argument("--out", default="models/demo")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--random", action="store_true",
+                   help="write the random-weight pair in seconds (formats and numerics only; acceptance length ~1)")
+    s.add_argument("--device", default="cpu",
+                   help="where to train: 'cpu' (about 10 minutes on 2 cores) or 'cuda[:N]' (a larger pair on a GPU)")
+    s.add_argument("--retrain", action="store_true", help="train again even if the cache holds this pair "
+                                                          "(cache: $SPLITSPEC_CACHE, default ~/.cache/splitspec)")
+
+    s = sub.add_parser("convert", help="check a target + EAGLE-3 drafter pair and write rank-sharded checkpoints")
+    s.add_argument("--target", required=True, help="Hugging Face target checkpoint folder")
+    s.add_argument("--drafter", required=True, help="Hugging Face EAGLE-3 drafter checkpoint folder")
+    s.add_argument("--out", default="checkpoints/demo")
+    s.add_argument("--tp", type=int, default=2, help="target tensor-parallel size")
+    s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
+    s.add_argument("--aux-convention", choices=["input", "output"], default=None,
+                   help="how the drafter's aux layer ids are read, when its config does not say: "
+                        "'input' = input to layer i (EAGLE, vLLM, SGLang), 'output' = output of layer i "
+                        "(TensorRT-LLM, SpecForge)")
+    s.add_argument("--drafter-embedding", choices=["target", "own"], default=None,
+                   help="when the drafter carries an embed_tokens that differs from the target's: use the target's or "
+                        "its own (default: its own, reported; an equal one or eagle_config.share_target_embedding uses the target's)")
+
+    s = sub.add_parser("inspect", help="describe a checkpoint (target, drafter, converted or engine) without converting it")
+    s.add_argument("checkpoint", help="checkpoint folder")
+    s.add_argument("--target", default=None, help="for a drafter: the target checkpoint, to resolve its aux layer ids")
+    s.add_argument("--aux-convention", choices=["input", "output"], default=None,
+                   help="for a drafter whose config does not say how to read its aux layer ids")
+
+    s = sub.add_parser("build", help="turn converted checkpoints into runtime engines")
+    s.add_argument("--checkpoints", default="checkpoints/demo")
+    s.add_argument("--out", default="engines/demo")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"],
+                   help="engine dtype; fp8 keeps an FP8 block-scaled checkpoint's linear weights in FP8 (bf16 activations), "
+                        "a float dtype dequantises them")
+    s.add_argument("--max-batch-size", type=int, default=8)
+    s.add_argument("--max-seq-len", type=int, default=1024)
+    s.add_argument("--max-draft-len", type=int, default=8)
+
+    s = sub.add_parser("generate", help="speculative decoding from built engines, in this process")
+    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--prompts", default=None, help="file of prompts (.jsonl with 'prompt', or one per line)")
+    s.add_argument("--concurrency", type=int, default=1, help="requests kept in flight")
+    s.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
+    s.add_argument("--draft-tp", type=int, default=None,
+                   help="1 = drafter on its own (split placement); N = sharded over the target's group (default: tuning.json's "
+                        "per batch bucket, both loaded where the buckets' differ; else 1)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--device", default="cpu", type=device, help="cpu, or cuda:0,1,... (one GPU per target rank)")
+    s.add_argument("--check", action="store_true", help="also decode target-only and fail if greedy tokens differ")
+
+    s = sub.add_parser("tune", help="measure draft placement and k per batch bucket here; write engines/…/tuning.json")
+    s.add_argument("--engines", default="engines/demo", help="built engines; tuning.json is written here")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="prompts whose decoding is timed (acceptance is real)")
+    s.add_argument("--batches", default=None, type=levels,
+                   help="batch-size buckets (sequences decoding together; default 1,4,16, capped at the engines' max_batch_size)")
+    s.add_argument("-k", default="0,1,2,3,4,5", type=numbers(int), help="draft tokens per cycle to try; must include 0 (speculation off)")
+    s.add_argument("--max-seq-len", type=int, default=512, help="KV tokens per sequence (prompts are cut to half of it)")
+    s.add_argument("--cycles", type=int, default=48, help="steady cycles timed per placement, batch and k (more: less noise)")
+    s.add_argument("--loads", type=int, default=2, help="engine loads per placement, alternating between placements; the cycles are spread over them")
+    s.add_argument("--verify", action="store_true", help="measure everything twice; score the choice against the second sweep")
+    s.add_argument("--device", default="cpu", type=device, help="cpu, or cuda:0,1,... (one GPU per target rank)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
+                   help="BENCHMARK ONLY: accept draft i with probability Pi (for untrained or synthetic engines)")
+
+    s = sub.add_parser("repo", help="render the Triton model repository for built engines")
+    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("--out", default="triton_repo")
+    s.add_argument("-k", type=int, default=None,
+                   help="default draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
+    s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
+    s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
+    s.add_argument("--draft-tp", type=int, default=None,
+                   help="1 = drafter on its own (split placement); N = sharded over the target's group "
+                        "(default: tuning.json's per batch bucket, both loaded where the buckets' differ; else 1)")
+    s.add_argument("--max-batch-size", type=int, default=None,
+                   help="sequences decoded together (default: the engine's max_batch_size)")
+    s.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV-cache budget in tokens shared by all sequences (default: max_batch_size x max_seq_len "
+                        "of the engine)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
+                   help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
+                        "(served outputs are then not the target's)")
+
+    s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
+    s.add_argument("--repo", default="triton_repo")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--ask", default=None, metavar="PROMPT",
+                   help="once ready, send PROMPT over HTTP and gRPC, print both answers, stop the server")
+    s.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --ask")
+
+    s = sub.add_parser("client", help="send one prompt to a running server and stream the answer to the terminal")
+    s.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
+    s.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="draft tokens per cycle (default: the server's)")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); > 0 = speculative sampling")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None, help="seed of the request's sampler (reproducible output)")
+    s.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="stop string (repeatable); the output ends right before it")
+    s.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="one response at the end instead of streaming each cycle's text")
+
+    s = sub.add_parser("perf", help="serve the ensemble, sweep concurrency with perf_analyzer (gRPC streaming, HTTP) "
+                                    "and genai-perf, write perf_results/<timestamp>/, stop the server")
+    s.add_argument("--engines", default="engines/demo",
+                   help="built engines; a repository sized for the sweep (max_batch_size = highest concurrency) is "
+                        "rendered into the results folder")
+    s.add_argument("--repo", default=None, help="measure this already rendered repository instead of --engines")
+    s.add_argument("--concurrency", default="1,2,4,8,16,32,64", type=levels, help="comma-separated concurrency levels")
+    s.add_argument("--protocol", default="grpc,http", type=names, help="grpc (streaming), http (generate_stream), or both")
+    s.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--seconds", type=float, default=3.0, help="minimum perf_analyzer measurement time per level (s)")
+    s.add_argument("--llm-concurrency", default=None, type=levels,
+                   help="genai-perf concurrency levels (default: the same as --concurrency)")
+    s.add_argument("--no-llm-metrics", action="store_true", help="skip genai-perf")
+    s.add_argument("--level-timeout", type=float, default=300.0,
+                   help="hard limit per level and tool (s); the tool is killed after it")
+    s.add_argument("-k", type=int, default=None,
+                   help="draft tokens per cycle of the rendered repository (default: tuning.json's per batch bucket, else 4)")
+    s.add_argument("--draft-tp", type=int, default=None, help="drafter placement of the rendered repository (default: tuning.json's per batch bucket, else 1)")
+    s.add_argument("--out", default=None, help="results folder (default perf_results/<timestamp>)")
+
+    s = sub.add_parser("bench", help="speculation benchmark through the served ensemble: no speculation vs the drafter "
+                                     "at TP1 vs the drafter sharded over the target's group, for each k")
+    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("-k", default="1,2,3,4,5", type=levels, help="draft lengths measured with speculation (k = 0 is always measured)")
+    s.add_argument("--concurrency", default="1,8", type=levels, help="concurrency levels; the first is the headline")
+    s.add_argument("--draft-tp", default=None, type=levels, help="comma list of drafter placements (default: 1 and the target's TP size)")
+    s.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
+    s.add_argument("--prompts", default="eval/prompts.jsonl", help="JSON-lines prompts (default eval/prompts.jsonl)")
+    s.add_argument("--requests", type=int, default=None,
+                   help="requests per configuration and concurrency (default: one per prompt)")
+    s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
+    s.add_argument("--draft-device-id", default="", help="GPU id of the TP1 drafter (empty: target rank 0's device)")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
+                   help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value")
+    s.add_argument("--out", default=None, help="results folder (default bench/results/<timestamp>)")
+    return p
