@@ -280,7 +280,7 @@ class EngineProcess:
                     self.on_cycle([unpack_event(t) for t in msg[1]], None if msg[2] is None else CycleStats(*msg[2]))
                 elif kind == "failed":
                     self._fail(msg[1])
-            except Exception:  # noqa: BLE001 - a callback's bug: reported, and the reader keeps draining the engine
+            except Exception:  # a callback's bug: reported, and the reader keeps draining the engine
                 traceback.print_exc()
         if not self.closed:
             try:
@@ -355,7 +355,7 @@ def serve(conn: Connection) -> int:
         overlap = cfg.on_gpu
     try:
         eng = SpeculativeEngine.load(cfg)
-    except BaseException as e:  # noqa: BLE001 - reported to the host, which fails the model load
+    except BaseException as e:  # reported to the host, which fails the model load
         conn.send(("load_failed", type(e).__name__, str(e)))
         return 1
     if not cfg.on_gpu:  # rank 0 on the CPU: leave a core to the serving processes
@@ -401,7 +401,7 @@ def serve(conn: Connection) -> int:
                     sid, req = msg[1], msg[2]
                     try:
                         rid = loop.submit(req, lambda ev, sid=sid: on_event(sid, ev))
-                    except Exception as e:  # noqa: BLE001 - its one event: refused, or the engine stopped serving
+                    except Exception as e:  # its one event: refused, or the engine stopped serving
                         reason = "error" if isinstance(e, EngineError) else "rejected"
                         why = str(e) if isinstance(e, SplitspecError) else f"not a valid request: {type(e).__name__}: {e}"
                         send_cycle(([pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)], None))

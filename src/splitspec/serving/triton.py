@@ -18,7 +18,7 @@ ERROR_CODES = {"INVALID_ARG": 400, "UNAVAILABLE": 503, "INTERNAL": 500}
 
 
 def _pb():
-    import triton_python_backend_utils as pb_utils  # noqa: PLC0415  (only inside the stub)
+    import triton_python_backend_utils as pb_utils  # only inside the stub
 
     return pb_utils
 
