@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from splitspec.engine.group import CyclePlan, SeqWork
+from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import single_blocks
 from splitspec.runtime.scheduler import Request, SpeculativeEngine

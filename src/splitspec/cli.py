@@ -77,7 +77,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
     from splitspec.measure.perf_suite import parse_levels
 
     if a.batches is None:  # the default buckets, capped at what the engines take
-        from splitspec.engine.group import read_engine_meta
+        from splitspec.engine.engine_files import read_engine_meta
 
         limit = int(read_engine_meta(Path(a.engines) / "target", "target")["limits"]["max_batch_size"])
         a.batches = ",".join(map(str, sorted({min(b, limit) for b in (1, 4, 16)})))

@@ -10,7 +10,7 @@ and each placement's engines are loaded several times, alternating with the othe
 load's own speed varies by several percent).
 Each bucket gets its fastest (placement, k), k = 0 (speculation off) wherever speculation does not beat
 it; where the buckets' placements differ the engine loads both drafters and each cycle drafts with its
-bucket's (:meth:`splitspec.engine.group.RankRunner.switch_placement` moves the drafter K/V on a change).
+bucket's (:meth:`splitspec.engine.rank.RankRunner.switch_placement` moves the drafter K/V on a change).
 ``verify`` measures everything a second time and scores the choice against that independent exhaustive
 sweep. Written atomically to ``engines_dir/tuning.json``, which
 ``SpeculativeEngine.load`` reads.
@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from splitspec.engine.group import read_engine_meta
+from splitspec.engine.engine_files import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
 from splitspec.files import write_atomic
 from splitspec.runtime.scheduler import Request, SpeculativeEngine

@@ -23,8 +23,10 @@ from typing import Callable
 
 import torch
 
-from splitspec.engine.group import CyclePlan, EngineError, Group, SeqWork, read_engine_meta
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.engine.group import Group
+from splitspec.engine.engine_files import read_engine_meta
+from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
+from splitspec.errors import ConfigError
 from splitspec.engine.kv import BlockAllocator
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
 from splitspec.settings import ServeConfig

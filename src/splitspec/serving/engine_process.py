@@ -62,7 +62,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Mapping
 
 from splitspec import errors
-from splitspec.engine.group import EngineError
+from splitspec.engine.plan import EngineError
 from splitspec.errors import SplitspecError
 from splitspec.runtime.scheduler import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
 from splitspec.settings import ServeConfig

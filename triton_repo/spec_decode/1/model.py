@@ -53,7 +53,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from splitspec.engine.group import EngineError
+from splitspec.engine.plan import EngineError
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
