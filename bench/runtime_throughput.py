@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from splitspec.generate import encode_prompt, read_prompts, run_closed_loop
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
 

@@ -21,7 +21,7 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 
 ``--also`` adds steps between the two, to find where a difference comes from:
 
-- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.scheduler.EngineLoop` (cycles on a
+- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.loop.EngineLoop` (cycles on a
   background thread, as in the served engine's process);
 - ``engine_process``: :class:`splitspec.serving.engine_process.EngineProcess` started from this process (the served
   engine's own process, its loop thread and its per-cycle messages, without Triton);
@@ -79,7 +79,9 @@ from splitspec.generate import encode_prompt, run_closed_loop  # noqa: E402
 from splitspec.files import read_json, write_atomic  # noqa: E402
 from splitspec.measure.perf_suite import Prompt, load_prompts  # noqa: E402
 from splitspec.serving.repo import render_repo  # noqa: E402
-from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine  # noqa: E402
+from splitspec.runtime.scheduler import SpeculativeEngine  # noqa: E402
+from splitspec.runtime.loop import EngineLoop
+from splitspec.runtime.types import Request, RequestOutput, RequestStats
 from splitspec.serving.tritonserver import TritonServer, server_env  # noqa: E402
 from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: E402
 from splitspec.runtime.tokenizer import ChatTokenizer  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 from splitspec.engine.plan import EngineError
 from splitspec.serving.engine_process import CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
-from splitspec.runtime.scheduler import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import CycleStats, Request, RequestOutput, RequestStats
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
 

@@ -10,7 +10,8 @@ from scipy.stats import chisquare
 from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import single_blocks
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig

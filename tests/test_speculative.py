@@ -9,7 +9,8 @@ import torch
 
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
 

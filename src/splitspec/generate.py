@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import GenerationResult, Request
 from splitspec.settings import ServeConfig
 from splitspec.runtime.sampling import SamplingParams
 

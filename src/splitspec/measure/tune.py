@@ -26,7 +26,8 @@ from pathlib import Path
 from splitspec.engine.engine_files import read_engine_meta
 from splitspec.generate import encode_prompt, read_prompts
 from splitspec.files import write_atomic
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
 

@@ -58,7 +58,7 @@ from splitspec.serving.engine_process import EngineProcess
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S
-from splitspec.runtime.scheduler import Request, RequestOutput
+from splitspec.runtime.types import Request, RequestOutput
 from splitspec.runtime.sampling import SamplingParams
 from splitspec.settings import ServeConfig
 
