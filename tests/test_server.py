@@ -184,7 +184,7 @@ def test_render_repo_rejects_bad_placement(engines, tmp_path):
         render_repo(ServeConfig(engines, num_draft_tokens=K, target_device_ids=parse_ids("0,x", "target_device_ids")),
                     tmp_path / "r")
     with pytest.raises(ConfigError, match="target_device_ids"):
-        render_repo(ServeConfig(engines, num_draft_tokens=K, target_device_ids=(0, 1)), tmp_path / "r")  # TP1 engines
+        render_repo(ServeConfig(engines, num_draft_tokens=K, target_device_ids=tuple(range(16))), tmp_path / "r")  # ≠ tp_size
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         render_repo(ServeConfig(engines, num_draft_tokens=-1), tmp_path / "r")
     with pytest.raises(ConfigError, match="max_draft_len"):
