@@ -1,4 +1,5 @@
-"""Entry point of a target worker rank:
+"""A target worker rank (ranks 1..N−1, started by :class:`splitspec.engine.group.Group`): :func:`worker_loop` joins
+the group, loads this rank's shards and executes cycle plans until the shutdown plan. Entry point:
 ``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``.
 
 The leader's :class:`splitspec.settings.ServeConfig` switches arrive as options (``--no-compile``,
