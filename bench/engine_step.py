@@ -37,7 +37,8 @@ def measure(a: argparse.Namespace) -> dict:
 
     from splitspec.errors import CheckpointError, ConfigError
     from splitspec.measure.prompts import encode_prompt, read_prompts
-    from splitspec.runtime.scheduler import Request, SpeculativeEngine
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.runtime.types import Request
     from splitspec.settings import ServeConfig, parse_ids
 
     cfg = ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=parse_ids(a.device_ids, "--device-ids"),

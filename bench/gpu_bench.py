@@ -90,7 +90,8 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     from splitspec.models.batch import padded
     from splitspec.models.drafter import DrafterKVCache, DrafterModel
     from splitspec.models.target import TargetKVCache, TargetModel, noaux_tc_route
-    from splitspec.build.synthetic import drafter_shapes, kimi_k2_drafter, kimi_k2_target, random_weights, target_shapes
+    from splitspec.build.synthetic import kimi_k2_drafter, kimi_k2_target
+    from splitspec.models.shapes import drafter_shapes, random_weights, target_shapes
 
     cfg, S, start = kimi_k2_target(2), 256, 100
     rows_out, profiles = [], {}

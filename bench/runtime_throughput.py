@@ -23,7 +23,8 @@ import torch
 
 from splitspec.measure.closed_loop import run_closed_loop
 from splitspec.measure.prompts import encode_prompt, read_prompts
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
 

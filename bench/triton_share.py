@@ -21,7 +21,7 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
 
 ``--also`` adds steps between the two, to find where a difference comes from:
 
-- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.scheduler.EngineLoop` (cycles on a
+- ``engine_loop``: the same in-process engine driven by :class:`splitspec.runtime.loop.EngineLoop` (cycles on a
   background thread, as in the served engine's process);
 - ``engine_process``: :class:`splitspec.serving.engine_process.EngineProcess` started from this process (the served
   engine's own process, its loop thread and its per-cycle messages, without Triton);

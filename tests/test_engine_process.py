@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from splitspec.engine.group import EngineError
+from splitspec.engine.plan import EngineError
 from splitspec.serving.engine_process import CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
-from splitspec.runtime.scheduler import CycleStats, Request, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import CycleStats, Request, RequestOutput, RequestStats
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
 
@@ -162,7 +163,7 @@ def test_callbacks_cannot_stop_the_reader(built_engines, tok):
 def test_a_corrupt_engine_json_is_named_with_its_field(built_engines, tmp_path):
     import json
 
-    from splitspec.engine.group import read_engine_meta
+    from splitspec.engine.engine_files import read_engine_meta
 
     good = json.loads((built_engines / "target" / "engine.json").read_text())
     for change, says in (({"config": {}}, "field 'rope' missing"), ({"limits": dict(good["limits"], max_seq_len="lots")}, "limits.max_seq_len"),

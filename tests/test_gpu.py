@@ -12,7 +12,9 @@ import threading
 import pytest
 import torch
 
-from splitspec.runtime.scheduler import EngineLoop, Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.loop import EngineLoop
+from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

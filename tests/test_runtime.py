@@ -7,10 +7,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from splitspec.engine.group import CyclePlan, SeqWork
+from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import single_blocks
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig

@@ -61,7 +61,8 @@ def tok(built_engines):
 def reference(built_engines, tok):
     """Output ids per (prompt, max_tokens) from the engine in this process: target-only greedy
     (k = 0), and seeded sampling with k = K. Computed before the server starts (2 cores)."""
-    from splitspec.runtime.scheduler import Request, SpeculativeEngine
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.runtime.types import Request
     from splitspec.runtime.sampling import SamplingParams
 
     greedy = [(p, MAX_TOKENS) for p in PROMPTS + MANY] + [(LONG_PROMPT, 200), (LONG_PROMPT, 60), (LONG_PROMPT, 120)]

@@ -9,7 +9,8 @@ import torch
 
 from splitspec.engine.group import Group
 from splitspec.models.batch import ForwardBatch, single_blocks
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
 
@@ -35,7 +36,7 @@ def reference(engines_for, tok):
 
 def _prompt_logits(eng, ids):
     """Logits of every prompt position through the whole group (a one-sequence prefill cycle)."""
-    from splitspec.engine.group import CyclePlan, SeqWork
+    from splitspec.engine.plan import CyclePlan, SeqWork
 
     blocks = single_blocks(0, 256)
     with torch.inference_mode():
@@ -172,9 +173,9 @@ def test_request_limits_are_checked(built_engines):
 
 
 def test_target_group_reports_dead_worker(engines_for):
-    from splitspec.engine.group import EngineError
+    from splitspec.engine.plan import EngineError
 
-    from splitspec.engine.group import CyclePlan, SeqWork
+    from splitspec.engine.plan import CyclePlan, SeqWork
 
     group = Group(ServeConfig(engines_for(2)))
     try:
@@ -192,7 +193,8 @@ def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for
     at once, and still leaves the group so that another can be made."""
     import time
 
-    from splitspec.engine.group import SHUTDOWN_WAIT_S, CyclePlan, SeqWork
+    from splitspec.engine.group import SHUTDOWN_WAIT_S
+    from splitspec.engine.plan import CyclePlan, SeqWork
 
     group = Group(ServeConfig(engines_for(2)))
     procs = list(group.procs)

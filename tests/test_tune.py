@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from splitspec.measure.cost_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.errors import ConfigError
 from splitspec.measure.tune import choose, score, tune
 from splitspec.settings import ServeConfig
@@ -124,7 +125,7 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
                                  {"draft_tp": 1, "k_by_batch": {"9" * 5000: 2}}])
 def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
     from splitspec.errors import SplitspecError
-    from splitspec.runtime.scheduler import read_tuning
+    from splitspec.runtime.placement import read_tuning
 
     (tmp_path / "tuning.json").write_text(json.dumps(bad))
     with pytest.raises(SplitspecError, match="tuning.json"):
@@ -159,7 +160,7 @@ def _tp(engines) -> int:
 
 
 def test_tuning_that_does_not_fit_the_engines_is_refused(built_engines, tmp_path):
-    from splitspec.runtime.scheduler import read_tuning
+    from splitspec.runtime.placement import read_tuning
 
     eng_dir = tmp_path / "e"
     shutil.copytree(built_engines, eng_dir)

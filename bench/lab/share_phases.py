@@ -29,7 +29,9 @@ from splitspec.measure.closed_loop import run_closed_loop
 from splitspec.measure.prompts import Prompt, encode_prompt
 from splitspec.measure.server_stats import model_stats, stats_delta
 from splitspec.measure.stream_client import StreamWorker
-from splitspec.runtime.scheduler import EngineLoop, Request, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.loop import EngineLoop
+from splitspec.runtime.types import Request, RequestOutput, RequestStats
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.repo import render_repo

@@ -99,7 +99,7 @@ def _cmd_tune(a: argparse.Namespace) -> None:
         raise ConfigError(f"--max-seq-len = {a.max_seq_len}, expected ≥ 32 tokens")
     batches = a.batches
     if batches is None:  # the default buckets, capped at what the engines take
-        from splitspec.engine.group import read_engine_meta
+        from splitspec.engine.engine_files import read_engine_meta
 
         limit = int(read_engine_meta(Path(a.engines) / "target", "target")["limits"]["max_batch_size"])
         batches = sorted({min(b, limit) for b in (1, 4, 16)})

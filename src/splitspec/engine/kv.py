@@ -51,3 +51,11 @@ class BlockAllocator:
 
     def release(self, blocks: list[int]) -> None:
         self.free.extend(reversed(blocks))
+
+
+def kv_blocks_for(limits: dict, kv_tokens: int | None) -> int:
+    """KV blocks for a token budget (default: the engine's max_batch_size × max_seq_len)."""
+    tokens = kv_tokens or limits.get("kv_tokens") or limits["max_batch_size"] * limits["max_seq_len"]
+    if tokens < 1:
+        raise ConfigError(f"kv_tokens = {tokens}, expected a positive token budget")
+    return blocks_needed(int(tokens))

@@ -1,4 +1,5 @@
-"""Entry point of a target worker rank:
+"""A target worker rank (ranks 1..N−1, started by :class:`splitspec.engine.group.Group`): :func:`worker_loop` joins
+the group, loads this rank's shards and executes cycle plans until the shutdown plan. Entry point:
 ``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``.
 
 The leader's :class:`splitspec.settings.ServeConfig` switches arrive as options (``--no-compile``,
@@ -12,10 +13,58 @@ import signal
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 import argparse  # noqa: E402
+import datetime  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from splitspec.engine.group import worker_loop  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from splitspec.engine.graphs import bucket  # noqa: E402
+from splitspec.engine.plan import IDLE_TIMEOUT, CyclePlan  # noqa: E402
+from splitspec.engine.rank import RankRunner, threads_per_rank  # noqa: E402
+from splitspec.models.layers import TPComm  # noqa: E402
+
+
+def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, placements: tuple[int, ...],
+                kv_tokens: int | None = None, compile: bool = True, cuda_graphs: bool = True,
+                collective_timeout_s: int = 300) -> None:
+    """Body of a worker rank: join the group, load its shards, execute plans until shutdown. The switches are
+    the leader's :class:`ServeConfig`'s, passed on the worker's command line."""
+    torch.set_num_threads(threads_per_rank(world))
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timeout)
+    store.set(f"up/{rank}", "1")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, placements, kv_tokens=kv_tokens,
+                        compile=compile, cuda_graphs=cuda_graphs)
+    store.set(f"ready/{rank}", "1")
+    with torch.inference_mode():
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, 0, group=control)
+            plan: CyclePlan = box[0]
+            if plan.shutdown:
+                runner.graphs.clear()
+                break
+            if plan.placement_switch:
+                runner.switch_placement(plan.draft_tp, plan.work)
+                continue
+            if plan.padded_k is not None:
+                drafts = None
+                if runner.draft_tp == 1 and plan.padded_k:
+                    drafts = torch.empty(bucket(len(plan.work)), plan.padded_k, dtype=torch.int64, device=device)
+                    dist.broadcast(drafts, 0)
+                for sid in plan.finished:
+                    runner.aux.pop(sid, None)
+                runner.execute_padded(plan, drafts)
+            else:
+                runner.execute(plan)
+    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ from typing import Sequence
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.measure.prompts import Prompt, encode_prompt
 from splitspec.runtime.sampling import SamplingParams
-from splitspec.runtime.scheduler import GenerationResult, Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import GenerationResult, Request
 from splitspec.settings import ServeConfig
 
 

@@ -10,7 +10,7 @@ and each placement's engines are loaded several times, alternating with the othe
 load's own speed varies by several percent).
 Each bucket gets its fastest (placement, k), k = 0 (speculation off) wherever speculation does not beat
 it; where the buckets' placements differ the engine loads both drafters and each cycle drafts with its
-bucket's (:meth:`splitspec.engine.group.RankRunner.switch_placement` moves the drafter K/V on a change).
+bucket's (:meth:`splitspec.engine.rank.RankRunner.switch_placement` moves the drafter K/V on a change).
 ``verify`` measures everything a second time and scores the choice against that independent exhaustive
 sweep. Written atomically to ``engines_dir/tuning.json``, which
 ``SpeculativeEngine.load`` reads.
@@ -23,10 +23,11 @@ import os
 import time
 from pathlib import Path
 
-from splitspec.engine.group import read_engine_meta
+from splitspec.engine.engine_files import read_engine_meta
 from splitspec.measure.prompts import Prompt, encode_prompt, read_prompts
 from splitspec.files import write_atomic
-from splitspec.runtime.scheduler import Request, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
 
@@ -133,12 +134,13 @@ def _gather(eng: SpeculativeEngine, prompts: list[list[int]], batches: list[int]
 def measure(cfg: ServeConfig, placements: list[int], batches: list[int], ks: list[int], prompts: list[Prompt] | list[list[int]],
             max_seq_len: int, cycles: int = 48, loads: int = 2, label: str = "measuring") -> list[dict]:
     """Steady-cycle rows (see :func:`_gather`) of the deployment ``cfg`` (its engines, devices, switches and
-    synthetic acceptance; draft_tp, k and the batch and KV limits are set here) for every placement (draft_tp) × B × k, each placement's
-    engines loaded ``loads`` times in the order A B B A A B … (reversed every other time): each load
-    gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms is the
-    mean of its loads' medians. An engine load's own speed varies — on 2 × H200 the same configuration's
-    median cycle, even k = 0, moved 5–15% from one load to the next — and a slow stretch of the machine would
-    otherwise land on one placement only; alternating loads shares both between the placements compared.
+    synthetic acceptance; draft_tp, k and the batch and KV limits are set here) for every placement (draft_tp)
+    × B × k, each placement's engines loaded ``loads`` times in the order A B B A A B … (reversed every other
+    time): each load gathers its share of the ``cycles`` (in 8 / loads interleaved passes), and a row's cycle_ms
+    is the mean of its loads' medians. An engine load's own speed varies — the same configuration's median
+    cycle, even k = 0, moves by several percent from one load to the next (docs/lab/) — and a slow stretch of
+    the machine would otherwise land on one placement only; alternating loads shares both between the
+    placements compared.
     ``prompts``: prompts (encoded with the engines' tokenizer) or token-id lists (taken as they are).
     Returns one row per (placement, B, k), in order (:func:`row`): draft_tp, batch, k, cycle_ms (the mean of
     the loads' median wall ms of ``eng.step()``), cycle_ms_by_load, cycle_ms_mean, draft_ms / verify_ms

@@ -1,6 +1,6 @@
 """Continuous-batching speculative decoding over the target group and the EAGLE-3 drafter.
 
-A *cycle* (DESIGN.md, "Speculation, in numbers") runs one batched draft phase — the drafter extends over the
+A *cycle* (docs/architecture.md) runs one batched draft phase — the drafter extends over the
 tokens each sequence accepted last cycle, then takes k − 1 more steps — and one batched target forward that
 verifies every decoding sequence's k + 1 positions and prefills chunks of newly admitted prompts. Sequences
 join and leave between cycles. Acceptance is decided here, once, on the leader (:mod:`splitspec.runtime.sampling`):
@@ -17,162 +17,28 @@ import collections
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from splitspec.engine.group import CyclePlan, EngineError, Group, SeqWork, read_engine_meta
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.engine.group import Group
 from splitspec.engine.kv import BlockAllocator
+from splitspec.engine.plan import CyclePlan, SeqWork
+from splitspec.errors import ConfigError
+from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
+from splitspec.runtime.sequence import Sequence
+from splitspec.runtime.types import CycleStats, GenerationResult, Request, RequestOutput
 from splitspec.settings import ServeConfig
-
-
-@dataclass
-class Request:
-    """A generation request.
-
-    Attributes:
-        prompt_ids: prompt token ids.
-        max_tokens: at most this many tokens are generated (≥ 1).
-        sampling: temperature / top-p / top-k / seed.
-        num_draft_tokens: draft tokens per cycle (k); None = the deployment's default; 0 = no speculation.
-        stop: stop strings (need a tokenizer); output ends right before the first one.
-        stop_token_ids: ids that end generation (they are emitted); None = the tokenizer's EOS / <|im_end|>.
-    """
-
-    prompt_ids: list[int]
-    max_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: set[int] | None = None
-
-
-@dataclass
-class RequestStats:
-    """Per-request speculation statistics (counting only emitted tokens).
-
-    acceptance_length: emitted tokens per target verify forward (1.0 without speculation).
-    accepted_per_position[i]: cycles whose draft i+1 was accepted and emitted.
-    draft_ms / verify_ms: summed wall time of the cycles this request took part in.
-    ttft_ms: submit → first token; e2e_ms: submit → finish; queue_ms: submit → admission.
-    """
-
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cycles: int = 0
-    acceptance_length: float = 1.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    ttft_ms: float = 0.0
-    e2e_ms: float = 0.0
-    queue_ms: float = 0.0
-    synthetic: bool = False
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_output_tokens / (self.e2e_ms / 1e3) if self.e2e_ms else 0.0
-
-
-@dataclass
-class RequestOutput:
-    """One event of a request: tokens (and text, with a tokenizer) emitted in one cycle, or the end.
-
-    ``error`` is set (and ``finished`` True) when the request failed; ``stats`` is set when finished.
-    ``finish_reason``: "stop", "length", "cancelled", "error"; "rejected" for a request the engine process refused
-    (:mod:`splitspec.serving.engine_process`; ``error`` says why, no ``stats``).
-    """
-
-    request_id: int
-    token_ids: list[int]
-    text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: RequestStats | None = None
-    error: str | None = None
-
-
-@dataclass
-class GenerationResult:
-    """A finished request (see :meth:`SpeculativeEngine.generate`)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: RequestStats
-
-    # Shortcuts used by callers of the single-request API.
-    @property
-    def acceptance_length(self) -> float:
-        return self.stats.acceptance_length
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        return self.stats.accepted_per_position
-
-    @property
-    def num_cycles(self) -> int:
-        return self.stats.num_cycles
-
-
-@dataclass
-class CycleStats:
-    """One cycle: sequences decoding / prefilling, draft and verify time (ms), tokens emitted per decoding
-    sequence, accepted drafts by position, KV blocks used/total, queued requests, the placement that drafted
-    (``draft_tp``; 0: nothing drafted) and whether it took over from the other one this cycle (``switched``)."""
-
-    decode_seqs: int
-    prefill_tokens: int
-    draft_ms: float
-    verify_ms: float
-    emitted: list[int]
-    accepted_by_position: list[int]
-    kv_used_blocks: int
-    kv_total_blocks: int
-    queued: int
-    draft_tp: int = 0
-    switched: bool = False
-
-
-class _Sequence:
-    def __init__(self, sid: int, req: Request, k: int, stops: set[int], detok):
-        self.id, self.req, self.k = sid, req, k
-        self.stops = stops
-        self.tokens = list(req.prompt_ids)
-        self.prefilled = 0
-        self.blocks: list[int] = []
-        self.output: list[int] = []
-        self.extend_start, self.keep_aux = 0, None
-        self.gen = torch.Generator()
-        if req.sampling.seed is not None:
-            self.gen.manual_seed(req.sampling.seed)
-        else:
-            self.gen.seed()
-        self.detok = detok
-        self.stats = RequestStats(num_prompt_tokens=len(req.prompt_ids), accepted_per_position=[0] * k)
-        self.t_submit = time.perf_counter()
-        self.emitted_in_cycles = 0
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.cancelled = False
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.req.prompt_ids)
-
-    def need_tokens(self) -> int:
-        return len(self.req.prompt_ids) + self.req.max_tokens + self.k + 1
 
 
 class SpeculativeEngine:
     """Continuous-batching EAGLE-3 speculation over a target TP group and a drafter (TP1 or TP-N).
 
     Single-threaded core: :meth:`submit` (thread-safe) queues requests, :meth:`step` runs one cycle.
-    :meth:`generate` runs one request to completion; :class:`EngineLoop` runs cycles in a background thread.
+    :meth:`generate` runs one request to completion; :class:`~splitspec.runtime.loop.EngineLoop` runs cycles in a
+    background thread.
 
     The deployment's settings are the group's :class:`~splitspec.settings.ServeConfig` (``group.config``):
     num_draft_tokens (default k per request; 0 disables speculation; None: 4), max_batch_size (sequences decoded at
@@ -200,9 +66,9 @@ class SpeculativeEngine:
         self.synthetic = synthetic_acceptance
         self.vocab_size = group.cfg.vocab_size
         self.alloc = BlockAllocator(group.rank0.kv_blocks)
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.running: list[_Sequence] = []
-        self.seqs: dict[int, _Sequence] = {}
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
         self._finished_ids: list[int] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -210,7 +76,7 @@ class SpeculativeEngine:
         self.k_by_batch: dict[int, int] = {}
         self.draft_tp_by_batch: dict[int, int] = {}  # several placements loaded: which drafts per batch bucket
         self.switch_after = SWITCH_AFTER_CYCLES
-        self._wanting_other = 0  # consecutive drafting cycles whose bucket wanted the other placement
+        self._wanting_other = 0  # consecutive drafting cycles whose bucket wanted the other placement (next_placement)
         self.on_cycle: Callable[[CycleStats], None] | None = None
         # called on the stepping thread once a cycle's GPU work is queued, before the host waits for it: host work
         # there (the engine process sends the previous cycle's events) overlaps the GPU's
@@ -221,30 +87,21 @@ class SpeculativeEngine:
     def load(cls, cfg: ServeConfig, tokenizer_dir: Path | None = None) -> "SpeculativeEngine":
         """Start the target group, load the drafter, and return the engine for the deployment ``cfg``.
 
-        ``cfg.draft_tp`` / ``cfg.num_draft_tokens`` left None take the choice ``splitspec tune`` wrote to
-        ``engines_dir/tuning.json`` (placement and k per batch-size bucket: where the buckets' placements
-        differ, both are loaded and each cycle drafts with its bucket's), else draft_tp 1 and k 4. With
-        ``draft_tp`` given, k follows tuning.json only where every bucket was tuned for that placement.
+        ``cfg.draft_tp`` / ``cfg.num_draft_tokens`` left None follow ``engines_dir/tuning.json``
+        (:func:`~splitspec.runtime.placement.tuned_choice`), else draft_tp 1 and k 4.
         ``tokenizer_dir``: folder of tokenizer files for stop strings and text (default ``engines_dir/target``).
         """
-        engines_dir, draft_tp, num_draft_tokens = cfg.engines_dir, cfg.draft_tp, cfg.num_draft_tokens
-        tuning = read_tuning(engines_dir) if draft_tp is None or num_draft_tokens is None else None  # not read when unused
-        tuned = {int(b): int(d) for b, d in tuning["draft_tp_by_batch"].items()} if tuning else {}
-        # with both, the smallest bucket's placement drafts first
-        placements = (draft_tp,) if draft_tp is not None else tuple(sorted(set(tuned.values()), key=lambda d: (d != tuned[min(tuned)], d))) or (1,)
+        choice = tuned_choice(cfg)
         tok = None
-        tdir = Path(tokenizer_dir) if tokenizer_dir else engines_dir / "target"
+        tdir = Path(tokenizer_dir) if tokenizer_dir else cfg.engines_dir / "target"
         if (tdir / "tokenizer.json").exists():
             from splitspec.runtime.tokenizer import ChatTokenizer
 
             tok = ChatTokenizer.from_dir(tdir)
-        group = Group(cfg, placements)
+        group = Group(cfg, choice.placements)
         try:
             eng = cls(group, tok)
-            if num_draft_tokens is None and tuning and set(tuned.values()) <= set(placements):
-                eng.k_by_batch = {int(b): int(k) for b, k in tuning["k_by_batch"].items()}
-            if len(placements) > 1:
-                eng.draft_tp_by_batch = tuned
+            eng.k_by_batch, eng.draft_tp_by_batch = dict(choice.k_by_batch), dict(choice.draft_tp_by_batch)
             return eng
         except BaseException:
             group.close()
@@ -267,64 +124,43 @@ class SpeculativeEngine:
         queued + this request), else the deployment's default."""
         if not self.k_by_batch:
             return self.num_draft_tokens
-        return _by_bucket(self.k_by_batch, len(self.running) + len(self.waiting) + 1)
+        return by_bucket(self.k_by_batch, len(self.running) + len(self.waiting) + 1)
 
     def draft_tp_for(self, batch: int) -> int:
         """The placement wanted for a cycle of ``batch`` drafting sequences: the tuned one of its bucket where
         several are loaded, else the one loaded."""
-        return _by_bucket(self.draft_tp_by_batch, batch) if self.draft_tp_by_batch else self.group.draft_tp
+        return by_bucket(self.draft_tp_by_batch, batch) if self.draft_tp_by_batch else self.group.draft_tp
 
     def _placement(self, drafting: int) -> int | None:
-        """The placement this cycle drafts with: the one drafting so far until ``switch_after`` consecutive
-        drafting cycles have wanted the other (:meth:`draft_tp_for`), so that a batch hovering at a bucket's
-        edge does not pay a switch every cycle. None (no change) when nothing drafts."""
+        """The placement this cycle drafts with (:func:`~splitspec.runtime.placement.next_placement` over
+        :meth:`draft_tp_for` and ``switch_after``); None (no change) when nothing drafts."""
         if not drafting:
             return None
-        now, want = self.group.draft_tp, self.draft_tp_for(drafting)
-        self._wanting_other = self._wanting_other + 1 if want != now else 0
-        if self._wanting_other < max(1, self.switch_after):
-            return now
-        self._wanting_other = 0
-        return want
+        placement, self._wanting_other = next_placement(self.group.draft_tp, self.draft_tp_for(drafting),
+                                                        self._wanting_other, self.switch_after)
+        return placement
 
     def _check_k(self, k: int) -> None:
         if not 0 <= k <= self.max_draft_len:
             raise ConfigError(f"num_draft_tokens = {k}, expected 0..{self.max_draft_len} (engine max_draft_len)")
 
     def check_request(self, req: Request) -> int:
-        """Validate a request against the engine's limits; return its k.
+        """Validate a request (:meth:`Request.check`) and against the engine's limits; return its k.
 
         Raises:
-            ConfigError: empty or out-of-vocabulary prompt, bad max_tokens / sampling / k / stop_token_ids, stop
-                strings without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the KV budget.
+            ConfigError: a malformed request, an out-of-vocabulary prompt, a k beyond max_draft_len (or > 0 without a
+                drafter), stop strings without a tokenizer, or prompt + max_tokens + k + 1 beyond max_seq_len or the
+                KV budget.
         """
+        req.check()
         k = self.default_k() if req.num_draft_tokens is None else req.num_draft_tokens
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-        if not isinstance(req.prompt_ids, (list, tuple)) or not all(is_int(t) for t in req.prompt_ids):
-            raise ConfigError("prompt_ids must be a list of integer token ids")
-        if not is_int(k):
-            raise ConfigError(f"num_draft_tokens = {k!r}, expected an integer")
-        if not isinstance(req.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in req.stop):
-            raise ConfigError(f"stop = {req.stop!r}, expected a list of non-empty strings")
-        if len(req.stop) > 16 or any(len(x) > 256 for x in req.stop):
-            raise ConfigError("stop: at most 16 strings of at most 256 characters")
-        if req.stop_token_ids is not None and (not isinstance(req.stop_token_ids, (set, frozenset, list, tuple))
-                                               or not all(is_int(t) for t in req.stop_token_ids)):
-            raise ConfigError(f"stop_token_ids = {req.stop_token_ids!r}, expected a set of integer token ids (or None)")
-        if not isinstance(req.sampling, SamplingParams):
-            raise ConfigError("sampling must be a SamplingParams")
-        if not req.prompt_ids:
-            raise ConfigError("prompt is empty: at least one token is needed")
         bad = [(i, t) for i, t in enumerate(req.prompt_ids) if not 0 <= t < self.vocab_size]
         if bad:
             where = ", ".join(f"{t} at position {i}" for i, t in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise ConfigError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {where}")
-        if not is_int(req.max_tokens) or req.max_tokens < 1:
-            raise ConfigError(f"max_tokens = {req.max_tokens!r}, expected an integer ≥ 1")
         self._check_k(k)
         if k and self.group.rank0.drafter is None:
             raise ConfigError("num_draft_tokens > 0 but no drafter is loaded")
-        req.sampling.check()
         if req.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer (none found beside the target engine)")
         need = len(req.prompt_ids) + req.max_tokens + k + 1
@@ -350,7 +186,7 @@ class SpeculativeEngine:
 
             detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
         with self._lock:
-            seq = _Sequence(next(self._ids), req, k, stops, detok)
+            seq = Sequence(next(self._ids), req, k, stops, detok)
             seq.stats.synthetic = self.synthetic is not None
             self.seqs[seq.id] = seq
             if callback is not None:
@@ -365,6 +201,17 @@ class SpeculativeEngine:
             if seq is not None:
                 seq.cancelled = True
 
+    def fail_all(self, message: str) -> None:
+        """End every running and queued request with an error event carrying ``message`` (the engine cannot go on:
+        :class:`~splitspec.runtime.loop.EngineLoop` calls this when a cycle fails)."""
+        with self._lock:
+            seqs = list(self.running) + list(self.waiting)
+            self.running, self.waiting = [], collections.deque()
+        for seq in seqs:
+            cb = self._callbacks.pop(seq.id, None)
+            if cb:
+                cb(RequestOutput(seq.id, [], "", True, "error", seq.stats, message))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -378,13 +225,8 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- the cycle
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> RequestOutput:
-        seq.finish_reason = reason
-        now = time.perf_counter()
-        s = seq.stats
-        s.e2e_ms = (now - seq.t_submit) * 1e3
-        s.num_output_tokens = len(seq.output)
-        s.acceptance_length = seq.emitted_in_cycles / s.num_cycles if s.num_cycles else 1.0
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        """End ``seq``: free its KV blocks and slot (its workers forget it with the next plan); its final event."""
         if seq.blocks:
             self.alloc.release(seq.blocks)
             seq.blocks = []
@@ -392,38 +234,13 @@ class SpeculativeEngine:
             self.running.remove(seq)
             self._finished_ids.append(seq.id)
         self.seqs.pop(seq.id, None)
-        tail = seq.detok.add([], final=True) if (seq.detok and not error and reason != "stop_string") else ""
-        seq.text += tail
-        return RequestOutput(seq.id, [], tail, True, reason, s, error)
+        return seq.finish(reason, error)
 
-    def _emit(self, seq: _Sequence, new: list[int], accepted: int | None) -> list[RequestOutput]:
-        """Append tokens up to a stop or max_tokens; returns the events (delta and/or finish)."""
-        take, reason = [], None
-        for t in new:
-            take.append(t)
-            if t in seq.stops:
-                reason = "stop"
-                break
-            if len(seq.output) + len(take) >= seq.req.max_tokens:
-                reason = "length"
-                break
-        text = ""
-        if seq.detok is not None:
-            text = seq.detok.add(take)
-            if seq.detok.stopped:
-                take = take[: seq.detok.tokens_to_stop - len(seq.output)]
-                reason = "stop_string"
-        seq.output += take
-        seq.text += text
-        if not seq.stats.ttft_ms and take:
-            seq.stats.ttft_ms = (time.perf_counter() - seq.t_submit) * 1e3
-        if accepted is not None:
-            seq.emitted_in_cycles += len(take)
-            for i in range(min(accepted, len(take))):
-                seq.stats.accepted_per_position[i] += 1
-        events = [RequestOutput(seq.id, take, text)] if take or text else []
+    def _emit(self, seq: Sequence, new: list[int], accepted: int | None) -> list[RequestOutput]:
+        """Append tokens up to a stop or max_tokens (:meth:`Sequence.emit`); returns the events (delta and/or finish)."""
+        events, reason = seq.emit(new, accepted)
         if reason:
-            events.append(self._finish(seq, "stop" if reason == "stop_string" else reason))
+            events.append(self._finish(seq, reason))
         return events
 
     def _admit(self) -> None:
@@ -570,126 +387,3 @@ class SpeculativeEngine:
                     on_tokens(e.token_ids)
                 if e.finished:
                     return GenerationResult(toks, text, e.finish_reason, e.stats)
-
-
-#: Consecutive drafting cycles that must want the other placement before it drafts: on 2 × H200 a switch costs
-#: 1.7 ms at batch 16 and the better placement there saves 0.6–1.0 ms per cycle (docs/performance.md).
-SWITCH_AFTER_CYCLES = 3
-
-
-def _by_bucket(table: dict[int, int], batch: int) -> int:
-    """``table``'s value for the smallest bucket ≥ ``batch``, or the largest bucket's."""
-    fitting = [b for b in sorted(table) if b >= batch]
-    return table[fitting[0] if fitting else max(table)]
-
-
-def read_tuning(engines_dir: Path) -> dict | None:
-    """``engines_dir/tuning.json`` written by ``splitspec tune``, or None if there is none.
-
-    Fields: ``k_by_batch`` {"batch": k} and either ``draft_tp_by_batch`` {"batch": draft_tp} (the same
-    buckets) or ``draft_tp`` (one placement for every bucket); the result always has
-    ``draft_tp_by_batch``. Raises ConfigError naming the file when a field is missing or of the wrong
-    type, a k exceeds the engines' max_draft_len, or a draft_tp is neither 1 nor the target's tp_size
-    (``target/engine.json``)."""
-    path = Path(engines_dir) / "tuning.json"
-    if not path.exists() and not path.is_symlink():  # a dangling link is refused by read_json, not taken for none
-        return None
-    from splitspec.files import read_json
-
-    t = read_json(path)
-    if not isinstance(t, dict) or "k_by_batch" not in t or ("draft_tp" in t) == ("draft_tp_by_batch" in t):
-        raise ConfigError(f"{path}: expected fields 'k_by_batch' and one of 'draft_tp_by_batch' or 'draft_tp'")
-    ok = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo  # noqa: E731
-    kb = t["k_by_batch"]
-    canonical = lambda b: (isinstance(b, str) and b.isascii() and b.isdigit() and len(b) <= 9  # noqa: E731
-                           and b == str(int(b)) and int(b) >= 1)
-    if not isinstance(kb, dict) or not kb or not all(canonical(b) and ok(k, 0) for b, k in kb.items()):
-        raise ConfigError(f"{path}: k_by_batch = {repr(kb)[:200]}, expected {{\"batch ≥ 1\" (decimal, no leading zeros): k ≥ 0, ...}}")
-    if "draft_tp_by_batch" in t:
-        db = t["draft_tp_by_batch"]
-        if not isinstance(db, dict) or set(db) != set(kb) or not all(ok(d, 1) for d in db.values()):
-            raise ConfigError(f"{path}: draft_tp_by_batch = {repr(db)[:200]}, expected a positive draft_tp for each bucket of k_by_batch {sorted(kb)}")
-    elif not ok(t["draft_tp"], 1):
-        raise ConfigError(f"{path}: draft_tp = {t['draft_tp']!r}, expected a positive integer")
-    else:
-        t["draft_tp_by_batch"] = dict.fromkeys(kb, t["draft_tp"])
-    target = Path(engines_dir) / "target"
-    if (target / "engine.json").exists():
-        meta = read_engine_meta(target, "target")
-        tp, max_k = int(meta["mapping"]["tp_size"]), int(meta["limits"]["max_draft_len"])
-        bad = {b: d for b, d in t["draft_tp_by_batch"].items() if d not in (1, tp)}
-        if bad:
-            field = "draft_tp_by_batch" if "draft_tp" not in t else "draft_tp"
-            raise ConfigError(f"{path}: {field} {bad if field == 'draft_tp_by_batch' else t['draft_tp']}: expected 1 or the target's tp_size {tp}")
-        if max(kb.values()) > max_k:
-            raise ConfigError(f"{path}: k_by_batch = {kb!r} exceeds the engines' max_draft_len {max_k}")
-    return t
-
-
-class EngineLoop:
-    """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit` and :meth:`cancel` are
-    thread-safe. Callbacks run on the loop thread. If the engine fails (a worker died), every active and
-    queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
-
-    ``after_step``: called on the loop thread after every cycle (after its callbacks), e.g. to pass the
-    cycle's events on in one message.
-    """
-
-    def __init__(self, engine: SpeculativeEngine, after_step: Callable[[], None] | None = None):
-        self.engine = engine
-        self.after_step = after_step
-        self.healthy, self.error = True, None
-        self._wake = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="splitspec-engine-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, req: Request, callback: Callable[[RequestOutput], None]) -> int:
-        """Queue ``req``; ``callback`` receives its events. Raises ConfigError / EngineError at once."""
-        if not self.healthy:
-            raise EngineError(f"engine is not ready: {self.error}")
-        with self._wake:
-            rid = self.engine.submit(req, callback)
-            self._wake.notify()
-        return rid
-
-    def cancel(self, request_id: int) -> None:
-        self.engine.cancel(request_id)
-        with self._wake:
-            self._wake.notify()
-
-    def _run(self) -> None:
-        device = self.engine.group.devices[0]
-        if device.startswith("cuda"):  # a new thread's current device is GPU 0, whatever the loading thread set
-            torch.cuda.set_device(device)
-        while True:
-            with self._wake:
-                while not self._stop and not self.engine.has_work():
-                    self._wake.wait()
-                if self._stop:
-                    return
-            try:
-                self.engine.step()
-                if self.after_step is not None:
-                    self.after_step()
-            except Exception as e:  # a dead worker or broken group: fail everything, stop serving
-                self.healthy, self.error = False, f"{type(e).__name__}: {e}"
-                self._fail_all(self.error)
-                return
-
-    def _fail_all(self, message: str) -> None:
-        eng = self.engine
-        with eng._lock:
-            seqs = list(eng.running) + list(eng.waiting)
-            eng.running, eng.waiting = [], collections.deque()
-        for seq in seqs:
-            cb = eng._callbacks.pop(seq.id, None)
-            if cb:
-                cb(RequestOutput(seq.id, [], "", True, "error", seq.stats, message))
-
-    def stop(self) -> None:
-        """Stop the loop thread (the engine stays open; call ``engine.close()``)."""
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=30)

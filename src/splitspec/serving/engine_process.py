@@ -58,9 +58,11 @@ from multiprocessing.connection import Connection
 from typing import Callable, Mapping
 
 from splitspec import errors
-from splitspec.engine.group import EngineError
+from splitspec.engine.plan import EngineError
 from splitspec.errors import SplitspecError
-from splitspec.runtime.scheduler import CycleStats, EngineLoop, RequestOutput, RequestStats, SpeculativeEngine
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.loop import EngineLoop
+from splitspec.runtime.types import CycleStats, RequestOutput, RequestStats
 from splitspec.settings import ServeConfig
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
@@ -232,7 +234,7 @@ class EngineProcess:
     # ------------------------------------------------------------------ requests
 
     def submit(self, sid: int, req) -> None:
-        """Send ``req`` (a :class:`splitspec.runtime.scheduler.Request`) under the host's id ``sid``; its events go to
+        """Send ``req`` (a :class:`splitspec.runtime.types.Request`) under the host's id ``sid``; its events go to
         ``on_cycle``, a refusal too (a ``"rejected"`` event: see the class). Returns once the request is written,
         without waiting for the engine. Raises EngineError when the engine is known to have stopped serving or its
         process is gone, or when called from ``on_cycle``: the write can wait for the engine process to read, which

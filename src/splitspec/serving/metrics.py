@@ -3,7 +3,7 @@
 Two halves:
 
 - :class:`MetricsCollector` (no Triton import) gathers what the engine reports — one
-  :class:`~splitspec.runtime.scheduler.CycleStats` per cycle and the statistics of every finished request —
+  :class:`~splitspec.runtime.types.CycleStats` per cycle and the statistics of every finished request —
   under a lock, in O(1) per event, so the engine's loop thread never waits on Triton.
 - :class:`TritonMetricsExporter` owns the ``pb_utils.MetricFamily`` objects and publishes what the
   collector gathered (:meth:`TritonMetricsExporter.publish`), from a thread of the model's own.
@@ -76,7 +76,7 @@ class MetricsCollector:
         self.cycles_seen = 0  # cycles since start (never drained)
 
     def on_cycle(self, cs) -> None:
-        """Record one engine cycle (a :class:`splitspec.runtime.scheduler.CycleStats`)."""
+        """Record one engine cycle (a :class:`splitspec.runtime.types.CycleStats`)."""
         with self._lock:
             p = self._p
             p.cycles += 1
@@ -100,7 +100,7 @@ class MetricsCollector:
                 p.batch_sizes.append(cs.decode_seqs)
 
     def on_finished(self, finish_reason: str, stats=None) -> None:
-        """Record a finished request (``stats``: its :class:`splitspec.runtime.scheduler.RequestStats`, if any)."""
+        """Record a finished request (``stats``: its :class:`splitspec.runtime.types.RequestStats`, if any)."""
         with self._lock:
             p = self._p
             p.finished[finish_reason] = p.finished.get(finish_reason, 0) + 1

@@ -107,7 +107,7 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
         if not (engines_dir / "target" / f).is_file():
             raise ConfigError(f"{engines_dir / 'target' / f}: tokenizer file missing from the target engine")
 
-    from splitspec.runtime.scheduler import read_tuning
+    from splitspec.runtime.placement import read_tuning
 
     tuning = read_tuning(engines_dir)  # refused here, naming the file, if it does not fit these engines
     num_draft_tokens, draft_tp = cfg.num_draft_tokens, cfg.draft_tp

@@ -2,7 +2,7 @@
 
 The Triton model hands this module plain values — a mapping from input name to the request's NumPy array
 (absent inputs missing or None, :func:`splitspec.serving.triton.read_inputs`) and the request's parameters
-as JSON text — and gets back the runtime :class:`~splitspec.runtime.scheduler.Request` and the options that
+as JSON text — and gets back the runtime :class:`~splitspec.runtime.types.Request` and the options that
 shape its responses (:class:`StreamOptions`), or a :class:`~splitspec.errors.ConfigError` whose message names
 the input. The model answers that error with INVALID_ARG (HTTP 400). The inputs and their types are those of
 ``triton_repo/spec_decode/config.pbtxt.in``.
@@ -21,7 +21,7 @@ import numpy as np
 
 from splitspec.errors import ConfigError
 from splitspec.runtime.sampling import SamplingParams
-from splitspec.runtime.scheduler import Request
+from splitspec.runtime.types import Request
 
 #: Inputs of the ensemble (named when a request carries an unknown parameter).
 ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",

@@ -53,9 +53,9 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from splitspec.engine.group import EngineError
+from splitspec.engine.plan import EngineError
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.runtime.scheduler import RequestOutput
+from splitspec.runtime.types import RequestOutput
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S

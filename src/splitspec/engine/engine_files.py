@@ -1,0 +1,51 @@
+"""Engine files: the ``target/`` and ``drafter/`` folders ``splitspec build`` writes (``engine.json`` beside
+``rank{i}.safetensors``), read back by each rank. Formats: docs/formats.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.errors import CheckpointError
+from splitspec.files import read_json
+from splitspec.models.shapes import random_weights
+
+
+def read_engine_meta(folder: Path, kind: str) -> dict:
+    """Read and check ``engine.json`` of a built ``kind`` ('target' or 'drafter') engine: its kind, its config (and,
+    for the target, mapping and limits) readable as ``splitspec build`` writes them. Raises CheckpointError naming the
+    file and the field."""
+    path = Path(folder) / "engine.json"
+    meta = read_json(path)  # a JSON object, or CheckpointError
+    if meta.get("kind") != kind:
+        raise CheckpointError(f"{path}: kind {meta.get('kind')!r}, expected {kind!r}")
+    try:
+        (TargetConfig if kind == "target" else DrafterConfig).from_dict(meta["config"])
+        if kind == "target":
+            Mapping.from_dict(meta["mapping"])
+            for name in ("max_batch_size", "max_seq_len", "max_draft_len"):
+                v = meta["limits"][name]
+                if not isinstance(v, int) or isinstance(v, bool) or v < (name != "max_draft_len"):
+                    raise ValueError(f"limits.{name} = {v!r}, expected a positive integer")
+    except KeyError as e:
+        raise CheckpointError(f"{path}: field {e} missing (not an engine.json of splitspec build?)") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return meta
+
+
+def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = None, shapes: dict | None = None) -> dict[str, torch.Tensor]:
+    """Runtime-layout weights of one rank: ``rank{i}.safetensors``, or, for a synthetic engine
+    (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device``."""
+    synthetic = (meta or {}).get("weights", {}).get("synthetic")
+    if synthetic is not None:
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta["dtype"]]
+        return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank)
+    path = Path(folder) / f"rank{rank}.safetensors"
+    if not path.exists():
+        raise CheckpointError(f"{path}: engine weights missing")
+    return load_file(str(path), device=device)

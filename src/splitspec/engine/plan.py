@@ -1,0 +1,73 @@
+"""The cycle protocol between the leader and the ranks of the target's group.
+
+Each cycle the leader broadcasts one :class:`CyclePlan` on a gloo control group; every rank executes it
+(:meth:`splitspec.engine.rank.RankRunner.execute`) and rank 0 hands the leader a :class:`CycleOutput`. Only
+the leader decides which tokens are accepted; the decision reaches the other ranks as the next plan
+(accepted counts and tokens), so ranks never diverge on near-tied logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.errors import SplitspecError
+
+# Workers wait for the next cycle plan on a control group of their own: an idle server may wait for
+# requests indefinitely (a leader that dies closes the connection, which ends the wait at once).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class EngineError(SplitspecError):
+    """The engine cannot serve: a worker process died or the group broke."""
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a cycle.
+
+    kind 'prefill': ``tokens`` at positions start.. (a chunk of the prompt); ``final`` = last chunk.
+    kind 'decode': verify ``tokens`` = [last known token] (+ this cycle's drafts) at positions start..;
+    the drafter first extends rows extend_start.. with ``extend_tokens``, then takes k − 1 more steps.
+    ``keep_aux``: rows of the previous verify's aux states still valid (accepted + 1); None keeps all.
+    """
+
+    sid: int
+    blocks: list[int]
+    kind: str
+    start: int
+    tokens: list[int]
+    final: bool = True
+    k: int = 0
+    extend_start: int = 0
+    extend_tokens: list[int] = field(default_factory=list)
+    keep_aux: int | None = None
+
+
+@dataclass
+class CyclePlan:
+    """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending.
+    ``draft_tp``: the placement that drafts (None: the one drafting so far); ``placement_switch``: this
+    message only makes ``draft_tp`` the drafting placement (:meth:`RankRunner.switch_placement`)."""
+
+    work: list[SeqWork]
+    finished: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] | None = None
+    shutdown: bool = False
+    padded_k: int | None = None  # set by the leader: a steady decode cycle run in the static-shape form
+    draft_tp: int | None = None
+    placement_switch: bool = False
+
+
+@dataclass
+class CycleOutput:
+    """What the leader gets back: logits [R, V] (decode works: k+1 rows each; final prefill: 1 row),
+    the drafts used, and times in ms."""
+
+    logits: torch.Tensor
+    drafts: dict[int, list[int]]
+    draft_ms: float
+    verify_ms: float
+    greedy: list[int] | None = None  # argmax of every logits row, fetched with the drafts in one copy

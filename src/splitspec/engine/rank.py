@@ -1,0 +1,333 @@
+"""One rank of the target's group: its target shard, its latent KV cache and the drafter (shard) where it lives
+here, executing cycle plans (:mod:`splitspec.engine.plan`) eagerly or, for steady decode cycles, in the
+static-shape form replayed from CUDA graphs (:mod:`splitspec.engine.graphs`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
+from splitspec.engine.graphs import GraphCache, bucket
+from splitspec.engine.kv import BLOCK_SIZE, kv_blocks_for
+from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
+from splitspec.errors import ConfigError
+from splitspec.models.batch import ForwardBatch, padded, to_device
+from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
+from splitspec.models.layers import TPComm
+from splitspec.models.shapes import drafter_shapes, target_shapes
+from splitspec.models.target import TargetKVCache, TargetModel
+
+
+def threads_per_rank(world: int) -> int:
+    """CPU threads of one rank when ``world`` ranks share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+class PhaseClock:
+    """Splits a steady cycle's wall time (ms) into its draft part and its verify part without waiting for the GPU
+    in between: on CUDA the draft's end is a CUDA event recorded on ``device``'s current stream once the drafts are
+    there, read after the cycle's one device-to-host copy (when it has completed); on the CPU a host clock.
+
+    ``draft_ms``: from :meth:`start` (on CUDA: when the device reached the start event, right away when idle) to the
+    drafts being on ``device``; ``verify_ms``: the rest of the wall time up to :meth:`split` — with a TP1 drafter in a
+    group, sending the plan and the drafts to the workers too. GPU work queued before :meth:`start` and not waited
+    for (a placement switch's scatter or gather) delays the start event, so it counts as verify time."""
+
+    def __init__(self, device: str):
+        self.device, self.cuda = device, device.startswith("cuda")
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else ()
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        self.t0 = self.t1 = time.perf_counter()
+        if self.cuda:
+            self.events[0].record(torch.cuda.current_stream(self.device))
+
+    def draft_done(self) -> None:
+        if self.cuda:
+            self.events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self.t1 = time.perf_counter()
+
+    def split(self) -> tuple[float, float]:
+        """(draft_ms, verify_ms); call after the host has waited for the work recorded since :meth:`start`."""
+        total = (time.perf_counter() - self.t0) * 1e3
+        draft = self.events[0].elapsed_time(self.events[1]) if self.cuda else (self.t1 - self.t0) * 1e3
+        return draft, max(0.0, total - draft)
+
+
+class RankRunner:
+    """One rank: the target shard + its latent KV cache, and the drafter (shard) where it lives here.
+
+    Args:
+        engines_dir: folder with ``target/`` and ``drafter/`` engines.
+        rank, world: position in the target's group; ``comm`` its collectives.
+        placements: the draft_tp values loaded, each 1 (drafter on the leader, at ``draft_device``) or world
+            (sharded over the group); the first drafts until :meth:`switch_placement`.
+        compile, cuda_graphs: on a GPU, ``torch.compile`` the target's layers / replay steady cycles from CUDA graphs
+            (:class:`splitspec.settings.ServeConfig`).
+    """
+
+    def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
+                 draft_device: str | None = None, kv_tokens: int | None = None, compile: bool = True,
+                 cuda_graphs: bool = True):
+        engines_dir = Path(engines_dir)
+        meta = read_engine_meta(engines_dir / "target", "target")
+        self.cfg = TargetConfig.from_dict(meta["config"])
+        self.mapping = Mapping.from_dict(meta["mapping"])
+        self.limits = meta["limits"]
+        self.device = device
+        weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
+        self.dtype = weights["embed_tokens"].dtype
+        self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
+        self.graphs = GraphCache(device, cuda_graphs)
+        self.clock = PhaseClock(device)
+        if self.graphs.on and compile:
+            self.target.compile()  # fused layer halves inside the CUDA graphs
+        self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
+        rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
+        self.scratch_row = self.kv_blocks * BLOCK_SIZE
+        self.window = -(-self.limits["max_seq_len"] // BLOCK_SIZE) * BLOCK_SIZE
+        self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
+        self.rank, self.world = rank, world
+        self.capture: tuple[int, ...] = ()
+        self.aux: dict[int, torch.Tensor] = {}
+        # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
+        self.slots: dict[int, tuple[DrafterModel, DrafterKVCache, GraphCache]] = {}
+        here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
+        if here:
+            dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
+            dcfg = DrafterConfig.from_dict(dmeta["config"])
+            self.capture = tuple(dmeta["capture_points"])
+            if any(p > self.cfg.num_hidden_layers for p in self.capture):
+                raise ConfigError(f"drafter capture points {self.capture} exceed the target's {self.cfg.num_hidden_layers} layers")
+        loaded: dict[str, dict[str, torch.Tensor]] = {}  # the drafter's weights, read once per device (a shard's views share them)
+        for draft_tp in here:
+            ddev = device if draft_tp > 1 else (draft_device or device)
+            if ddev not in loaded:
+                loaded[ddev] = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
+            dw = shard_drafter(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
+            graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
+            self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
+                                    DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
+        self._use(placements[0])
+
+    def _use(self, draft_tp: int) -> None:
+        """Draft with the drafter of placement ``draft_tp`` from now on (None here: a TP1 drafter on rank 0)."""
+        self.draft_tp = draft_tp
+        self.drafter, self.dcache, self.draft_graphs = self.slots.get(draft_tp, (None, None, self.graphs))
+
+    def switch_placement(self, draft_tp: int, work: list[SeqWork]) -> None:
+        """Make placement ``draft_tp`` the drafting one, on every rank of the group at once (collectives).
+
+        Moves the drafter K/V rows of every decode work with k > 0 — a sequence's drafter K/V is written while
+        it drafts only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks move —
+        from the layout of the placement drafting so far to the other: TP1 [rows, H, D] on rank 0 → shard r
+        [rows, H/N, D] (a scatter from rank 0: rank r receives heads r·H/N.. only), or the shards → TP1 (a gather
+        to rank 0, which concatenates them by head, :func:`shard_drafter`'s order). Each rank sends or receives
+        its 1/N of the rows' K/V: rows × H/N × D × dtype bytes per K and per V. A no-op when ``draft_tp``
+        drafts already. Raises ConfigError for a placement not loaded here."""
+        old = self.draft_tp
+        if draft_tp == old:
+            return
+        if draft_tp not in self.slots and not (draft_tp == 1 and self.rank != 0):
+            raise ConfigError(f"draft_tp = {draft_tp}: not loaded (placements here: {sorted(self.slots)})")
+        # the blocks holding each drafting sequence's drafter K/V so far: positions 0 .. extend_start − 1
+        blocks = [b for w in work if w.kind == "decode" and w.k > 0 for b in w.blocks[:-(-w.extend_start // BLOCK_SIZE)]]
+        if blocks:
+            shard = self.slots[self.world][1]
+            rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
+            for name in ("k", "v"):
+                local = getattr(shard, name)
+                mine = local.new_empty((len(rows), *local.shape[1:]))
+                full = getattr(self.slots[1][1], name) if self.rank == 0 else None
+                if old == 1:  # rank 0 cuts its TP1 rows by head and sends each rank its own heads only
+                    parts = ([c.contiguous() for c in full[rows.to(full.device)].to(self.device).chunk(self.world, 1)]
+                             if self.rank == 0 else None)
+                    dist.scatter(mine, parts, src=0)
+                    local[rows] = mine
+                else:  # every shard's rows to rank 0 only, which concatenates them by head
+                    mine.copy_(local[rows])
+                    parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+                    dist.gather(mine, parts, dst=0)
+                    if self.rank == 0:
+                        full[rows.to(full.device)] = torch.cat(parts, 1).to(full.device)
+        self._use(draft_tp)
+
+    def draft_phase(self, plan: CyclePlan) -> dict[int, list[int]]:
+        """Extend the drafter over last cycle's accepted tokens, then draft: k tokens per decode work."""
+        for w in plan.work:
+            if w.kind == "decode" and w.keep_aux is not None and w.sid in self.aux:
+                self.aux[w.sid] = self.aux[w.sid][: w.keep_aux]
+        ws = [w for w in plan.work if w.kind == "decode" and w.k > 0]
+        drafts: dict[int, list[int]] = {w.sid: [] for w in plan.work if w.kind == "decode"}
+        if not ws:
+            return drafts
+        m, dev = self.drafter, self.drafter.device
+        ext = ForwardBatch.build([(w.blocks, w.extend_start, w.extend_tokens) for w in ws], "last", dev)
+        hidden = m.fuse(torch.cat([self.aux[w.sid] for w in ws]).to(dev))
+        logits, h = m.forward(ext, hidden, self.dcache)
+        h = h[ext.logits_rows]
+        last = m.propose(logits).tolist()
+        for w, d in zip(ws, last):
+            drafts[w.sid].append(d)
+        for i in range(1, max(w.k for w in ws)):
+            active = [j for j, w in enumerate(ws) if w.k > i]
+            step = ForwardBatch.build([(ws[j].blocks, ws[j].start - 1 + i, [drafts[ws[j].sid][-1]]) for j in active], "last", dev)
+            logits, hs = m.forward(step, h[active], self.dcache)
+            h = h.clone()
+            h[active] = hs
+            for j, d in zip(active, m.propose(logits).tolist()):
+                drafts[ws[j].sid].append(d)
+        return drafts
+
+    def padded_k(self, plan: CyclePlan) -> int | None:
+        """k if ``plan`` is a steady decode cycle (every work decodes with the same k and, with a drafter, each
+        holds exactly the k+1 aux rows of its previous verify), else None. Decided by the leader."""
+        ws = plan.work
+        if not ws or any(w.kind != "decode" or w.k != ws[0].k for w in ws):
+            return None
+        k = ws[0].k
+        if k and (self.drafter is None or any(w.sid not in self.aux or self.aux[w.sid].shape[0] != k + 1 or w.keep_aux is None
+                                              for w in ws)):
+            return None
+        return k
+
+    def window_for(self, plan: CyclePlan) -> int:
+        """Key window S of a steady cycle's padded attention: the smallest power of two ≥ every verified position
+        + 1 (at least 256 tokens, at most max_seq_len rounded to blocks). Attention reads S rows per sequence and
+        layer, so S follows the batch's longest sequence instead of max_seq_len; one CUDA graph per S bucket."""
+        need = max(w.start for w in plan.work) + plan.padded_k + 1
+        return min(self.window, max(256, 1 << (need - 1).bit_length()))
+
+    def _padded(self, seqs, pad_to: int, window: int, device: str | torch.device | None = None):
+        return padded(seqs, window, device or self.device, scratch_row=self.scratch_row, pad_to=pad_to)
+
+    def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
+        """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
+        k+1 (padded) rows, then k−1 single-token steps whose positions and cache rows are computed on the device.
+        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation."""
+        ws, k = plan.work, plan.padded_k
+        B, n = len(ws), k + 1
+        Bp = bucket(B)
+        m, dev = self.drafter, self.drafter.device
+        S = self.window_for(plan)
+        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S, "cpu")
+        aux = torch.cat([self.aux[w.sid] for w in ws]).to(dev)  # the target's hidden states, on the drafter's device
+        aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
+        # step i (1..k−1) drafts at position start − 1 + i; padding rows write the scratch row
+        last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)])
+        first_step = torch.tensor([w.start for w in ws] + [0] * (Bp - B))
+        ids, pos, table, rows, last, first_step = to_device(dev, ext.input_ids, ext.positions, ext.table, ext.write_rows, last,
+                                                            first_step)  # one copy up, the host not waiting
+        real = torch.arange(Bp, device=dev) < B
+        scratch = self.scratch_row
+
+        def draft(ids, pos, table, rows, aux_in, last_rows, step_pos, real_rows):
+            logits, h = m.forward(ForwardBatch(ids, pos, [], [], last_rows, table, rows), m.fuse(aux_in), self.dcache)
+            out, h = [m.propose(logits)], h[last_rows]
+            every = torch.arange(Bp, device=ids.device)
+            for i in range(1, k):
+                p = step_pos + (i - 1)
+                r = torch.where(real_rows, torch.gather(table, 1, p[:, None])[:, 0], scratch)
+                logits, h = m.forward(ForwardBatch(out[-1], p, [], [], every, table, r), h, self.dcache)
+                out.append(m.propose(logits))
+            return torch.stack(out, 1)
+
+        drafts = self.draft_graphs.run(("draft", self.draft_tp, Bp, k, S), draft, ids, pos, table, rows, aux, last, first_step, real)
+        return drafts.clone()  # graph outputs are overwritten by the next replay
+
+    def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Static-shape verify of a steady cycle: [last token] + k drafts per sequence. Returns logits [B·(k+1), V]
+        and keeps each sequence's k+1 aux rows for the next extend."""
+        ws, k = plan.work, plan.padded_k
+        B, n = len(ws), k + 1
+        Bp = bucket(B)
+        S = self.window_for(plan)
+        vb = self._padded([(w.blocks, w.start, [w.tokens[0]] * n) for w in ws], Bp, S)
+        ids = vb.input_ids.view(Bp, n).clone()
+        ids[:, 1:] = drafts.to(self.device)
+        ids[B:] = 0
+
+        def verify(ids, pos, table, rows):
+            return self.target.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
+                                       self.tcache, self.capture)
+
+        logits, aux = self.graphs.run(("verify", Bp, n, S), verify, ids.flatten(), vb.positions, vb.table, vb.write_rows)
+        if aux is not None:
+            for b, w in enumerate(ws):
+                self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()
+        return logits[: B * n], aux
+
+    def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,
+                       on_launched: Callable[[], None] | None = None) -> CycleOutput:
+        """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] int64 comes from the
+        leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``draft_timed``: the
+        caller timed that draft on :attr:`clock`). The host waits for the GPU once, at the copy of the verified
+        tokens and drafts to the host, for greedy requests (sampled ones wait again in the acceptance test): inputs
+        go up from pinned memory without waiting (:func:`to_device`), the verify is queued behind the draft, and
+        ``on_launched`` runs once both are queued, before that wait (host work there overlaps the GPU's)."""
+        k = plan.padded_k
+        if not draft_timed:
+            self.clock.start()
+            if drafts is None:
+                drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
+            self.clock.draft_done()
+        logits, _ = self.verify_padded(plan, drafts)
+        B, n = len(plan.work), k + 1
+        both = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device)))
+        if on_launched is not None:
+            on_launched()
+        host = both.tolist()  # the one copy to the host
+        greedy, flat = host[: B * n], host[B * n:]
+        out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
+        return CycleOutput(logits, out_drafts, *self.clock.split(), greedy)
+
+    def execute(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:
+        """Run one cycle on this rank: draft (if the drafter is sharded here and drafts were not given),
+        then one target forward over every decode work's k+1 tokens and every prefill chunk (eagerly, waiting for
+        the GPU after each draft step and at the end; ``on_launched`` runs before that last wait)."""
+        for sid in plan.finished:
+            self.aux.pop(sid, None)
+        t0 = time.perf_counter()
+        drafts = plan.drafts
+        if drafts is None:
+            drafts = self.draft_phase(plan) if (self.draft_tp > 1 and self.drafter is not None) else {}
+        _sync(self.device)
+        t1 = time.perf_counter()
+        seqs, wants = [], []
+        for w in plan.work:
+            if w.kind == "decode":
+                seqs.append((w.blocks, w.start, w.tokens + drafts.get(w.sid, [])))
+                wants.append("all")
+            else:
+                seqs.append((w.blocks, w.start, w.tokens))
+                wants.append("last" if w.final else "none")
+        batch = ForwardBatch.build(seqs, wants, self.device)
+        logits, aux = self.target.forward(batch, self.tcache, self.capture)
+        if aux is not None:
+            t = 0
+            for (_, _, toks), w in zip(seqs, plan.work):
+                rows = aux[t:t + len(toks)]
+                if w.kind == "decode":
+                    self.aux[w.sid] = rows
+                else:
+                    self.aux[w.sid] = torch.cat((self.aux[w.sid], rows)) if w.start > 0 and w.sid in self.aux else rows
+                t += len(toks)
+        if on_launched is not None:
+            on_launched()
+        _sync(self.device)
+        return CycleOutput(logits, drafts, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)

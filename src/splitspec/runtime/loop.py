@@ -1,0 +1,72 @@
+"""Serving from a thread: :class:`EngineLoop` runs the scheduler's cycles in the background while other threads
+submit and cancel requests."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from splitspec.engine.plan import EngineError
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.types import Request, RequestOutput
+
+
+class EngineLoop:
+    """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit` and :meth:`cancel` are
+    thread-safe. Callbacks run on the loop thread. If the engine fails (a worker died), every active and
+    queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
+
+    ``after_step``: called on the loop thread after every cycle (after its callbacks), e.g. to pass the
+    cycle's events on in one message.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, after_step: Callable[[], None] | None = None):
+        self.engine = engine
+        self.after_step = after_step
+        self.healthy, self.error = True, None
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="splitspec-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, callback: Callable[[RequestOutput], None]) -> int:
+        """Queue ``req``; ``callback`` receives its events. Raises ConfigError / EngineError at once."""
+        if not self.healthy:
+            raise EngineError(f"engine is not ready: {self.error}")
+        with self._wake:
+            rid = self.engine.submit(req, callback)
+            self._wake.notify()
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def _run(self) -> None:
+        device = self.engine.group.devices[0]
+        if device.startswith("cuda"):  # a new thread's current device is GPU 0, whatever the loading thread set
+            torch.cuda.set_device(device)
+        while True:
+            with self._wake:
+                while not self._stop and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            try:
+                self.engine.step()
+                if self.after_step is not None:
+                    self.after_step()
+            except Exception as e:  # a dead worker or broken group: fail everything, stop serving
+                self.healthy, self.error = False, f"{type(e).__name__}: {e}"
+                self.engine.fail_all(self.error)
+                return
+
+    def stop(self) -> None:
+        """Stop the loop thread (the engine stays open; call ``engine.close()``)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
