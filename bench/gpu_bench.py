@@ -239,7 +239,7 @@ def switch_cost(tmp: Path, tp: int, moe_layers: int, batch: int, k: int, cycles:
     import statistics
 
     from splitspec.engine.group import Group
-    from splitspec.engine.kv import BLOCK_SIZE
+    from splitspec.models.kv import BLOCK_SIZE
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
     from splitspec.measure.tune import steady_round

@@ -36,7 +36,7 @@ from splitspec.testing.reference import load_hf_reference_target
 from splitspec.errors import ConfigError
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.files import read_json
-from splitspec.engine.kv import BLOCK_SIZE
+from splitspec.models.kv import BLOCK_SIZE
 from splitspec.models.layers import TPComm, rms_norm
 from splitspec.models.batch import ForwardBatch
 from splitspec.models.target import TargetKVCache, TargetModel

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.graphs import GraphCache, bucket
-from splitspec.engine.kv import BLOCK_SIZE, kv_blocks_for
+from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import ForwardBatch, padded, to_device

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.engine.kv import BLOCK_SIZE, slot_mapping
+from splitspec.models.kv import BLOCK_SIZE, slot_mapping
 
 
 @dataclass

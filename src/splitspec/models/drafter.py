@@ -24,7 +24,7 @@ from splitspec.models.batch import ForwardBatch
 
 class DrafterKVCache:
     """K/V cache of the drafter's single layer on one rank: k, v [rows, local kv heads, head_dim]
-    (rows = token budget, shared block layout with the target; see :mod:`splitspec.engine.kv`)."""
+    (rows = token budget, shared block layout with the target; see :mod:`splitspec.models.kv`)."""
 
     def __init__(self, cfg: DrafterConfig, rows: int, dtype: torch.dtype, device, tp_size: int = 1):
         shape = (rows, cfg.num_key_value_heads // tp_size, cfg.head_dim)

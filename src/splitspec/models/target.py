@@ -93,7 +93,7 @@ class TargetKVCache:
     followed by the shared rope key k_pe (qk_rope_head_dim values), in one tensor ``kv``
     [layers, rows, kv_lora_rank + qk_rope_head_dim] so that attention gathers a window once.
 
-    ``rows`` = token budget (blocks × block size, see :mod:`splitspec.engine.kv`). Replicated on every TP rank
+    ``rows`` = token budget (blocks × block size, see :mod:`splitspec.models.kv`). Replicated on every TP rank
     (the latent is shared by all heads). Bytes: layers × rows × (kv_lora_rank + qk_rope_head_dim) × dtype size
     (Kimi-K2: 61 × (512 + 64) × 2 = 70 KB per token in bf16).
     """

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from splitspec.engine.group import Group
-from splitspec.engine.kv import BlockAllocator
+from splitspec.models.kv import BlockAllocator
 from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
