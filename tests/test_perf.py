@@ -16,8 +16,6 @@ from splitspec.errors import ConfigError
 from splitspec.measure.perf_suite import (DEFAULT_PROMPTS, Prompt, find_genai_perf, genai_perf_command, load_prompts,
                             parse_genai_perf, parse_levels, perf_command, read_perf_csv, rendered_text, repo_setting,
                             run_genai_perf_level, run_perf_analyzer_level, write_genai_perf_input, write_input_data)
-from splitspec.serving.repo import render_repo
-from splitspec.serving.tritonserver import TritonServer
 
 MAX_TOKENS = 8
 
@@ -150,14 +148,11 @@ def test_blocks_cycle_prompts():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def perf_server(built_engines, tmp_path_factory):
-    repo = render_repo(built_engines, tmp_path_factory.mktemp("perf") / "repo", num_draft_tokens=2, max_batch_size=4,
-                       kv_tokens=4096)
-    srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
-    srv.start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def perf_server(shared_server):
+    """The session's shared server (tests/conftest.py): the tools need a running ensemble, not a deployment of
+    their own."""
+    return shared_server.get()
 
 
 @pytest.fixture(scope="module")
