@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo models, and engines built from them at any TP size (built once per session)."""
+"""Shared fixtures: the demo models, engines built from them at any TP size (built once per session), and one
+tritonserver over them for the server tests."""
 
 from __future__ import annotations
 
@@ -43,3 +44,45 @@ def engines_for(demo_models, tmp_path_factory):
 def built_engines(engines_for) -> Path:
     """The default deployment: target TP2, drafter TP1."""
     return engines_for(2)
+
+
+class SharedServer:
+    """One tritonserver serving the default test deployment (target TP2 + TP1 drafter on CPU, k = 4, continuous
+    batching up to 64 sequences with a KV budget of 80 tokens each), shared by every module that only needs a
+    running server: starting one (three Python stubs, the engine process and its worker) is the slowest step of
+    the server tests. :meth:`get` starts it on first use, and again after a test stopped or replaced it."""
+
+    num_draft_tokens = 4
+    max_batch_size = 64
+    kv_tokens = 64 * 80
+
+    def __init__(self, repo: Path):
+        self.repo = repo
+        self.srv = None
+
+    def get(self):
+        from splitspec.serving.tritonserver import TritonServer
+
+        if self.srv is None or not self.srv.is_running():
+            if self.srv is not None:
+                self.srv.stop()  # whatever a stopped or crashed one left (safe twice)
+            self.srv = TritonServer(self.repo, exit_timeout_s=10, startup_timeout_s=300).start()
+        return self.srv
+
+    def stop(self) -> None:
+        if self.srv is not None:
+            self.srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(built_engines, tmp_path_factory):
+    """The session's :class:`SharedServer` (started on first ``get()``; stopped at the end of the session)."""
+    from splitspec.serving.repo import render_repo
+    from splitspec.settings import ServeConfig
+
+    cfg = ServeConfig(built_engines, num_draft_tokens=SharedServer.num_draft_tokens,
+                      max_batch_size=SharedServer.max_batch_size, kv_tokens=SharedServer.kv_tokens)
+    repo = render_repo(cfg, tmp_path_factory.mktemp("shared_server") / "repo")
+    shared = SharedServer(repo)
+    yield shared
+    shared.stop()

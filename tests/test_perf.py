@@ -19,9 +19,7 @@ from splitspec.errors import ConfigError
 from splitspec.measure.perf_levels import parse_genai_perf, read_perf_csv, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import find_genai_perf, genai_perf_command, perf_command
 from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write_genai_perf_input, write_input_data
-from splitspec.serving.repo import render_repo, repo_setting
-from splitspec.serving.tritonserver import TritonServer
-from splitspec.settings import ServeConfig
+from splitspec.serving.repo import repo_setting
 
 MAX_TOKENS = 8
 EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "eval" / "prompts.jsonl"
@@ -159,14 +157,11 @@ def test_blocks_cycle_prompts():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def perf_server(built_engines, tmp_path_factory):
-    repo = render_repo(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=4, kv_tokens=4096),
-                       tmp_path_factory.mktemp("perf") / "repo")
-    srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
-    srv.start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def perf_server(shared_server):
+    """The session's shared server (tests/conftest.py): the tools need a running ensemble, not a deployment of
+    their own."""
+    return shared_server.get()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """End-to-end: the rendered model repository served by a real tritonserver (HTTP, gRPC, perf_analyzer).
 
-One server (target TP2 + TP1 drafter on CPU) is started per module on free ports and shared by the
-tests; the last test stops it and checks that no process it started is left.
+The server is the session's shared one (tests/conftest.py: target TP2 + TP1 drafter on CPU, on free ports); the
+last server test here stops it and checks that no process it started is left (the next module to need it gets a
+fresh one).
 """
 
 from __future__ import annotations
@@ -95,18 +96,10 @@ def engines(request) -> Path:
         pytest.skip("the built_engines fixture (tests/conftest.py) is not available yet")
 
 
-@pytest.fixture(scope="module")
-def repo(engines, tmp_path_factory) -> Path:
-    return render_repo(ServeConfig(engines, num_draft_tokens=K), tmp_path_factory.mktemp("triton") / "repo")
-
-
-@pytest.fixture(scope="module")
-def server(repo):
-    srv = TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300)
-    srv.start()
-    print(f"\ntritonserver ready after {srv.startup_s:.1f} s")
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(engines, shared_server):
+    assert shared_server.num_draft_tokens == K
+    return shared_server.get()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Serving through a real tritonserver: streaming, concurrency, cancellation, metrics, errors, worker crash.
 
-One server per module (target TP2 + TP1 drafter on CPU, continuous batching up to 64 sequences) on
-free ports; the crash test runs last, kills a target worker, and restarts the server. References come
+The session's shared server (tests/conftest.py: target TP2 + TP1 drafter on CPU, continuous batching up to 64
+sequences) on free ports; the crash test runs last, kills a target worker, and restarts the server. References come
 from the engine in this process (target-only greedy decoding, so they do not depend on the drafter) and
 from the tokenizer (``decode`` of all output ids), so streamed text is checked against an independent
 detokenisation.
@@ -60,41 +60,34 @@ def tok(built_engines):
 @pytest.fixture(scope="module")
 def reference(built_engines, tok):
     """Output ids per (prompt, max_tokens) from the engine in this process: target-only greedy
-    (k = 0), and seeded sampling with k = K. Computed before the server starts (2 cores)."""
+    (k = 0), and seeded sampling with k = K, in one engine load (every request names its k). Computed before the
+    server starts (2 cores)."""
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.runtime.types import Request
     from splitspec.runtime.sampling import SamplingParams
 
-    greedy = [(p, MAX_TOKENS) for p in PROMPTS + MANY] + [(LONG_PROMPT, 200), (LONG_PROMPT, 60), (LONG_PROMPT, 120)]
-    out: dict = {}
-    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0, max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80)) as eng:
-        reqs = [Request(tok.encode(p), n, num_draft_tokens=0) for p, n in greedy]
-        for key, res in zip(greedy, eng.run(reqs)):
-            out[key] = res.token_ids
-    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=K, max_batch_size=8)) as eng:
-        reqs = [Request(tok.encode(PROMPTS[0]), MAX_TOKENS, SamplingParams(seed=s, **SAMPLING), K) for s in SEEDS]
-        for s, res in zip(SEEDS, eng.run(reqs)):
-            out[("sampled", s)] = res.token_ids
+    greedy = [(p, MAX_TOKENS) for p in PROMPTS + MANY] + [(LONG_PROMPT, 120)]
+    reqs = [Request(tok.encode(p), n, num_draft_tokens=0) for p, n in greedy]
+    reqs += [Request(tok.encode(PROMPTS[0]), MAX_TOKENS, SamplingParams(seed=s, **SAMPLING), K) for s in SEEDS]
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0, max_batch_size=MAX_BATCH,
+                                            kv_tokens=MAX_BATCH * 80)) as eng:
+        results = eng.run(reqs)
+    out: dict = {key: res.token_ids for key, res in zip(greedy, results)}
+    out.update({("sampled", s): res.token_ids for s, res in zip(SEEDS, results[len(greedy):])})
     return out
 
 
 @pytest.fixture(scope="module")
-def repo(built_engines, tmp_path_factory):
-    return render_repo(ServeConfig(built_engines, num_draft_tokens=K, max_batch_size=MAX_BATCH, kv_tokens=MAX_BATCH * 80),
-                       tmp_path_factory.mktemp("serving") / "repo")
-
-
-@pytest.fixture(scope="module")
-def served(repo, reference):
-    """{"srv": the running TritonServer} (the crash test replaces it); stopped at the end."""
-    holder = {"srv": TritonServer(repo, exit_timeout_s=10, startup_timeout_s=300).start()}
-    yield holder
-    holder["srv"].stop()
+def served(shared_server):
+    """The session's shared server (tests/conftest.py), with this module's deployment."""
+    assert (shared_server.num_draft_tokens, shared_server.max_batch_size, shared_server.kv_tokens) == (K, MAX_BATCH, MAX_BATCH * 80)
+    return shared_server
 
 
 @pytest.fixture
-def srv(served):
-    return served["srv"]
+def srv(served, reference):
+    """The running server (started after the reference, if a test before stopped it)."""
+    return served.get()
 
 
 def scrape(srv) -> dict:
@@ -467,7 +460,7 @@ def test_multi_token_cycles_stream_exactly(built_engines, tok, tmp_path):
 
 
 def test_worker_crash_fails_requests_reports_not_ready_and_restart_recovers(served, tok, reference):
-    srv = served["srv"]
+    srv = served.get()
     workers = _worker_pids(srv.pid)
     assert len(workers) == 1, workers  # TP2: the leader in spec_decode's stub + one worker
     result: dict = {}
@@ -502,7 +495,8 @@ def test_worker_crash_fails_requests_reports_not_ready_and_restart_recovers(serv
     assert requests.get(srv.model_url("preprocessing") + "/ready", headers=CLOSE, timeout=10).status_code == 200
 
     assert srv.stop() == 0, srv.log_tail()
-    served["srv"] = srv = TritonServer(srv.repo, exit_timeout_s=10, startup_timeout_s=300).start()
+    stopped, srv = srv, served.get()  # a new server on the same repository
+    assert srv is not stopped
     assert requests.get(srv.model_url("spec_decode") + "/ready", headers=CLOSE, timeout=10).status_code == 200
     answer = ask_http(srv.generate_url, PROMPTS[0], MAX_TOKENS, return_token_ids=True)
     assert answer["output_ids"] == reference[(PROMPTS[0], MAX_TOKENS)]
@@ -512,8 +506,8 @@ def test_stop_with_streams_open_does_not_wait_for_the_kill_timeout(served):
     """Last: a stop while streams are generating. tritonserver waits its exit timeout for them, then gives up
     ("Exit timeout expired") and hangs in its exit instead of exiting; stop() kills it then, not stop_timeout_s
     later, and nothing it started is left. The clients get an error, not a hang."""
-    assert served["srv"].stop() == 0, served["srv"].log_tail()
-    served["srv"] = srv = TritonServer(served["srv"].repo, exit_timeout_s=1, stop_timeout_s=60, startup_timeout_s=300).start()
+    assert served.get().stop() == 0, served.srv.log_tail()
+    served.srv = srv = TritonServer(served.repo, exit_timeout_s=1, stop_timeout_s=60, startup_timeout_s=300).start()
     pgid = srv.pid
     ended: dict[int, str] = {}
     started = [threading.Event() for _ in range(2)]

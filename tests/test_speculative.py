@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitspec.engine.group import Group
-from splitspec.models.batch import ForwardBatch, single_blocks
+from splitspec.models.batch import single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request
 from splitspec.runtime.tokenizer import ChatTokenizer

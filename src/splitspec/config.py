@@ -7,7 +7,7 @@ EAGLE-3 drafter config (``LlamaForCausalLMEagle3``); see docs/formats.md.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from splitspec.errors import CheckpointError, ConfigError
 
