@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark: correctness on GPU, then costs of Kimi-K2-width synthetic engines, in one run.
 
-1. Correctness: tests/test_gpu.py (demo pair on up to 2 GPUs, float32: greedy speculation with CUDA graphs
+1. Correctness: tests/gpu/test_gpu.py (demo pair on up to 2 GPUs, float32: greedy speculation with CUDA graphs
    equals target-only greedy for several prompts, k and both draft placements).
 2. Memory bandwidth (device copy) and all-reduce latency (NCCL, eager and in a CUDA graph) at the message
    sizes a verify uses: T·7168 bf16 for T = B·(k+1).
@@ -61,13 +61,13 @@ def section(name: str, out: Path):
 
 
 def correctness() -> dict:
-    """tests/test_gpu.py (speculative greedy on GPU = target-only greedy, both placements) in a subprocess, in a
+    """tests/gpu/test_gpu.py (speculative greedy on GPU = target-only greedy, both placements) in a subprocess, in a
     session of its own so that a time-out also ends its worker ranks. ``passed``: every case ran and passed."""
     import signal
     import subprocess
 
     repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / "tests" / "test_gpu.py")],
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / "tests" / "gpu" / "test_gpu.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=900)

@@ -208,7 +208,7 @@ def moe_fp8(bw_GBps: float) -> dict:
     """Routed experts (Kimi-K2 shapes, TP1) in block-scaled FP8 with 128×128 tiles — the released checkpoint's
     format — read as FP8 by the fused kernels, against the same experts in bf16: time, bytes over bandwidth, and
     the FP8 result's difference from the bf16 one (quantisation error, not kernel error: the kernels' FP8
-    arithmetic is tested against dequantised weights in tests/test_fused_moe.py)."""
+    arithmetic is tested against dequantised weights in tests/engine/test_fused_moe.py)."""
     from splitspec import quant
     from splitspec.models import fused_moe
 

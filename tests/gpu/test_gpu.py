@@ -17,7 +17,7 @@ from splitspec.runtime.loop import EngineLoop
 from splitspec.runtime.types import Request
 from splitspec.settings import ServeConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "x = [i * i for i in"]
 

@@ -7,61 +7,11 @@ import shutil
 
 import pytest
 
-from splitspec.measure.cost_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request
 from splitspec.errors import ConfigError
-from splitspec.measure.tune import choose, score, tune
+from splitspec.measure.tune import tune
 from splitspec.settings import ServeConfig
-
-
-def _row(dtp, B, k, tps):
-    return {"draft_tp": dtp, "batch": B, "k": k, "tokens_per_s": tps, "tokens_per_s_pooled": tps, "acceptance_length": 1.0}
-
-
-def test_choice_turns_speculation_off_where_it_does_not_pay():
-    rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 25), _row(2, 1, 0, 10), _row(2, 1, 3, 20),
-            _row(1, 16, 0, 100), _row(1, 16, 3, 90), _row(2, 16, 0, 100), _row(2, 16, 3, 95)]
-    c = choose(rows, [1, 16])
-    # batch 16: no speculation wins; its placement is batch 1's, so that nothing switches for it
-    assert c == {"draft_tp_by_batch": {"1": 1, "16": 1}, "k_by_batch": {"1": 3, "16": 0}}
-    sc = score(c, rows, [1, 16])
-    assert sc["16"]["chosen_over_best"] == 1.0 and sc["1"]["chosen_over_no_speculation"] == pytest.approx(2.5)
-    # batch 1 does not draft: it takes the nearest drafting bucket's placement, so only the sharded drafter is loaded
-    rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 9), _row(2, 1, 0, 10), _row(2, 1, 3, 9),
-            _row(1, 4, 0, 40), _row(1, 4, 3, 41), _row(2, 4, 0, 40), _row(2, 4, 3, 45),
-            _row(1, 16, 0, 100), _row(1, 16, 3, 110), _row(2, 16, 0, 100), _row(2, 16, 3, 120)]
-    assert choose(rows, [1, 4, 16]) == {"draft_tp_by_batch": {"1": 2, "4": 2, "16": 2}, "k_by_batch": {"1": 0, "4": 3, "16": 3}}
-
-
-def test_pooled_acceptance_rates_by_position():
-    from splitspec.measure.tune import pool_acceptance
-
-    # batch 2, 10 cycles each: k = 1 accepted position 1 in 16 of 20 tries; k = 2 in 14 of 20, then 7 of those 14
-    rows = [{"batch": 2, "k": 0, "n": 10, "cycle_ms": 1.0, "accepted_by_position": []},
-            {"batch": 2, "k": 1, "n": 10, "cycle_ms": 2.0, "accepted_by_position": [16]},
-            {"batch": 2, "k": 2, "n": 10, "cycle_ms": 4.0, "accepted_by_position": [14, 7]}]
-    pool_acceptance(rows)
-    assert rows[0]["pooled_acceptance_rates"] == pytest.approx([30 / 40, 7 / 14])
-    assert rows[1]["expected_acceptance_length"] == pytest.approx(1 + 0.75)
-    assert rows[2]["expected_acceptance_length"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
-    assert rows[2]["tokens_per_s_pooled"] == pytest.approx(2 * (1 + 0.75 + 0.375) / 4.0 * 1e3)
-    assert rows[0]["tokens_per_s_pooled"] == pytest.approx(2 / 1.0 * 1e3)
-
-
-def test_each_bucket_gets_its_fastest_placement_and_k():
-    # the split drafter wins batch 1, the sharded one batch 16; a tie goes to the split one, then the smaller k
-    rows = [_row(1, 1, 0, 10), _row(1, 1, 3, 25), _row(2, 1, 0, 10), _row(2, 1, 3, 24),
-            _row(1, 16, 0, 100), _row(1, 16, 3, 110), _row(2, 16, 0, 100), _row(2, 16, 3, 120), _row(2, 16, 4, 120),
-            _row(1, 4, 0, 50), _row(1, 4, 2, 60), _row(2, 4, 2, 60)]
-    c = choose(rows, [1, 4, 16])
-    assert c == {"draft_tp_by_batch": {"1": 1, "4": 1, "16": 2}, "k_by_batch": {"1": 3, "4": 2, "16": 3}}
-    sc = score(c, rows, [1, 4, 16])
-    assert all(s["chosen_over_best"] == 1.0 for s in sc.values())
-    assert sc["16"]["chosen_over_no_speculation"] == pytest.approx(1.2)
-    # scored against another sweep in which batch 16's placements swapped
-    other = [dict(r, tokens_per_s_pooled=130 if (r["draft_tp"], r["batch"], r["k"]) == (1, 16, 3) else r["tokens_per_s_pooled"]) for r in rows]
-    assert score(c, other, [16])["16"]["chosen_over_best"] == pytest.approx(120 / 130)
 
 
 def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
@@ -75,23 +25,6 @@ def test_engine_uses_tuned_k_per_batch_bucket(built_engines, tmp_path):
         assert eng.seqs[a].k == 3 and eng.seqs[b].k == 0
         while eng.has_work():
             eng.step()
-
-
-def test_cost_model_formulas_and_fit():
-    assert expected_acceptance_length([0.5], 2) == pytest.approx(1.75)
-    assert distinct_experts(1) == pytest.approx(8.0) and distinct_experts(16) < 16 * 8
-    def truth(B, k, L):
-        return (1.0 + 0.5 * B + 0.8 * max(k - 1, 0) + 0.3 * (k > 0)
-                + L * (0.2 + 0.01 * distinct_experts(B * (k + 1)) + 0.002 * B * (k + 1)))
-    rows = [{"batch": B, "k": k, "moe_layers": L, "cycle_ms": truth(B, k, L)} for L in (1, 3) for B in (1, 4, 16) for k in range(6)]
-    fit = fit_cycle_model(rows)
-    assert fit.max_error < 1e-6 and fit.predict(4, 3, 3) == pytest.approx(truth(4, 3, 3))
-    assert fit.coef["per_moe_layer"] == pytest.approx(0.2) and fit.predict(1, 0, 60) == pytest.approx(truth(1, 0, 60))
-    m = KimiScale()
-    assert m.bandwidth_bound_ms(1, 0) < m.verify_ms(1, 0)
-    assert m.verify_ms(1, 3) > m.verify_ms(1, 0)  # more experts read per verify
-    pcie = m.calibrate_allreduce_to_decode(90.0)
-    assert pcie.tokens_per_s(1, 0, "tp1", [0.9]) == pytest.approx(90.0, rel=1e-3)
 
 
 def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
@@ -114,45 +47,6 @@ def test_tune_measures_steady_cycles_and_verifies(built_engines, tmp_path):
         tune(ServeConfig(eng_dir), [], [0, 2], prompts)
     with pytest.raises(ConfigError):
         tune(ServeConfig(eng_dir), [1], [2], prompts)
-
-
-@pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
-                                 {"draft_tp": 1, "k_by_batch": {"1": -3}}, {"draft_tp": 1, "k_by_batch": []}, [1, 2],
-                                 {"draft_tp": 1, "k_by_batch": {"²": 2}}, {"draft_tp": 1, "k_by_batch": {"1": 2, "01": 3}},
-                                 {"draft_tp_by_batch": {"1": 1}, "k_by_batch": {"1": 2, "4": 3}},
-                                 {"draft_tp_by_batch": {"1": 0}, "k_by_batch": {"1": 2}}, {"draft_tp_by_batch": [1], "k_by_batch": {"1": 2}},
-                                 {"k_by_batch": {"1": 2}}, {"draft_tp": 1, "draft_tp_by_batch": {"1": 1}, "k_by_batch": {"1": 2}},
-                                 {"draft_tp": 1, "k_by_batch": {"9" * 5000: 2}}])
-def test_bad_tuning_file_is_refused_naming_it(tmp_path, bad):
-    from splitspec.errors import SplitspecError
-    from splitspec.runtime.placement import read_tuning
-
-    (tmp_path / "tuning.json").write_text(json.dumps(bad))
-    with pytest.raises(SplitspecError, match="tuning.json"):
-        read_tuning(tmp_path)
-    (tmp_path / "tuning.json").unlink()
-    (tmp_path / "tuning.json").mkdir()
-    with pytest.raises(SplitspecError, match="tuning.json: cannot be read"):
-        read_tuning(tmp_path)
-    (tmp_path / "tuning.json").rmdir()
-    (tmp_path / "tuning.json").symlink_to(tmp_path / "gone.json")  # dangling: not silently "no tuning"
-    with pytest.raises(SplitspecError, match="tuning.json: cannot be read"):
-        read_tuning(tmp_path)
-    (tmp_path / "tuning.json").unlink()
-    (tmp_path / "tuning.json").write_text('{"draft_tp": 1, "k_by_batch": {"1": ' + "9" * 5000 + "}}")  # beyond int()'s digits
-    with pytest.raises(SplitspecError, match="tuning.json: not valid JSON"):
-        read_tuning(tmp_path)
-
-
-def test_prompt_file_escapes_keep_other_characters(tmp_path):
-    from splitspec.measure.prompts import read_prompts
-
-    f = tmp_path / "p.txt"
-    f.write_text("café \\u2192 日本語\\nx\n", encoding="utf-8")
-    assert [(p.id, p.text, p.chat) for p in read_prompts(f)] == [("line-1", "café → 日本語\nx", False)]
-    f.write_text("ends in a backslash\\\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="p.txt:1"):
-        read_prompts(f)
 
 
 def _tp(engines) -> int:
@@ -210,18 +104,6 @@ def test_rendered_repository_follows_tuning_unless_told(built_engines, tmp_path)
     (eng_dir / "tuning.json").unlink()
     repo = render_repo(ServeConfig(eng_dir), tmp_path / "r4")
     assert setting(repo, "draft_tp") == "1" and setting(repo, "num_draft_tokens") == "4"
-
-
-@pytest.mark.parametrize("line, why", [('{"prompt": 5}', "non-empty string"), ('{"prompt": ""}', "non-empty string"),
-                                       ('{"prompt": null}', "non-empty string"), ('{"messages": "hi"}', "list of chat"),
-                                       ('{"messages": [{"foo": 1}]}', "role"), ('{"messages": []}', "role")])
-def test_prompt_file_entries_are_checked_naming_the_line(tmp_path, line, why):
-    from splitspec.measure.prompts import read_prompts
-
-    f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "ok"}\n' + line + "\n")
-    with pytest.raises(ConfigError, match=f"p.jsonl:2: .*{why}"):
-        read_prompts(f)
 
 
 def test_tune_refuses_what_the_engines_cannot_do_before_measuring(built_engines, tmp_path):
@@ -293,19 +175,6 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
         tune(ServeConfig(built_engines), [1], [0, 1], tmp_path / "none.txt", cycles=2, loads=3)
 
 
-def test_row_is_the_mean_of_each_loads_median():
-    from types import SimpleNamespace
-
-    from splitspec.measure.tune import row
-
-    st = lambda e: SimpleNamespace(emitted=[e], accepted_by_position=[e - 1], draft_ms=1.0, verify_ms=2.0)  # noqa: E731
-    by_load = [[(10.0, st(2)), (30.0, st(2)), (11.0, st(1))], [(20.0, st(2)), (21.0, st(1))]]
-    r = row(1, 1, by_load)
-    assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
-    assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
-    assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)
-
-
 @pytest.mark.parametrize("command", ["tune", "generate"])
 @pytest.mark.parametrize("device", ["foo", "cuda:x", "cuda:", "cuda:0,,1", "gpu:0"])
 def test_bad_device_is_refused_naming_it(built_engines, capsys, command, device):
@@ -342,20 +211,3 @@ def test_measure_frees_each_engine_load_before_the_next(built_engines, monkeypat
     assert alive_at_load == [False, False] and {r["k"] for r in rows} == {0, 1}
 
 
-def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
-    """bench/cost_model.py on the one-H200 sweep of its lab entry prints the fit docs/performance.md quotes and
-    writes its plot; a --png that is a file is refused before anything is read."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    data = repo / "docs" / "lab" / "2026-12-01-h200-tp1-cost-model-tuner" / "h200-2026-12-01-tp1-compiled-sweep-loads4.json"
-    script = [sys.executable, str(repo / "bench" / "cost_model.py")]
-    done = subprocess.run(script + ["--png", str(tmp_path / "plots"), str(data)], capture_output=True, text=True, cwd=repo)
-    assert done.returncode == 0, done.stderr
-    assert "MoE layers [1, 2, 3] (54 configurations" in done.stdout and "in-sample error max 7.5%, mean 2.1%" in done.stdout
-    assert (tmp_path / "plots" / "h200-2026-12-01-tp1-compiled-sweep-loads4-tp1-draft-tp1.png").read_bytes()[:4] == b"\x89PNG"
-    (tmp_path / "f").write_text("")
-    refused = subprocess.run(script + ["--png", str(tmp_path / "f"), str(data)], capture_output=True, text=True, cwd=repo)
-    assert refused.returncode == 2 and "not a folder" in refused.stderr

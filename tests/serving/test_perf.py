@@ -22,7 +22,7 @@ from splitspec.measure.prompts import Prompt, read_prompts, rendered_text, write
 from splitspec.serving.repo import repo_setting
 
 MAX_TOKENS = 8
-EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "eval" / "prompts.jsonl"
+EVAL_PROMPTS = Path(__file__).resolve().parents[2] / "eval" / "prompts.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
