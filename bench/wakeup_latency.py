@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[key] = summary(us)
                 print(f"{key:28s} " + "  ".join(f"{k} {v}" for k, v in results[key].items()), flush=True)
     if a.json:
-        from splitspec.files import write_atomic  # noqa: PLC0415  (only now: it imports torch, ~1 s)
+        from splitspec.files import write_atomic
 
         record = {"cpus": len(cpus), "n": a.n, "process_pair_cpus": list(pair) if pair else None,
                   "thread_cpus": cpus, "results": results}

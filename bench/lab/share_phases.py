@@ -147,7 +147,7 @@ def engine_alone(a: argparse.Namespace, prompts: list[Prompt], others: dict[str,
         eng = None  # the passes hold it through their closures: let its GPU tensors go
         gc.collect()
         if cfg.on_gpu:
-            import torch  # noqa: PLC0415
+            import torch
 
             torch.cuda.empty_cache()
 

@@ -76,7 +76,7 @@ def ratio_ci95(rows: list[dict], engine: list[dict], resamples: int = 2000, seed
     Raises:
         ValueError: the loads did not all run the same prompts.
     """
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     loads = sorted({r.get("load", 0) for r in rows})
     ids = sorted({r["prompt_id"] for r in rows})
@@ -111,7 +111,7 @@ def excess_split(rows: list[dict], engine: list[dict]) -> dict:
     Raises:
         ValueError: ``rows`` and ``engine`` differ in length.
     """
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     if len(rows) != len(engine):
         raise ValueError(f"excess_split: {len(rows)} rows against {len(engine)} of the engine alone")
@@ -327,10 +327,10 @@ def plot_excess(result: dict, path: Path) -> Path | None:
     if "served" not in phases:
         raise ValueError("'served': missing")
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         print(f"no matplotlib here: no plot (bench/triton_share.py --replot {path.with_suffix('.json')} draws it)")
         return None

@@ -14,10 +14,10 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
-from splitspec import quant  # noqa: E402
+from splitspec import quant
 
 from splitspec.models import fused_moe
-from splitspec.models.target import grouped_experts, noaux_tc_route  # noqa: E402
+from splitspec.models.target import grouped_experts, noaux_tc_route
 from splitspec.settings import ServeConfig
 
 # Small shapes that still exercise every mask: H and I not multiples of the blocks, several row blocks,

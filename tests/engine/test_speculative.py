@@ -131,7 +131,7 @@ def test_on_launched_runs_once_per_cycle_before_its_events(built_engines, tok, p
     order, steady = [], []
     with SpeculativeEngine.load(ServeConfig(built_engines, padded=padded)) as eng:
         run = eng.group.run
-        eng.group.run = lambda plan, *a: (out := run(plan, *a), steady.append(plan.padded_k is not None))[0]
+        eng.group.run = lambda plan, *a: (run(plan, *a), steady.append(plan.padded_k is not None))[0]
         eng.on_launched = lambda: order.append("L")
         eng.submit(Request(tok.encode(PROMPTS[0]), 12, num_draft_tokens=3, stop_token_ids=set()), lambda ev: order.append("E"))
         while eng.has_work():

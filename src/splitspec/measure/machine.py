@@ -80,7 +80,7 @@ def machine_info() -> dict:
     torch_v = None
     if "torch" in sys.modules or package_version("torch"):
         try:
-            import torch  # noqa: PLC0415
+            import torch
 
             torch_v = torch.__version__
         except ImportError:

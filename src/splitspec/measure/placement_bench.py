@@ -219,8 +219,8 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
         ConfigError: a bad argument or missing engines.
         SplitspecError: a server failed to start or a request failed.
     """
-    from splitspec.serving.repo import render_repo  # noqa: PLC0415
-    from splitspec.settings import ServeConfig, parse_id, parse_ids  # noqa: PLC0415
+    from splitspec.serving.repo import render_repo
+    from splitspec.settings import ServeConfig, parse_id, parse_ids
 
     engines = Path(engines).resolve()
     info = engine_info(engines)

@@ -73,10 +73,10 @@ def summary_markdown(meta: dict, rows: Sequence[dict]) -> str:
 
 def plot_results(rows: Sequence[dict], runs: Sequence[PlacementRun], out: Path) -> list[Path]:
     """Write ``tokens_per_s.png``, ``acceptance_by_position.png`` and ``latency_cdf.png`` into ``out``."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     files = []
     concs = sorted({r["concurrency"] for r in rows})

@@ -79,7 +79,7 @@ class StreamWorker:
     """A gRPC client with one open stream, sending one request at a time and timing its responses."""
 
     def __init__(self, address: str, timeout_s: float = 300.0):
-        import tritonclient.grpc as grpcclient  # noqa: PLC0415
+        import tritonclient.grpc as grpcclient
 
         self.address, self.timeout_s = address, timeout_s
         self._answers: queue.Queue = queue.Queue()
@@ -90,7 +90,7 @@ class StreamWorker:
     def close(self) -> None:
         try:
             self.client.stop_stream(cancel_requests=True)
-        except Exception:  # noqa: BLE001 - closing anyway
+        except Exception:
             pass
         self.client.close()
 
@@ -100,7 +100,7 @@ class StreamWorker:
         Raises:
             SplitspecError: the server answered with an error or nothing arrived within ``timeout_s``.
         """
-        from splitspec.serving.client import grpc_inputs  # noqa: PLC0415
+        from splitspec.serving.client import grpc_inputs
 
         inputs = grpc_inputs(prompt.text, max_tokens, num_draft_tokens=k, stream=True, return_stats=True,
                              return_token_ids=True, apply_chat_template=True if prompt.chat else None)

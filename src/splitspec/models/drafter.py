@@ -51,7 +51,7 @@ def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, siz
                     ("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
         if v % size:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {size}")
-    nq, nkv, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     part = lambda t, dim: t.chunk(size, dim)[rank]  # noqa: E731
     q, k, v = w["qkv_proj"].split([nq, nkv, nkv])
     gate, up = w["mlp.w13"].chunk(2)
