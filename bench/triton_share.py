@@ -15,7 +15,7 @@ cycle is host-bound: one core's clock; passes of a few seconds drifted by ±7%) 
    time, greedy, ``max_tokens``). While one phase runs, the others are idle.
 4. ``--loads N`` does all of this N times, each time with the engines loaded afresh (the engine alone first, then
    tritonserver; the other way round on every second load). An engine load runs at a speed of its own: the same
-   configuration's cycle moved 5–15% from one load to the next on the GPU (docs/performance.md), as much as
+   configuration's cycle moved 5–15% from one load to the next on the GPU (docs/lab/2026-11-30-tuner-per-bucket/), as much as
    Triton's whole share, so one load of each compares two draws of that noise. The figures pool all loads; the
    95% interval resamples loads, then prompts within them; ``loads`` in the summary holds each load's own.
 

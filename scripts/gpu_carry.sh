@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .carry/: what a GPU machine without network access needs to serve our model repository with
-# tritonserver and the Python backend (../shared/DESIGN.md: "Triton Inference Server 2.51.0", "NumPy 1
-# only in the Python backend", "Which Python the stub uses"). scripts/gpu_setup.sh unpacks it there.
+# tritonserver and the Python backend (docs/measuring.md, "On a GPU machine without network access": why
+# NumPy 1, which Python the stub uses). scripts/gpu_setup.sh unpacks it there.
 #
 #   .carry/site-packages.tar.xz  a site-packages tree, ready to unpack:
 #       pytriton (tritonserver 2.51, Python backend) + nvidia_pytriton.libs from this checkout's .venv,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (no network), from the repository root: turn .carry/ (make gpu-carry) into a venv
 # in which tritonserver's Python backend stub runs NumPy 1 beside the image's torch
-# (../shared/DESIGN.md, "Which Python the stub uses"):
+# (docs/measuring.md, "On a GPU machine without network access"):
 #   - TSENV (default /tmp/tsenv): `python3 -m venv --without-pip`, its site-packages unpacked from
 #     .carry/site-packages.tar.xz (pytriton + tritonserver, nvidia_pytriton.libs, numpy 1.26.4,
 #     tritonclient, rapidjson);
