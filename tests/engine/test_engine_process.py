@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from splitspec.engine.plan import EngineError
-from splitspec.serving.engine_process import CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event
+from splitspec.serving.engine_process import (CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event,
+                                               warm_up)
 from splitspec.errors import CheckpointError
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import CycleStats, Request, RequestOutput, RequestStats
@@ -221,3 +222,10 @@ def test_dead_engine_process_is_reported_once_and_takes_its_workers(built_engine
         threading.Event().wait(0.1)
     else:
         pytest.fail(f"worker processes {workers} outlived their engine process")
+
+
+def test_warm_up_runs_a_request_to_its_end_and_leaves_the_engine_empty(built_engines):
+    """The request run before ready on GPUs (so that compiling is not the first client's wait) holds nothing after."""
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2)) as eng:
+        assert warm_up(eng) > 0
+        assert not eng.has_work() and eng.num_active == 0 and eng.num_queued == 0 and eng.alloc.used == 0

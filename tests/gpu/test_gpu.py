@@ -159,7 +159,7 @@ def test_steady_cycle_waits_for_the_gpu_once(engines_for):
     assert [got[i] for i in range(len(ids))] == ref
     assert len(waits) > 5, f"only {len(waits)} steady cycles"
     assert all(len(w) == 1 for w in waits), f"host waits per steady cycle: {waits[:3]}"
-    assert len({w[0] for w in waits}) == 1 and "engine.py:" in waits[0][0], waits[:3]  # the one copy's line
+    assert len({w[0] for w in waits}) == 1 and "engine/rank.py:" in waits[0][0], waits[:3]  # the one copy's line
 
 
 @pytest.mark.timeout(600)

@@ -334,6 +334,19 @@ class EngineProcess:
 # ---------------------------------------------------------------------- the engine process
 
 
+def warm_up(eng: SpeculativeEngine) -> float:
+    """Run one short greedy request to its end before serving; returns its wall time in seconds.
+
+    On GPUs the first steady cycle compiles the target's layer halves (``torch.compile``, dynamic shapes: once per
+    half and layer type) and captures the batch-1 CUDA graph. Done here, before the engine reports ready, that cost
+    is paid by the model load instead of by the first client request. It leaves no sequence and no KV block held.
+    """
+    t0 = time.perf_counter()
+    prompt = list(range(1, 9))
+    eng.generate(prompt, max(1, min(32, eng.max_seq_len - len(prompt) - eng.max_draft_len - 1)), stop_token_ids=set())
+    return time.perf_counter() - t0
+
+
 def _worker_failure(eng, loop) -> str | None:
     """Why the engine cannot serve (a dead worker first: clearer than the collective error it caused), or None."""
     try:
@@ -355,9 +368,13 @@ def serve(conn: Connection) -> int:
     overlap = kwargs.get("overlap_output")
     if overlap is None:
         overlap = cfg.on_gpu
+    eng = None
     try:
         eng = SpeculativeEngine.load(cfg)
+        warm_up_s = warm_up(eng) if cfg.on_gpu else None  # compile before ready, not on the first request
     except BaseException as e:  # reported to the host, which fails the model load
+        if eng is not None:
+            eng.close()  # a failed warm-up: its worker ranks go with it
         conn.send(("load_failed", type(e).__name__, str(e)))
         return 1
     if not cfg.on_gpu:  # rank 0 on the CPU: leave a core to the serving processes
@@ -394,7 +411,8 @@ def serve(conn: Connection) -> int:
                         "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
                         "block_size": eng.alloc.block_size, "worker_pids": [p.pid for p in eng.group.procs],
                         "torch_threads": torch.get_num_threads(), "draft_tp": eng.group.draft_tp,
-                        "draft_tp_by_batch": eng.draft_tp_by_batch, "k": eng.num_draft_tokens, "k_by_batch": eng.k_by_batch}))
+                        "draft_tp_by_batch": eng.draft_tp_by_batch, "k": eng.num_draft_tokens, "k_by_batch": eng.k_by_batch,
+                        "warm_up_s": warm_up_s}))
         next_check = time.monotonic() + HEALTH_CHECK_S
         while True:
             if conn.poll(HEALTH_CHECK_S):

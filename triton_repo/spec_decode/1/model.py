@@ -139,13 +139,16 @@ class TritonPythonModel:
         self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
         self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
         self.monitor_thread.start()
+        warm = info.get("warm_up_s")  # on GPUs: compiled before ready
+        warmed = "" if warm is None else f"; warmed up in {warm:.1f} s"
         pb_utils.Logger.log_info(
             f"spec_decode: engines {self.engines_dir} loaded (k={k}, max_batch_size "
             f"{info['max_batch_size']}, KV {info['kv_blocks']} blocks of {info['block_size']} tokens, "
             f"max_seq_len {info['max_seq_len']}, target devices {list(cfg.target_device_ids) or 'cpu'}, draft "
             f"device {'rank 0' if cfg.draft_device_id is None else [cfg.draft_device_id]}, draft_tp {info['draft_tp_by_batch'] or info['draft_tp']}"
             f"{' by batch bucket (tuning.json)' if info['draft_tp_by_batch'] else ''}); engine process pid {self.engine.pid} "
-            f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}")
+            f"({info['torch_threads']} torch threads), target worker pids {info['worker_pids']}"
+            f"{warmed}")
 
     # ------------------------------------------------------------------ requests in
 
