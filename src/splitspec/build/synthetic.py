@@ -4,15 +4,13 @@ For measuring costs at full Kimi-K2 width (hidden 7168, MLA dims, 384 experts ×
 1 shared expert, vocabulary 163840) with the depth reduced to fit the GPUs at hand, and a drafter at the
 published Kimi-K2 EAGLE-3 size (hidden 7168, 64 heads × 128, intermediate 18432, draft vocabulary 32000).
 No checkpoint is written: ``engine.json`` says ``"weights": {"synthetic": {...}}`` and each rank draws its
-runtime-layout tensors (the names and shapes :mod:`splitspec.build.engines` writes) from a seeded generator.
+runtime-layout tensors (:mod:`splitspec.models.shapes`) from a seeded generator.
 Outputs of such engines are meaningless; use them with synthetic acceptance (labelled in every result).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
 
 from splitspec.config import DrafterConfig, Mapping, RopeConfig, TargetConfig
 from splitspec.files import atomic_dir, write_json
@@ -43,58 +41,6 @@ def kimi_k2_drafter(num_target_layers: int) -> DrafterConfig:
                          head_dim=128, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,
                          rms_norm_eps=1e-6, rope=RopeConfig(theta=50000.0, dim=128, interleaved=False),
                          aux_layer_ids=(min(1, n), max(n // 2, 1), n), aux_convention="input")
-
-
-def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, ...]]:
-    """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build.engines`)."""
-    tp = mapping.tp_size
-    H, h = cfg.hidden_size, cfg.num_attention_heads // tp
-    s = {"embed_tokens": (cfg.vocab_size // tp, H), "lm_head": (cfg.vocab_size // tp, H), "norm": (H,)}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"layers.{layer}."
-        s |= {p + "input_layernorm": (H,), p + "post_attention_layernorm": (H,),
-              p + "attn.fused_qkv_a": (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
-              p + "attn.q_a_layernorm": (cfg.q_lora_rank,), p + "attn.kv_a_layernorm": (cfg.kv_lora_rank,),
-              p + "attn.q_b_proj": (h * cfg.qk_head_dim, cfg.q_lora_rank),
-              p + "attn.w_uk": (h, cfg.qk_nope_head_dim, cfg.kv_lora_rank), p + "attn.w_uv": (h, cfg.v_head_dim, cfg.kv_lora_rank),
-              p + "attn.o_proj": (H, h * cfg.v_head_dim)}
-        if not cfg.is_moe_layer(layer):
-            s |= {p + "mlp.w13": (2 * cfg.intermediate_size // tp, H), p + "mlp.w2": (H, cfg.intermediate_size // tp)}
-            continue
-        E, I = cfg.n_routed_experts // mapping.ep_size, cfg.moe_intermediate_size // mapping.moe_tp_size
-        si = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
-        s |= {p + "mlp.gate": (cfg.n_routed_experts, H), p + "mlp.e_score_correction_bias": (cfg.n_routed_experts,),
-              p + "mlp.experts.w13": (E, 2 * I, H), p + "mlp.experts.w2": (E, H, I),
-              p + "mlp.shared.w13": (2 * si, H), p + "mlp.shared.w2": (H, si)}
-    return s
-
-
-def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Runtime-layout tensor shapes of the TP1 drafter."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {"embed_tokens": (cfg.vocab_size, H), "fc": (H, 3 * cfg.target_hidden_size), "input_layernorm": (H,),
-            "hidden_norm": (H,), "post_attention_layernorm": (H,), "qkv_proj": (q + 2 * kv, 2 * H), "o_proj": (H, q),
-            "mlp.w13": (2 * cfg.intermediate_size, H), "mlp.w2": (H, cfg.intermediate_size), "norm": (H,),
-            "lm_head": (cfg.draft_vocab_size, H), "draft_to_target": (cfg.draft_vocab_size,)}
-
-
-def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random tensors: norms ≈ 1, router and its bias float32, linears N(0, 1/fan_in),
-    ``draft_to_target`` the first draft-vocabulary ids."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
-        if name == "draft_to_target":
-            out[name] = torch.arange(shape[0], device=device, dtype=torch.int64)
-        elif len(shape) == 1:
-            out[name] = torch.ones(shape, device=device, dtype=torch.float32 if "bias" in name else dtype)
-            if "bias" in name:
-                out[name].normal_(0, 0.01, generator=g)
-        else:
-            t = torch.empty(shape, device=device, dtype=torch.float32 if name.endswith("mlp.gate") else dtype)
-            out[name] = t.normal_(0, shape[-1] ** -0.5, generator=g)
-    return out
 
 
 def write_synthetic_engines(out: Path, num_layers: int, tp_size: int, ep_size: int = 1, dtype: str = "bfloat16",
