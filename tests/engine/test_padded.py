@@ -37,6 +37,32 @@ def test_padded_target_and_drafter_match_general_form(engines_for):
         group.close()
 
 
+def test_compiled_target_is_freed_without_the_garbage_collector(engines_for):
+    """A closed engine's compiled target goes with its last reference, not at the collector's next run: the
+    tuner loads engines one after another, and a reference cycle through the compiled halves kept each load's
+    weights on the GPU (three Kimi-width loads filled an H200)."""
+    import gc
+    import weakref
+
+    group = Group(ServeConfig(engines_for(1)))
+    r = group.rank0
+    g = torch.Generator().manual_seed(2)
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            # two sequences of three tokens: the dynamic-shape graphs test_compiled_layers_match_eager's (4, 3) batch
+            # then reuses (one sequence would compile graphs of their own, specialised to a batch of one)
+            seqs = [(single_blocks(s, 64), 7, torch.randint(0, 4000, (3,), generator=g).tolist()) for s in range(2)]
+            r.target.compile()
+            r.target.forward(padded(seqs, window=32, scratch_row=r.tcache.kv.shape[1] - 1), r.tcache)
+        target, weight = weakref.ref(r.target), weakref.ref(r.target.w["embed_tokens"])
+        group.close()
+        del group, r
+        assert target() is None and weight() is None, "the compiled target outlived its engine"
+    finally:
+        gc.enable()
+
+
 def test_compiled_layers_match_eager(engines_for):
     """torch.compile'd layer halves (the CUDA-graph path's) compute what the eager ones compute, across
     batch shapes (dynamic shapes: no recompilation per shape)."""
@@ -56,27 +82,3 @@ def test_compiled_layers_match_eager(engines_for):
                 assert (fast - eager).abs().max() < 1e-4, (B, n)
     finally:
         group.close()
-
-
-def test_compiled_target_is_freed_without_the_garbage_collector(engines_for):
-    """A closed engine's compiled target goes with its last reference, not at the collector's next run: the
-    tuner loads engines one after another, and a reference cycle through the compiled halves kept each load's
-    weights on the GPU (three Kimi-width loads filled an H200)."""
-    import gc
-    import weakref
-
-    group = Group(ServeConfig(engines_for(1)))
-    r = group.rank0
-    g = torch.Generator().manual_seed(2)
-    gc.disable()
-    try:
-        with torch.inference_mode():
-            seqs = [(single_blocks(0, 64), 7, torch.randint(0, 4000, (2,), generator=g).tolist())]
-            r.target.compile()
-            r.target.forward(padded(seqs, window=32, scratch_row=r.tcache.kv.shape[1] - 1), r.tcache)
-        target, weight = weakref.ref(r.target), weakref.ref(r.target.w["embed_tokens"])
-        group.close()
-        del group, r
-        assert target() is None and weight() is None, "the compiled target outlived its engine"
-    finally:
-        gc.enable()
