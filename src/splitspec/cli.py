@@ -10,6 +10,7 @@ status 2), never as a traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -169,11 +170,16 @@ COMMANDS = {"demo-models": _cmd_demo_models, "convert": _cmd_convert, "inspect":
             "client": _cmd_client, "perf": _cmd_perf, "bench": _cmd_bench}
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0), or a malformed argument (2; argparse printed which and why)
         return e.code if isinstance(e.code, int) else 2
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID`: stop as Ctrl-C does (servers and workers included)
     try:
         COMMANDS[args.command](args)
     except SplitspecError as e:

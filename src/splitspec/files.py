@@ -145,3 +145,19 @@ def default_permissions(root: Path) -> None:
             os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
         for f in filenames:
             os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
+
+
+def make_dir(path: Path, what: str) -> Path:
+    """Create the output folder ``path`` (and its parents) if needed; returns it.
+
+    Raises:
+        ConfigError: ``path`` is an existing file, or cannot be created (``what`` names the option, e.g. "--out").
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path}: an existing file; expected a folder to create or write into")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot be created ({e.strerror or e})") from None
+    return path

@@ -10,6 +10,7 @@ import pytest
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request
 from splitspec.errors import ConfigError
+from splitspec.measure.prompts import Prompt
 from splitspec.measure.tune import tune
 from splitspec.settings import ServeConfig
 
@@ -164,7 +165,8 @@ def test_placements_alternate_over_engine_loads(built_engines, tmp_path, monkeyp
     order, real_load = [], SpeculativeEngine.load
     monkeypatch.setattr(tune_mod.SpeculativeEngine, "load",
                         lambda cfg: order.append(cfg.draft_tp) or real_load(cfg))
-    rows = tune_mod.measure(ServeConfig(built_engines, synthetic_acceptance=[0.9]), [1, 2], [1], [0, 1], ["def f(x):"], 64,
+    rows = tune_mod.measure(ServeConfig(built_engines, synthetic_acceptance=[0.9]), [1, 2], [1], [0, 1],
+                            [Prompt("p", "def f(x):")], 64,
                             cycles=7, loads=3)
     assert order == [1, 2, 2, 1, 1, 2]
     assert {(r["draft_tp"], r["k"]) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}

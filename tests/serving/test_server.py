@@ -193,6 +193,14 @@ def test_render_repo_rejects_bad_placement(engines, tmp_path):
         render_repo(ServeConfig(engines, num_draft_tokens=999), tmp_path / "r")
 
 
+def test_render_repo_refuses_a_folder_of_other_files(engines, tmp_path):
+    """A mistyped --out (a checkpoint folder, /) is refused, not filled with the four model folders."""
+    (tmp_path / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="holds other files and no model repository"):
+        render_repo(ServeConfig(engines, num_draft_tokens=K), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize("blocker", ["spec_decode", "postprocessing/1", "ensemble/config.pbtxt/"])
 def test_render_repo_refuses_a_blocked_destination_before_writing(engines, tmp_path, blocker):
     """A file where a model folder goes (or a folder where a config goes): refused, and nothing written."""

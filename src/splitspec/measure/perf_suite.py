@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.files import write_atomic
+from splitspec.files import make_dir, write_atomic
 from splitspec.measure.machine import machine_info, package_version
 from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run_perf_analyzer_level
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
@@ -86,7 +86,7 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
         raise ConfigError(f"seconds = {seconds}: expected 1..600")
     out = Path(out_dir) if out_dir else Path("perf_results") / _timestamp()
     out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out")
     genai = find_genai_perf() if llm_metrics else None
     if llm_metrics and genai is None:
         print("genai-perf is not installed (make perf-tools): LLM metrics skipped", flush=True)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from splitspec.errors import ConfigError
-from splitspec.files import write_atomic
+from splitspec.files import make_dir, write_atomic
 from splitspec.measure.machine import engine_info, machine_info
 from splitspec.measure.placement_report import placement_label, plot_results, summary_markdown
 from splitspec.measure.prompts import Prompt, read_prompts
@@ -241,7 +241,7 @@ def run_bench(engines: Path, *, out_dir: Path | None = None, ks: Iterable[int] =
     prompts = read_prompts(prompts_path, engines / "target")
     out = Path(out_dir) if out_dir else Path("bench", "results", time.strftime("%Y%m%d-%H%M%S"))
     out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **machine_info(), "engines": info, "max_tokens": max_tokens,
             "prompts": str(prompts_path or "built-in"), "num_prompts": len(prompts), "ks": ks,
             "concurrencies": concs, "draft_tps": placements, "synthetic_acceptance": synthetic_acceptance,

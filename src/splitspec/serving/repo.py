@@ -101,6 +101,9 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
     src = check_template_dir(template_dir)
     engines_dir = cfg.engines_dir.resolve()
     out_dir = Path(out_dir).resolve()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / m).exists() for m in MODELS):
+        raise ConfigError(f"{out_dir}: a folder that holds other files and no model repository; name a new or empty "
+                          "folder, or an earlier repository to render again")
     target = _engine_json(engines_dir / "target" / "engine.json")
     drafter = _engine_json(engines_dir / "drafter" / "engine.json")
     for f in ("tokenizer.json", "tokenizer_config.json"):
