@@ -102,12 +102,21 @@ def tok(built_engines):
     return ChatTokenizer.from_dir(built_engines / "target")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_same_tokens_cancel_refusal_and_close(built_engines, tok, overlap):
-    """``overlap``: events sent while the next cycle runs (the GPU default; here forced on the CPU)."""
-    reqs = [Request(tok.encode(p), 16, num_draft_tokens=3, stop_token_ids=set()) for p in PROMPTS]
+def _same_token_requests(tok) -> list[Request]:
+    return [Request(tok.encode(p), 16, num_draft_tokens=3, stop_token_ids=set()) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(built_engines, tok) -> list[list[int]]:
+    """The tokens of :func:`_same_token_requests` from the engine in this process."""
     with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=3)) as eng:
-        expected = [r.token_ids for r in eng.run(reqs)]
+        return [r.token_ids for r in eng.run(_same_token_requests(tok))]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_same_tokens_cancel_refusal_and_close(built_engines, tok, expected, overlap):
+    """``overlap``: events sent while the next cycle runs (the GPU default; here forced on the CPU)."""
+    reqs = _same_token_requests(tok)
     ev = Events()
     proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), ev.on_cycle, ev.failed.append, overlap_output=overlap)
     try:

@@ -179,7 +179,7 @@ def test_synthetic_acceptance_is_labelled_and_follows_profile(built_engines, tok
     assert abs(res.acceptance_length - expected) < 0.6
 
 
-def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, tok):
+def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, engines_for, tok):
     """Values that would overflow the sampler or break the engine's state are refused up front."""
     ids = tok.encode(PROMPTS[0])
     with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2)) as eng:
@@ -192,5 +192,5 @@ def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, 
                 eng.submit(req)
         assert len(eng.generate(ids, 6, stop_token_ids=set()).token_ids) == 6
     for kw in (dict(max_batch_size=-1), dict(max_prefill_tokens=0), dict(synthetic_acceptance=[2.0])):
-        with pytest.raises(ConfigError):
-            SpeculativeEngine.load(ServeConfig(built_engines, **kw))
+        with pytest.raises(ConfigError):  # TP1 engines: refused alike, without starting a worker to stop again
+            SpeculativeEngine.load(ServeConfig(engines_for(1), **kw))
