@@ -85,7 +85,7 @@ gpu-carry: setup
 	PYVER=$(or $(PYVER),3.12) bash scripts/gpu_carry.sh
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(CKPT) $(ENGINES) checkpoints perf_results $(REPO)/_backends
