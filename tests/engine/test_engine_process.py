@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from splitspec.engine.plan import EngineError
-from splitspec.serving.engine_process import (CycleMessages, EngineProcess, pack_cycle_stats, pack_event, unpack_event,
-                                               warm_up)
+from splitspec.serving.engine_process import EngineProcess, warm_up
+from splitspec.serving.engine_messages import CycleMessages, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import CycleStats, Request, RequestOutput, RequestStats
