@@ -137,3 +137,22 @@ def test_row_is_the_mean_of_each_loads_median():
     assert r["cycle_ms_by_load"] == [11.0, 21.0] and r["cycle_ms"] == 16.0  # medians 11 and 21 (upper of two)
     assert r["n"] == 5 and r["tokens_per_cycle"] == pytest.approx(8 / 5) and r["accepted_by_position"] == [3]
     assert r["tokens_per_s"] == pytest.approx(8 / 5 / 16.0 * 1e3)
+
+
+def test_allreduce_crossover_splits_the_placements_where_their_best_rates_meet():
+    """Below the crossover α the sharded drafter's best configuration is faster, above it the TP1 drafter's;
+    at it the two best rates agree (bisection to 0.01 µs)."""
+    import dataclasses
+
+    from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
+    from splitspec.measure.cost_model import allreduce_crossover_us, best_k
+
+    m = KimiScale()
+    for B in (1, 4, 16):
+        a = allreduce_crossover_us(m, B, KIMI_DRAFTER_PROFILE)
+        assert a is not None and 0 < a < 2000
+        rate = lambda alpha, p: best_k(dataclasses.replace(m, allreduce_alpha_us=alpha), B, p, KIMI_DRAFTER_PROFILE)[1]  # noqa: E731
+        assert rate(a * 0.8, "tp8") > rate(a * 0.8, "tp1") and rate(a * 1.25, "tp1") > rate(a * 1.25, "tp8")
+        assert rate(a, "tp1") == pytest.approx(rate(a, "tp8"), rel=1e-3)
+    # a sharded step that costs more than the TP1 step before any communication: TP1 wins at every α
+    assert allreduce_crossover_us(dataclasses.replace(m, draft_step_shard_ms=1.0), 1, KIMI_DRAFTER_PROFILE) is None

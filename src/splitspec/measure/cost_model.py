@@ -179,3 +179,26 @@ def best_k(model: KimiScale, B: int, placement: str, profile: list[float], ks=ra
     rates = {k: model.tokens_per_s(B, k, placement, profile) for k in ks}
     k = max(rates, key=rates.get)
     return k, rates[k]
+
+
+def allreduce_crossover_us(model: KimiScale, B: int, profile: list[float], ks=range(0, 7),
+                           hi_us: float = 5000.0) -> float | None:
+    """All-reduce latency α (µs) at which the drafter on one GPU starts to beat the sharded drafter: the α where
+    the best k's tokens/s of the two placements meet (bisection, to 0.01 µs). α enters both: every verify pays
+    2 all-reduces per layer whatever the placement, and the sharded drafter 3 collectives per step.
+
+    Returns None when one placement wins over the whole range [0, ``hi_us``] (no crossover).
+    """
+    import dataclasses
+
+    def gap(alpha: float) -> float:  # > 0: the drafter on one GPU is faster
+        m = dataclasses.replace(model, allreduce_alpha_us=alpha)
+        return best_k(m, B, "tp1", profile, ks)[1] - best_k(m, B, "tp8", profile, ks)[1]
+
+    lo, hi = 0.0, hi_us
+    if (gap(lo) > 0) == (gap(hi) > 0):
+        return None
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if gap(mid) > 0 else (mid, hi)
+    return (lo + hi) / 2
