@@ -35,7 +35,7 @@ for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
-from lab.gpu_kernels import allreduce, bandwidth, distinct_experts, moe_fp8, moe_kernel, timed_graph  # noqa: E402
+from lab.gpu_kernels import allreduce, bandwidth, distinct_experts, moe_fp8, moe_int4, moe_kernel, timed_graph  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -289,7 +289,7 @@ def main() -> None:
                     "a row's cycle is the mean of its loads' medians")
     ap.add_argument("--reuse", default="", help="earlier gpu_bench.json: take bandwidth, allreduce and distinct_experts from it")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness, bandwidth, allreduce, experts "
-                    "(distinct_experts), moe_kernel, moe_fp8, layers")
+                    "(distinct_experts), moe_kernel, moe_fp8, moe_int4, layers")
     ap.add_argument("--placements", default="1,N", help="draft_tp values to sweep: 1 and/or N (the target's TP size)")
     ap.add_argument("--hang-dump-s", type=float, default=0, help="print every thread's stack if still running after this many s (0: never)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, demo-sized synthetic engines: checks the script, measures nothing useful")
@@ -333,6 +333,8 @@ def main() -> None:
         section("moe_kernel", out)(moe_kernel)(bw, [int(x) for x in a.moe_tp.split(",")])
     if "moe_fp8" not in skip and not a.dry_run:
         section("moe_fp8", out)(moe_fp8)(bw)
+    if "moe_int4" not in skip and not a.dry_run:
+        section("moe_int4", out)(moe_int4)(bw, [int(x) for x in a.moe_tp.split(",")])
     if "layers" not in skip and not a.dry_run:
         # the all-reduce of the group it was measured on (a reused one may come from a machine with more GPUs)
         ar = ({RESULTS["allreduce"].get("world", ngpu): RESULTS["allreduce"]["rows"][1]["graph_us"]}

@@ -238,3 +238,73 @@ def moe_fp8(bw_GBps: float) -> dict:
     del w13, w2, fp8, q13, q2
     torch.cuda.empty_cache()
     return {"rows": rows}
+
+
+def moe_int4(bw_GBps: float, tps: list[int]) -> dict:
+    """Routed experts (Kimi-K2.5 shapes: 384 experts, 8 per token, hidden 7168, intermediate 2048 / TP) kept INT4
+    as published (packed int32 + bf16 group-32 scales) and read by splitspec.models.int4_moe, against their bound:
+    distinct experts × (packed + scale bytes) / the measured copy bandwidth. First a sweep of block sizes at 1 and
+    4 tokens over the TP shapes (the best sum serves the rest); then 1, 2, 4, 8, 16 tokens at each shape, beside
+    the bf16 fused kernels on the same experts dequantised (their own bytes and bound), and the INT4 result's
+    difference from those (kernel error only: the weights are the same numbers)."""
+    from splitspec.models import fused_moe, int4_moe
+
+    bw = bw_GBps * 1e6  # bytes per ms
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {"sweep": [], "rows": []}
+
+    def experts(tp: int):  # random nibbles and scales ~ N(0, 1) weights' group-32 absmax / 7
+        I = 2048 // tp
+        p13 = torch.randint(-2**31, 2**31 - 1, (384, 2 * I, 7168 // 8), dtype=torch.int32, device="cuda", generator=g)
+        p2 = torch.randint(-2**31, 2**31 - 1, (384, 7168, I // 8), dtype=torch.int32, device="cuda", generator=g)
+        s13 = (torch.rand(384, 2 * I, 7168 // 32, device="cuda", generator=g) * 0.1 * 7168 ** -0.5).to(torch.bfloat16)
+        s2 = (torch.rand(384, 7168, I // 32, device="cuda", generator=g) * 0.1 * I ** -0.5).to(torch.bfloat16)
+        return p13, s13, p2, s2
+
+    weights = {tp: experts(tp) for tp in tps}
+    problems = {T: routed_tokens(T, g) for T in (1, 4)}
+    blocks = [(n, k, w, st) for n in (8, 16, 32, 64) for k in (256, 512, 1024) for w in (4, 8) for st in (3, 4) if n * k <= 32768]
+    for which in ("gate_up", "down"):
+        for cfg in blocks:
+            row = {"kernel": which, "config": cfg}
+            kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
+            for (T, (x, ids, wts)), tp in itertools.product(problems.items(), tps):
+                row[f"ms_tp{tp}_T{T}"] = timed_graph(lambda: int4_moe.int4_experts(x, ids, wts, *weights[tp], **kw))
+            out["sweep"].append(row)
+            print(json.dumps(row), flush=True)
+    for which in ("gate_up", "down"):
+        best = min((r for r in out["sweep"] if r["kernel"] == which), key=lambda r: sum(v for n, v in r.items() if n.startswith("ms_")))
+        out.setdefault("chosen", {})[which] = best["config"]
+    int4_moe.GATE_UP_CONFIG, int4_moe.DOWN_CONFIG = tuple(out["chosen"]["gate_up"]), tuple(out["chosen"]["down"])
+    print("chosen", out["chosen"], flush=True)
+    for tp in tps:
+        p13, s13, p2, s2 = weights[tp]
+        expert_bytes = p13[0].nbytes + s13[0].nbytes + p2[0].nbytes + s2[0].nbytes
+        for T in (1, 2, 4, 8, 16):
+            x, ids, wts = routed_tokens(T, g)
+            used, local = ids.unique(return_inverse=True)  # dequantise only the chosen experts for the bf16 comparison
+            w13 = torch.stack([quant_dequant(p13[e], s13[e]) for e in used.tolist()])
+            w2 = torch.stack([quant_dequant(p2[e], s2[e]) for e in used.tolist()])
+            got = int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2).float()
+            ref = fused_moe.fused_experts(x, local, wts, w13, w2).float()
+            distinct = used.numel()
+            nbytes = distinct * expert_bytes
+            row = {"tp": tp, "tokens": T, "distinct_experts": distinct, "int4_bytes": nbytes, "bound_ms": nbytes / bw,
+                   "int4_ms": timed_graph(lambda: int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2)),
+                   "bf16_ms": timed_graph(lambda: fused_moe.fused_experts(x, local, wts, w13, w2)),
+                   "bf16_bound_ms": distinct * (w13[0].nbytes + w2[0].nbytes) / bw,
+                   "int4_vs_bf16_max_rel": ((got - ref).abs().max() / ref.abs().max()).item()}
+            row["ratio_to_bound"] = row["int4_ms"] / row["bound_ms"]
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del w13, w2
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def quant_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One INT4 expert linear dequantised to bf16 (splitspec.quant.dequantize_int4, group 32)."""
+    from splitspec import quant
+
+    return quant.dequantize_int4(packed, scale, packed.shape[-1] * 8, 32, torch.bfloat16)

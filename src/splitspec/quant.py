@@ -235,7 +235,7 @@ def block_size_of(weights: dict[str, torch.Tensor]) -> tuple[int, int] | None:
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int32 [out, ceil(cols/8)] → int8 [out, cols] signed values in [-8, 7] (nibble i of a word = bits 4i..4i+3, minus 8)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nib = (packed.to(torch.int32)[..., None] >> shifts) & 0xF
     return (nib.reshape(*packed.shape[:-1], -1)[..., :cols] - 8).to(torch.int8)
 

@@ -193,7 +193,7 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
     tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
 
 
-def _on(x: torch.Tensor):
+def on_device(x: torch.Tensor):
     """Context making x's GPU current: Triton launches on the current device, whatever its arguments' device."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
@@ -201,7 +201,7 @@ def _on(x: torch.Tensor):
 @torch.library.custom_op("splitspec::route", mutates_args=())
 def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
               normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    with _on(x):
+    with on_device(x):
         T, H = x.shape
         E = gate.shape[0]
         logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
@@ -238,7 +238,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
 def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, scales: list[torch.Tensor | None],
                 fp8_block: list[int], gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
-    with _on(x):
+    with on_device(x):
         T, H = x.shape
         top_k = local.shape[1]
         E, I = w13.shape[0], w2.shape[-1]
