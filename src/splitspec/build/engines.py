@@ -8,9 +8,10 @@ Runtime layout of a target rank (names used by :class:`splitspec.models.target.T
 ``attn.w_uv`` [h, v, kv_lora] (kv_b_proj split per head), ``attn.o_proj`` [H, h·v]; dense
 ``mlp.w13`` [2·I/N, H] / ``mlp.w2``; MoE ``mlp.gate`` [E, H] and ``mlp.e_score_correction_bias`` [E]
 (float32), stacked experts ``mlp.experts.w13`` [E_local, 2·I_e, H] / ``mlp.experts.w2`` [E_local, H, I_e],
-``mlp.shared.w13`` / ``mlp.shared.w2``. Drafter: ``qkv_proj`` fused, ``mlp.w13`` fused, ``draft_to_target``,
-and, when its config asks for norms before ``fc``, ``fc_input_norm`` [3·target_hidden] (norm_before_fc)
-and/or ``fc_norm`` [3, target_hidden] (one per aux state).
+``mlp.shared.w13`` / ``mlp.shared.w2``. Drafter: ``qkv_proj`` fused (Llama attention) or the target layer's
+``attn.*`` tensors with ``attn.fused_qkv_a`` [q_lora + kv_lora + rope, 2·H] (MLA), ``mlp.w13`` fused,
+``draft_to_target``, and, when its config asks for norms before ``fc``, ``fc_input_norm`` [3·target_hidden]
+(norm_before_fc) and/or ``fc_norm`` [3, target_hidden] (one per aux state).
 
 FP8 engines (``dtype="fp8"``, from a converted FP8 block-scaled checkpoint): every linear weight above
 whose tiles survive the fusion stays float8_e4m3fn with a float32 ``<name>.scale_inv``
@@ -77,6 +78,31 @@ def _emit(name: str, w: Fp8) -> Iterator[tuple[str, torch.Tensor]]:
         yield name + ".scale_inv", w[1]
 
 
+def _linear(src: CheckpointReader, module: str) -> Fp8:
+    s = src.get(module + ".weight_scale_inv") if module + ".weight_scale_inv" in src else None
+    return src.get(module + ".weight"), s
+
+
+def iter_mla_runtime_layout(src: CheckpointReader, a: str, q: str, cfg, heads: int, dtype: torch.dtype,
+                            block: tuple[int, int] | None = None, keep: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the runtime-layout tensors of one MLA attention (see the module docstring) from Hugging Face tensors
+    under ``a`` (``…self_attn.``), named under ``q``: a target layer or an MLA drafter's single layer.
+
+    Args:
+        cfg: has the MLA fields (a :class:`TargetConfig` or an MLA :class:`DrafterConfig`); heads: this rank's.
+        block, keep: the FP8 tile, and whether FP8 linears stay FP8 (see :func:`iter_target_runtime_layout`).
+    """
+    fused = lambda *modules: _fuse_rows([_linear(src, m) for m in modules], block, dtype, keep)  # noqa: E731
+    yield from _emit(q + "attn.fused_qkv_a", fused(a + "q_a_proj", a + "kv_a_proj_with_mqa"))
+    yield q + "attn.q_a_layernorm", src.get(a + "q_a_layernorm.weight").to(dtype)
+    yield q + "attn.kv_a_layernorm", src.get(a + "kv_a_layernorm.weight").to(dtype)
+    yield from _emit(q + "attn.q_b_proj", fused(a + "q_b_proj"))
+    kv_b = _as_float(_linear(src, a + "kv_b_proj"), block, dtype).view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    yield q + "attn.w_uk", kv_b[:, : cfg.qk_nope_head_dim].contiguous()
+    yield q + "attn.w_uv", kv_b[:, cfg.qk_nope_head_dim:].contiguous()
+    yield from _emit(q + "attn.o_proj", fused(a + "o_proj"))
+
+
 def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
                                block: tuple[int, int] | None = None, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the runtime-layout tensors of one target rank from its converted shard (Hugging Face names).
@@ -90,15 +116,8 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
     keep = keep_fp8 and block is not None
     cast = lambda t: t.to(dtype)  # noqa: E731
 
-    def lin(module: str) -> Fp8:
-        s = src.get(module + ".weight_scale_inv") if module + ".weight_scale_inv" in src else None
-        return src.get(module + ".weight"), s
-
     def fused(*modules: str) -> Fp8:
-        return _fuse_rows([lin(m) for m in modules], block, dtype, keep)
-
-    def single(module: str) -> Fp8:
-        return fused(module)
+        return _fuse_rows([_linear(src, m) for m in modules], block, dtype, keep)
 
     if keep:
         yield quant.FP8_BLOCK_KEY, torch.tensor(block, dtype=torch.int64)
@@ -107,21 +126,13 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
     yield "norm", cast(src.get("model.norm.weight"))
     for layer in range(cfg.num_hidden_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
-        a = p + "self_attn."
         yield q + "input_layernorm", cast(src.get(p + "input_layernorm.weight"))
         yield q + "post_attention_layernorm", cast(src.get(p + "post_attention_layernorm.weight"))
-        yield from _emit(q + "attn.fused_qkv_a", fused(a + "q_a_proj", a + "kv_a_proj_with_mqa"))
-        yield q + "attn.q_a_layernorm", cast(src.get(a + "q_a_layernorm.weight"))
-        yield q + "attn.kv_a_layernorm", cast(src.get(a + "kv_a_layernorm.weight"))
-        yield from _emit(q + "attn.q_b_proj", single(a + "q_b_proj"))
-        kv_b = _as_float(lin(a + "kv_b_proj"), block, dtype).view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        yield q + "attn.w_uk", kv_b[:, : cfg.qk_nope_head_dim].contiguous()
-        yield q + "attn.w_uv", kv_b[:, cfg.qk_nope_head_dim:].contiguous()
-        yield from _emit(q + "attn.o_proj", single(a + "o_proj"))
+        yield from iter_mla_runtime_layout(src, p + "self_attn.", q, cfg, heads, dtype, block, keep)
         m = p + "mlp."
         if not cfg.is_moe_layer(layer):
             yield from _emit(q + "mlp.w13", fused(m + "gate_proj", m + "up_proj"))
-            yield from _emit(q + "mlp.w2", single(m + "down_proj"))
+            yield from _emit(q + "mlp.w2", fused(m + "down_proj"))
             continue
         yield q + "mlp.gate", src.get(m + "gate.weight").float()
         yield q + "mlp.e_score_correction_bias", src.get(m + "gate.e_score_correction_bias").float()
@@ -129,11 +140,11 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
         first = mapping.ep_rank(rank) * per
         experts = range(first, first + per)
         yield from _emit(q + "mlp.experts.w13", _stack([fused(f"{m}experts.{e}.gate_proj", f"{m}experts.{e}.up_proj") for e in experts], block, dtype))
-        yield from _emit(q + "mlp.experts.w2", _stack([single(f"{m}experts.{e}.down_proj") for e in experts], block, dtype))
+        yield from _emit(q + "mlp.experts.w2", _stack([fused(f"{m}experts.{e}.down_proj") for e in experts], block, dtype))
         if cfg.n_shared_experts:
             s = m + "shared_experts."
             yield from _emit(q + "mlp.shared.w13", fused(s + "gate_proj", s + "up_proj"))
-            yield from _emit(q + "mlp.shared.w2", single(s + "down_proj"))
+            yield from _emit(q + "mlp.shared.w2", fused(s + "down_proj"))
 
 
 def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
@@ -142,16 +153,18 @@ def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Map
     return dict(iter_target_runtime_layout(src, cfg, mapping, rank, dtype, block, keep_fp8))
 
 
-def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Runtime-layout tensors of the TP1 drafter from its converted checkpoint."""
+def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype, cfg: DrafterConfig | None = None) -> dict[str, torch.Tensor]:
+    """Runtime-layout tensors of the TP1 drafter from its converted checkpoint (``cfg``: needed for an MLA drafter)."""
     cast = lambda name: src.get(name).to(dtype)  # noqa: E731
     a, m = "midlayer.self_attn.", "midlayer.mlp."
+    if cfg is not None and cfg.is_mla:
+        attn = dict(iter_mla_runtime_layout(src, a, "", cfg, cfg.num_attention_heads, dtype))
+    else:
+        attn = {"qkv_proj": torch.cat([cast(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]), "o_proj": cast(a + "o_proj.weight")}
     return {
         "embed_tokens": cast("embed_tokens.weight"), "fc": cast("fc.weight"),
         "input_layernorm": cast("midlayer.input_layernorm.weight"), "hidden_norm": cast("midlayer.hidden_norm.weight"),
-        "post_attention_layernorm": cast("midlayer.post_attention_layernorm.weight"),
-        "qkv_proj": torch.cat([cast(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]),
-        "o_proj": cast(a + "o_proj.weight"),
+        "post_attention_layernorm": cast("midlayer.post_attention_layernorm.weight"), **attn,
         "mlp.w13": torch.cat((cast(m + "gate_proj.weight"), cast(m + "up_proj.weight"))), "mlp.w2": cast(m + "down_proj.weight"),
         "norm": cast("norm.weight"), "lm_head": cast("lm_head.weight"), "draft_to_target": src.get("draft_to_target"),
     } | ({"fc_input_norm": cast("input_norm.weight")} if "input_norm.weight" in src else {}) \
@@ -223,10 +236,10 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
         write_json({"format": ENGINE_FORMAT, "kind": "target", "architecture": "DeepseekV3ForCausalLM", "dtype": dtype,
                     "quantization": weight_format, "config": tcfg.to_dict(), "mapping": mapping.to_dict(), "limits": limits},
                    tmp / "target" / "engine.json")
-        dlayout = drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt)
+        dlayout = drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt, dcfg)
         write_tensors(dlayout.items(), tmp / "drafter" / "rank0.safetensors")
         del dlayout
-        write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": "LlamaForCausalLMEagle3",
+        write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": dcfg.architecture,
                     "dtype": dtype if not keep_fp8 else "bfloat16",
                     "config": dcfg.to_dict(), "mapping": {"tp_size": 1}, "limits": limits,
                     "aux_layer_ids": list(dcfg.aux_layer_ids), "aux_convention": dcfg.aux_convention,

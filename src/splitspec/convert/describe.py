@@ -14,14 +14,14 @@ from collections import Counter
 from pathlib import Path
 
 from splitspec import quant
-from splitspec.config import MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
+from splitspec.config import DRAFTER_ARCHITECTURES, MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
 from splitspec.convert.pair import tokenizer_vocab_size
 from splitspec.convert.target import VISION_PREFIXES
 from splitspec.errors import CheckpointError
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.files import read_json
 
-DRAFTER_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
+DRAFTER_ARCHS = tuple(DRAFTER_ARCHITECTURES)  # Llama-attention and MLA (Eagle3DeepseekV2ForCausalLM) drafters
 
 
 def _mib(n: int) -> str:
@@ -108,7 +108,7 @@ def inspect_drafter(folder: Path, raw: dict, target: Path | None, aux_convention
     fc = reader.info("fc.weight").shape if "fc.weight" in reader else None
     lines = [f"{folder}: EAGLE-3 drafter",
              f"architecture: {(raw.get('architectures') or ['?'])[0]} (one decoder layer), hidden {cfg.hidden_size}, "
-             f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads × {cfg.head_dim}, intermediate {cfg.intermediate_size}",
+             f"{cfg.describe_attention()}, intermediate {cfg.intermediate_size}",
              f"fc: {list(fc) if fc else 'MISSING'} over 3 × target hidden {cfg.target_hidden_size}"
              + ("" if not fc or fc[-1] == 3 * cfg.target_hidden_size else " — WIDTH DISAGREES")]
     mapping = [x for x in ("d2t", "t2d") if x in reader]
@@ -137,6 +137,10 @@ def inspect_drafter(folder: Path, raw: dict, target: Path | None, aux_convention
     norms = [x for x, on in (("norm_before_fc (input_norm.weight)", cfg.norm_before_fc),
                              ("fc_norm (fc_norm.{0,1,2}.weight)", cfg.fc_norm)) if on]
     lines.append("norms before fc: " + (", ".join(norms) if norms else "none"))
+    if cfg.norm_output:
+        lines.append("next step's state: after the final norm (norm_output)")
+    if "lm_head.weight" not in reader:
+        lines.append("lm_head: none (convert uses the target's" + (")" if cfg.draft_vocab_size == cfg.vocab_size else "; needs the full vocabulary)"))
     lines += _tensor_lines(reader)
     return lines
 

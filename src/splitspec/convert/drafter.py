@@ -1,9 +1,13 @@
 """The drafter side of convert: an EAGLE-3 drafter's tensors read and checked, its draft → target vocabulary
 mapping, and the choice of its token embedding (its own or the target's).
 
-Published drafters name their single decoder layer ``midlayer.*`` (EAGLE-3, SpecForge) or ``layers.0.*``; the
-converted checkpoint always says ``midlayer.*``. ``d2t`` holds offsets (target id = draft id + d2t[draft id]) and
-is written as absolute ids, ``draft_to_target``.
+Published drafters name their single decoder layer ``midlayer.*`` (EAGLE-3, SpecForge, ModelOpt exports) or
+``layers.0.*`` (read as ``midlayer.*`` by vLLM, SGLang and TensorRT-LLM alike); the converted checkpoint always
+says ``midlayer.*``. The layer's attention is Llama's (``q/k/v/o_proj``) or, for ``Eagle3DeepseekV2ForCausalLM``,
+DeepSeek-V3 MLA (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+``kv_b_proj``, ``o_proj``; the two down-projections read the 2·H input). ``d2t`` holds offsets (target id =
+draft id + d2t[draft id]) and is written as absolute ids, ``draft_to_target``. A drafter without ``lm_head`` over
+the full vocabulary takes the target's (what ModelOpt's export does: modelopt/torch/export/plugins/hf_spec_export.py).
 """
 
 from __future__ import annotations
@@ -60,6 +64,52 @@ def _drafter_layer_prefix(reader: CheckpointReader) -> str:
     return "midlayer."
 
 
+def drafter_layer_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Published names (under the layer prefix) and shapes of the drafter layer's tensors."""
+    H, I, nq = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    if cfg.is_mla:
+        attn = {"q_a_proj": (cfg.q_lora_rank, 2 * H), "q_a_layernorm": (cfg.q_lora_rank,),
+                "q_b_proj": (nq * cfg.qk_head_dim, cfg.q_lora_rank),
+                "kv_a_proj_with_mqa": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * H), "kv_a_layernorm": (cfg.kv_lora_rank,),
+                "kv_b_proj": (nq * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "o_proj": (H, nq * cfg.v_head_dim)}
+    else:
+        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        attn = {"q_proj": (nq * hd, 2 * H), "k_proj": (nkv * hd, 2 * H), "v_proj": (nkv * hd, 2 * H), "o_proj": (H, nq * hd)}
+    return {f"self_attn.{n}.weight": shape for n, shape in attn.items()} | {
+        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+        "input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+
+
+def drafter_specs(reader: CheckpointReader, cfg: DrafterConfig, target_hidden: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every float tensor the drafter must hold: converted name → (stored name, shape). ``lm_head.weight`` is left
+    out when the drafter has none over the full vocabulary at the target's width (the target's stands in)."""
+    H, TH = cfg.hidden_size, cfg.target_hidden_size
+    lp = _drafter_layer_prefix(reader)
+    specs = {"midlayer." + name: (lp + name, shape) for name, shape in drafter_layer_shapes(cfg).items()}
+    top = {"fc.weight": (H, 3 * TH), "norm.weight": (H,)}
+    if "lm_head.weight" in reader or cfg.draft_vocab_size < cfg.vocab_size or H != target_hidden:
+        top["lm_head.weight"] = (cfg.draft_vocab_size, H)
+    if cfg.norm_before_fc:
+        top["input_norm.weight"] = (3 * TH,)
+    if cfg.fc_norm:
+        top.update({f"fc_norm.{i}.weight": (TH,) for i in range(3)})
+    return specs | {name: (name, shape) for name, shape in top.items()}
+
+
+def check_drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target_hidden: int) -> None:
+    """Check from the headers alone that every drafter tensor is there with its shape and a float dtype (before
+    anything is converted). Raises CheckpointError naming the file and tensor (``fc`` narrower or wider than
+    3 × target hidden first, in those words)."""
+    TH = cfg.target_hidden_size
+    if "fc.weight" in reader:
+        fc = reader.info("fc.weight")
+        if len(fc.shape) == 2 and fc.shape[1] != 3 * TH:
+            raise CheckpointError(f"{reader.file_of('fc.weight')}: tensor 'fc.weight' has {fc.shape[1]} input columns, "
+                                  f"expected 3 × target hidden size = 3 × {TH} = {3 * TH}")
+    for stored, shape in drafter_specs(reader, cfg, target_hidden).values():
+        reader.check(stored, shape, FLOAT_DTYPES)
+
+
 def drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target: TargetSource,
                     embedding: str | None = None, tied: bool = False) -> tuple[dict, dict]:
     """Read and check every drafter tensor.
@@ -70,32 +120,18 @@ def drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target: Target
         tied: the drafter's config declares its embedding is the target's (``eagle_config.share_target_embedding``).
     Returns:
         (tensors under published names with the layer as ``midlayer.*``, plus ``draft_to_target``,
-        ``embed_tokens.weight`` and, when asked for, ``input_norm.weight`` / ``fc_norm.{i}.weight``;
+        ``embed_tokens.weight``, ``lm_head.weight`` (the target's when the drafter has none over the full
+        vocabulary) and, when asked for, ``input_norm.weight`` / ``fc_norm.{i}.weight``;
         embedding decision {"source": "target"|"drafter", "note": str}).
     Raises:
         CheckpointError: naming the tensor (wrong shape/dtype, ``fc`` width not 3 × target hidden, ...).
     """
-    H, I, TH = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    lp = _drafter_layer_prefix(reader)
-    layer = {
-        "self_attn.q_proj.weight": (nq * hd, 2 * H), "self_attn.k_proj.weight": (nkv * hd, 2 * H),
-        "self_attn.v_proj.weight": (nkv * hd, 2 * H), "self_attn.o_proj.weight": (H, nq * hd),
-        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-        "input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,),
-    }
-    top = {"fc.weight": (H, 3 * TH), "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H)}
-    if cfg.norm_before_fc:
-        top["input_norm.weight"] = (3 * TH,)
-    if cfg.fc_norm:
-        top.update({f"fc_norm.{i}.weight": (TH,) for i in range(3)})
-    if "fc.weight" in reader:
-        fc = reader.info("fc.weight")
-        if len(fc.shape) == 2 and fc.shape[1] != 3 * TH:
-            raise CheckpointError(f"{reader.file_of('fc.weight')}: tensor 'fc.weight' has {fc.shape[1]} input columns, "
-                                  f"expected 3 × target hidden size = 3 × {TH} = {3 * TH}")
-    out = {"midlayer." + name: reader.get(lp + name, shape, FLOAT_DTYPES) for name, shape in layer.items()}
-    out.update({name: reader.get(name, shape, FLOAT_DTYPES) for name, shape in top.items()})
+    H, TH = cfg.hidden_size, cfg.target_hidden_size
+    check_drafter_tensors(reader, cfg, target.cfg.hidden_size)
+    specs = drafter_specs(reader, cfg, target.cfg.hidden_size)
+    out = {name: reader.get(stored, shape, FLOAT_DTYPES) for name, (stored, shape) in specs.items()}
+    if "lm_head.weight" not in out:  # full vocabulary, same width: the target's head (ModelOpt's export convention)
+        out["lm_head.weight"] = target.tensor("lm_head.weight", (cfg.vocab_size, H))
     out["draft_to_target"] = read_draft_vocab(reader, cfg)
     target_embed = None
     if TH == H:

@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.convert.drafter import drafter_tensors
+from splitspec.convert.drafter import check_drafter_tensors, drafter_tensors
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.convert.target import TargetSource, rank_tensor_count, target_rank_tensors
 from splitspec.errors import CheckpointError, ConfigError
@@ -48,7 +48,8 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig, drafter_dir: Path) 
     """
     where = drafter_dir / "config.json"
     if drafter.target_hidden_size != target.hidden_size:
-        raise CheckpointError(f"{where}: target_hidden_size = {drafter.target_hidden_size}, but the target's hidden_size is {target.hidden_size}")
+        field = "target_hidden_size" if drafter.target_hidden_size != drafter.hidden_size else "hidden_size (no target_hidden_size)"
+        raise CheckpointError(f"{where}: {field} = {drafter.target_hidden_size}, but the target's hidden_size is {target.hidden_size}")
     if drafter.vocab_size != target.vocab_size:
         raise CheckpointError(f"{where}: vocab_size = {drafter.vocab_size}, but the target's vocab_size is {target.vocab_size}")
     if drafter.draft_vocab_size > drafter.vocab_size:
@@ -125,6 +126,7 @@ def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 
     check_tokenizer(target_dir, tcfg.vocab_size)
     dreader = CheckpointReader(drafter_dir)
     try:
+        check_drafter_tensors(dreader, dcfg, tcfg.hidden_size)  # from the headers: a bad drafter fails before the target converts
         return _convert(src, dreader, dcfg, mapping, target_dir, drafter_dir, out, drafter_embedding, tied, progress)
     finally:
         src.reader.close()
@@ -183,12 +185,17 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
         print(f"notice: {len(src.dequantized)} FP8 weights stored dequantised (bfloat16) because the TP{tp_size} split cuts "
               f"through their {src.scheme.block[0]}×{src.scheme.block[1]} tiles: {', '.join(src.dequantized[:6])}"
               + (" …" if len(src.dequantized) > 6 else ""))
-    print(f"converted drafter {drafter_dir} (draft vocab {dcfg.draft_vocab_size}/{dcfg.vocab_size}) → {out}/drafter at TP1")
+    print(f"converted drafter {drafter_dir} ({dcfg.architecture}: {dcfg.describe_attention()}; draft vocab "
+          f"{dcfg.draft_vocab_size}/{dcfg.vocab_size}) → {out}/drafter at TP1")
     print(f"  target states feeding the drafter ({dcfg.aux_convention} convention, {dcfg.aux_convention_source}): {capture}")
     extra = [x for x, on in (("RMSNorm over the concatenated aux states before fc (norm_before_fc)", dcfg.norm_before_fc),
                              ("one RMSNorm per aux state before fc (fc_norm)", dcfg.fc_norm)) if on]
     if extra:
         print(f"  drafter norms before fc: {'; '.join(extra)}")
+    if dcfg.norm_output:
+        print("  drafter state fed to the next step: after the final norm (norm_output)")
+    if "lm_head.weight" not in dreader:
+        print("  drafter lm_head: the target's (the drafter has none over the full vocabulary)")
     print(f"  drafter embedding: {emb['note']}")
     if unused:
         print(f"unused tensors ({len(unused)}): " + ", ".join(unused[:20]) + (" …" if len(unused) > 20 else ""))

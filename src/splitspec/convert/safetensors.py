@@ -232,13 +232,9 @@ class CheckpointReader:
         """Bytes of each shard file."""
         return {f: sf.size for f, sf in self._files.items()}
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | tuple | None = None) -> torch.Tensor:
-        """Read one tensor, checking its shape and dtype (from the header, before reading) when given.
+    def check(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | tuple | None = None) -> TensorInfo:
+        """Check one tensor's presence, shape and dtype from the header (shape/dtype None: any), without reading it.
 
-        Args:
-            name: tensor name as stored.
-            shape: expected shape, or None to accept any.
-            dtype: expected dtype (or tuple of accepted dtypes), or None to accept any.
         Raises:
             CheckpointError: naming the file and tensor.
         """
@@ -250,6 +246,19 @@ class CheckpointReader:
             ok = dtype if isinstance(dtype, tuple) else (dtype,)
             if info.dtype not in ok:
                 raise CheckpointError(f"{path}: tensor '{name}' has dtype {info.dtype}, expected {' or '.join(map(str, ok))}")
+        return info
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | tuple | None = None) -> torch.Tensor:
+        """Read one tensor, checking its shape and dtype (from the header, before reading) when given (:meth:`check`).
+
+        Args:
+            name: tensor name as stored.
+            shape: expected shape, or None to accept any.
+            dtype: expected dtype (or tuple of accepted dtypes), or None to accept any.
+        Raises:
+            CheckpointError: naming the file and tensor.
+        """
+        self.check(name, shape, dtype)
         t = self._files[self.location[name]].read(name)
         self.used.add(name)
         return t

@@ -20,7 +20,8 @@ from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.models.batch import ForwardBatch, padded, to_device
-from splitspec.models.drafter import DrafterKVCache, DrafterModel, shard_drafter
+from splitspec.models.drafter import Eagle3Drafter
+from splitspec.models.drafters import drafter_cache, drafter_model, shard_drafter_weights
 from splitspec.models.layers import TPComm
 from splitspec.models.shapes import drafter_shapes, target_shapes
 from splitspec.models.target import TargetKVCache, TargetModel
@@ -106,7 +107,7 @@ class RankRunner:
         self.capture: tuple[int, ...] = ()
         self.aux: dict[int, torch.Tensor] = {}
         # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
-        self.slots: dict[int, tuple[DrafterModel, DrafterKVCache, GraphCache]] = {}
+        self.slots: dict[int, tuple[Eagle3Drafter, object, GraphCache]] = {}
         here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
         if here:
             dmeta = read_engine_meta(engines_dir / "drafter", "drafter")
@@ -119,10 +120,10 @@ class RankRunner:
             ddev = device if draft_tp > 1 else (draft_device or device)
             if ddev not in loaded:
                 loaded[ddev] = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
-            dw = shard_drafter(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
+            dw = shard_drafter_weights(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
             graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
-            self.slots[draft_tp] = (DrafterModel(dcfg, dw, comm if draft_tp > 1 else TPComm()),
-                                    DrafterKVCache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
+            self.slots[draft_tp] = (drafter_model(dcfg, dw, comm if draft_tp > 1 else TPComm()),
+                                    drafter_cache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:
@@ -133,39 +134,52 @@ class RankRunner:
     def switch_placement(self, draft_tp: int, work: list[SeqWork]) -> None:
         """Make placement ``draft_tp`` the drafting one, on every rank of the group at once (collectives).
 
-        Moves the drafter K/V rows of every decode work with k > 0 — a sequence's drafter K/V is written while
+        Moves the drafter KV rows of every decode work with k > 0 — a sequence's drafter KV is written while
         it drafts only and holds positions 0 .. extend_start − 1 before the cycle's extend; whole blocks move —
-        from the layout of the placement drafting so far to the other: TP1 [rows, H, D] on rank 0 → shard r
-        [rows, H/N, D] (a scatter from rank 0: rank r receives heads r·H/N.. only), or the shards → TP1 (a gather
-        to rank 0, which concatenates them by head, :func:`shard_drafter`'s order). Each rank sends or receives
-        its 1/N of the rows' K/V: rows × H/N × D × dtype bytes per K and per V. A no-op when ``draft_tp``
-        drafts already. Raises ConfigError for a placement not loaded here."""
+        from the layout of the placement drafting so far to the other. A cache split by head (the Llama drafter's
+        K/V, ``shard_dim`` 1): TP1 [rows, H, D] on rank 0 → shard r [rows, H/N, D] (a scatter from rank 0: rank r
+        receives heads r·H/N.. only), or the shards → TP1 (a gather to rank 0, which concatenates them by head,
+        the shard functions' order); each rank sends or receives its 1/N of the rows. A cache every rank holds
+        whole (the MLA drafter's latent, ``shard_dim`` None): TP1 → shards is a broadcast from rank 0, shards → TP1
+        a copy on rank 0. A no-op when ``draft_tp`` drafts already. Raises ConfigError for a placement not loaded here."""
         old = self.draft_tp
         if draft_tp == old:
             return
         if draft_tp not in self.slots and not (draft_tp == 1 and self.rank != 0):
             raise ConfigError(f"draft_tp = {draft_tp}: not loaded (placements here: {sorted(self.slots)})")
-        # the blocks holding each drafting sequence's drafter K/V so far: positions 0 .. extend_start − 1
+        # the blocks holding each drafting sequence's drafter KV so far: positions 0 .. extend_start − 1
         blocks = [b for w in work if w.kind == "decode" and w.k > 0 for b in w.blocks[:-(-w.extend_start // BLOCK_SIZE)]]
         if blocks:
             shard = self.slots[self.world][1]
             rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
-            for name in ("k", "v"):
-                local = getattr(shard, name)
-                mine = local.new_empty((len(rows), *local.shape[1:]))
-                full = getattr(self.slots[1][1], name) if self.rank == 0 else None
-                if old == 1:  # rank 0 cuts its TP1 rows by head and sends each rank its own heads only
-                    parts = ([c.contiguous() for c in full[rows.to(full.device)].to(self.device).chunk(self.world, 1)]
-                             if self.rank == 0 else None)
-                    dist.scatter(mine, parts, src=0)
-                    local[rows] = mine
-                else:  # every shard's rows to rank 0 only, which concatenates them by head
-                    mine.copy_(local[rows])
-                    parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
-                    dist.gather(mine, parts, dst=0)
-                    if self.rank == 0:
-                        full[rows.to(full.device)] = torch.cat(parts, 1).to(full.device)
+            for name, local in shard.parts().items():
+                full = self.slots[1][1].parts()[name] if self.rank == 0 else None
+                self._move_rows(local, full, rows, shard.shard_dim, to_shards=old == 1)
         self._use(draft_tp)
+
+    def _move_rows(self, local: torch.Tensor, full: torch.Tensor | None, rows: torch.Tensor, dim: int | None, to_shards: bool) -> None:
+        """Move ``rows`` of one drafter cache tensor between the TP1 copy ``full`` (rank 0 only) and this rank's
+        shard ``local``, split along ``dim`` (None: not split), in the direction ``to_shards`` says."""
+        full_rows = rows.to(full.device) if full is not None else None
+        if dim is None:
+            if to_shards:
+                mine = full[full_rows].to(self.device) if self.rank == 0 else local.new_empty((len(rows), *local.shape[1:]))
+                dist.broadcast(mine, src=0)
+                local[rows] = mine
+            elif self.rank == 0:
+                full[full_rows] = local[rows].to(full.device)
+            return
+        mine = local.new_empty((len(rows), *local.shape[1:]))
+        if to_shards:  # rank 0 cuts its TP1 rows along dim and sends each rank its own part only
+            parts = [c.contiguous() for c in full[full_rows].to(self.device).chunk(self.world, dim)] if self.rank == 0 else None
+            dist.scatter(mine, parts, src=0)
+            local[rows] = mine
+        else:  # every shard's rows to rank 0 only, which concatenates them along dim
+            mine.copy_(local[rows])
+            parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+            dist.gather(mine, parts, dst=0)
+            if self.rank == 0:
+                full[full_rows] = torch.cat(parts, dim).to(full.device)
 
     def draft_phase(self, plan: CyclePlan) -> dict[int, list[int]]:
         """Extend the drafter over last cycle's accepted tokens, then draft: k tokens per decode work."""

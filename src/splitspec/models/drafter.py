@@ -1,15 +1,21 @@
-"""The EAGLE-3 drafter forward (Li et al. 2025, "EAGLE-3", arXiv:2503.01840; published
-``LlamaForCausalLMEagle3`` checkpoints).
+"""The EAGLE-3 drafter forward (Li et al. 2025, "EAGLE-3", arXiv:2503.01840): the part every published drafter
+shares (:class:`Eagle3Drafter`) and the Llama-attention drafter of ``LlamaForCausalLMEagle3`` checkpoints
+(:class:`DrafterModel`); the MLA drafter is in :mod:`splitspec.models.drafter_mla`.
 
-One Llama decoder layer whose attention input is 2·H wide:
+One decoder layer whose attention input is 2·H wide:
     g   = fc(concat(aux_low, aux_mid, aux_high))          # first draft step; later steps feed the
                                                            # drafter's own output state instead
     a   = concat(input_layernorm(embed(token)), hidden_norm(g))   # embedding first
     h   = g + o_proj(attn(a))                             # residual is g
     out = h + mlp(post_attention_layernorm(h))
     logits over the draft vocabulary = lm_head(norm(out)); target id = draft id + d2t[draft id]
+    next step's state: out, or norm(out) when the config says ``norm_output`` (EAGLE-3.1)
 Row j of a drafter forward pairs the target's state at position j with token j+1 and predicts token j+2;
 its rotary position is j.
+
+The interface the engine uses (:mod:`splitspec.models.drafters` picks the class): a model with ``fuse``,
+``forward``, ``propose``, ``device`` and ``cfg``; a KV cache with ``parts()`` (name → tensor, rows first) and
+``shard_dim`` (the dimension a draft_tp shard splits, or None when every rank holds all of it); a shard function.
 """
 
 from __future__ import annotations
@@ -18,55 +24,64 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.config import DrafterConfig
+from splitspec.errors import ConfigError
 from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
 class DrafterKVCache:
-    """K/V cache of the drafter's single layer on one rank: k, v [rows, local kv heads, head_dim]
+    """K/V cache of the Llama drafter's single layer on one rank: k, v [rows, local kv heads, head_dim]
     (rows = token budget, shared block layout with the target; see :mod:`splitspec.models.kv`)."""
+
+    shard_dim = 1  # a draft_tp shard holds its heads
 
     def __init__(self, cfg: DrafterConfig, rows: int, dtype: torch.dtype, device, tp_size: int = 1):
         shape = (rows, cfg.num_key_value_heads // tp_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v}
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
 
-def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Slice TP1 runtime-layout drafter weights for rank ``rank`` of ``size`` (Megatron-style).
-
-    q/k/v rows and o_proj columns by head; gate/up rows and down columns by intermediate; lm_head rows
-    by draft vocabulary (logits all-gathered). fc, norms, embedding and the vocabulary map are replicated.
-    Raises ConfigError if ``size`` does not divide the heads, intermediate size or draft vocabulary.
-    """
-    from splitspec.errors import ConfigError
-
-    if size == 1:
-        return w
-    for name, v in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
+def shard_common(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int,
+                 divisible: tuple[tuple[str, int], ...] = ()) -> dict[str, torch.Tensor]:
+    """The slicing every drafter shares (Megatron-style): gate/up rows and down columns by intermediate, lm_head
+    rows by draft vocabulary (logits all-gathered); fc, norms, embedding and the vocabulary map replicated.
+    Raises ConfigError if ``size`` does not divide the intermediate size, the draft vocabulary or a ``divisible`` field."""
+    for name, v in divisible + (("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
         if v % size:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {size}")
-    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    part = lambda t, dim: t.chunk(size, dim)[rank]  # noqa: E731
-    q, k, v = w["qkv_proj"].split([nq, nkv, nkv])
     gate, up = w["mlp.w13"].chunk(2)
     out = dict(w)
-    out["qkv_proj"] = torch.cat([part(q, 0), part(k, 0), part(v, 0)])
-    out["o_proj"] = part(w["o_proj"], 1)
-    out["mlp.w13"] = torch.cat([part(gate, 0), part(up, 0)])
-    out["mlp.w2"] = part(w["mlp.w2"], 1)
-    out["lm_head"] = part(w["lm_head"], 0)
+    out["mlp.w13"] = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    out["mlp.w2"] = w["mlp.w2"].chunk(size, 1)[rank]
+    out["lm_head"] = w["lm_head"].chunk(size)[rank]
+    return out
+
+
+def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Slice TP1 runtime-layout Llama-drafter weights for rank ``rank`` of ``size``: q/k/v rows and o_proj columns
+    by head, the rest as :func:`shard_common`. Raises ConfigError if ``size`` does not divide a split dimension."""
+    if size == 1:
+        return w
+    out = shard_common(w, cfg, rank, size, (("num_attention_heads", cfg.num_attention_heads),
+                                            ("num_key_value_heads", cfg.num_key_value_heads)))
+    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    q, k, v = w["qkv_proj"].split([nq, nkv, nkv])
+    out["qkv_proj"] = torch.cat([q.chunk(size)[rank], k.chunk(size)[rank], v.chunk(size)[rank]])
+    out["o_proj"] = w["o_proj"].chunk(size, 1)[rank]
     return {n: t.contiguous() for n, t in out.items()}
 
 
-class DrafterModel:
-    """An EAGLE-3 drafter (one rank of it when ``comm.size`` > 1: weights from :func:`shard_drafter`),
-    weights in the runtime layout written by ``splitspec.build.engines``.
+class Eagle3Drafter:
+    """What every EAGLE-3 drafter shares: aux fusion, embedding and the two input norms, residuals, the MLP, the
+    final norm, the draft-vocabulary head and its map to target ids. One rank of it when ``comm.size`` > 1.
+    A subclass supplies :meth:`attention` (the layer's attention, through ``o_proj``, before the all-reduce).
 
     ``draft_to_target`` [draft_vocab] int64 maps draft ids to target ids (from d2t offsets).
     """
@@ -77,7 +92,6 @@ class DrafterModel:
         self.device = weights["fc"].device
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
-        self.nq, self.nkv = cfg.num_attention_heads // self.comm.size, cfg.num_key_value_heads // self.comm.size
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3·target_hidden] (target states at the capture points) → [T, H].
@@ -87,26 +101,55 @@ class DrafterModel:
         state, weights ``fc_norm`` [3, target_hidden]) — vLLM's order.
         """
         c, w = self.cfg, self.w
-        if getattr(c, "norm_before_fc", False):
+        if c.norm_before_fc:
             aux = rms_norm(aux, w["fc_input_norm"], c.rms_norm_eps)
-        if getattr(c, "fc_norm", False):
+        if c.fc_norm:
             aux = torch.cat([rms_norm(part, w["fc_norm"][i], c.rms_norm_eps) for i, part in enumerate(aux.chunk(3, -1))], -1)
         return F.linear(aux.to(w["fc"].dtype), w["fc"])
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: DrafterKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention(self, a: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """a: [T, 2·H] attention input → [T, H], this rank's part of o_proj's output (summed over ranks after)."""
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over ``batch``.
 
         Args:
             batch: tokens to embed (target ids) with positions/segments; logits for ``batch.logits_rows``.
             hidden: [T, H], fc(aux) or the drafter's previous output state.
         Returns:
-            (logits [R, draft_vocab] float32, output states [T, H] before the final norm).
+            (logits [R, draft_vocab] float32, output states [T, H]: before the final norm, or after it with
+            ``norm_output``).
         """
         c, w = self.cfg, self.w
         emb = w["embed_tokens"][batch.input_ids]
         a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
-        nq, nkv, hd = self.nq, self.nkv, c.head_dim
-        q, k, v = F.linear(a, w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
+        h = hidden + self.comm.all_reduce(self.attention(a, batch, cache))
+        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
+        if c.norm_output:
+            h = rms_norm(h, w["norm"], c.rms_norm_eps)
+            last = h[batch.logits_rows]
+        else:
+            last = rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps)
+        return self.comm.all_gather_last(F.linear(last, w["lm_head"]).float()), h
+
+    def propose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""
+        return self.draft_to_target[logits.argmax(-1)]
+
+
+class DrafterModel(Eagle3Drafter):
+    """An EAGLE-3 drafter with Llama attention (``LlamaForCausalLMEagle3``): GQA with half-split rotary over the 2·H
+    input; weights in the runtime layout written by ``splitspec.build.engines`` (``qkv_proj`` fused, ``o_proj``),
+    a rank's from :func:`shard_drafter`."""
+
+    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
+        super().__init__(cfg, weights, comm)
+        self.nq, self.nkv = cfg.num_attention_heads // self.comm.size, cfg.num_key_value_heads // self.comm.size
+
+    def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
+        nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim
+        q, k, v = F.linear(a, self.w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q = self.rotary.apply(q.view(-1, nq, hd), cos, sin)
         k = self.rotary.apply(k.view(-1, nkv, hd), cos, sin)
@@ -119,10 +162,7 @@ class DrafterModel:
                                 hd ** -0.5).reshape(q.shape)
         else:
             out = self._attend_segments(q, k, v, batch, cache)
-        h = hidden + self.comm.all_reduce(F.linear(out.reshape(out.shape[0], -1), w["o_proj"]))
-        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
-        logits = self.comm.all_gather_last(F.linear(rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps), w["lm_head"]).float())
-        return logits, h
+        return F.linear(out.reshape(out.shape[0], -1), self.w["o_proj"])
 
     def _attend_segments(self, q, k, v, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
         nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim
@@ -136,7 +176,3 @@ class DrafterModel:
             out[t:t + n] = attend(q[t:t + n], ks, vs, batch.positions[t:t + n], hd ** -0.5)
             t += n
         return out
-
-    def propose(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""
-        return self.draft_to_target[logits.argmax(-1)]

@@ -132,3 +132,45 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     probs = scores.masked_fill(mask[:, None, None], float("-inf")).softmax(-1).to(v.dtype)
     out = torch.matmul(probs.view(B, hk, g * n, S), v.permute(0, 2, 1, 3))  # [B, hk, g·n, Dv]
     return out.view(B, hk, g, n, dv).permute(0, 3, 1, 2, 4).reshape(B, n, hq, dv)
+
+
+def mla_attention(x: torch.Tensor, lw: dict[str, torch.Tensor], c, heads: int, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
+                  batch, kv: torch.Tensor, linear) -> torch.Tensor:
+    """Multi-head Latent Attention (DeepSeek-V2/V3) in absorbed form over one layer's latent cache, for the target's
+    layers and an MLA EAGLE-3 drafter's single layer alike.
+
+    x: [T, D] normalised input (D = H for the target, 2·H for the drafter, whose ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` read concat(embedding, hidden) as vLLM, SGLang and TensorRT-LLM load them).
+    lw: runtime-layout weights ``attn.fused_qkv_a`` [q_lora + kv_lora + rope, D], ``attn.q_a_layernorm``,
+    ``attn.kv_a_layernorm``, ``attn.q_b_proj`` [heads·(nope + rope), q_lora], ``attn.w_uk`` [heads, nope, kv_lora],
+    ``attn.w_uv`` [heads, v, kv_lora] (this rank's ``heads``). c: a config with q_lora_rank, kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, qk_head_dim, softmax_scale, rms_norm_eps. cos, sin: [T, rope/2] of
+    ``batch.positions``. kv: [rows, kv_lora + rope] latent cache (latent then rope key per row; written here for the
+    batch's tokens). linear(x, name): x Wᵀ for weight ``name`` of ``lw`` (float or FP8).
+    Returns [T, heads·v_head_dim], the input of ``o_proj``.
+    """
+    qa, ckv, kpe = linear(x, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    q = linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), "attn.q_b_proj").view(-1, heads, c.qk_head_dim)
+    q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+    q_pe = rotary.apply(q_pe, cos, sin)
+    ckv = rms_norm(ckv, lw["attn.kv_a_layernorm"], c.rms_norm_eps)
+    kpe = rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
+    new = torch.cat((ckv, kpe), -1)  # the token's cache row: latent, then rope key
+    B = None if batch.table is None else batch.table.shape[0]
+    if B is not None:  # padded form: static shapes
+        kv[batch.write_rows] = new
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
+    q_cat = torch.cat((q_lat, q_pe), -1)
+    if B is not None:
+        k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
+        out = attend_padded(q_cat.view(B, -1, heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
+                            batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], heads, -1)
+    else:
+        out = torch.empty(x.shape[0], heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
+        t = 0
+        for (start, n), rows in zip(batch.segments, batch.slots):
+            kv[rows[start:]] = new[t:t + n]
+            k = kv[rows][:, None, :].expand(-1, heads, -1)
+            out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
+            t += n
+    return torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)

@@ -12,6 +12,17 @@ import torch
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 
 
+def mla_shapes(cfg, heads: int, d_in: int, H: int, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Runtime-layout shapes of one MLA attention (``heads`` of this rank, input width ``d_in``, output H); ``cfg``
+    has the MLA fields (a :class:`TargetConfig` or an MLA :class:`DrafterConfig`)."""
+    p = prefix + "attn."
+    return {p + "fused_qkv_a": (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, d_in),
+            p + "q_a_layernorm": (cfg.q_lora_rank,), p + "kv_a_layernorm": (cfg.kv_lora_rank,),
+            p + "q_b_proj": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            p + "w_uk": (heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank), p + "w_uv": (heads, cfg.v_head_dim, cfg.kv_lora_rank),
+            p + "o_proj": (H, heads * cfg.v_head_dim)}
+
+
 def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, ...]]:
     """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build.engines`)."""
     tp = mapping.tp_size
@@ -19,12 +30,7 @@ def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, .
     s = {"embed_tokens": (cfg.vocab_size // tp, H), "lm_head": (cfg.vocab_size // tp, H), "norm": (H,)}
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}."
-        s |= {p + "input_layernorm": (H,), p + "post_attention_layernorm": (H,),
-              p + "attn.fused_qkv_a": (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
-              p + "attn.q_a_layernorm": (cfg.q_lora_rank,), p + "attn.kv_a_layernorm": (cfg.kv_lora_rank,),
-              p + "attn.q_b_proj": (h * cfg.qk_head_dim, cfg.q_lora_rank),
-              p + "attn.w_uk": (h, cfg.qk_nope_head_dim, cfg.kv_lora_rank), p + "attn.w_uv": (h, cfg.v_head_dim, cfg.kv_lora_rank),
-              p + "attn.o_proj": (H, h * cfg.v_head_dim)}
+        s |= {p + "input_layernorm": (H,), p + "post_attention_layernorm": (H,)} | mla_shapes(cfg, h, H, H, p)
         if not cfg.is_moe_layer(layer):
             s |= {p + "mlp.w13": (2 * cfg.intermediate_size // tp, H), p + "mlp.w2": (H, cfg.intermediate_size // tp)}
             continue
@@ -37,13 +43,16 @@ def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, .
 
 
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Runtime-layout tensor shapes of the TP1 drafter."""
-    H, hd = cfg.hidden_size, cfg.head_dim
+    """Runtime-layout tensor shapes of the TP1 drafter (Llama attention or MLA)."""
+    H, hd, TH = cfg.hidden_size, cfg.head_dim, cfg.target_hidden_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {"embed_tokens": (cfg.vocab_size, H), "fc": (H, 3 * cfg.target_hidden_size), "input_layernorm": (H,),
-            "hidden_norm": (H,), "post_attention_layernorm": (H,), "qkv_proj": (q + 2 * kv, 2 * H), "o_proj": (H, q),
+    attn = (mla_shapes(cfg, cfg.num_attention_heads, 2 * H, H) if cfg.is_mla
+            else {"qkv_proj": (q + 2 * kv, 2 * H), "o_proj": (H, q)})
+    norms = ({"fc_input_norm": (3 * TH,)} if cfg.norm_before_fc else {}) | ({"fc_norm": (3, TH)} if cfg.fc_norm else {})
+    return {"embed_tokens": (cfg.vocab_size, H), "fc": (H, 3 * TH), "input_layernorm": (H,),
+            "hidden_norm": (H,), "post_attention_layernorm": (H,), **attn,
             "mlp.w13": (2 * cfg.intermediate_size, H), "mlp.w2": (H, cfg.intermediate_size), "norm": (H,),
-            "lm_head": (cfg.draft_vocab_size, H), "draft_to_target": (cfg.draft_vocab_size,)}
+            "lm_head": (cfg.draft_vocab_size, H), "draft_to_target": (cfg.draft_vocab_size,)} | norms
 
 
 def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from splitspec import quant
 
 from splitspec.models import fused_moe
 from splitspec.config import Mapping, TargetConfig
-from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
+from splitspec.models.layers import Rotary, TPComm, mla_attention, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -170,36 +170,10 @@ class TargetModel:
         in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope] (written here).
         lw: the layer's weights; h: [T, H] residual stream. Returns (h + pending, partial sum [T, H] before
         all-reduce)."""
-        c = self.cfg
         if pending is not None:
             h = h + pending
-        x = rms_norm(h, lw["input_layernorm"], c.rms_norm_eps)
-        qa, ckv, kpe = self.linear(x, lw, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        q = self.linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), lw, "attn.q_b_proj")
-        q = q.view(-1, self.local_heads, c.qk_head_dim)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
-        q_pe = self.rotary.apply(q_pe, cos, sin)
-        ckv = rms_norm(ckv, lw["attn.kv_a_layernorm"], c.rms_norm_eps)
-        kpe = self.rotary.apply(kpe[:, None, :], cos, sin)[:, 0]
-        new = torch.cat((ckv, kpe), -1)  # the token's cache row: latent, then rope key
-        B = None if batch.table is None else batch.table.shape[0]
-        if B is not None:  # padded form: static shapes
-            kv[batch.write_rows] = new
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
-        q_cat = torch.cat((q_lat, q_pe), -1)
-        if B is not None:
-            k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
-            out = attend_padded(q_cat.view(B, -1, self.local_heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
-                                batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], self.local_heads, -1)
-        else:
-            out = torch.empty(x.shape[0], self.local_heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
-            t = 0
-            for (start, n), rows in zip(batch.segments, batch.slots):
-                kv[rows[start:]] = new[t:t + n]
-                k = kv[rows][:, None, :].expand(-1, self.local_heads, -1)
-                out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
-                t += n
-        o = torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)
+        x = rms_norm(h, lw["input_layernorm"], self.cfg.rms_norm_eps)
+        o = mla_attention(x, lw, self.cfg, self.local_heads, self.rotary, cos, sin, batch, kv, lambda t, n: self.linear(t, lw, n))
         return h, self.linear(o, lw, "attn.o_proj")
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
