@@ -13,7 +13,7 @@ from splitspec.settings import ServeConfig
 from splitspec.testing.tiktoken_fixture import RESERVED, write_tiktoken_folder
 
 PROMPT = [17, 300, 42, 1000, 7, 250, 99, 12]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def _straddling_ranks(generated: list[int], n_base: int) -> dict[bytes, int]:
