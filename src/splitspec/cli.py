@@ -65,7 +65,8 @@ def _cmd_generate(a: argparse.Namespace) -> None:
     from splitspec.settings import ServeConfig
 
     cfg = ServeConfig.from_env(engines_dir=Path(a.engines), target_device_ids=a.device or (), draft_tp=a.draft_tp,
-                               num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1))
+                               num_draft_tokens=a.num_draft_tokens, max_batch_size=max(a.concurrency, 1),
+                               trust_remote_code=a.trust_remote_code)
     prompts = read_prompts(Path(a.prompts), cfg.engines_dir / "target") if a.prompts else [Prompt("prompt", a.prompt)]
     run = generate(cfg, prompts, max_tokens=a.max_tokens, sampling=SamplingParams(a.temperature, a.top_p, a.top_k, a.seed),
                    chat=a.chat, concurrency=a.concurrency, check=a.check)
@@ -120,7 +121,7 @@ def _cmd_repo(a: argparse.Namespace) -> None:
                                target_device_ids=parse_ids(a.target_device_ids, "--target-device-ids"),
                                draft_device_id=parse_id(a.draft_device_id, "--draft-device-id"), draft_tp=a.draft_tp,
                                max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens,
-                               synthetic_acceptance=a.synthetic_acceptance)
+                               synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code)
     out = render_repo(cfg, Path(a.out))
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
     dtp = repo_setting(out, "spec_decode", "draft_tp") or "per batch bucket"

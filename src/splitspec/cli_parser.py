@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--device", default="cpu", type=device, help="cpu, or cuda:0,1,... (one GPU per target rank)")
     s.add_argument("--check", action="store_true", help="also decode target-only and fail if greedy tokens differ")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer that exists only as Python code in the model folder (auto_map) with "
+                        "transformers' AutoTokenizer, running that code (default: the folder is read as data only)")
 
     s = sub.add_parser("tune", help="measure draft placement and k per batch bucket here; write engines/…/tuning.json")
     s.add_argument("--engines", default="engines/demo", help="built engines; tuning.json is written here")
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
                    help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
                         "(served outputs are then not the target's)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer that exists only as Python code in the model folder (auto_map) with "
+                        "transformers' AutoTokenizer, running that code (default: the folder is read as data only)")
 
     s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
     s.add_argument("--repo", default="triton_repo")

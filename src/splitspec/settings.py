@@ -29,7 +29,7 @@ ENV_FIELDS = {
 }
 #: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
 PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
-                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance")
+                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code")
 _WHERE = "spec_decode/config.pbtxt"
 
 
@@ -63,6 +63,11 @@ def _flag(name: str, raw: str) -> bool:
     raise ConfigError(f"{name} = {raw!r}: expected 1 or 0")
 
 
+def parameter_flag(params: Mapping[str, str], name: str, where: str) -> bool:
+    """A 1/0 ``config.pbtxt`` parameter (absent or empty: False). Raises ConfigError naming ``where`` and ``name``."""
+    return _flag(f"{where}: parameter '{name}'", params.get(name) or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """How one deployment runs its engines.
@@ -84,6 +89,9 @@ class ServeConfig:
         compile: ``torch.compile`` the target's layers on GPUs.
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
+        trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
+            ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
+            default), a model folder is read as data and such a folder is refused.
     """
 
     engines_dir: Path
@@ -99,6 +107,7 @@ class ServeConfig:
     compile: bool = True
     cuda_graphs: bool = True
     collective_timeout_s: int = 300
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -160,6 +169,8 @@ class ServeConfig:
             v = getattr(self, name)
             if v is None:
                 out[name] = ""
+            elif isinstance(v, bool):
+                out[name] = "1" if v else "0"
             elif isinstance(v, tuple):
                 out[name] = ",".join(str(x) for x in v)
             else:
@@ -198,7 +209,7 @@ class ServeConfig:
             draft_device_id=parse_id(text("draft_device_id"), f"{_WHERE}: parameter 'draft_device_id'"),
             draft_tp=number("draft_tp"), num_draft_tokens=number("num_draft_tokens"),
             max_batch_size=number("max_batch_size"), kv_tokens=number("kv_tokens"),
-            synthetic_acceptance=probs,
+            synthetic_acceptance=probs, trust_remote_code=parameter_flag(params, "trust_remote_code", _WHERE),
         )
         prefill = number("max_prefill_tokens")
         if prefill is not None:

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
-from splitspec.convert.pair import FORMAT, TOKENIZER_FILES, convert_pair
+from splitspec.convert.pair import FORMAT, convert_pair, tokenizer_files
 from splitspec.errors import CheckpointError, ConfigError
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.files import atomic_dir, read_json, write_json
@@ -230,9 +230,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
             write_tensors(iter_target_runtime_layout(src, tcfg, mapping, rank, tdt, block, keep_fp8),
                           tmp / "target" / f"rank{rank}.safetensors")
             src.close()
-        for f in TOKENIZER_FILES:
-            if (checkpoints / "target" / f).exists():
-                shutil.copy2(checkpoints / "target" / f, tmp / "target" / f)
+        for f in tokenizer_files(checkpoints / "target"):
+            shutil.copy2(checkpoints / "target" / f, tmp / "target" / f)
         write_json({"format": ENGINE_FORMAT, "kind": "target", "architecture": "DeepseekV3ForCausalLM", "dtype": dtype,
                     "quantization": weight_format, "config": tcfg.to_dict(), "mapping": mapping.to_dict(), "limits": limits},
                    tmp / "target" / "engine.json")

@@ -38,6 +38,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tiktoken.model", "chat_template.jinja")
 
 
+def tokenizer_files(folder: Path) -> list[str]:
+    """The tokenizer files of ``folder`` a conversion carries along: those of :data:`TOKENIZER_FILES` present, plus
+    any ``tokenization_*.py`` module, copied as data (only an explicit ``--trust-remote-code`` ever runs it)."""
+    folder = Path(folder)
+    return [f for f in TOKENIZER_FILES if (folder / f).is_file()] + sorted(p.name for p in folder.glob("tokenization_*.py"))
+
+
 def check_pair(target: TargetConfig, drafter: DrafterConfig, drafter_dir: Path) -> None:
     """Check that the drafter fits the target.
 
@@ -161,9 +168,8 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
                  "dequantized_at_convert": (["routed experts (INT4)"] if src.scheme.method == "int4" else []) + src.dequantized}
         write_json({"format": FORMAT, "kind": "target", "config": tcfg.to_dict(), "mapping": mapping.to_dict(),
                     "quantization": qmeta, "source": str(target_dir.resolve())}, tmp / "target" / "config.json")
-        for f in TOKENIZER_FILES:
-            if (target_dir / f).exists():
-                shutil.copy2(target_dir / f, tmp / "target" / f)
+        for f in tokenizer_files(target_dir):
+            shutil.copy2(target_dir / f, tmp / "target" / f)
         dtensors, emb = drafter_tensors(dreader, dcfg, src, drafter_embedding, tied)
         write_tensors(dtensors.items(), tmp / "drafter" / "rank0.safetensors")
         capture = dcfg.describe_capture(tcfg.num_hidden_layers)

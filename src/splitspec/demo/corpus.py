@@ -236,13 +236,13 @@ def build_token_stream(tok: Any, split: CorpusSplit, seed: int, chat_fraction: f
         including the assistant header, in shuffled order; used for self-distillation).
     """
     rng = np.random.default_rng([seed, 1])
-    code_ids = [e.ids for e in tok._tok.encode_batch([t for _, t in split.train], add_special_tokens=False)]
+    code_ids = tok.encode_batch([t for _, t in split.train])
     n_code = sum(len(x) for x in code_ids)
     chats = chat_samples(split.train)
     order = rng.permutation(len(chats))
     chats = [chats[i] for i in order]
     rendered = [tok.apply_chat_template(c, add_generation_prompt=False) for c in chats]
-    chat_ids = [e.ids for e in tok._tok.encode_batch(rendered, add_special_tokens=False)] if rendered else []
+    chat_ids = tok.encode_batch(rendered) if rendered else []
     budget = chat_fraction / (1.0 - chat_fraction) * n_code
     used, n_chat = 0, 0
     while used < len(chat_ids) and n_chat < budget:
@@ -303,6 +303,6 @@ def token_windows(tok: Any, texts: list[str], seq_len: int, max_windows: int) ->
     least 2 tokens. At most ``max_windows`` windows, taken in order.
     """
     windows: list[list[int]] = []
-    for ids in (e.ids for e in tok._tok.encode_batch(texts, add_special_tokens=False)):
+    for ids in tok.encode_batch(texts):
         windows += [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len + 1) if len(ids[s:s + seq_len + 1]) >= 2]
     return windows[:max_windows]

@@ -143,9 +143,9 @@ def count_token_frequencies(tokenizer: ChatTokenizer, texts: Iterable[str]) -> n
     batch: list[str] = []
 
     def flush() -> None:
-        for enc in tokenizer._tok.encode_batch(batch, add_special_tokens=False):
-            if enc.ids:
-                counts[:] += np.bincount(np.asarray(enc.ids, dtype=np.int64), minlength=counts.shape[0])
+        for ids in tokenizer.encode_batch(batch):
+            if ids:
+                counts[:] += np.bincount(np.asarray(ids, dtype=np.int64), minlength=counts.shape[0])
         batch.clear()
 
     for text in texts:

@@ -58,7 +58,7 @@ def read_prompts(path: Path | None, tokenizer_dir: Path | None = None) -> list[P
 
     Args:
         path: the file (None: the built-in prompts, :func:`builtin_prompts`).
-        tokenizer_dir: folder with ``tokenizer.json`` (only needed for multi-message prompts).
+        tokenizer_dir: tokenizer folder, ``tokenizer.json`` or ``tiktoken.model`` (only needed for multi-message prompts).
     Raises:
         ConfigError: the file is missing or unreadable, a line is not such an object, holds no prompt, has a
             bad escape, or the file holds no prompts (the message names the file and line).
@@ -124,9 +124,9 @@ def _messages(d: dict, where: str) -> list[dict] | None:
 
 
 def _tokenizer(tokenizer_dir: Path | None, why: str):
-    from splitspec.runtime.tokenizer import ChatTokenizer  # loaded only for a prompt that needs it
+    from splitspec.runtime.tokenizer import ChatTokenizer, has_tokenizer  # loaded only for a prompt that needs it
 
-    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+    if tokenizer_dir is None or not has_tokenizer(Path(tokenizer_dir)):
         raise ConfigError(f"{why}: a multi-message prompt needs the tokenizer (tokenizer_dir = {tokenizer_dir})")
     return ChatTokenizer.from_dir(Path(tokenizer_dir))
 

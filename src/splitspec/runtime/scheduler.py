@@ -89,15 +89,16 @@ class SpeculativeEngine:
 
         ``cfg.draft_tp`` / ``cfg.num_draft_tokens`` left None follow ``engines_dir/tuning.json``
         (:func:`~splitspec.runtime.placement.tuned_choice`), else draft_tp 1 and k 4.
-        ``tokenizer_dir``: folder of tokenizer files for stop strings and text (default ``engines_dir/target``).
+        ``tokenizer_dir``: folder of tokenizer files for stop strings and text (default ``engines_dir/target``;
+        ``tokenizer.json`` or ``tiktoken.model``, see :class:`~splitspec.runtime.tokenizer.ChatTokenizer`).
         """
         choice = tuned_choice(cfg)
         tok = None
         tdir = Path(tokenizer_dir) if tokenizer_dir else cfg.engines_dir / "target"
-        if (tdir / "tokenizer.json").exists():
-            from splitspec.runtime.tokenizer import ChatTokenizer
+        from splitspec.runtime.tokenizer import ChatTokenizer, has_tokenizer
 
-            tok = ChatTokenizer.from_dir(tdir)
+        if has_tokenizer(tdir):
+            tok = ChatTokenizer.from_dir(tdir, trust_remote_code=cfg.trust_remote_code)
         group = Group(cfg, choice.placements)
         try:
             eng = cls(group, tok)

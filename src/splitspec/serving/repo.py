@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from string import Template
 
-from splitspec.errors import ConfigError
+from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import write_atomic
 from splitspec.settings import ServeConfig
 
@@ -106,9 +106,7 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
                           "folder, or an earlier repository to render again")
     target = _engine_json(engines_dir / "target" / "engine.json")
     drafter = _engine_json(engines_dir / "drafter" / "engine.json")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if not (engines_dir / "target" / f).is_file():
-            raise ConfigError(f"{engines_dir / 'target' / f}: tokenizer file missing from the target engine")
+    _check_tokenizer(engines_dir / "target", cfg.trust_remote_code)
 
     from splitspec.runtime.placement import read_tuning
 
@@ -173,6 +171,24 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
             raise ConfigError(f"out_dir (--out) {out_dir}: cannot write the repository there "
                               f"({e.strerror or e}: {e.filename or ''})") from None
     return out_dir
+
+
+def _check_tokenizer(folder: Path, trust_remote_code: bool) -> None:
+    """Refuse a target engine without the tokenizer files the pre/postprocessing models load (ConfigError)."""
+    from splitspec.runtime.tokenizer import (TIKTOKEN_MODEL, TOKENIZER_CONFIG, TOKENIZER_JSON, read_tokenizer_config,
+                                             remote_tokenizer_class, tokenizer_file)
+
+    if not (folder / TOKENIZER_CONFIG).is_file():
+        raise ConfigError(f"{folder / TOKENIZER_CONFIG}: tokenizer file missing from the target engine")
+    if tokenizer_file(folder) is None:
+        try:
+            remote = remote_tokenizer_class(read_tokenizer_config(folder))
+        except SplitspecError as e:
+            raise ConfigError(str(e)) from None
+        if not (remote and trust_remote_code):
+            raise ConfigError(f"{folder}: no {TOKENIZER_JSON} or {TIKTOKEN_MODEL} in the target engine"
+                              + (f" (its tokenizer is Python code, {remote}: add --trust-remote-code to run it)"
+                                 if remote else ""))
 
 
 def _copy_model_code(src: Path, dst: Path) -> None:

@@ -28,6 +28,7 @@ from splitspec.errors import SplitspecError
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.repo import CANCEL_POLL_S
 from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
+from splitspec.settings import parameter_flag
 
 INPUTS = ("text", "output_ids", "stream_id")
 
@@ -54,7 +55,8 @@ class TritonPythonModel:
         tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:
             raise SplitspecError("postprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
-        self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir))
+        remote = parameter_flag(params, "trust_remote_code", "postprocessing/config.pbtxt")
+        self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir), trust_remote_code=remote)
         self.cancel_model = params.get("cancel_model", "spec_decode") or "spec_decode"
         self.cancelled = collections.OrderedDict()  # stream_id -> True, forwarded
         self.next_check = collections.OrderedDict()  # stream_id -> time.monotonic() of its next is_cancelled()

@@ -3,7 +3,8 @@
 Inputs: ``text_input`` (string [1]); optional ``apply_chat_template`` (bool [1], default false:
 the raw prompt is completed; true: the prompt becomes one user message in the tokenizer's chat
 template). Output: ``input_ids`` (int32 [-1]). The tokenizer is ``splitspec.runtime.tokenizer.ChatTokenizer``
-loaded from the parameter ``tokenizer_dir`` (the target engine's folder). A bad request gets an
+loaded from the parameter ``tokenizer_dir`` (the target engine's folder: ``tokenizer.json`` or Kimi's
+``tiktoken.model``; Python code there only with the parameter ``trust_remote_code`` = 1). A bad request gets an
 error response naming the input; the model keeps serving.
 """
 
@@ -17,6 +18,7 @@ from splitspec.errors import SplitspecError
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.requests import scalar
 from splitspec.serving.triton import error_response, model_config, read_inputs, tensor
+from splitspec.settings import parameter_flag
 
 INPUTS = ("text_input", "apply_chat_template")
 
@@ -26,10 +28,12 @@ class TritonPythonModel:
 
     def initialize(self, args):
         """Load the tokenizer named by the config parameter tokenizer_dir; raises to fail the model load."""
-        tok_dir = model_config(args)[1].get("tokenizer_dir", "")
+        params = model_config(args)[1]
+        tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:
             raise SplitspecError("preprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
-        self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir))
+        remote = parameter_flag(params, "trust_remote_code", "preprocessing/config.pbtxt")
+        self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir), trust_remote_code=remote)
 
     def execute(self, requests):
         """Answer every request (an error response for a bad one); never raises."""
