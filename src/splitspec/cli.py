@@ -55,7 +55,17 @@ def _cmd_build(a: argparse.Namespace) -> None:
     from splitspec.build.engines import build_engines
 
     build_engines(Path(a.checkpoints), Path(a.out), dtype=a.dtype, max_batch_size=a.max_batch_size,
-                  max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len)
+                  max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len, gpu_memory_gib=a.gpu_memory_gib)
+
+
+def _cmd_plan(a: argparse.Namespace) -> None:
+    from splitspec.build.memory_plan import GIB, Deployment
+    from splitspec.build.memory_report import main as plan_main
+
+    dep = Deployment(tp=a.tp, ep=a.ep, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len,
+                     max_draft_len=a.max_draft_len, kv_tokens=a.kv_tokens, budget_bytes=int(a.gpu_memory_gib * GIB),
+                     headroom_bytes=int(a.headroom_gib * GIB))
+    plan_main(Path(a.target), Path(a.drafter) if a.drafter else None, dep, dtype=a.dtype, json_out=Path(a.json) if a.json else None)
 
 
 def _cmd_generate(a: argparse.Namespace) -> None:
@@ -166,7 +176,7 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 
 
 #: Subcommand → the function that runs it (the arguments are in :mod:`splitspec.cli_parser`).
-COMMANDS = {"demo-models": _cmd_demo_models, "convert": _cmd_convert, "inspect": _cmd_inspect, "build": _cmd_build,
+COMMANDS = {"demo-models": _cmd_demo_models, "convert": _cmd_convert, "inspect": _cmd_inspect, "build": _cmd_build, "plan": _cmd_plan,
             "generate": _cmd_generate, "tune": _cmd_tune, "repo": _cmd_repo, "serve": _cmd_serve,
             "client": _cmd_client, "perf": _cmd_perf, "bench": _cmd_bench}
 

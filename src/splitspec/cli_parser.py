@@ -93,6 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--max-seq-len", type=int, default=1024)
     s.add_argument("--max-draft-len", type=int, default=8)
+    s.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="check the memory plan against this per-GPU budget (default: free memory of this machine's GPU; "
+                        "none on a CPU machine)")
+
+    s = sub.add_parser("plan", help="memory per GPU of a deployment (weights by kind, drafter, KV cache, CUDA-graph pool, "
+                                    "activations, headroom) from a published config; exit 2 when it does not fit")
+    s.add_argument("target", help="published target folder: config.json alone is enough, shards present give exact bytes")
+    s.add_argument("--drafter", default=None, help="published EAGLE-3 drafter folder (config.json)")
+    s.add_argument("--tp", type=int, required=True, help="target tensor-parallel size (GPUs)")
+    s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
+    s.add_argument("--draft-tp", type=int, default=1, help="1 = drafter on GPU 0 beside target rank 0; --tp = sharded")
+    s.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of each GPU, GiB")
+    s.add_argument("--max-batch-size", type=int, required=True)
+    s.add_argument("--max-seq-len", type=int, required=True)
+    s.add_argument("--max-draft-len", type=int, default=8, help="largest k (as splitspec build's default)")
+    s.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default max-batch-size × max-seq-len)")
+    s.add_argument("--dtype", default=None,
+                   help="int4, fp8, bfloat16, float16 or float32 (default: as published; int4/fp8 keep published quantised weights)")
+    s.add_argument("--headroom-gib", type=float, default=2.0, help="CUDA context, cuBLAS and NCCL workspaces per GPU")
+    s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
 
     s = sub.add_parser("generate", help="speculative decoding from built engines, in this process")
     s.add_argument("--engines", default="engines/demo")

@@ -19,6 +19,7 @@ Formats (docs/formats.md, "Target checkpoints"):
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ class QuantScheme:
             return False
         for entry in self.ignore:
             if entry.startswith("re:"):
-                if re.match(entry[3:], module):
+                if _pattern(entry[3:]).match(module):
                     return False
             elif entry == module:
                 return False
@@ -72,6 +73,11 @@ class QuantScheme:
     def to_dict(self) -> dict:
         return {"method": self.method, "block": list(self.block) if self.block else None,
                 "group_size": self.group_size, "ignore": list(self.ignore)}
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(text: str) -> re.Pattern:
+    return re.compile(text)
 
 
 def parse_quantization_config(qc: dict | None, where: str) -> QuantScheme:

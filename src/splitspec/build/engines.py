@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.build.memory_plan import check_build
 from splitspec.convert.pair import FORMAT, convert_pair, tokenizer_files
 from splitspec.errors import CheckpointError, ConfigError
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
@@ -180,7 +181,8 @@ def _read_checkpoint_config(folder: Path, kind: str) -> dict:
 
 
 def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,
-                  max_seq_len: int = 1024, max_draft_len: int = 8, progress: bool = True) -> Path:
+                  max_seq_len: int = 1024, max_draft_len: int = 8, progress: bool = True,
+                  gpu_memory_gib: float | None = None) -> Path:
     """Build ``out/target`` and ``out/drafter`` engines from ``checkpoints`` (output of :func:`convert_pair`).
 
     Args:
@@ -192,7 +194,10 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
         max_seq_len: tokens per sequence (prompt + generated + draft), bounds the KV caches.
         max_draft_len: largest number of draft tokens per cycle a request may ask for.
         progress: show a tqdm progress bar.
+        gpu_memory_gib: per-GPU budget the memory plan is checked against (default: this machine's free GPU
+            memory; on a CPU machine no check), :func:`splitspec.build.memory_plan.check_build`.
     Raises:
+        MemoryPlanError: the engines would not fit the budget (checked before anything is written).
         ConfigError: a limit out of range; fp8 asked of a checkpoint without FP8 weights; a drafter
             variant the engine would not run faithfully. CheckpointError: a missing or malformed shard.
     """
@@ -219,6 +224,7 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
                      "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": str(tdt).removeprefix("torch."),
                      "source": qmeta.get("source")}
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
+    print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib))
     with atomic_dir(out, keep=(checkpoints,)) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()

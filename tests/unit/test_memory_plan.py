@@ -1,0 +1,130 @@
+"""`splitspec plan` on the published Kimi configs (config-only fixtures, tests/fixtures/plan/SOURCE.md): Kimi-K2.5
+INT4 at TP8 with its EAGLE-3 drafter at TP1 fits 141 GiB H200s and 96 GiB cards, dequantised to bf16 it is refused
+with one line; item bytes agree with sizes worked out by hand from the published shapes; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splitspec.build.memory_plan import GIB
+from splitspec.cli import main
+from splitspec.files import read_json, write_json
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "plan"
+K25, DRAFTER = FIXTURES / "kimi-k2.5", FIXTURES / "kimi-k2.5-eagle3"
+LIMITS = ["--max-batch-size", "8", "--max-seq-len", "4096", "--max-draft-len", "3"]
+
+
+def plan(capsys, target: Path, *args: str) -> tuple[int, str, str]:
+    rc = main(["plan", str(target), *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def row(out: str, label: str) -> list[float]:
+    """The GiB values of the table row ``label`` (one per GPU column)."""
+    line = next(x for x in out.splitlines() if x.strip().startswith(label))
+    return [float(v) for v in line[len(label) + 2:].replace("GiB", "").replace("—", "nan").split()]
+
+
+@pytest.mark.parametrize("gib", [141, 96])
+def test_k25_int4_tp8_with_tp1_drafter_fits(capsys, gib, tmp_path):
+    rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", str(gib), *LIMITS,
+                        "--json", str(tmp_path / "plan.json"))
+    assert rc == 0, err
+    assert "int4 weights" in out and "drafter TP1 on GPU 0" in out and "fits: yes" in out
+    assert "KV budget: 32768 tokens (8 × 4096)" in out
+    # the drafter lives on GPU 0 only: its rows are empty ("—") on the other GPUs
+    gpu0, others = row(out, "drafter embeddings")
+    assert gpu0 == pytest.approx(163840 * 7168 * 2 / GIB, abs=0.01) and others != others
+    doc = read_json(tmp_path / "plan.json")
+    assert doc["fits"] is True and len(doc["gpus"]) == 8
+    assert all(g["total"] <= gib * GIB for g in doc["gpus"])
+    assert doc["gpus"][0]["total"] > doc["gpus"][1]["total"]  # GPU 0 carries the drafter and its cache
+    assert doc["gpus"][0]["kv_tokens_fit"] >= 32768
+
+
+@pytest.mark.parametrize("gib", [141, 96])
+def test_k25_dequantised_to_bf16_is_refused_in_one_line(capsys, gib):
+    rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", str(gib), *LIMITS,
+                        "--dtype", "bfloat16")
+    assert rc == 2
+    assert "fits: NO (8 of 8 GPUs over budget)" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("splitspec plan: error: GPU 0 needs ")
+    assert f"over its {gib:.1f} GiB budget (bfloat16 weights, TP8)" in lines[0] and "routed experts 236.2 GiB" in lines[0]
+
+
+def test_bytes_agree_with_the_published_shapes_worked_by_hand(capsys, tmp_path):
+    """Independent arithmetic: 60 MoE layers × 384 experts × (gate, up, down) of 2048 × 7168 per expert."""
+    H, I, E, moe_layers, N = 7168, 2048, 384, 60, 8
+    w = I // N  # each rank's slice of every expert (expert-TP 8)
+    main(["plan", str(K25), "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", "141", *LIMITS,
+          "--json", str(tmp_path / "int4.json")])
+    main(["plan", str(FIXTURES / "kimi-k2-instruct"), "--tp", "8", "--gpu-memory-gib", "1000", *LIMITS,
+          "--json", str(tmp_path / "fp8.json")])
+    capsys.readouterr()
+    items = lambda doc, g=0: {i["label"]: i["bytes"] for i in doc["gpus"][g]["items"]}  # noqa: E731
+    int4, fp8 = items(read_json(tmp_path / "int4.json")), items(read_json(tmp_path / "fp8.json"))
+    # INT4 (K2.5): each rank holds every expert's 1/8 slice: gate/up 256 rows, down 256 of the input columns;
+    # packed int32 = 8 values per 4 bytes, one bf16 scale per 32 inputs, one int32 [2] weight_shape per linear
+    gate_up = 2 * (w * H // 2 + w * H // 32 * 2 + 8)
+    down = H * w // 2 + H * w // 32 * 2 + 8
+    assert int4["routed experts"] == moe_layers * E * (gate_up + down)
+    # FP8 (K2-Instruct): 1 byte per weight and a float32 scale per 128×128 tile of each slice
+    tiles_h, tiles_w = H // 128, w // 128
+    assert fp8["routed experts"] == moe_layers * E * (2 * w * H + 2 * tiles_w * tiles_h * 4 + H * w + tiles_h * tiles_w * 4)
+    # the router stays float32 in the engine, replicated: [384, 7168] + bias [384] per MoE layer
+    assert int4["router (float32)"] == moe_layers * (E * H + E) * 4
+    # MLA latent cache: 61 layers × (512 + 64) bf16 per token, rows = 32768 tokens + one scratch block of 16
+    assert int4["KV cache, target (MLA latent)"] == 61 * (32768 + 16) * 576 * 2
+    # the drafter's K/V at TP1: 64 heads × 128 × (K, V) bf16 per token
+    assert int4["KV cache, drafter (TP1)"] == (32768 + 16) * 64 * 128 * 2 * 2
+    assert int4["embeddings"] == 163840 // N * H * 2
+
+
+def test_sharded_drafter_splits_its_layer_and_cache(capsys, tmp_path):
+    main(["plan", str(K25), "--drafter", str(DRAFTER), "--tp", "8", "--draft-tp", "8", "--gpu-memory-gib", "141", *LIMITS,
+          "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert "drafter sharded over the 8 GPUs" in out
+    doc = read_json(tmp_path / "p.json")
+    first, last = ({i["label"]: i["bytes"] for i in g["items"]} for g in (doc["gpus"][0], doc["gpus"][7]))
+    assert first == last
+    assert first["KV cache, drafter (shard)"] == (32768 + 16) * 8 * 128 * 2 * 2
+    assert first["drafter embeddings"] == 163840 * 7168 * 2  # replicated
+
+
+def _broken(tmp_path: Path, drop: str) -> Path:
+    raw = read_json(K25 / "config.json")
+    del raw["text_config"][drop]
+    write_json(raw, tmp_path / "config.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("case, args, expect", [
+    ("missing field", ["--tp", "8"], "text_config: field 'hidden_size' is missing"),
+    ("unknown dtype", ["--tp", "8", "--dtype", "int8"], "dtype 'int8' is not supported (expected one of int4, fp8"),
+    ("quantising", ["--tp", "8", "--dtype", "fp8"], "dtype 'fp8' keeps weights published in fp8"),
+    ("tp", ["--tp", "3"], "num_attention_heads = 64 is not divisible by 3"),
+    ("draft tp", ["--tp", "8", "--draft-tp", "2"], "draft-tp = 2: expected 1 (drafter on GPU 0) or the target's tp 8"),
+    ("long", ["--tp", "8", "--max-seq-len", "300000"], "max-seq-len = 300000 exceeds the target's max_position_embeddings"),
+])
+def test_bad_input_is_one_line(capsys, tmp_path, case, args, expect):
+    target = _broken(tmp_path, "hidden_size") if case == "missing field" else K25
+    limits = [a for a in LIMITS] if "--max-seq-len" not in args else ["--max-batch-size", "1"]
+    rc, out, err = plan(capsys, target, "--gpu-memory-gib", "141", *limits, *args)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_json_is_plain_json(capsys, tmp_path):
+    main(["plan", str(FIXTURES / "kimi-k2-thinking"), "--tp", "8", "--gpu-memory-gib", "141", *LIMITS,
+          "--json", str(tmp_path / "p.json")])
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["weights"] == "int4" and doc["deployment"]["tp"] == 8 and doc["fits"] is True
