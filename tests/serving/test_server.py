@@ -250,7 +250,7 @@ def test_values_survive_the_stub_round_trip(server, reference):
     tok = reference["tok"]
     prompt = "naïve café — 日本語 " + PROMPT
     r = _post(f"{server.http_url}/v2/models/preprocessing/infer",
-              json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [prompt]}]})
+              json={"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": [prompt]}]})
     assert r.status_code == 200, r.text
     out = {o["name"]: o for o in r.json()["outputs"]}["input_ids"]
     assert out["datatype"] == "INT32"
@@ -259,7 +259,7 @@ def test_values_survive_the_stub_round_trip(server, reference):
 
     ids = tok.encode(prompt)
     r = _post(f"{server.http_url}/v2/models/postprocessing/infer",
-              json={"inputs": [{"name": "output_ids", "shape": [len(ids)], "datatype": "INT32", "data": ids}]})
+              json={"inputs": [{"name": "output_ids", "shape": [1, len(ids)], "datatype": "INT32", "data": ids}]})
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["data"] == [prompt]
 

@@ -369,12 +369,15 @@ def test_bad_requests_get_clear_errors_while_a_stream_continues(srv, tok, refere
     import tritonclient.grpc as grpcclient
 
     from splitspec.serving.client import grpc_inputs
-    bad_type = grpcclient.InferInput("max_tokens", [1], "FP32")
-    bad_type.set_data_from_numpy(np.array([8.0], dtype=np.float32))
-    unknown = grpcclient.InferInput("max_new_tokens", [1], "INT32")
-    unknown.set_data_from_numpy(np.array([8], dtype=np.int32))
+    bad_type = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    bad_type.set_data_from_numpy(np.array([[8.0]], dtype=np.float32))
+    unknown = grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")
+    unknown.set_data_from_numpy(np.array([[8]], dtype=np.int32))
+    unbatched = grpcclient.InferInput("max_tokens", [1], "INT32")  # the ensemble is batched: [1, 1] expected
+    unbatched.set_data_from_numpy(np.array([8], dtype=np.int32))
     text_in = grpc_inputs("x", 8)[0]
-    for inputs, needle in (([text_in, bad_type], "data-type"), ([text_in, unknown], "max_new_tokens")):
+    for inputs, needle in (([text_in, bad_type], "data-type"), ([text_in, unknown], "max_new_tokens"),
+                           ([text_in, unbatched], "Expected [-1,1], got [1]")):
         q: list = []
         c = grpcclient.InferenceServerClient(srv.grpc_address)
         c.start_stream(callback=lambda result, error: q.append(error))

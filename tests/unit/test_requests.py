@@ -10,8 +10,9 @@ import pytest
 
 from splitspec.errors import ConfigError
 from splitspec.runtime.sampling import SamplingParams
-from splitspec.serving.requests import (ENSEMBLE_INPUTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, StreamOptions,
-                                        cancel_stream_id, check_parameters, parse_request, scalar, strings)
+from splitspec.serving.requests import (ENSEMBLE_INPUTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SPEC_DECODE_INPUTS,
+                                        UNSUPPORTED, StreamOptions, cancel_stream_id, check_parameters, parse_request,
+                                        scalar, strings)
 
 LIMIT = 4096
 
@@ -40,7 +41,8 @@ def test_good_request_with_every_option():
         return_stats=np.array([True]), max_tokens=np.array([[LIMIT]], dtype=np.int32)), LIMIT)
     assert req.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=12345)  # 0.7, not 0.699999988
     assert req.max_tokens == LIMIT and req.num_draft_tokens == 2 and req.stop == ["\n\n", "done"]
-    assert opts == StreamOptions(stream=True, return_token_ids=True, return_stats=True)
+    assert opts == StreamOptions(stream=True, return_token_ids=True, return_stats=True, return_num_input_tokens=True,
+                                 return_num_output_tokens=True)
 
 
 def test_num_draft_tokens_zero_is_kept():
@@ -103,3 +105,108 @@ def test_scalar_and_strings_of_absent_inputs():
     assert scalar({"x": None}, "x") is None and scalar({}, "x") is None
     assert strings({}, "stop") == [] and strings({"stop": None}, "stop") == []
     assert strings({"stop": np.array([["a", "é".encode()]], dtype=np.object_)}, "stop") == ["a", "é"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The TensorRT-LLM backend's convention
+# ---------------------------------------------------------------------------------------------
+
+
+def _batched(**values):
+    """Inputs as the batched models receive them: every value [1, 1], every list [1, n] (the end-to-end gRPC
+    client of the TensorRT-LLM backend builds them so: ``np.array([[value]])``, ``np.array([words])``)."""
+    out = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "max_tokens": np.array([[8]], dtype=np.int32)}
+    for name, v in values.items():
+        out[name] = np.array([v], dtype=np.object_) if isinstance(v, list) else np.array([[v]])
+    return out
+
+
+def test_a_request_of_the_end_to_end_client_parses():
+    """What end_to_end_grpc_client.py sends by default (stream, beam_width 1, temperature, exclude_input_in_output
+    false, stop_words), with greedy decoding."""
+    inputs = _batched(stream=np.bool_(False), beam_width=np.int32(1), temperature=np.float32(0.0),
+                      exclude_input_in_output=np.bool_(False), stop_words=[b"\n\n", b"done"],
+                      text_input=b"def f():", bad_words=[], num_return_sequences=np.int32(1))
+    req, opts = parse_request(inputs, LIMIT)
+    assert req.prompt_ids == [5, 6, 7] and req.max_tokens == 8 and req.stop == ["\n\n", "done"]
+    assert req.sampling == SamplingParams() and req.stop_token_ids is None
+    assert opts == StreamOptions(echo="def f():")  # non-streamed, the prompt first
+    _, opts = parse_request({**inputs, "stream": np.array([[True]])}, LIMIT)
+    assert opts.stream and opts.echo is None  # a stream never repeats the prompt
+    _, opts = parse_request({k: v for k, v in inputs.items() if k != "exclude_input_in_output"}, LIMIT)
+    assert opts.echo is None  # absent: only the generated text, as before
+
+
+def test_a_request_of_the_openai_front_end_parses():
+    """What Triton's OpenAI front end sends a TensorRT-LLM ensemble: seed (older versions: random_seed) as UINT64,
+    top_p, the penalties at OpenAI's defaults, token counts asked for."""
+    inputs = _batched(stream=np.bool_(True), top_p=np.float32(0.95), temperature=np.float32(0.7),
+                      seed=np.uint64(2**40 + 3), frequency_penalty=np.float32(0.0), presence_penalty=np.float32(0.0),
+                      return_num_input_tokens=np.bool_(True), return_num_output_tokens=np.bool_(True),
+                      stop_words=[b"\n"])
+    req, opts = parse_request(inputs, LIMIT)
+    assert req.sampling == SamplingParams(temperature=0.7, top_p=0.95, seed=2**40 + 3) and req.stop == ["\n"]
+    assert opts == StreamOptions(stream=True, return_num_input_tokens=True, return_num_output_tokens=True)
+    old = {k: v for k, v in inputs.items() if k != "seed"} | {"random_seed": np.array([[9]], dtype=np.uint64)}
+    assert parse_request(old, LIMIT)[0].sampling.seed == 9
+    assert parse_request(old | {"seed": np.array([[9]], dtype=np.uint64)}, LIMIT)[0].sampling.seed == 9
+    with pytest.raises(ConfigError, match=r"^seed = 9 and random_seed = 8: two different seeds"):
+        parse_request(old | {"seed": np.array([[9]], dtype=np.uint64), "random_seed": np.array([[8]], dtype=np.uint64)},
+                      LIMIT)
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("beam_width", np.int32(2), "2"), ("beam_width", np.int32(0), "0"), ("num_return_sequences", np.int32(2), "2"),
+    ("min_tokens", np.int32(5), "5"), ("repetition_penalty", np.float32(1.3), "1.3"),
+    ("presence_penalty", np.float32(0.5), "0.5"), ("frequency_penalty", np.float32(-0.2), "-0.2"),
+    ("return_log_probs", np.bool_(True), "true"), ("return_context_logits", np.bool_(True), "true"),
+    ("return_generation_logits", np.bool_(True), "true"),
+])
+def test_controls_not_implemented_are_refused_naming_them(name, value, shown):
+    with pytest.raises(ConfigError) as e:
+        parse_request(_batched(**{name: value}), LIMIT)
+    assert str(e.value).startswith(f"{name} = {shown}: not supported by this server; accepted: "), str(e.value)
+
+
+def test_controls_not_implemented_pass_at_their_neutral_value():
+    neutral = dict(beam_width=np.int32(1), num_return_sequences=np.int32(1), min_tokens=np.int32(1),
+                   repetition_penalty=np.float32(1.0), presence_penalty=np.float32(0.0),
+                   frequency_penalty=np.float32(0.0), return_log_probs=np.bool_(False),
+                   return_context_logits=np.bool_(False), return_generation_logits=np.bool_(False),
+                   length_penalty=np.float32(0.5), pad_id=np.int32(2), bad_words=[b"", b""])
+    assert set(UNSUPPORTED) < set(neutral)
+    req, opts = parse_request(_batched(**neutral), LIMIT)
+    assert req.sampling == SamplingParams() and opts == StreamOptions()
+
+
+def test_bad_words_are_refused_and_empty_stop_words_ignored():
+    with pytest.raises(ConfigError, match=r"^bad_words = \['no'\]: not supported by this server"):
+        parse_request(_batched(bad_words=[b"", b"no"]), LIMIT)
+    req, _ = parse_request(_batched(stop_words=[b""], stop=[b"x"]), LIMIT)  # TensorRT-LLM's examples send ""
+    assert req.stop == ["x"]
+    many = [b"w%d" % i for i in range(MAX_STOP_STRINGS)]
+    with pytest.raises(ConfigError, match=rf"^stop and stop_words: {MAX_STOP_STRINGS + 1} strings, at most"):
+        parse_request(_batched(stop_words=many, stop=[b"x"]), LIMIT)
+
+
+def test_end_id_and_statistics_switches():
+    req, opts = parse_request(_batched(end_id=np.int32(3), return_perf_metrics=np.bool_(True)), LIMIT)
+    assert req.stop_token_ids == {3}
+    assert opts == StreamOptions(return_stats=True)  # perf metrics: the statistics, not the token counts
+    with pytest.raises(ConfigError, match=r"^end_id = -1: expected a token id"):
+        parse_request(_batched(end_id=np.int32(-1)), LIMIT)
+
+
+def test_inputs_agree_with_the_client_and_the_model():
+    """The client's input table, spec_decode's inputs and the ensemble's config name the same inputs."""
+    import re
+    from pathlib import Path
+
+    from splitspec.serving.client import INPUTS
+
+    assert tuple(INPUTS) == ENSEMBLE_INPUTS
+    root = Path(__file__).resolve().parents[2] / "triton_repo"
+    names = lambda model: re.findall(r'name: "(\w+)"', (root / model / "config.pbtxt.in").read_text()  # noqa: E731
+                                     .split("\ninput [")[1].split("\noutput [")[0])
+    assert tuple(names("ensemble")) == ENSEMBLE_INPUTS
+    assert tuple(names("spec_decode")) == (*SPEC_DECODE_INPUTS, "cancel_stream_id")

@@ -13,17 +13,18 @@ Two protocols reach the same ensemble:
 * ``grpc``: perf_analyzer's Triton client over gRPC with ``--streaming`` (the ensemble holds a
   decoupled model, so perf_analyzer refuses unary gRPC and KServe HTTP). Requests carry the
   ensemble's own tensors (``text_input``, ``max_tokens``, ``apply_chat_template``, ``stream`` true:
-  one response per engine cycle); the latency is the time to the final response.
+  one response per engine cycle), each value given without the batch dimension, which perf_analyzer
+  adds for the batched ensemble (batch size 1: ``[1, 1]``); the latency is the time to the final response.
 * ``http``: perf_analyzer's HTTP client (``--service-kind openai``, which posts a JSON payload to any
   path) against Triton's ``/v2/models/ensemble/generate_stream`` (server-sent events, one event per
   engine cycle); the latency is the time until the stream ends.
 
-``genai-perf`` (0.0.16, the ``perf`` extra) drives perf_analyzer itself. Its Triton gRPC mode
-(``--endpoint-type kserve --backend tensorrtllm|vllm``) adds an input ``exclude_input_in_output``
-that our ensemble does not have, and perf_analyzer rejects every unknown input, so it is run with
+``genai-perf`` (0.0.16, the ``perf`` extra) drives perf_analyzer itself. It is run with
 ``--endpoint-type generate --endpoint v2/models/ensemble/generate_stream --streaming``: Triton's
-generate extension with our own tensor names (``text_input``, ``max_tokens``, ``stream`` →
-``text_output``). genai-perf counts tokens by re-tokenising the streamed text with the engine's
+generate extension (``text_input``, ``max_tokens``, ``stream`` → ``text_output``, plain JSON values to which
+Triton adds the ensemble's batch dimension), the same path as the ``http`` protocol above. Its Triton gRPC mode
+(``--endpoint-type kserve --backend tensorrtllm``) sends the TensorRT-LLM convention's inputs (``text_input``,
+``max_tokens``, ``exclude_input_in_output``, ``stream``), which the ensemble also takes, but is not used here. genai-perf counts tokens by re-tokenising the streamed text with the engine's
 tokenizer (``--tokenizer``), so its token counts can differ slightly from the engine's.
 
 Every run is bounded: perf_analyzer measures three count windows per concurrency level

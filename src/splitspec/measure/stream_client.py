@@ -27,7 +27,8 @@ class RequestRecord:
         ttft_ms: sent → first response carrying tokens (client).
         token_times_ms: (ms since sent, tokens) of every response carrying tokens.
         num_output_tokens, acceptance_length, accepted_per_position, draft_ms, verify_ms,
-        engine_ttft_ms, engine_e2e_ms, queue_ms, finish_reason: from ``return_stats``.
+        engine_ttft_ms, engine_e2e_ms, queue_ms, finish_reason: from ``return_stats`` (num_output_tokens: the sum
+        of every response's count of the tokens it adds).
         output_sha: SHA-1 of the output token ids (greedy outputs are compared across k).
         request_id: the id it was sent with; sent_ns: when (``time.perf_counter_ns()``: ``CLOCK_MONOTONIC`` on
             Linux, the clock of Triton's trace timestamps, bench/lab/triton_trace.py); "" and 0 when not known.
@@ -127,7 +128,10 @@ class StreamWorker:
             if out is not None and out.size:
                 times.append(((t - t0) * 1e3, int(out.size)))
                 ids += [int(x) for x in out.reshape(-1)]
-            for name in ("num_output_tokens", "acceptance_length", "accepted_per_position", "draft_ms", "verify_ms",
+            n = result.as_numpy("num_output_tokens")  # the tokens this response adds
+            if n is not None:
+                final["num_output_tokens"] = final.get("num_output_tokens", 0) + int(n.reshape(-1)[0])
+            for name in ("acceptance_length", "accepted_per_position", "draft_ms", "verify_ms",
                          "ttft_ms", "e2e_ms", "queue_ms", "finish_reason"):
                 a = result.as_numpy(name)
                 if a is not None:

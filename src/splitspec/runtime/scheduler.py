@@ -323,6 +323,7 @@ class SpeculativeEngine:
             if seq is None:
                 continue
             seq.stats.num_cycles += 1
+            seq.stats.drafted_tokens += len(drafts)
             seq.stats.draft_ms += out.draft_ms
             seq.stats.verify_ms += out.verify_ms
             if self.synthetic is not None and drafts:

@@ -59,6 +59,7 @@ class RequestStats:
 
     acceptance_length: emitted tokens per target verify forward (1.0 without speculation).
     accepted_per_position[i]: cycles whose draft i+1 was accepted and emitted.
+    drafted_tokens: draft tokens proposed for it, over all its cycles (sum(accepted_per_position) of them accepted).
     draft_ms / verify_ms: summed wall time of the cycles this request took part in.
     ttft_ms: submit → first token; e2e_ms: submit → finish; queue_ms: submit → admission.
     """
@@ -74,6 +75,7 @@ class RequestStats:
     e2e_ms: float = 0.0
     queue_ms: float = 0.0
     synthetic: bool = False
+    drafted_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,11 +1,15 @@
 """Clients for the served ensemble: HTTP ``generate`` / ``generate_stream`` and gRPC streaming (tritonclient).
 
-Request inputs follow the conventions of LLM deployments on Triton (:data:`INPUTS`): ``text_input``,
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stream``,
-``num_draft_tokens``, ``return_token_ids``, ``return_stats``, ``apply_chat_template``. Responses carry
-``text_output`` — with ``stream`` true, the text each engine cycle adds — and, when asked for,
-``output_ids`` and the speculation statistics (``acceptance_length``, ``accepted_per_position``,
-``num_output_tokens``, engine times in ms) in the final response, with its ``finish_reason``.
+Request inputs follow the TensorRT-LLM backend's ensemble (:data:`INPUTS`): ``text_input``, ``max_tokens``,
+``stream``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_words``, ``exclude_input_in_output``,
+``return_num_input_tokens``, ``return_num_output_tokens``, ``return_perf_metrics``, ..., and this server's own
+``stop``, ``num_draft_tokens``, ``return_token_ids``, ``return_stats``, ``apply_chat_template``. The ensemble is
+batched (``max_batch_size`` 1): over gRPC every input travels as ``[1, n]`` (``[1, 1]`` for one value,
+:func:`grpc_inputs`); HTTP generate adds that batch dimension itself, so its JSON holds plain values. Responses
+carry ``text_output`` — with ``stream`` true, the text each engine cycle adds — and, when asked for,
+``output_ids``, token counts (``num_output_tokens``: the tokens each response adds) and, in the final
+response, the speculation statistics (``acceptance_rate``, ``acceptance_length``, ``accepted_per_position``,
+engine times in ms), with its ``finish_reason``.
 
 The ensemble contains a decoupled model (``spec_decode``), so Triton treats it as decoupled: gRPC's
 unary ``ModelInfer`` is refused and requests go over the bidirectional stream
@@ -29,26 +33,30 @@ from splitspec.errors import ConfigError, SplitspecError
 _CLOSE = {"Connection": "close"}
 #: Default server address per protocol (``splitspec serve`` defaults).
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
-#: The ensemble's inputs: name -> (numpy dtype name, Triton datatype, is a list).
+_BOOL, _I32, _F32, _U64 = ("bool", "BOOL", False), ("int32", "INT32", False), ("float32", "FP32", False), \
+    ("uint64", "UINT64", False)
+_STRINGS = ("object", "BYTES", True)
+#: The ensemble's inputs: name -> (numpy dtype name, Triton datatype, is a list); triton_repo/ensemble/config.pbtxt.in.
 INPUTS = {
-    "text_input": ("object", "BYTES", False),
-    "max_tokens": ("int32", "INT32", False),
-    "temperature": ("float32", "FP32", False),
-    "top_p": ("float32", "FP32", False),
-    "top_k": ("int32", "INT32", False),
-    "seed": ("uint64", "UINT64", False),
-    "stop": ("object", "BYTES", True),
-    "stream": ("bool", "BOOL", False),
-    "num_draft_tokens": ("int32", "INT32", False),
-    "return_token_ids": ("bool", "BOOL", False),
-    "return_stats": ("bool", "BOOL", False),
-    "apply_chat_template": ("bool", "BOOL", False),
+    "text_input": ("object", "BYTES", False), "max_tokens": _I32, "stream": _BOOL,
+    "temperature": _F32, "top_k": _I32, "top_p": _F32, "seed": _U64, "random_seed": _U64,
+    "stop_words": _STRINGS, "bad_words": _STRINGS, "end_id": _I32, "pad_id": _I32, "length_penalty": _F32,
+    "beam_width": _I32, "num_return_sequences": _I32, "min_tokens": _I32, "repetition_penalty": _F32,
+    "presence_penalty": _F32, "frequency_penalty": _F32, "return_log_probs": _BOOL, "return_context_logits": _BOOL,
+    "return_generation_logits": _BOOL, "exclude_input_in_output": _BOOL, "return_perf_metrics": _BOOL,
+    "return_num_input_tokens": _BOOL, "return_num_output_tokens": _BOOL,
+    "stop": _STRINGS, "num_draft_tokens": _I32, "return_token_ids": _BOOL, "return_stats": _BOOL,
+    "apply_chat_template": _BOOL,
 }
 #: Outputs whose value is a list (the others are single values).
 LIST_OUTPUTS = ("output_ids", "accepted_per_position")
+#: Outputs a stream's responses each carry a part of (:func:`merge` sums them); the others are per request.
+SUMMED_OUTPUTS = ("num_output_tokens",)
 #: Outputs of the ensemble.
-OUTPUTS = ("text_output", "output_ids", "finish_reason", "acceptance_length", "accepted_per_position",
-           "num_input_tokens", "num_output_tokens", "queue_ms", "ttft_ms", "e2e_ms", "draft_ms", "verify_ms")
+OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index", "num_input_tokens",
+           "num_output_tokens", "finish_reason", "output_ids", "acceptance_rate", "total_accepted_draft_tokens",
+           "total_draft_tokens", "acceptance_length", "accepted_per_position", "queue_ms", "ttft_ms", "e2e_ms",
+           "draft_ms", "verify_ms")
 
 
 def _http_base(url: str) -> str:
@@ -72,9 +80,9 @@ def normalize(answer: dict) -> dict:
 
 
 def merge(events) -> dict:
-    """Fold a stream's responses into one: ``text_output`` and ``output_ids`` concatenated, every
-    other output taken from the last response that carries it; ``num_responses`` counts the responses
-    that carried text or ids."""
+    """Fold a stream's responses into one: ``text_output`` and ``output_ids`` concatenated,
+    ``num_output_tokens`` summed, every other output taken from the last response that carries it;
+    ``num_responses`` counts the responses that carried text or ids."""
     out: dict = {"text_output": "", "num_responses": 0}
     for ev in events:
         if "text_output" in ev or "output_ids" in ev:
@@ -84,6 +92,8 @@ def merge(events) -> dict:
                 out[k] += v
             elif k == "output_ids":
                 out.setdefault(k, []).extend(v)
+            elif k in SUMMED_OUTPUTS:
+                out[k] = out.get(k, 0) + v
             else:
                 out[k] = v
     return out
@@ -172,7 +182,9 @@ def stream_http(generate_stream_url: str, prompt: str, max_tokens: int = 64, tim
 
 
 def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
-    """tritonclient.grpc ``InferInput`` list for a request (``None`` values are left out).
+    """tritonclient.grpc ``InferInput`` list for a request: each input named by its keyword (:data:`INPUTS`;
+    ``None`` values are left out), shaped ``[1, n]`` — the batch dimension of the batched ensemble, then the
+    value (``[1, 1]``) or the list's ``n`` strings.
 
     Raises:
         ConfigError: an input name the ensemble does not have.
@@ -188,7 +200,7 @@ def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
         values = list(value) if is_list else [value]
         if dtype == "object":
             values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
-        arr = np.array(values, dtype=dtype)
+        arr = np.array(values, dtype=dtype).reshape(1, len(values))
         t = grpcclient.InferInput(name, list(arr.shape), ttype)
         t.set_data_from_numpy(arr)
         out.append(t)

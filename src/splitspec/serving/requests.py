@@ -5,7 +5,15 @@ The Triton model hands this module plain values — a mapping from input name to
 as JSON text — and gets back the runtime :class:`~splitspec.runtime.types.Request` and the options that
 shape its responses (:class:`StreamOptions`), or a :class:`~splitspec.errors.ConfigError` whose message names
 the input. The model answers that error with INVALID_ARG (HTTP 400). The inputs and their types are those of
-``triton_repo/spec_decode/config.pbtxt.in``.
+``triton_repo/spec_decode/config.pbtxt.in``; each arrives with a leading batch dimension of 1 (the models are
+batched, ``max_batch_size`` 1), which the readers here flatten away.
+
+Input names, types and meanings follow the TensorRT-LLM backend's ensemble
+(``all_models/inflight_batcher_llm/ensemble/config.pbtxt`` in triton-inference-server/tensorrtllm_backend, now
+``triton_backend/all_models`` in NVIDIA/TensorRT-LLM): ``stop_words`` joins our ``stop`` strings, ``seed`` (older
+name ``random_seed``) seeds the sampler, ``end_id`` replaces the end-of-sequence tokens. The controls of that
+convention this server does not implement (:data:`UNSUPPORTED`, ``bad_words``) are accepted at their neutral
+value and refused, naming the input, at any other.
 
 Sampling values are range-checked by the engine when it takes the request (``SamplingParams.check``); a
 request it refuses comes back as a ``"rejected"`` event.
@@ -15,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -23,15 +31,30 @@ from splitspec.errors import ConfigError
 from splitspec.runtime.sampling import SamplingParams
 from splitspec.runtime.types import Request
 
+#: Controls of the TensorRT-LLM convention not implemented here: name -> (accepted when, what is accepted).
+UNSUPPORTED: dict[str, tuple[Callable[[float], bool], str]] = {
+    "beam_width": (lambda v: v == 1, "1 (no beam search)"),
+    "num_return_sequences": (lambda v: v == 1, "1 (one sequence per request)"),
+    "min_tokens": (lambda v: v <= 1, "0 or 1 (no minimum length)"),
+    "repetition_penalty": (lambda v: v == 1.0, "1.0 (no penalty)"),
+    "presence_penalty": (lambda v: v == 0.0, "0.0 (no penalty)"),
+    "frequency_penalty": (lambda v: v == 0.0, "0.0 (no penalty)"),
+    "return_log_probs": (lambda v: not v, "false (log probabilities are not computed)"),
+    "return_context_logits": (lambda v: not v, "false (logits are not returned)"),
+    "return_generation_logits": (lambda v: not v, "false (logits are not returned)"),
+}
 #: Inputs of the ensemble (named when a request carries an unknown parameter).
-ENSEMBLE_INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                   "num_draft_tokens", "return_token_ids", "return_stats", "apply_chat_template")
+ENSEMBLE_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "random_seed",
+                   "stop_words", "bad_words", "end_id", "pad_id", "length_penalty", *UNSUPPORTED,
+                   "exclude_input_in_output", "return_perf_metrics", "return_num_input_tokens",
+                   "return_num_output_tokens", "stop", "num_draft_tokens", "return_token_ids", "return_stats",
+                   "apply_chat_template")
 #: Request parameters Triton's front ends may attach themselves (never rejected).
 TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                "binary_data_output", "headers"})
-#: Inputs ``spec_decode`` reads from a generation request.
-SPEC_DECODE_INPUTS = ("input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                      "num_draft_tokens", "return_token_ids", "return_stats")
+#: Inputs ``spec_decode`` reads from a generation request: the ensemble's, with ``input_ids`` (from preprocessing)
+#: for ``apply_chat_template``; ``text_input`` is read only to echo the prompt (``exclude_input_in_output`` false).
+SPEC_DECODE_INPUTS = ("input_ids", *(n for n in ENSEMBLE_INPUTS if n != "apply_chat_template"))
 #: The control input postprocessing sends to cancel a stream (no other input is read then).
 CANCEL_INPUT = "cancel_stream_id"
 MAX_STOP_STRINGS = 16
@@ -47,12 +70,22 @@ class StreamOptions:
     Attributes:
         stream: one response per engine cycle with the text it adds; False: one response at the end.
         return_token_ids: responses carry ``output_ids``.
-        return_stats: the final response carries the request's statistics and engine times.
+        return_stats: the final response carries the request's speculation statistics (acceptance_rate,
+            total_accepted_draft_tokens, total_draft_tokens, acceptance_length, accepted_per_position) and
+            engine times (input ``return_stats`` or ``return_perf_metrics``).
+        return_num_input_tokens: every response carries ``num_input_tokens`` (the prompt's tokens).
+        return_num_output_tokens: every response carries ``num_output_tokens``: the tokens it adds (all of
+            them when not streaming), so a stream's values sum to the request's output length.
+        echo: text put before the output of the (non-streamed) response: the prompt, when
+            ``exclude_input_in_output`` is false; None: nothing.
     """
 
     stream: bool = False
     return_token_ids: bool = False
     return_stats: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    echo: str | None = None
 
 
 def scalar(inputs: Inputs, name: str):
@@ -117,21 +150,59 @@ def check_parameters(parameters: str | None) -> None:
                           f"this model (inputs: {', '.join(ENSEMBLE_INPUTS)})")
 
 
-def check_stop(stop: list[str]) -> None:
+def check_stop(stop: list[str], name: str = "stop") -> None:
     """Raise ConfigError unless ``stop`` holds at most :data:`MAX_STOP_STRINGS` non-empty strings of at most
-    :data:`MAX_STOP_CHARS` characters each."""
+    :data:`MAX_STOP_CHARS` characters each (``name``: the input named in the message)."""
     if len(stop) > MAX_STOP_STRINGS:
-        raise ConfigError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS}")
+        raise ConfigError(f"{name}: {len(stop)} strings, at most {MAX_STOP_STRINGS}")
     for s in stop:
         if not s:
-            raise ConfigError("stop: empty string")
+            raise ConfigError(f"{name}: empty string")
         if len(s) > MAX_STOP_CHARS:
-            raise ConfigError(f"stop: a string of {len(s)} characters, at most {MAX_STOP_CHARS}")
+            raise ConfigError(f"{name}: a string of {len(s)} characters, at most {MAX_STOP_CHARS}")
+
+
+def check_unsupported(inputs: Inputs) -> None:
+    """Refuse a request that sets a control this server does not implement (:data:`UNSUPPORTED`, ``bad_words``) to
+    anything but its neutral value.
+
+    Raises:
+        ConfigError: naming the input, the value and what is accepted.
+    """
+    for name, (accepted, what) in UNSUPPORTED.items():
+        v = scalar(inputs, name)
+        if v is not None and not accepted(v.item() if isinstance(v, np.generic) else v):
+            shown = str(bool(v)).lower() if isinstance(v, (bool, np.bool_)) else str(v)  # NumPy's shortest decimal: FP32 1.2, not 1.2000000476837158
+            raise ConfigError(f"{name} = {shown}: not supported by this server; accepted: {what}")
+    bad = [w for w in strings(inputs, "bad_words") if w]
+    if bad:
+        raise ConfigError(f"bad_words = {bad!r}: not supported by this server; accepted: none (absent, [] or "
+                          f"empty strings)")
 
 
 def _fp32(v) -> float:
     """The shortest decimal that round-trips an FP32 input (0.7, not 0.699999988)."""
     return float(str(v))
+
+
+def _seed(inputs: Inputs) -> int | None:
+    """``seed``, or its older name ``random_seed`` (the same value when both are given)."""
+    seed, old = scalar(inputs, "seed"), scalar(inputs, "random_seed")
+    if seed is not None and old is not None and int(seed) != int(old):
+        raise ConfigError(f"seed = {int(seed)} and random_seed = {int(old)}: two different seeds (random_seed is "
+                          "the older name of seed: give one)")
+    v = seed if seed is not None else old
+    return None if v is None else int(v)
+
+
+def _end_id(inputs: Inputs) -> set[int] | None:
+    """The stop token ids ``end_id`` asks for ({end_id}), or None (the tokenizer's end-of-sequence tokens)."""
+    v = scalar(inputs, "end_id")
+    if v is None:
+        return None
+    if int(v) < 0:
+        raise ConfigError(f"end_id = {int(v)}: expected a token id ≥ 0")
+    return {int(v)}
 
 
 def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, StreamOptions]:
@@ -143,7 +214,8 @@ def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, Strea
     Returns:
         the runtime request and its stream options.
     Raises:
-        ConfigError: naming the input that is missing, empty, out of range or not one value.
+        ConfigError: naming the input that is missing, empty, out of range, not one value, or set to a value
+            this server does not support.
     """
     ids = inputs.get("input_ids")
     if ids is None:
@@ -157,18 +229,29 @@ def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, Strea
     max_tokens = int(max_tokens)
     if not 1 <= max_tokens <= max_tokens_limit:
         raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{max_tokens_limit}")
+    check_unsupported(inputs)
 
     def opt(name, default, cast):
         v = scalar(inputs, name)
         return default if v is None else cast(v)
 
     sampling = SamplingParams(temperature=opt("temperature", 0.0, _fp32), top_p=opt("top_p", 1.0, _fp32),
-                              top_k=opt("top_k", 0, int), seed=opt("seed", None, int))
+                              top_k=opt("top_k", 0, int), seed=_seed(inputs))
     k = opt("num_draft_tokens", None, int)
     stop = strings(inputs, "stop")
     check_stop(stop)
-    options = StreamOptions(stream=opt("stream", False, bool), return_token_ids=opt("return_token_ids", False, bool),
-                            return_stats=opt("return_stats", False, bool))
+    stop += [w for w in strings(inputs, "stop_words") if w]  # TensorRT-LLM's clients send "" for none
+    check_stop(stop, "stop and stop_words")
+    stream = opt("stream", False, bool)
+    stats = opt("return_stats", False, bool)
+    echo = None
+    if opt("exclude_input_in_output", True, bool) is False and not stream:
+        echo = (strings(inputs, "text_input") or [""])[0]
+    options = StreamOptions(stream=stream, return_token_ids=opt("return_token_ids", False, bool),
+                            return_stats=stats or opt("return_perf_metrics", False, bool),
+                            return_num_input_tokens=stats or opt("return_num_input_tokens", False, bool),
+                            return_num_output_tokens=stats or opt("return_num_output_tokens", False, bool),
+                            echo=echo)
     req = Request(prompt_ids=prompt.astype(np.int64).tolist(), max_tokens=max_tokens, sampling=sampling,
-                  num_draft_tokens=k, stop=stop)
+                  num_draft_tokens=k, stop=stop, stop_token_ids=_end_id(inputs))
     return req, options

@@ -49,10 +49,11 @@ def tensor(name: str, values, dtype) -> object:
     return _pb().Tensor(name, np.asarray(values, dtype=dtype))
 
 
-def bytes_tensor(name: str, value: str | bytes) -> object:
-    """A one-element TYPE_STRING ``pb_utils.Tensor`` (str is sent as UTF-8)."""
+def bytes_tensor(name: str, value: str | bytes, batched: bool = False) -> object:
+    """A one-element TYPE_STRING ``pb_utils.Tensor`` (str is sent as UTF-8): shape [1], or [1, 1] when ``batched``
+    (an output of a model with ``max_batch_size`` > 0 that goes on to another model of the ensemble)."""
     data = value.encode("utf-8") if isinstance(value, str) else value
-    return _pb().Tensor(name, np.array([data], dtype=np.object_))
+    return _pb().Tensor(name, np.array([[data]] if batched else [data], dtype=np.object_))
 
 
 def model_config(args: Mapping[str, str]) -> tuple[str, dict[str, str]]:

@@ -1,10 +1,11 @@
 """Triton Python model ``postprocessing``: spec_decode's output → ``text_output``.
 
-Inputs (all optional, at least one of the first two): ``text`` (string [1]: the UTF-8 text
-spec_decode produced — one cycle's delta when streaming; it is already detokenised with
-incremental, stop-aware decoding, so it passes through unchanged), ``output_ids`` (int32 [-1]:
-token ids to detokenise when no text is given, special tokens skipped; for direct use),
-``stream_id`` (int64 [1]: spec_decode's id of the request). Output: ``text_output`` (string [1]).
+Inputs (all optional, at least one of the first two; each with a leading batch dimension of 1, the model being
+batched like the ensemble): ``text`` (string [1, 1]: the UTF-8 text spec_decode produced — one cycle's delta when
+streaming; it is already detokenised with incremental, stop-aware decoding, so it passes through unchanged),
+``output_ids`` (int32 [1, n]: token ids to detokenise when no text is given, special tokens skipped; for direct
+use), ``stream_id`` (int64 [1, 1]: spec_decode's id of the request). Output: ``text_output`` (string, shape [1]:
+the TensorRT-LLM backend's postprocessing sends it so, and its clients read ``output[0]``).
 
 Cancellation: when a client cancels an ensemble stream (gRPC cancel, or an HTTP
 ``generate_stream`` connection closed), Triton 2.51 marks the ensemble's *next* step requests
@@ -122,7 +123,7 @@ class TritonPythonModel:
         try:
             bls = pb_utils.InferenceRequest(
                 model_name=self.cancel_model,
-                inputs=[tensor("cancel_stream_id", [sid], np.int64)],
+                inputs=[tensor("cancel_stream_id", [[sid]], np.int64)],
                 requested_output_names=[])
             for response in bls.exec(decoupled=True):
                 if response.has_error():

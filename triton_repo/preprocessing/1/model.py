@@ -1,10 +1,11 @@
 """Triton Python model ``preprocessing``: prompt text → token ids.
 
-Inputs: ``text_input`` (string [1]); optional ``apply_chat_template`` (bool [1], default false:
+Inputs: ``text_input`` (string [1, 1]); optional ``apply_chat_template`` (bool [1, 1], default false:
 the raw prompt is completed; true: the prompt becomes one user message in the tokenizer's chat
-template). Output: ``input_ids`` (int32 [-1]). The tokenizer is ``splitspec.runtime.tokenizer.ChatTokenizer``
-loaded from the parameter ``tokenizer_dir`` (the target engine's folder: ``tokenizer.json`` or Kimi's
-``tiktoken.model``; Python code there only with the parameter ``trust_remote_code`` = 1). A bad request gets an
+template). Output: ``input_ids`` (int32 [1, n]). Batched like the ensemble (``max_batch_size`` 1: one prompt
+per request). The tokenizer is ``splitspec.runtime.tokenizer.ChatTokenizer`` loaded from the parameter
+``tokenizer_dir`` (the target engine's folder: ``tokenizer.json`` or Kimi's ``tiktoken.model``; Python code there
+only with the parameter ``trust_remote_code`` = 1). A bad request gets an
 error response naming the input; the model keeps serving.
 """
 
@@ -69,7 +70,7 @@ class TritonPythonModel:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise SplitspecError("text_input: the prompt encodes to no tokens")
-        return pb_utils.InferenceResponse(output_tensors=[tensor("input_ids", ids, np.int32)])
+        return pb_utils.InferenceResponse(output_tensors=[tensor("input_ids", [ids], np.int32)])
 
     def finalize(self):
         """Release what initialize loaded."""

@@ -41,7 +41,9 @@ UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb
 the ensemble's then answer not-ready. Restarting the server (or loading the models again through
 the repository API) recovers.
 
-Errors in a request are answered with INVALID_ARG (HTTP 400) naming the input (the checks:
+Shapes: the model is batched like the ensemble (``max_batch_size`` 1, the TensorRT-LLM backend's convention), so
+every input and output carries a leading batch dimension of 1. Errors in a request are answered with INVALID_ARG
+(HTTP 400) naming the input (the checks, and the inputs of that convention not implemented here:
 :mod:`splitspec.serving.requests`); ``execute`` never raises.
 """
 
@@ -67,24 +69,26 @@ from splitspec.settings import ServeConfig
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
                  "models again through the repository API)")
-#: Outputs of the final response with ``return_stats``: (output, RequestStats field, dtype).
-STATS_OUTPUTS = (("acceptance_length", "acceptance_length", np.float32),
-                 ("num_input_tokens", "num_prompt_tokens", np.int32),
-                 ("num_output_tokens", "num_output_tokens", np.int32), ("queue_ms", "queue_ms", np.float32),
+#: Outputs of the final response with ``return_stats`` / ``return_perf_metrics``: (output, RequestStats field, dtype).
+STATS_OUTPUTS = (("acceptance_length", "acceptance_length", np.float32), ("queue_ms", "queue_ms", np.float32),
                  ("ttft_ms", "ttft_ms", np.float32), ("e2e_ms", "e2e_ms", np.float32),
-                 ("draft_ms", "draft_ms", np.float32), ("verify_ms", "verify_ms", np.float32))
+                 ("draft_ms", "draft_ms", np.float32), ("verify_ms", "verify_ms", np.float32),
+                 ("total_draft_tokens", "drafted_tokens", np.int32))
 
 
 class _Stream:
     """One open request: where its responses go and what is still to be sent."""
 
-    __slots__ = ("sid", "sender", "stream", "want_ids", "want_stats", "ids", "text", "done", "cancelled",
+    __slots__ = ("sid", "sender", "stream", "want_ids", "options", "num_input", "ids", "text", "done", "cancelled",
                  "cancel_cycle", "next_poll")
 
-    def __init__(self, sid, sender, options):
+    def __init__(self, sid, sender, options, num_input):
         self.sid, self.sender = sid, sender  # sid: the request's id here and in the engine process
-        self.stream, self.want_ids, self.want_stats = options.stream, options.return_token_ids, options.return_stats
-        self.ids, self.text = [], []  # not yet sent
+        self.stream, self.want_ids, self.options = options.stream, options.return_token_ids, options
+        self.num_input = num_input  # prompt tokens
+        self.ids, self.text = [], []  # not yet sent (ids: also when not asked for, to count them)
+        if options.echo:
+            self.text.append(options.echo)  # exclude_input_in_output false: the prompt leads the (single) response
         self.done = False  # the final response (or an error) was sent
         self.cancelled = False
         self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
@@ -188,7 +192,7 @@ class TritonPythonModel:
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
         req, options = parse_request(inputs, self.max_tokens_limit)
-        st = _Stream(self._rng.getrandbits(62) + 1, sender, options)
+        st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:
             self.streams[st.sid] = st
         try:
@@ -290,20 +294,30 @@ class TritonPythonModel:
         self._send(st, ev)
 
     def _send(self, st, final_event):
-        """Send what ``st`` holds; with ``final_event`` (the engine's finish event) as the final response."""
-        tensors = [bytes_tensor("output_text", "".join(st.text)), tensor("stream_id", [st.sid], np.int64)]
+        """Send what ``st`` holds; with ``final_event`` (the engine's finish event) as the final response. Every
+        output has a leading batch dimension of 1 (the model is batched, ``max_batch_size`` 1)."""
+        o = st.options
+        tensors = [bytes_tensor("output_text", "".join(st.text), batched=True), tensor("stream_id", [[st.sid]], np.int64),
+                   tensor("batch_index", [[0]], np.int32), tensor("sequence_index", [[0]], np.int32)]
         if st.want_ids:
-            tensors.append(tensor("output_ids", st.ids, np.int32))
+            tensors.append(tensor("output_ids", [st.ids], np.int32))
+        if o.return_num_input_tokens:
+            tensors.append(tensor("num_input_tokens", [[st.num_input]], np.int32))
+        if o.return_num_output_tokens:
+            tensors.append(tensor("num_output_tokens", [[len(st.ids)]], np.int32))
         st.ids, st.text = [], []
         if final_event is None:
             st.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
             return
         reason = final_event.finish_reason or "stop"
-        tensors.append(bytes_tensor("finish_reason", reason))
+        tensors.append(bytes_tensor("finish_reason", reason, batched=True))
         s = final_event.stats
-        if st.want_stats and s is not None:
-            tensors.append(tensor("accepted_per_position", s.accepted_per_position, np.int32))
-            tensors += [tensor(name, [getattr(s, field)], dtype) for name, field, dtype in STATS_OUTPUTS]
+        if o.return_stats and s is not None:
+            accepted = sum(s.accepted_per_position)
+            tensors += [tensor("accepted_per_position", [s.accepted_per_position], np.int32),
+                        tensor("total_accepted_draft_tokens", [[accepted]], np.int32),
+                        tensor("acceptance_rate", [[accepted / s.drafted_tokens if s.drafted_tokens else 0.0]], np.float32)]
+            tensors += [tensor(name, [[getattr(s, field)]], dtype) for name, field, dtype in STATS_OUTPUTS]
         self._close(st, response=pb_utils.InferenceResponse(output_tensors=tensors))
 
     def _close(self, st, response=None, error=None, code="INVALID_ARG"):
