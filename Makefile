@@ -52,8 +52,10 @@ repo: engines
 	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K)) \
 	  $(if $(DEVICE_IDS),--target-device-ids $(DEVICE_IDS)) $(if $(DRAFT_DEVICE),--draft-device-id $(DRAFT_DEVICE))
 
+# The OpenAI-compatible API (OPENAI_PORT, default 9000; empty: off) runs beside tritonserver in the same process.
+OPENAI_PORT ?= 9000
 serve: repo
-	$(SPLITSPEC) serve --repo $(REPO)
+	$(SPLITSPEC) serve --repo $(REPO) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT))
 
 client: setup
 	$(SPLITSPEC) client --prompt "$(PROMPT)" $(if $(PROTOCOL),--protocol $(PROTOCOL)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))

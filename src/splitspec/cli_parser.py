@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--openai-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
+                        "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name of the OpenAI API (default: the engines folder's name, e.g. demo)")
     s.add_argument("--ask", default=None, metavar="PROMPT",
                    help="once ready, send PROMPT over HTTP and gRPC, print both answers, stop the server")
     s.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --ask")

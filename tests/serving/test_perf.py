@@ -5,6 +5,7 @@ benchmark client against a real server, so CI proves the tools still work with t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -95,6 +96,11 @@ def test_command_lines(tmp_path):
                             extra_inputs={"num_draft_tokens": 0})
     assert gp[gp.index("--endpoint-type") + 1] == "generate" and "--streaming" in gp
     assert gp[gp.index("--extra-inputs") + 1] == "num_draft_tokens:0"
+    oa = genai_perf_command(Path("gp"), "127.0.0.1:3", tmp_path / "in.jsonl", tmp_path / "a", tmp_path / "tok", 2, 6, 16,
+                            openai_model="demo")
+    assert oa[oa.index("-m") + 1] == "demo" and oa[oa.index("--endpoint-type") + 1] == "chat" and "--streaming" in oa
+    assert oa[oa.index("-u") + 1] == "127.0.0.1:3" and "--endpoint" not in oa  # genai-perf's default: v1/chat/completions
+    assert oa[oa.index("--output-tokens-mean") + 1] == "16"  # sent as max_tokens
     for bad in ("1,x", "0", "257", "", "1,,2"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
             levels(bad)
@@ -187,17 +193,26 @@ def test_perf_analyzer_pass(perf_server, short_prompts, tmp_path, protocol):
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_genai_perf_pass(perf_server, short_prompts, tmp_path):
+@pytest.mark.parametrize("endpoint", ["generate_stream", "openai"])
+def test_genai_perf_pass(perf_server, short_prompts, tmp_path, endpoint):
+    """genai-perf against Triton's generate_stream, and against the OpenAI front end (streamed chat completions)."""
+    from splitspec.serving.openai_api import OpenAIServer
+
     binary = find_genai_perf()
     if binary is None:
         pytest.skip("genai-perf is not installed (the 'perf' extra: make perf-tools, or pip install -e '.[perf]')")
     tokenizer_dir = Path(repo_setting(perf_server.repo, "preprocessing", "tokenizer_dir"))
-    inp = write_genai_perf_input(tmp_path / "in.jsonl", short_prompts, tokenizer_dir)
+    openai = endpoint == "openai"
+    inp = write_genai_perf_input(tmp_path / "in.jsonl", short_prompts, tokenizer_dir, chat_endpoint=openai)
     t0 = time.monotonic()
-    r = run_genai_perf_level(1, inp, tmp_path / "gp", http_address=f"127.0.0.1:{perf_server.http_port}",
-                             tokenizer_dir=tokenizer_dir, max_tokens=MAX_TOKENS, request_count=2, timeout_s=90,
-                             binary=binary)
-    assert r.error is None, (r.error, (tmp_path / "gp" / "c1" / "genai_perf.log").read_text()[-3000:])
+    with contextlib.ExitStack() as stack:
+        api = stack.enter_context(OpenAIServer(perf_server.repo, perf_server.grpc_address, 0, "127.0.0.1")) if openai else None
+        r = run_genai_perf_level(1, inp, tmp_path / "gp", http_address=f"127.0.0.1:{api.port if api else perf_server.http_port}",
+                                 tokenizer_dir=tokenizer_dir, max_tokens=MAX_TOKENS, request_count=2, timeout_s=90,
+                                 binary=binary, openai_model=api.model.name if api else None)
+    log = tmp_path / "gp" / f"{'openai_' if openai else ''}c1" / "genai_perf.log"
+    assert r.error is None, (r.error, log.read_text()[-3000:])
+    assert r.protocol == ("openai" if openai else "http")
     assert time.monotonic() - t0 < 90
     m = r.metrics
     assert m["requests_avg"] == 2
@@ -234,7 +249,7 @@ def test_perf_markdown_tables():
     md = perf_markdown({"max_tokens": 32, "date": "today"}, rows)
     assert "| grpc | 4 | 2.00 | 64 | 10.0 | 880 | 950 | 990 | 1000 | 900 |" in md
     assert "| http | 64 | failed: timed out after 300 s (killed) |" in md
-    assert "| 1 | 30.0 | — | — | 40 / — | 30.5 / — | — |" in md
+    assert "| generate_stream | 1 | 30.0 | — | — | 40 / — | 30.5 / — | — |" in md
 
 
 @pytest.mark.server

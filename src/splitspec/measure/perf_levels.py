@@ -114,8 +114,10 @@ def _last_error(output: str) -> str:
 
 def run_genai_perf_level(concurrency: int, input_file: Path, out_dir: Path, *, http_address: str,
                          tokenizer_dir: Path, max_tokens: int = PERF_MAX_TOKENS, request_count: int | None = None,
-                         timeout_s: float = 300.0, binary: Path | None = None) -> LevelResult:
-    """Run genai-perf at one concurrency level; artifacts go to ``out_dir/c<N>/``.
+                         timeout_s: float = 300.0, binary: Path | None = None,
+                         openai_model: str | None = None) -> LevelResult:
+    """Run genai-perf at one concurrency level; artifacts go to ``out_dir/c<N>/`` (``out_dir/openai_c<N>/`` against
+    the OpenAI front end: ``openai_model`` names the served model, ``http_address`` is the front end's).
 
     Args:
         request_count: requests measured (default ``max(8, 3 × concurrency)``), after ``concurrency``
@@ -129,24 +131,25 @@ def run_genai_perf_level(concurrency: int, input_file: Path, out_dir: Path, *, h
     binary = binary or find_genai_perf()
     if binary is None:
         raise SplitspecError("genai-perf is not installed: make perf-tools (or pip install -e '.[perf]')")
-    level_dir = out_dir / f"c{concurrency}"
+    protocol = "openai" if openai_model else "http"
+    level_dir = out_dir / f"{'openai_' if openai_model else ''}c{concurrency}"
     if level_dir.exists():
         shutil.rmtree(level_dir)
     level_dir.mkdir(parents=True)
     count = request_count or max(8, 3 * concurrency)
     cmd = genai_perf_command(binary, http_address, input_file, level_dir, tokenizer_dir, concurrency, count,
-                             max_tokens, warmup_requests=concurrency)
+                             max_tokens, warmup_requests=concurrency, openai_model=openai_model)
     t0 = time.monotonic()
     rc, tail = run_bounded(cmd, tool_env(), timeout_s, level_dir / "genai_perf.log", cwd=level_dir)
     wall = time.monotonic() - t0
     found = sorted(level_dir.rglob("profile_export_genai_perf.json"))
     files = tuple(str(p.relative_to(out_dir.parent)) for p in [*found, level_dir / "genai_perf.log"] if p.exists())
     if rc is None:
-        return LevelResult("genai-perf", "http", concurrency, wall, {}, f"timed out after {timeout_s:.0f} s (killed)", files)
+        return LevelResult("genai-perf", protocol, concurrency, wall, {}, f"timed out after {timeout_s:.0f} s (killed)", files)
     if rc != 0 or not found:
-        return LevelResult("genai-perf", "http", concurrency, wall, {},
+        return LevelResult("genai-perf", protocol, concurrency, wall, {},
                            f"genai-perf exited with status {rc}: {_last_error(tail)}", files)
-    return LevelResult("genai-perf", "http", concurrency, wall, parse_genai_perf(found[-1]), None, files)
+    return LevelResult("genai-perf", protocol, concurrency, wall, parse_genai_perf(found[-1]), None, files)
 
 
 #: genai-perf metrics copied into the summary: its key → (our key, statistic).

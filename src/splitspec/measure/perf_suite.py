@@ -7,12 +7,15 @@ Results of :func:`run_perf_suite` (``make perf``) go to ``perf_results/<timestam
 
 * ``perf_analyzer/<protocol>_c<N>.csv``: perf_analyzer's own ``-f`` export of each level,
   ``perf_analyzer_<protocol>.csv``: the levels of one protocol in one table (the same columns);
-* ``genai_perf/c<N>/``: genai-perf's artifacts (``profile_export_genai_perf.{json,csv}``);
+* ``genai_perf/c<N>/``: genai-perf's artifacts (``profile_export_genai_perf.{json,csv}``) against HTTP
+  generate_stream, ``genai_perf/openai_c<N>/`` against the OpenAI-compatible front end (streamed chat completions;
+  :class:`~splitspec.serving.openai_api.OpenAIServer`, started here on a free port);
 * ``summary.json`` and ``summary.md``: one row per protocol and concurrency level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +32,7 @@ from splitspec.measure.perf_levels import LevelResult, run_genai_perf_level, run
 from splitspec.measure.perf_tools import (PERF_MAX_TOKENS, PROTOCOLS, find_genai_perf, find_perf_analyzer, perf_command,
                                           run_bounded, tool_env)
 from splitspec.measure.prompts import read_prompts, write_genai_perf_input, write_input_data
+from splitspec.serving.openai_api import OpenAIServer
 from splitspec.serving.repo import render_repo, repo_setting
 from splitspec.serving.tritonserver import TritonServer
 from splitspec.settings import ServeConfig
@@ -45,7 +49,8 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
                    out_dir: Path | None = None, concurrencies: Iterable[int] = DEFAULT_CONCURRENCIES,
                    protocols: Iterable[str] = PROTOCOLS, max_tokens: int = PERF_MAX_TOKENS,
                    prompts_path: Path | None = None, seconds: float = 3.0, llm_metrics: bool = True,
-                   llm_concurrencies: Iterable[int] | None = None, level_timeout_s: float = 300.0) -> Path:
+                   llm_concurrencies: Iterable[int] | None = None, level_timeout_s: float = 300.0,
+                   openai: bool = True) -> Path:
     """``make perf``: serve the ensemble, sweep concurrency with perf_analyzer (gRPC streaming and
     HTTP generate_stream) and genai-perf, write the results, stop the server.
 
@@ -62,6 +67,7 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
         prompts_path: prompt file (:func:`~splitspec.measure.prompts.read_prompts`; None: the built-in prompts).
         seconds: minimum measurement time per perf_analyzer level.
         llm_metrics: also run genai-perf (skipped with a notice when it is not installed).
+        openai: with ``llm_metrics``, also run genai-perf against the OpenAI-compatible front end.
         llm_concurrencies: genai-perf levels (default: ``concurrencies``).
         level_timeout_s: hard wall-clock limit of one level of one tool.
     Returns:
@@ -105,6 +111,8 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
               flush=True)
     inputs = {p: write_input_data(out / f"perf_input_{p}.json", prompts, max_tokens, p) for p in protocols}
     genai_input = write_genai_perf_input(out / "genai_perf_input.jsonl", prompts, tokenizer_dir) if genai else None
+    chat_input = (write_genai_perf_input(out / "genai_perf_chat_input.jsonl", prompts, tokenizer_dir, chat_endpoint=True)
+                  if genai and openai else None)
 
     results: list[LevelResult] = []
     t_start = time.monotonic()
@@ -112,8 +120,13 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
         print(f"starting tritonserver on {repo_dir} ...", flush=True)
         srv.start()
         print(f"ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
+    stack = contextlib.ExitStack()
     try:
-        total = len(protocols) * len(levels) + (len(llm_levels) if genai else 0)
+        llm_runs = [("http", f"127.0.0.1:{srv.http_port}", None, genai_input)] if genai else []
+        if chat_input:
+            api = stack.enter_context(OpenAIServer(repo_dir, srv.grpc_address, 0, host="127.0.0.1"))
+            llm_runs.append(("openai", f"127.0.0.1:{api.port}", api.model.name, chat_input))
+        total = len(protocols) * len(levels) + len(llm_levels) * len(llm_runs)
         done = 0
         for proto in protocols:
             for c in levels:
@@ -127,19 +140,20 @@ def run_perf_suite(cfg: ServeConfig | None = None, *, repo: Path | None = None, 
                 if r.error and "timed out" in r.error:
                     print(f"  higher {proto} levels skipped after a timeout", flush=True)
                     break
-        if genai:
+        for label, address, model, input_file in llm_runs:
             for c in llm_levels:
                 done += 1
-                print(f"[{done}/{total}] genai-perf http concurrency {c} ...", end=" ", flush=True)
-                r = run_genai_perf_level(c, genai_input, out / "genai_perf", http_address=f"127.0.0.1:{srv.http_port}",
+                print(f"[{done}/{total}] genai-perf {label} concurrency {c} ...", end=" ", flush=True)
+                r = run_genai_perf_level(c, input_file, out / "genai_perf", http_address=address,
                                          tokenizer_dir=tokenizer_dir, max_tokens=max_tokens, timeout_s=level_timeout_s,
-                                         binary=genai)
+                                         binary=genai, openai_model=model)
                 results.append(r)
                 print(_level_line(r), flush=True)
                 if r.error and "timed out" in r.error:
-                    print("  higher genai-perf levels skipped after a timeout", flush=True)
+                    print(f"  higher genai-perf {label} levels skipped after a timeout", flush=True)
                     break
     finally:
+        stack.close()  # the OpenAI front end, before the server it talks to
         if own:
             srv.stop()
             if srv.log_path.exists():
@@ -223,15 +237,16 @@ def perf_markdown(meta: dict, results: Sequence[LevelResult]) -> str:
                       "(max_tokens / this ≈ tokens per cycle).", ""]
     gp = [r for r in results if r.tool == "genai-perf"]
     if gp:
-        lines += ["### genai-perf (HTTP generate_stream; tokens counted by re-tokenising the text)", "",
-                  "| concurrency | output tokens/s | tokens/s per user | requests/s | TTFT p50 / p99 (ms) | "
-                  "ITL p50 / p99 (ms) | latency p50 (ms) |", "|---|---|---|---|---|---|---|"]
+        lines += ["### genai-perf (tokens counted by re-tokenising the text)", "",
+                  "| endpoint | concurrency | output tokens/s | tokens/s per user | requests/s | TTFT p50 / p99 (ms) | "
+                  "ITL p50 / p99 (ms) | latency p50 (ms) |", "|---|---|---|---|---|---|---|---|"]
         for r in gp:
+            where = "OpenAI chat" if r.protocol == "openai" else "generate_stream"
             if r.error:
-                lines.append(f"| {r.concurrency} | failed: {r.error[:80]} | | | | | |")
+                lines.append(f"| {where} | {r.concurrency} | failed: {r.error[:80]} | | | | | |")
                 continue
             m = r.metrics
-            lines.append(f"| {r.concurrency} | {_fmt(m.get('output_tokens_per_s_avg'))} | "
+            lines.append(f"| {where} | {r.concurrency} | {_fmt(m.get('output_tokens_per_s_avg'))} | "
                          f"{_fmt(m.get('output_tokens_per_s_per_user_avg'))} | {_fmt(m.get('requests_per_s_avg'), 2)} | "
                          f"{_fmt(m.get('ttft_ms_p50'), 0)} / {_fmt(m.get('ttft_ms_p99'), 0)} | "
                          f"{_fmt(m.get('itl_ms_p50'))} / {_fmt(m.get('itl_ms_p99'))} | {_fmt(m.get('latency_ms_p50'), 0)} |")

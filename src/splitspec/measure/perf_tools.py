@@ -205,17 +205,25 @@ def perf_command(binary: Path, grpc_address: str, input_data: Path, csv_path: Pa
 
 def genai_perf_command(binary: Path, http_address: str, input_file: Path, artifact_dir: Path, tokenizer_dir: Path,
                        concurrency: int, request_count: int, max_tokens: int = PERF_MAX_TOKENS,
-                       warmup_requests: int = 0, extra_inputs: dict | None = None) -> list[str]:
-    """The genai-perf command line: Triton's generate_stream endpoint with our tensor names.
+                       warmup_requests: int = 0, extra_inputs: dict | None = None,
+                       openai_model: str | None = None) -> list[str]:
+    """The genai-perf command line: Triton's generate_stream endpoint with our tensor names, or (``openai_model``)
+    the OpenAI-compatible front end's streamed chat completions.
 
     Args:
-        http_address: ``host:port`` of the server's HTTP endpoint.
+        http_address: ``host:port`` of the server's HTTP endpoint (of the OpenAI front end with ``openai_model``).
         tokenizer_dir: the target engine's tokenizer (genai-perf counts tokens with it).
         request_count: requests measured (after ``warmup_requests``).
-        extra_inputs: further request inputs, e.g. ``{"num_draft_tokens": 0}``.
+        extra_inputs: further request inputs, e.g. ``{"num_draft_tokens": 0}`` (an extension field of the OpenAI
+            front end too).
+        openai_model: the served model name: ``--endpoint-type chat`` (genai-perf 0.0.16 takes the service kind,
+            openai, from the endpoint type; ``v1/chat/completions``, server-sent events).
     """
-    cmd = [str(binary), "profile", "-m", "ensemble", "--endpoint-type", "generate",
-           "--endpoint", GENERATE_STREAM_PATH, "--streaming", "-u", http_address,
+    if openai_model:
+        target = ["-m", openai_model, "--endpoint-type", "chat"]
+    else:
+        target = ["-m", "ensemble", "--endpoint-type", "generate", "--endpoint", GENERATE_STREAM_PATH]
+    cmd = [str(binary), "profile", *target, "--streaming", "-u", http_address,
            "--input-file", str(input_file), "--tokenizer", str(tokenizer_dir),
            "--output-tokens-mean", str(max_tokens), "--output-tokens-stddev", "0",
            "--concurrency", str(concurrency), "--request-count", str(request_count),

@@ -182,9 +182,11 @@ def write_input_data(path: Path, prompts: Sequence[Prompt], max_tokens: int, pro
     return Path(path)
 
 
-def write_genai_perf_input(path: Path, prompts: Sequence[Prompt], tokenizer_dir: Path) -> Path:
+def write_genai_perf_input(path: Path, prompts: Sequence[Prompt], tokenizer_dir: Path, chat_endpoint: bool = False) -> Path:
     """Write genai-perf's ``--input-file`` (JSON lines ``{"text": ...}``); chat prompts are rendered
-    here (genai-perf has no per-prompt ``apply_chat_template``)."""
-    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in rendered_text(prompts, tokenizer_dir)]
+    here (genai-perf has no per-prompt ``apply_chat_template``). ``chat_endpoint``: for an OpenAI chat endpoint,
+    which sends each text as one user message through the chat template: every prompt's own text."""
+    texts = [p.text for p in prompts] if chat_endpoint else rendered_text(prompts, tokenizer_dir)
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in texts]
     write_atomic(Path(path), "\n".join(lines) + "\n")
     return Path(path)

@@ -207,7 +207,14 @@ def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
     return out
 
 
-def _result_dict(result) -> dict:
+def is_final(result) -> bool:
+    """Whether a gRPC stream response is its request's last (``triton_final_response``, sent when the request
+    enables empty final responses)."""
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def result_dict(result) -> dict:
     """A gRPC response's outputs as Python values (strings decoded, lists for list outputs)."""
     out = {}
     for o in result.get_response().outputs:
@@ -259,9 +266,8 @@ def stream_grpc(address: str, prompt: str, max_tokens: int = 64, timeout_s: floa
             if error is not None:
                 finished = True
                 raise SplitspecError(f"grpc {address}: {message(error)}")
-            ev = _result_dict(result)
-            params_ = result.get_response().parameters
-            final = "triton_final_response" in params_ and params_["triton_final_response"].bool_param
+            ev = result_dict(result)
+            final = is_final(result)
             if ev:
                 yield ev
             if final:

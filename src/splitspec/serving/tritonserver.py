@@ -310,8 +310,13 @@ class TritonServer:
 
 
 def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                  ask: str | None = None, max_tokens: int = 64) -> None:
+                  ask: str | None = None, max_tokens: int = 64, openai_port: int | None = None,
+                  served_model_name: str | None = None) -> None:
     """Start tritonserver on ``repo`` and print its endpoints; serve until Ctrl-C.
+
+    With ``openai_port``, also serve the OpenAI-compatible API there from this process
+    (:class:`~splitspec.serving.openai_api.OpenAIServer`, model ``served_model_name``, default the engines
+    folder's name), over tritonserver's gRPC endpoint; it stops with the server.
 
     With ``ask``, send that prompt over HTTP generate, HTTP generate_stream and gRPC streaming, print
     the three answers (they must be equal) and the acceptance length, then stop the server and
@@ -321,6 +326,8 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         ConfigError: the repository is not rendered or a port is taken.
         SplitspecError: the server failed to start (log tail included) or answered with an error.
     """
+    if openai_port is not None:
+        _check_port_free(openai_port, "--openai-port")
     srv = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     print(f"starting tritonserver on {srv.repo} (log {srv.log_path}) ...", flush=True)
 
@@ -329,29 +336,42 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        _serve(srv, ask, max_tokens)
+        _serve(srv, ask, max_tokens, openai_port, served_model_name)
     except KeyboardInterrupt:
         print("interrupted; tritonserver stopped", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def print_endpoints(srv: TritonServer) -> None:
-    """Print the server's endpoints and a curl example."""
+def print_endpoints(srv: TritonServer, openai_url: str | None = None, model_name: str = "") -> None:
+    """Print the server's endpoints (and the OpenAI-compatible API's base URL, when it runs) and a curl example."""
     print(f"  HTTP generate        : {srv.generate_url}", flush=True)
     print(f"  HTTP generate_stream : {srv.generate_stream_url}  (server-sent events)", flush=True)
     print(f"  gRPC                 : {srv.grpc_address}  (model 'ensemble', streaming: stream_infer)", flush=True)
+    if openai_url:
+        print(f"  OpenAI API           : {openai_url}  (model '{model_name}': chat/completions, completions, models)",
+              flush=True)
     print(f"  metrics (Prometheus) : {srv.metrics_url}", flush=True)
     print(f"  readiness            : {srv.model_url('spec_decode')}/ready", flush=True)
     print(f"  per-model statistics : {srv.model_url('ensemble')}/stats", flush=True)
     print(f"  try: curl -N -X POST {srv.generate_stream_url} "
           """-d '{"text_input": "def fibonacci(n):", "max_tokens": 32, "stream": true}'""", flush=True)
+    if openai_url:
+        print(f"  try: curl {openai_url}/chat/completions -H 'Content-Type: application/json' "
+              f"""-d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "def fibonacci(n):"}}], """
+              """"max_tokens": 32}'""", flush=True)
 
 
-def _serve(srv: TritonServer, ask: str | None, max_tokens: int) -> None:
-    with srv:
+def _serve(srv: TritonServer, ask: str | None, max_tokens: int, openai_port: int | None = None,
+           model_name: str | None = None) -> None:
+    with srv, contextlib.ExitStack() as stack:
         print(f"ready after {srv.startup_s:.1f} s", flush=True)
-        print_endpoints(srv)
+        front = None
+        if openai_port is not None:
+            from splitspec.serving.openai_api import OpenAIServer  # FastAPI: only when asked for
+
+            front = stack.enter_context(OpenAIServer(srv.repo, srv.grpc_address, openai_port, name=model_name))
+        print_endpoints(srv, front.url if front else None, front.model.name if front else "")
         if ask is not None:
             t = time.monotonic()
             h = ask_http(srv.generate_url, ask, max_tokens=max_tokens, return_stats=True)

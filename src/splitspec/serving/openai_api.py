@@ -1,0 +1,346 @@
+"""The OpenAI-compatible front end: a FastAPI app over the served ensemble, reached through Triton's gRPC stream.
+
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``). Requests are
+checked and answers shaped by :mod:`splitspec.serving.openai_schema`; the app itself only renders chat messages with
+the served tokenizer, sends one streaming request to the ensemble per call (``tritonclient.grpc.aio``, inputs built
+by :func:`splitspec.serving.client.grpc_inputs`) and turns its responses into JSON or server-sent events.
+
+Chat messages are rendered here, with the tokenizer folder the repository's ``preprocessing`` model loads
+(``tokenizer_dir``), and sent as plain text (``apply_chat_template`` false): the ensemble's own template switch wraps
+a single user message only. The token ids are those the server would make from the same messages.
+
+The ensemble always streams (one response per engine cycle): a streaming client gets one chunk per cycle, a
+non-streaming one the folded answer. A request is sent before any byte of the answer, and its first response is
+awaited first, so a request the engine refuses gets a proper HTTP error status also when streaming. A client that
+disconnects cancels its gRPC stream, and Triton cancels the request in the engine (its slot and KV blocks are freed
+within a cycle or two, as for any cancelled gRPC stream).
+
+:class:`OpenAIServer` runs the app under uvicorn on a thread of the calling process (``splitspec serve
+--openai-port``, the tests, ``bench/openai_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.files import read_json
+from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.serving import openai_schema as schema
+from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
+from splitspec.serving.repo import repo_setting
+
+log = logging.getLogger("splitspec.openai")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the front end knows of the served model: its name, tokenizer and limits."""
+
+    name: str
+    tokenizer: ChatTokenizer
+    max_seq_len: int
+    max_draft_len: int
+    max_tokens_limit: int
+    created: int
+
+    @classmethod
+    def from_repo(cls, repo: Path, name: str | None = None) -> "ServedModel":
+        """Read a rendered repository: the tokenizer (``preprocessing``'s ``tokenizer_dir``), the target engine's
+        limits (``engine.json`` of ``spec_decode``'s ``engines_dir``) and ``max_tokens_limit``. ``name``: the
+        served model name (default: the engines folder's name, e.g. ``demo`` for ``engines/demo``).
+
+        Raises:
+            ConfigError: the repository is not rendered; CheckpointError: a file it names is missing or malformed.
+        """
+        engines = repo_setting(repo, "spec_decode", "engines_dir")
+        tok_dir = repo_setting(repo, "preprocessing", "tokenizer_dir")
+        if not engines or not tok_dir:
+            raise ConfigError(f"{repo}: not a rendered model repository (run `splitspec repo` first)")
+        meta_path = Path(engines) / "target" / "engine.json"
+        limits = read_json(meta_path).get("limits")
+        if not isinstance(limits, dict) or not all(isinstance(limits.get(k), int) for k in ("max_seq_len", "max_draft_len")):
+            raise ConfigError(f"{meta_path}: field 'limits' lacks max_seq_len / max_draft_len")
+        limit = int(repo_setting(repo, "spec_decode", "max_tokens_limit") or limits["max_seq_len"])
+        return cls(name or Path(engines).resolve().name, ChatTokenizer.from_dir(Path(tok_dir)), limits["max_seq_len"],
+                   limits["max_draft_len"], limit, int(time.time()))
+
+    def prompt_text(self, req: schema.GenerationRequest) -> str:
+        """The text sent as ``text_input``: the completion prompt, or the chat messages rendered with the chat
+        template (generation prompt added). Raises APIError (400) for messages the template refuses."""
+        if req.messages is None:
+            return req.prompt or ""
+        try:
+            return self.tokenizer.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True)
+        except ConfigError as e:
+            raise schema.invalid("messages", f"messages: {e}") from None
+
+    def max_tokens(self, req: schema.GenerationRequest, text: str) -> int:
+        """The request's max_tokens, or (none given) what fits beside the prompt."""
+        if req.max_tokens is not None:
+            return req.max_tokens
+        return schema.default_max_tokens(len(self.tokenizer.encode(text)), self.max_seq_len, self.max_draft_len,
+                                         self.max_tokens_limit)
+
+
+class EnsembleStream:
+    """Streaming requests to the ensemble over one gRPC channel (opened on first use, in the serving event loop)."""
+
+    def __init__(self, address: str, model: str = "ensemble"):
+        self.address, self.model, self._client = address, model, None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def stream(self, text: str, max_tokens: int, params: dict) -> AsyncIterator[dict]:
+        """Send one request and yield each response's outputs (:func:`~splitspec.serving.client.result_dict`) until
+        the final one. Closing or cancelling the generator early cancels the gRPC stream, hence the request.
+
+        Raises:
+            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_schema.ensemble_error`),
+                or the server cannot be reached (503).
+        """
+        import grpc
+        import tritonclient.grpc.aio as grpcaio
+        from tritonclient.utils import InferenceServerException
+
+        inputs = grpc_inputs(text, max_tokens, **params)
+        if self._client is None:
+            self._client = grpcaio.InferenceServerClient(self.address)
+        sent = asyncio.Event()
+
+        async def request_stream():  # one request; the stream stays open until the answer is complete
+            yield {"model_name": self.model, "inputs": inputs,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+            await sent.wait()
+
+        call = self._client.stream_infer(request_stream())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise schema.ensemble_error(error.message() if hasattr(error, "message") else str(error))
+                ev, final = result_dict(result), is_final(result)
+                if ev:
+                    yield ev
+                if final:
+                    finished = True
+                    return
+            finished = True
+            raise schema.unavailable("the gRPC stream ended before the final response")
+        except grpc.RpcError as e:
+            finished = True
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise schema.unavailable(f"grpc {self.address}: {details}") from None
+        except InferenceServerException as e:
+            finished = True
+            raise schema.unavailable(f"grpc {self.address}: {e.message()}") from None
+        finally:
+            sent.set()
+            if not finished:
+                call.cancel()
+
+
+async def _first(events: AsyncIterator[dict]) -> dict | None:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(first: dict | None, events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    if first is not None:
+        yield first
+        async for ev in events:
+            yield ev
+
+
+async def _sse(req: schema.GenerationRequest, rid: str, created: int, events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The answer as server-sent events: a role chunk (chat), one chunk per engine cycle with the text it adds, the
+    finish reason on the last, a usage chunk when asked for, then ``[DONE]``. An error in mid-stream (after the
+    200 status went out) is sent as an event carrying OpenAI's error object."""
+    seen: list[dict] = []
+    try:
+        if req.kind == "chat":
+            yield schema.sse(schema.chunk(req, rid, created, role=True))
+        async for ev in events:
+            seen.append(ev)
+            text, reason = ev.get("text_output"), ev.get("finish_reason")
+            if text or reason:
+                yield schema.sse(schema.chunk(req, rid, created, text, reason))
+        if req.include_usage:
+            yield schema.sse(schema.usage_chunk(req, rid, created, schema.usage(merge(seen))))
+    except schema.APIError as e:
+        yield schema.sse(e.body())
+    yield schema.SSE_DONE
+
+
+async def _unless_disconnected(request, work):
+    """Await ``work`` (a coroutine); if the client disconnects first, cancel it and return None."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
+def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"):
+    """The FastAPI app serving ``model`` through the ensemble at ``grpc_address`` (``host:port``)."""
+    backend = EnsembleStream(grpc_address, ensemble)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await backend.close()
+
+    app = FastAPI(title="splitspec OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def error(e: schema.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):  # unknown paths and methods, in OpenAI's error shape
+        return error(schema.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     "invalid_request_error", None, None))
+
+    @app.get("/v1/models")
+    async def models():
+        return schema.models_list(model.name, model.created)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        if model_id != model.name:
+            return error(schema.unknown_model(model_id, model.name))
+        return schema.models_list(model.name, model.created)["data"][0]
+
+    async def generate(request: Request, parse: Callable[[dict], schema.GenerationRequest]):
+        try:
+            req = parse(schema.parse_json(await request.body()))
+            if req.model != model.name:
+                raise schema.unknown_model(req.model, model.name)
+            text = model.prompt_text(req)
+            events = backend.stream(text, model.max_tokens(req, text), req.ensemble_params())
+            first = await _first(events)  # a refused request fails here, before any byte is sent
+            rid, created = schema.response_id(req.kind), int(time.time())
+            if req.stream:
+                return StreamingResponse(_sse(req, rid, created, _chain(first, events)), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+
+            async def rest():
+                return [ev async for ev in _chain(first, events)]
+
+            seen = await _unless_disconnected(request, rest())
+            if seen is None:  # the client went away; the request was cancelled
+                return Response(status_code=499)
+            ans = merge(seen)
+            return schema.answer(req, rid, created, ans["text_output"], ans.get("finish_reason"), schema.usage(ans))
+        except schema.APIError as e:
+            return error(e)
+        except Exception as e:  # never let a request take the front end down
+            log.exception("openai front end: internal error")
+            return error(schema.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
+                                         "internal_error"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, schema.parse_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, schema.parse_completion)
+
+    return app
+
+
+class OpenAIServer:
+    """The app under uvicorn on a thread of this process.
+
+    Args:
+        repo: the rendered model repository being served (tokenizer and limits are read from it).
+        grpc_address: ``host:port`` of tritonserver's gRPC endpoint.
+        port: port to listen on (0: any free one; :attr:`port` tells which).
+        host: address to bind (default all interfaces, as tritonserver).
+        name: the served model name (default: the engines folder's name).
+    """
+
+    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "0.0.0.0", name: str | None = None):
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"--openai-port {port}: expected 0..65535")
+        self.model = ServedModel.from_repo(Path(repo), name)
+        self.grpc_address, self.host, self.port = grpc_address, host, port
+        self._server = self._thread = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the API (``http://127.0.0.1:PORT/v1`` when bound to all interfaces)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> "OpenAIServer":
+        """Bind the port, start serving, return once uvicorn accepts connections.
+
+        Raises:
+            ConfigError: the port is taken; SplitspecError: uvicorn did not start within ``timeout_s``.
+        """
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.model, self.grpc_address), log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise SplitspecError(f"the OpenAI front end did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving (open streams are closed, their requests cancelled). Safe to call twice."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._server = self._thread = None
+
+    def __enter__(self) -> "OpenAIServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

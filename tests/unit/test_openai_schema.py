@@ -1,0 +1,154 @@
+"""OpenAI request checking and response shaping (serving/openai_schema.py), without a server: every served field
+reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming it, and answers, chunks
+and errors have the shapes of OpenAI's API reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitspec.serving import openai_schema as s
+from splitspec.serving.client import INPUTS
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+COMP = {"model": "demo", "prompt": "def f(x):"}
+
+
+def test_chat_fields_reach_the_ensemble_inputs():
+    req = s.parse_chat({**CHAT, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                        "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "top_k": 5,
+                        "num_draft_tokens": 0, "n": 1, "logprobs": False, "presence_penalty": 0.0, "user": "u"})
+    assert (req.kind, req.max_tokens, req.stream, req.include_usage) == ("chat", 7, True, True)
+    params = req.ensemble_params()
+    assert params == {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": ["\n"], "num_draft_tokens": 0,
+                      "stream": True, "return_stats": True}
+    assert set(params) <= set(INPUTS)  # names the ensemble has (client.grpc_inputs refuses others)
+
+
+def test_chat_messages_roles_and_text_parts():
+    req = s.parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                   {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c", "name": "bot"}]})
+    assert req.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": "c"})
+    assert req.max_tokens is None  # chat: as many as fit (decided by the front end with the tokenizer)
+
+
+def test_completion_defaults_and_single_prompt_list():
+    req = s.parse_completion({**COMP, "prompt": ["x"]})
+    assert (req.prompt, req.max_tokens, req.stream, req.stop) == ("x", s.COMPLETION_DEFAULT_MAX_TOKENS, False, ())
+    assert s.parse_completion({**COMP, "stop": ["a", "b"], "max_tokens": 3}).ensemble_params()["stop"] == ["a", "b"]
+
+
+BAD_CHAT = [
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({**CHAT, "messages": []}, "messages"),
+    ({**CHAT, "messages": "hi"}, "messages"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
+    ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": True}, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": -2}, "max_completion_tokens"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "temperature": 2.5}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "seed": 1.5}, "seed"),
+    ({**CHAT, "stop": 5}, "stop"),
+    ({**CHAT, "stop": [""]}, "stop"),
+    ({**CHAT, "stop": ["x"] * 17}, "stop"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": 1}, "frequency_penalty"),
+    ({**CHAT, "logit_bias": {"5": 1}}, "logit_bias"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "max_new_tokens": 5}, "max_new_tokens"),
+    ({**CHAT, "prompt": "x"}, "prompt"),  # a completions field
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT)
+def test_bad_chat_fields_are_refused_naming_the_field(body, param):
+    with pytest.raises(s.APIError) as e:
+        s.parse_chat(body)
+    err = e.value.body()["error"]
+    assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
+    assert param.split("[")[0] in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body,param", [({**COMP, "prompt": ""}, "prompt"), ({**COMP, "prompt": [1, 2, 3]}, "prompt"),
+                                        ({**COMP, "prompt": ["a", "b"]}, "prompt"), ({"model": "m"}, "prompt"),
+                                        ({**COMP, "echo": True}, "echo"), ({**COMP, "best_of": 2}, "best_of"),
+                                        ({**COMP, "logprobs": 2}, "logprobs"), ({**COMP, "suffix": "x"}, "suffix"),
+                                        ({**COMP, "messages": []}, "messages")])
+def test_bad_completion_fields_are_refused(body, param):
+    with pytest.raises(s.APIError) as e:
+        s.parse_completion(body)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null"])
+def test_body_must_be_a_json_object(raw):
+    with pytest.raises(s.APIError) as e:
+        s.parse_json(raw)
+    assert e.value.status == 400 and "JSON" in e.value.message
+
+
+@pytest.mark.parametrize("message,status,code", [
+    ("spec_decode: prompt (300 tokens) + max_tokens ... exceeds the engine's max_seq_len = 256", 400, "context_length_exceeded"),
+    ("preprocessing: text_input: empty prompt", 400, None),
+    ("spec_decode: max_tokens = 100000: expected 1..4096", 400, None),
+    ("spec_decode: generation failed: worker 1 died", 503, "service_unavailable"),
+    ("Request for unknown model: 'ensemble' is not found", 503, "service_unavailable"),
+    ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
+])
+def test_ensemble_errors_map_to_statuses(message, status, code):
+    e = s.ensemble_error(message)
+    assert (e.status, e.code, e.message) == (status, code, message)
+
+
+def test_default_max_tokens_fits_the_engine_rule():
+    # the engine refuses prompt + max_tokens + k + 1 > max_seq_len (runtime/scheduler.py)
+    assert s.default_max_tokens(10, 256, 8, 4096) == 256 - 10 - 8 - 1
+    assert s.default_max_tokens(10, 256, 8, 100) == 100
+    assert s.default_max_tokens(300, 256, 8, 4096) == 1
+
+
+def test_answer_chunks_and_usage_shapes():
+    req = s.parse_chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    ans = {"num_input_tokens": 5, "num_output_tokens": 3, "acceptance_length": 2.5, "accepted_per_position": [3, 2]}
+    use = s.usage(ans)
+    assert use == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "acceptance_length": 2.5,
+                   "accepted_per_position": [3, 2]}
+    first, mid, last = (s.chunk(req, "chatcmpl-1", 7, role=True), s.chunk(req, "chatcmpl-1", 7, "ab"),
+                        s.chunk(req, "chatcmpl-1", 7, "c", "length"))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    assert mid["object"] == "chat.completion.chunk" and mid["choices"][0] == {
+        "index": 0, "delta": {"content": "ab"}, "logprobs": None, "finish_reason": None}
+    assert last["choices"][0]["finish_reason"] == "length"
+    tail = s.usage_chunk(req, "chatcmpl-1", 7, use)
+    assert tail["choices"] == [] and tail["usage"] == use
+    event = s.sse(mid)
+    assert event.startswith("data: ") and event.endswith("\n\n") and json.loads(event[6:]) == mid
+    whole = s.answer(s.parse_completion(COMP), "cmpl-1", 7, "text", "stop", use)
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "text"
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["total_tokens"] == 8
+    chat = s.answer(req, "chatcmpl-1", 7, "hi", "stop", use)
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert s.response_id("chat").startswith("chatcmpl-") and s.response_id("completion").startswith("cmpl-")
+    assert s.response_id("chat") != s.response_id("chat")
+
+
+def test_unknown_model_is_404_in_error_shape():
+    e = s.unknown_model("gpt-4", "demo")
+    assert e.status == 404 and e.body()["error"]["code"] == "model_not_found" and "gpt-4" in e.message
