@@ -476,7 +476,8 @@ def test_drafter_norm_before_fc_is_carried_and_applied(fx, dmaster, tmp_path):
 
 def test_inspect_prints_what_a_checkpoint_is(fx, capsys):
     for args, expect in [
-        (["fp8"], ["FP8 e4m3 block-scaled, tiles 128×128", "72 float8_e4m3fn weights", "3 layers (1 dense, 2 MoE), hidden 320"]),
+        (["fp8"], ["FP8 e4m3 block-scaled, tiles 128×128", "72 float8_e4m3fn weights",
+                  "3 layers (1 dense: first_k_dense_replace 1, layer 0 dense; 2 MoE), hidden 320"]),
         (["int4"], ["INT4 compressed-tensors pack-quantized", "48 packed linears (48 routed-expert)"]),
         (["k25"], ["model_type kimi_k25", "under language_model.", "vision: 3 tensors"]),
         (["drafter", "--target", str(fx / "bf16")], ["draft 128 of 512", "d2t + t2d", "after the last layer", "embedding: none"]),
