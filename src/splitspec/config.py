@@ -96,8 +96,21 @@ class RopeConfig:
         return s
 
 
+class MLAHeads:
+    """The MLA head dimensions both configs derive (fields qk_nope_head_dim, qk_rope_head_dim and rope)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5 × mscale(factor, mscale_all_dim)² (DeepSeek-V3 MLA with YaRN, :meth:`RopeConfig.mla_softmax_scale`)."""
+        return self.rope.mla_softmax_scale(self.qk_head_dim)
+
+
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(MLAHeads):
     """A Kimi-K2 / DeepSeek-V3 target (architecture ``DeepseekV3ForCausalLM``)."""
 
     vocab_size: int
@@ -125,15 +138,6 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     model_type: str = "kimi_k2"
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        """qk_head_dim^-0.5 × mscale(factor, mscale_all_dim)² (DeepSeek-V3 MLA with YaRN)."""
-        return self.rope.mla_softmax_scale(self.qk_head_dim)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
@@ -205,7 +209,7 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(MLAHeads):
     """An EAGLE-3 drafter: one decoder layer over fused aux states, its attention either Llama's
     (``LlamaForCausalLMEagle3``: GQA over q/k/v_proj) or DeepSeek-V3's MLA (``Eagle3DeepseekV2ForCausalLM``,
     ``attention == "mla"``: q_lora_rank … v_head_dim as in the target's config; ``head_dim`` is then
@@ -252,14 +256,6 @@ class DrafterConfig:
     def is_mla(self) -> bool:
         return self.attention == "mla"
 
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        """The MLA layer's attention scale (see :meth:`RopeConfig.mla_softmax_scale`)."""
-        return self.rope.mla_softmax_scale(self.qk_head_dim)
 
     def capture_points(self) -> tuple[int, ...]:
         """Aux ids as input-to-layer indices i ∈ [0, num_target_layers]; i = N is after the last block, before the final norm."""

@@ -17,26 +17,26 @@ from typing import Any, Iterator
 from splitspec.errors import CheckpointError, ConfigError
 
 
-def read_json(path: Path) -> dict:
-    """Read a JSON object from ``path``.
+def read_json(path: Path, what: str | None = None, error: type[Exception] = CheckpointError) -> dict:
+    """Read a JSON object from ``path``; ``what`` (e.g. "the engine description") is named when it is missing.
 
     Raises:
-        CheckpointError: the file is missing, not a regular file (a folder, a FIFO whose read would block, a
-            dangling link), unreadable or not a JSON object.
+        ``error`` (CheckpointError by default): the file is missing, not a regular file (a folder, a FIFO whose read
+            would block, a dangling link), unreadable or not a JSON object.
     """
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not path.is_file():
-        raise CheckpointError(f"{path}: cannot be read (not a regular file)")
+        raise error(f"{path}: cannot be read (not a regular file)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
+        raise error(f"{path}: file not found" + (f" ({what})" if what else "")) from None
     except (ValueError, RecursionError) as e:  # malformed, not UTF-8, an integer too long to convert, nested too deep
-        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        raise error(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     except OSError as e:  # a folder, no permission, ...
-        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

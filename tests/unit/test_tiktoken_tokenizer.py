@@ -167,7 +167,7 @@ def test_bad_folders_get_one_line_errors(tmp_path):
     cfg_path.write_text("{not json")
     _one_line_error(folder, r"tokenizer_config.json: not valid JSON")
     cfg_path.unlink()
-    _one_line_error(folder, r"tokenizer_config.json: file missing")
+    _one_line_error(folder, r"tokenizer_config.json: file not found")
 
 
 def test_python_only_tokenizer_is_refused_without_trust_remote_code(tmp_path, monkeypatch):

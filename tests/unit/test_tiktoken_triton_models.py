@@ -38,12 +38,12 @@ def folder(tmp_path_factory):
 def test_preprocessing_and_postprocessing_serve_a_tiktoken_folder(folder):
     tok = ChatTokenizer.from_dir(folder)
     pre, post = _model("preprocessing", folder, trust_remote_code="0"), _model("postprocessing", folder)
-    raw = np.array([PROMPT.encode("utf-8")], dtype=np.object_)
-    (plain, chat) = (pre.execute([_Request(text_input=raw, apply_chat_template=np.array([c]))])[0] for c in (False, True))
-    assert plain.error is None and plain.output_tensors[0].array.tolist() == tok.encode(PROMPT)
+    raw = np.array([[PROMPT.encode("utf-8")]], dtype=np.object_)  # [1, 1]: batched like the ensemble
+    (plain, chat) = (pre.execute([_Request(text_input=raw, apply_chat_template=np.array([[c]]))])[0] for c in (False, True))
+    assert plain.error is None and plain.output_tensors[0].array.tolist() == [tok.encode(PROMPT)]
     want = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    assert chat.output_tensors[0].array.tolist() == want and tok.im_end_id in want  # specials as single ids
-    out = post.execute([_Request(output_ids=np.array(tok.encode(PROMPT) + [tok.im_end_id], dtype=np.int32))])[0]
+    assert chat.output_tensors[0].array.tolist() == [want] and tok.im_end_id in want  # specials as single ids
+    out = post.execute([_Request(output_ids=np.array([tok.encode(PROMPT) + [tok.im_end_id]], dtype=np.int32))])[0]
     assert out.error is None and out.output_tensors[0].array.tolist() == [PROMPT.encode("utf-8")]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.errors import CheckpointError, ConfigError
+from splitspec.files import read_json
 from splitspec.runtime.tiktoken_folder import TiktokenFolder
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -166,16 +167,7 @@ def has_tokenizer(folder: Path) -> bool:
 def read_tokenizer_config(folder: Path) -> dict[str, Any]:
     """``folder/tokenizer_config.json`` as a dict. Raises CheckpointError naming the file when it is missing or
     not a JSON object."""
-    path = Path(folder) / TOKENIZER_CONFIG
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file missing (the tokenizer's special tokens and chat template)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return config
+    return read_json(Path(folder) / TOKENIZER_CONFIG, "the tokenizer's special tokens and chat template")
 
 
 def remote_tokenizer_class(config: dict[str, Any]) -> str | None:

@@ -12,13 +12,12 @@ into place.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from string import Template
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.files import write_atomic
+from splitspec.files import read_json, write_atomic
 from splitspec.settings import ServeConfig
 
 #: Models of the repository, in pipeline order (the ensemble last).
@@ -51,15 +50,7 @@ def check_template_dir(template_dir: Path) -> Path:
 
 
 def _engine_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"{path}: engine description missing (build the engines first: 'make engines')")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
+    return read_json(path, "the engine description: build the engines first, 'make engines'", ConfigError)
 
 
 def _find_int(d: dict, *keys: str) -> int | None:
