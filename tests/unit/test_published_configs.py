@@ -186,3 +186,13 @@ def test_plan_matches_the_bytes_convert_writes(tmp_path):
                        for r in range(tp)]
             assert plan.converted_bytes == max(written), (form, tp, ep, plan, written)
         src.reader.close()
+
+
+def test_inspect_describes_the_published_mla_drafter():
+    """k-l-lambda/Kimi-K2.5-Eagle3 (Eagle3DeepseekV2ForCausalLM): MLA attention, the full vocabulary, no embedding
+    of its own, aux ids [2, 30, 58] whose convention the config does not declare."""
+    out = "\n".join(inspect_checkpoint(PUB / "drafter-k-l-lambda-kimi-k2.5-eagle3-mla"))
+    for fact in ["architecture: Eagle3DeepseekV2ForCausalLM (one decoder layer), hidden 7168, 64 heads, MLA (q_lora 1536, "
+                 "kv_lora 512, nope 128 / rope 64 / v 128), intermediate 18432", "fc: [7168, 21504] over 3 × target hidden 7168",
+                 "vocabulary: the full 163840 ids", "aux layer ids [2, 30, 58]: convention UNKNOWN", "embedding: none (uses the target's)"]:
+        assert fact in out, (fact, out)

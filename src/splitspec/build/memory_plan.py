@@ -37,9 +37,12 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import ConfigError
+from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes, target_rank_bytes
 
 GIB = 2 ** 30
@@ -231,7 +234,9 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp
     dweights = drafter_bytes(dcfg, fmt.float_bytes, dep.draft_tp) if dcfg is not None else Counter()
-    dkv = 2 * rows * (dcfg.num_key_value_heads // dep.draft_tp) * dcfg.head_dim * act if dcfg is not None else 0
+    # the engine's own cache class on the meta device: K and V per head (Llama attention) or the latent row (MLA)
+    dkv = (drafter_cache(dcfg, rows, {2: torch.bfloat16, 4: torch.float32}[act], "meta", dep.draft_tp).nbytes
+           if dcfg is not None else 0)
     gpus, per_token, cache = [], {}, {}
     for g in range(dep.tp):
         p = GpuPlan(g)

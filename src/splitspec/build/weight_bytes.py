@@ -236,21 +236,26 @@ def _layer_bytes(cfg: TargetConfig, mapping: Mapping, rank: int, fmt: WeightForm
 def drafter_bytes(cfg: DrafterConfig, float_bytes: int, tp: int = 1) -> Counter:
     """Bytes of one rank of the drafter (``tp`` 1: the whole TP1 drafter) by kind (:data:`DRAFTER_KINDS`).
 
-    Runtime layout (:func:`splitspec.models.shapes.drafter_shapes`, sharded by
-    :func:`splitspec.models.drafter.shard_drafter`): ``qkv_proj``, ``o_proj``, ``mlp.w13`` / ``w2`` and ``lm_head``
-    split ``tp`` ways; ``embed_tokens`` [vocab, H], ``fc`` [H, 3·target_hidden], norms and ``draft_to_target``
-    int64 [draft_vocab] replicated.
+    The engine's own runtime layout, on the meta device (no memory): :func:`splitspec.models.shapes.drafter_shapes`
+    (Llama attention or MLA), sliced by :func:`splitspec.models.drafters.shard_drafter_weights` for rank 0 of
+    ``tp``; every tensor ``float_bytes`` per element but ``draft_to_target`` (int64).
 
     Raises:
         ConfigError: ``tp`` does not divide the drafter's heads, intermediate size or draft vocabulary.
     """
-    for name, v in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
+    from splitspec.models.drafters import shard_drafter_weights
+    from splitspec.models.shapes import drafter_shapes
+
+    sizes = (("num_attention_heads", cfg.num_attention_heads), ("intermediate_size", cfg.intermediate_size),
+             ("draft_vocab_size", cfg.draft_vocab_size)) + ((() if cfg.is_mla else (("num_key_value_heads", cfg.num_key_value_heads),)))
+    for name, v in sizes:
         if v % tp:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {tp}")
-    H, hd, fb = cfg.hidden_size, cfg.head_dim, float_bytes
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = H * 3 * cfg.target_hidden_size + (q + 2 * kv) * 2 * H // tp + H * q // tp + 3 * cfg.intermediate_size * H // tp
-    norms = 4 * H + (3 * cfg.target_hidden_size if cfg.norm_before_fc else 0) + (3 * cfg.target_hidden_size if cfg.fc_norm else 0)
-    return Counter({"drafter_layer": (layer + norms) * fb, "drafter_embeddings": cfg.vocab_size * H * fb,
-                    "drafter_lm_head": cfg.draft_vocab_size // tp * H * fb + cfg.draft_vocab_size * 8})
+    meta = {n: torch.empty(shape, dtype=torch.int64 if n == "draft_to_target" else torch.bfloat16, device="meta")
+            for n, shape in drafter_shapes(cfg).items()}
+    out = Counter()
+    for n, t in (shard_drafter_weights(meta, cfg, 0, tp) if tp > 1 else meta).items():
+        kind = ("drafter_embeddings" if n == "embed_tokens" else "drafter_lm_head" if n in ("lm_head", "draft_to_target")
+                else "drafter_layer")
+        out[kind] += t.numel() * (8 if n == "draft_to_target" else float_bytes)
+    return out
