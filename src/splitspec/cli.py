@@ -143,7 +143,8 @@ def _cmd_serve(a: argparse.Namespace) -> None:
     from splitspec.serving.tritonserver import serve_forever
 
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
-                  ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name)
+                  ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name,
+                  admin_key=a.admin_key)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:

@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ask", default=None, metavar="PROMPT",
                    help="once ready, send PROMPT over HTTP and gRPC, print both answers, stop the server")
     s.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --ask")
+    s.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="open tritonserver's control APIs (model repository load/unload, shared memory, logging, trace) "
+                        "to requests carrying the header 'splitspec-admin-key: KEY' (gRPC metadata "
+                        "'triton-grpc-protocol-splitspec-admin-key'); 16+ characters. Default: refused to every request")
 
     s = sub.add_parser("client", help="send one prompt to a running server and stream the answer to the terminal")
     s.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
