@@ -71,9 +71,9 @@ def test_bytes_agree_with_the_published_shapes_worked_by_hand(capsys, tmp_path):
     items = lambda doc, g=0: {i["label"]: i["bytes"] for i in doc["gpus"][g]["items"]}  # noqa: E731
     int4, fp8 = items(read_json(tmp_path / "int4.json")), items(read_json(tmp_path / "fp8.json"))
     # INT4 (K2.5): each rank holds every expert's 1/8 slice: gate/up 256 rows, down 256 of the input columns;
-    # packed int32 = 8 values per 4 bytes, one bf16 scale per 32 inputs, one int32 [2] weight_shape per linear
-    gate_up = 2 * (w * H // 2 + w * H // 32 * 2 + 8)
-    down = H * w // 2 + H * w // 32 * 2 + 8
+    # packed int32 = 8 values per 4 bytes, one bf16 scale per 32 inputs (the engine keeps no weight_shape)
+    gate_up = 2 * (w * H // 2 + w * H // 32 * 2)
+    down = H * w // 2 + H * w // 32 * 2
     assert int4["routed experts"] == moe_layers * E * (gate_up + down)
     # FP8 (K2-Instruct): 1 byte per weight and a float32 scale per 128×128 tile of each slice
     tiles_h, tiles_w = H // 128, w // 128

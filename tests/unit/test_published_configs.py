@@ -92,14 +92,16 @@ def test_tp8_per_rank_bytes_agree_with_arithmetic_from_the_config(described):
         assert f"TP8 EP{ep}: {plan.published_bytes / GiB:.2f} GiB per rank as published" in described["kimi-k2-instruct"]
 
 
-def test_tp8_plan_for_int4_counts_experts_dequantised(described):
+def test_tp8_plan_for_int4_keeps_experts_as_published(described):
     """K2.5 at TP8: INT4 experts published at 4.5 bits per value (4-bit values, a bf16 scale per 32), plus an 8-byte
-    weight_shape per expert linear; converted to bf16 they are 16 bits and the weight_shape goes."""
+    weight_shape per expert linear, converted as published (each slice with its own weight_shape)."""
     cfg, scheme, layout = _layout("kimi-k2.5")
     plan = plan_split(cfg, scheme, layout, 8, 1)
     experts = 60 * 384 * 3 * 2048 * 7168  # routed expert values
-    assert plan.published_bytes - plan.converted_bytes == experts // 8 * 9 // 16 - experts // 8 * 2 + 60 * 384 * 3 * 8
-    assert "TP8 EP1: 70.95 GiB per rank as published, 240.76 GiB as converted" in described["kimi-k2.5"]
+    shapes = 60 * 384 * 3 * 8
+    assert plan.converted_bytes == plan.published_bytes
+    assert plan.published_bytes - plan.replicated_bytes > (experts // 8 * 9 // 16 + shapes) // 8  # the experts' eighth
+    assert "TP8 EP1: 70.95 GiB per rank as published, 70.95 GiB as converted" in described["kimi-k2.5"]
     assert plan_split(cfg, scheme, [], 6, 1).error == "num_attention_heads = 64 is not divisible by 6 (tp_size=6, ep_size=1)"
     assert plan_split(cfg, scheme, [], 8, 3).error.startswith("tp_size=8, ep_size=3: need positive sizes with ep_size dividing")
 
