@@ -162,33 +162,60 @@ def test_json_integers_beyond_int32(shared_server):
 @pytest.fixture(scope="module")
 def busy_server(engines_for, tmp_path_factory):
     """A server decoding one request at a time, with one waiting at most, for at most ``MAX_QUEUE_S`` (TP1 engines:
-    no worker process to start and stop)."""
+    no worker process to start and stop). Every cycle drafts K tokens and accepts none (benchmark mode), so a request
+    takes one slow cycle per token: a long one holds the batch slot for seconds on any machine."""
     from splitspec.serving.repo import render_repo
     from splitspec.serving.tritonserver import TritonServer
     from splitspec.settings import ServeConfig
 
-    cfg = ServeConfig(engines_for(1), num_draft_tokens=0, max_batch_size=1, max_queue_len=1, max_queue_s=MAX_QUEUE_S)
+    cfg = ServeConfig(engines_for(1), num_draft_tokens=K, synthetic_acceptance=(0.0,) * K, max_batch_size=1,
+                      max_queue_len=1, max_queue_s=MAX_QUEUE_S)
     repo = render_repo(cfg, tmp_path_factory.mktemp("busy") / "repo")
     with TritonServer(repo, exit_timeout_s=5, startup_timeout_s=300) as srv:
         yield srv
 
 
-MAX_QUEUE_S = 3.0
+K = 8
+MAX_QUEUE_S = 2.0
 #: The HTTP status of Triton 2.51's generate endpoints for any error response of a model, UNAVAILABLE included.
 TRITON_MODEL_ERROR_STATUS = 400
-#: A request that decodes for longer than MAX_QUEUE_S (no speculation, no end-of-sequence token).
-LONG = {"text_input": "def f(x):", "max_tokens": 240, "end_id": 10**6, "stream": True}
+SHORT = {"text_input": "def f(x):", "max_tokens": 4}
 
 
-def _stream_in_thread(url: str, body: dict, out: dict, key: str) -> threading.Thread:
-    def run():
-        t0 = time.monotonic()
-        r = _post(url, body)
-        out[key] = (r.status_code, r.text, time.monotonic() - t0)
+class _Holder(threading.Thread):
+    """A streaming request that decodes (up to 240 tokens, no end-of-sequence token) until :meth:`release` closes its
+    connection, which cancels it."""
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    def __init__(self, srv):
+        super().__init__(daemon=True)
+        self.srv, self.started, self.stop, self.events = srv, threading.Event(), threading.Event(), 0
+
+    def run(self):
+        body = {"text_input": "def f(x):", "max_tokens": 240, "end_id": 10**6, "stream": True}
+        with requests.post(self.srv.generate_stream_url, json=body, headers=CLOSE, stream=True, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data:"):
+                    self.events += 1
+                    self.started.set()
+                if self.stop.is_set():
+                    return
+
+    def release(self):
+        self.stop.set()
+        self.join(timeout=30)
+
+
+def _gauge(srv, name: str) -> float:
+    return metric_value(parse_prometheus(requests.get(srv.metrics_url, timeout=5, headers=CLOSE).text), name)
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_full_queue_refuses_at_once_and_waiting_is_bounded(busy_server):
@@ -198,44 +225,42 @@ def test_full_queue_refuses_at_once_and_waiting_is_bounded(busy_server):
     answer every error response of a model with HTTP 400 and its gRPC streams carry only the text (measured;
     docs/serving.md): the OpenAI front end turns "server busy" into 503."""
     srv = busy_server
-    out: dict = {}
-    running = _stream_in_thread(srv.generate_stream_url, LONG, out, "running")
-    deadline = time.monotonic() + 30
-    while not _queued_or_active(srv, "active") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    waiting = _stream_in_thread(srv.generate_stream_url, {**LONG, "max_tokens": 4}, out, "waiting")
-    while not _queued_or_active(srv, "queued") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "running" not in out, f"the long request finished too soon: {out}"
-    t0 = time.monotonic()
-    r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4})
-    refused_s = time.monotonic() - t0
-    assert r.status_code == TRITON_MODEL_ERROR_STATUS and "server busy" in r.json()["error"], (r.status_code, r.text)
-    assert refused_s < 1.0, f"refusal took {refused_s:.2f} s"
-    r = _post(srv.generate_stream_url, {"text_input": "def f(x):", "max_tokens": 4, "stream": True})
-    assert r.status_code == TRITON_MODEL_ERROR_STATUS and "server busy" in r.text, (r.status_code, r.text[:300])
-    got = _grpc(srv, grpc_inputs("def f(x):", 4, stream=True))
-    assert got[-1][1] is not None and "server busy" in got[-1][1], got
-    waiting.join(timeout=30)
-    status, text, waited_s = out["waiting"]
-    assert status == TRITON_MODEL_ERROR_STATUS and "server busy: waited" in text and "max_queue_s" in text, (status, text[:300])
-    assert MAX_QUEUE_S <= waited_s < MAX_QUEUE_S + 2.0, waited_s
-    running.join(timeout=60)
-    assert out["running"][0] == 200, out["running"][:2]
-    time.sleep(0.5)  # a metrics export interval
+    holder = _Holder(srv)
+    holder.start()
+    try:
+        assert holder.started.wait(60), "the long request never started"
+        waiting: dict = {}
+
+        def wait_in_queue():
+            t0 = time.monotonic()
+            r = _post(srv.generate_url, SHORT)
+            waiting["answer"] = (r.status_code, r.text, time.monotonic() - t0)
+
+        waiter = threading.Thread(target=wait_in_queue, daemon=True)
+        waiter.start()
+        assert _until(lambda: _gauge(srv, "splitspec_queued_requests") >= 1), "the second request never queued"
+        t0 = time.monotonic()
+        r = _post(srv.generate_url, SHORT)
+        refused_s = time.monotonic() - t0
+        assert r.status_code == TRITON_MODEL_ERROR_STATUS and "server busy: 2 requests open" in r.json()["error"], r.text
+        assert refused_s < 1.0, f"refusal took {refused_s:.2f} s"
+        r = _post(srv.generate_stream_url, {**SHORT, "stream": True})
+        assert r.status_code == TRITON_MODEL_ERROR_STATUS and "server busy" in r.text, (r.status_code, r.text[:300])
+        got = _grpc(srv, grpc_inputs("def f(x):", 4, stream=True))
+        assert got[-1][1] is not None and "server busy" in got[-1][1], got
+        waiter.join(timeout=30)
+        status, text, waited_s = waiting["answer"]
+        assert status == TRITON_MODEL_ERROR_STATUS and "server busy: waited" in text and "max_queue_s" in text, text
+        assert MAX_QUEUE_S <= waited_s < MAX_QUEUE_S + 2.0, waited_s
+        assert holder.is_alive(), "the long request ended before the queued one timed out"
+    finally:
+        holder.release()
+    assert _until(lambda: _gauge(srv, "splitspec_active_sequences") == 0), "the cancelled request kept its slot"
+    assert _until(lambda: _gauge(srv, "splitspec_refused_requests_total") == 4, 2.0)
     m = parse_prometheus(requests.get(srv.metrics_url, timeout=10, headers=CLOSE).text)
     assert metric_value(m, "splitspec_refused_requests_total", reason="queue_full") == 3
     assert metric_value(m, "splitspec_refused_requests_total", reason="queue_timeout") == 1
-    # the queue drained: served again
-    assert _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4}).status_code == 200
-
-
-def _queued_or_active(srv, gauge: str) -> bool:
-    try:
-        m = parse_prometheus(requests.get(srv.metrics_url, timeout=5, headers=CLOSE).text)
-    except requests.RequestException:
-        return False
-    return metric_value(m, f"splitspec_{'queued_requests' if gauge == 'queued' else 'active_sequences'}") >= 1
+    assert _post(srv.generate_url, SHORT).status_code == 200  # the queue drained: served again
 
 
 def test_prompt_bytes_limit_of_the_rendered_repository(busy_server):

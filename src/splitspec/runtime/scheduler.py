@@ -256,14 +256,10 @@ class SpeculativeEngine:
                 self.running.append(seq)
 
     def _expired(self) -> list[tuple[Sequence, float]]:
-        """Requests still queued after waiting longer than ``max_queue_s`` (None: no limit), taken off the queue, with
-        their wait in seconds."""
-        limit = self.config.max_queue_s
-        if limit is None:
-            return []
-        now = time.perf_counter()
+        """(request, seconds waited) of those queued longer than ``max_queue_s``, taken off the queue."""
+        limit, now = self.config.max_queue_s, time.perf_counter()
         with self._lock:
-            old = [(s, now - s.t_submit) for s in self.waiting if now - s.t_submit > limit]
+            old = [(s, now - s.t_submit) for s in self.waiting if limit is not None and now - s.t_submit > limit]
             for s, _ in old:
                 self.waiting.remove(s)
         return old

@@ -168,9 +168,9 @@ class TritonPythonModel:
                 sender = request.get_response_sender()
                 self._accept(request, sender)
             except SplitspecError as e:
-                if isinstance(e, ServerBusy):
+                if busy := isinstance(e, ServerBusy):
                     self.collector.on_refused("queue_full")
-                code = "UNAVAILABLE" if isinstance(e, (EngineError, ServerBusy)) else "INVALID_ARG"
+                code = "UNAVAILABLE" if busy or isinstance(e, EngineError) else "INVALID_ARG"
                 self._reply_error(sender, f"spec_decode: {e}", code)
             except Exception as e:  # never let a request take the model down
                 pb_utils.Logger.log_error(f"spec_decode: {traceback.format_exc()}")
@@ -269,8 +269,7 @@ class TritonPythonModel:
         if st.done:
             return
         if ev.error is not None and ev.finish_reason in ("rejected", "busy"):  # can never be served / queued too long
-            busy = ev.finish_reason == "busy"
-            if busy:
+            if busy := ev.finish_reason == "busy":
                 self.collector.on_refused("queue_timeout")
             self._close(st, error=f"spec_decode: {ev.error}", code="UNAVAILABLE" if busy else "INVALID_ARG")
             return
