@@ -131,6 +131,8 @@ def _cmd_repo(a: argparse.Namespace) -> None:
                                target_device_ids=parse_ids(a.target_device_ids, "--target-device-ids"),
                                draft_device_id=parse_id(a.draft_device_id, "--draft-device-id"), draft_tp=a.draft_tp,
                                max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens,
+                               max_prompt_bytes=a.max_prompt_bytes, max_queue_len=a.max_queue_len,
+                               max_queue_s=a.max_queue_s,
                                synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code)
     out = render_repo(cfg, Path(a.out))
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"

@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-tokens", type=int, default=None,
                    help="KV-cache budget in tokens shared by all sequences (default: max_batch_size x max_seq_len "
                         "of the engine)")
+    s.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="longest prompt in UTF-8 bytes; a longer one is refused before tokenising (default: the "
+                        "engine's max_seq_len x 32)")
+    s.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests that may wait for a batch slot; one more is refused at once as 'server busy' "
+                        "(default: max-batch-size)")
+    s.add_argument("--max-queue-s", type=float, default=None,
+                   help="seconds a request may wait for a batch slot before it is refused as 'server busy' (default 60)")
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
                    help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
                         "(served outputs are then not the target's)")

@@ -11,3 +11,8 @@ class CheckpointError(SplitspecError):
 
 class ConfigError(SplitspecError):
     """A configuration value (TP size, limits, placement, request parameter) is invalid."""
+
+
+class ServerBusy(SplitspecError):
+    """The server holds as many requests as it may (batch and wait queue full): refused at once, retry later
+    (UNAVAILABLE, HTTP 503)."""

@@ -29,8 +29,15 @@ ENV_FIELDS = {
 }
 #: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
 PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
-                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code")
+                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code",
+                    "max_prompt_bytes", "max_queue_len", "max_queue_s")
 _WHERE = "spec_decode/config.pbtxt"
+#: Prompt bytes allowed per token of the engine's max_seq_len when max_prompt_bytes is not given. English text and
+#: code run at 3–5 UTF-8 bytes per token with the usual BPE vocabularies, CJK at 2–4: a prompt this long (6× or more
+#: typical) cannot fit the engine and is refused before the tokenizer spends time on it.
+PROMPT_BYTES_PER_TOKEN = 32
+#: Seconds a served request may wait for a batch slot when max_queue_s is not given.
+MAX_QUEUE_S = 60.0
 
 
 def parse_ids(text: str, what: str) -> tuple[int, ...]:
@@ -92,6 +99,14 @@ class ServeConfig:
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
             default), a model folder is read as data and such a folder is refused.
+        max_prompt_bytes: the largest prompt (UTF-8 bytes of ``text_input``) preprocessing tokenises; a longer one
+            is refused before tokenising. None: the target's max_seq_len × :data:`PROMPT_BYTES_PER_TOKEN`
+            (filled in by ``render_repo``).
+        max_queue_len: requests that may wait for a batch slot beyond the ``max_batch_size`` decoding; one more
+            is refused at once as "server busy" (UNAVAILABLE, HTTP 503). None: ``max_batch_size`` (the engine's
+            when that is None too), so at most twice max_batch_size requests are open.
+        max_queue_s: seconds a request may wait for a batch slot before it is refused as "server busy"; None: no
+            limit (offline runs; ``render_repo`` writes :data:`MAX_QUEUE_S` for serving).
     """
 
     engines_dir: Path
@@ -108,6 +123,9 @@ class ServeConfig:
     cuda_graphs: bool = True
     collective_timeout_s: int = 300
     trust_remote_code: bool = False
+    max_prompt_bytes: int | None = None
+    max_queue_len: int | None = None
+    max_queue_s: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -122,12 +140,16 @@ class ServeConfig:
                 raise ConfigError(f"draft_device_id = {self.draft_device_id}: expected a GPU id ≥ 0")
             if not self.target_device_ids:
                 raise ConfigError("draft_device_id is set but the target runs on the CPU (no target_device_ids)")
-        for name in ("draft_tp", "max_batch_size", "kv_tokens"):
+        for name in ("draft_tp", "max_batch_size", "kv_tokens", "max_prompt_bytes"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} = {v}: expected ≥ 1")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens = {self.num_draft_tokens}: expected ≥ 0")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ConfigError(f"max_queue_len = {self.max_queue_len}: expected ≥ 0")
+        if self.max_queue_s is not None and not self.max_queue_s > 0:
+            raise ConfigError(f"max_queue_s = {self.max_queue_s}: expected seconds > 0")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"max_prefill_tokens = {self.max_prefill_tokens}: expected ≥ 1")
         if self.collective_timeout_s < 1:
@@ -209,6 +231,8 @@ class ServeConfig:
             draft_device_id=parse_id(text("draft_device_id"), f"{_WHERE}: parameter 'draft_device_id'"),
             draft_tp=number("draft_tp"), num_draft_tokens=number("num_draft_tokens"),
             max_batch_size=number("max_batch_size"), kv_tokens=number("kv_tokens"),
+            max_prompt_bytes=number("max_prompt_bytes"), max_queue_len=number("max_queue_len"),
+            max_queue_s=number("max_queue_s", float),
             synthetic_acceptance=probs, trust_remote_code=parameter_flag(params, "trust_remote_code", _WHERE),
         )
         prefill = number("max_prefill_tokens")

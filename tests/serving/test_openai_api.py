@@ -110,6 +110,9 @@ BAD = [
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x " * 400}]}, 400, None,
      "max_seq_len"),
     ("/completions", {"model": "NAME", "prompt": "x " * 400, "max_tokens": 4, "stream": True}, 400, None, "max_seq_len"),
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x" * 20000}]}, 400, "messages",
+     "bytes, at most 8192"),  # refused by the front end: without max_tokens it would tokenise the prompt
+    ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, None, "at most 8192"),  # models
     ("/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
     ("/nowhere", {}, 404, None, "Not Found"),
 ]

@@ -110,6 +110,8 @@ def test_body_must_be_a_json_object(raw):
     ("spec_decode: max_tokens = 100000: expected 1..4096", 400, None),
     ("spec_decode: generation failed: worker 1 died", 503, "service_unavailable"),
     ("Request for unknown model: 'ensemble' is not found", 503, "service_unavailable"),
+    ("in ensemble 'ensemble', spec_decode: server busy: 128 requests open, at most 64 decoding and 64 waiting", 503,
+     "service_unavailable"),
     ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
 ])
 def test_ensemble_errors_map_to_statuses(message, status, code):

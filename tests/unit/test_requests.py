@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from splitspec.errors import ConfigError
+from splitspec.errors import ConfigError, ServerBusy
 from splitspec.runtime.sampling import SamplingParams
-from splitspec.serving.requests import (ENSEMBLE_INPUTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SPEC_DECODE_INPUTS,
-                                        UNSUPPORTED, StreamOptions, cancel_stream_id, check_parameters, parse_request,
-                                        scalar, strings)
+from splitspec.serving.requests import (ENSEMBLE_INPUTS, INT32_HINT, MAX_STOP_CHARS, MAX_STOP_STRINGS, SPEC_DECODE_INPUTS,
+                                        UNSUPPORTED, StreamOptions, cancel_stream_id, check_capacity, check_parameters,
+                                        parse_request, prompt_text, scalar, strings)
 
 LIMIT = 4096
 
@@ -53,10 +53,10 @@ def test_num_draft_tokens_zero_is_kept():
 @pytest.mark.parametrize("inputs, message", [
     (_inputs(input_ids=None), "input_ids: missing"),
     (_inputs(input_ids=np.zeros(0, dtype=np.int32)), "input_ids: empty prompt"),
-    (_inputs(max_tokens=None), "max_tokens: missing"),
-    (_inputs(max_tokens=np.array([0], dtype=np.int32)), f"max_tokens = 0: expected 1..{LIMIT}"),
+    (_inputs(max_tokens=None), f"max_tokens: missing (a required input: tokens to generate at most, 1..{LIMIT})"),
+    (_inputs(max_tokens=np.array([0], dtype=np.int32)), f"max_tokens = 0: expected 1..{LIMIT}{INT32_HINT}"),
     (_inputs(max_tokens=np.array([LIMIT + 1], dtype=np.int32)), f"max_tokens = {LIMIT + 1}: expected 1..{LIMIT}"),
-    (_inputs(max_tokens=np.array([-3], dtype=np.int32)), f"max_tokens = -3: expected 1..{LIMIT}"),
+    (_inputs(max_tokens=np.array([-3], dtype=np.int32)), f"max_tokens = -3: expected 1..{LIMIT}{INT32_HINT}"),
     (_inputs(max_tokens=np.array([4, 4], dtype=np.int32)), "max_tokens: expected one value, got shape [2]"),
     (_inputs(temperature=np.zeros((1, 2), dtype=np.float32)), "temperature: expected one value, got shape [1, 2]"),
     (_inputs(stream=np.zeros(0, dtype=bool)), "stream: expected one value, got shape [0]"),
@@ -210,3 +210,41 @@ def test_inputs_agree_with_the_client_and_the_model():
                                      .split("\ninput [")[1].split("\noutput [")[0])
     assert tuple(names("ensemble")) == ENSEMBLE_INPUTS
     assert tuple(names("spec_decode")) == (*SPEC_DECODE_INPUTS, "cancel_stream_id")
+
+
+# ---------------------------------------------------------------- admission: prompt size, capacity
+
+
+@pytest.mark.parametrize("raw, message", [
+    (None, "text_input: missing (a required input"),
+    (np.array([[b"abcdefghi"]], dtype=np.object_), "text_input: 9 bytes, at most 8"),
+    (np.array(["ééééé"], dtype=np.object_), "text_input: 10 bytes, at most 8"),  # counted in UTF-8 bytes
+    (np.array([b"\xff\xfe"], dtype=np.object_), "text_input: not valid UTF-8"),
+    (np.array([b""], dtype=np.object_), "text_input: empty prompt"),
+    (np.array([b"a", b"b"], dtype=np.object_), "text_input: expected one value"),
+])
+def test_prompt_text_refusals(raw, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        prompt_text({} if raw is None else {"text_input": raw}, 8)
+
+
+def test_prompt_text_at_the_limit_is_accepted_and_the_limit_is_checked_before_decoding():
+    assert prompt_text({"text_input": np.array([["défi".encode()]], dtype=np.object_)}, 5) == "défi"  # 5 bytes
+    with pytest.raises(ConfigError, match="at most 3"):  # refused by size although it is not UTF-8 either
+        prompt_text({"text_input": np.array([b"\xff\xfe\xfd\xfc"], dtype=np.object_)}, 3)
+
+
+@pytest.mark.parametrize("open_requests, refused", [(0, False), (5, False), (6, True), (9, True)])
+def test_check_capacity(open_requests, refused):
+    if refused:
+        with pytest.raises(ServerBusy, match=rf"server busy: {open_requests} requests open, at most 4 decoding and 2 "):
+            check_capacity(open_requests, 4, 2)
+    else:
+        check_capacity(open_requests, 4, 2)
+
+
+def test_max_tokens_wrapped_by_triton_http_gets_a_hint():
+    with pytest.raises(ConfigError, match=r"max_tokens = -2147483643: expected 1\.\.4096 \(an INT32 input.*modulo 2\^32"):
+        parse_request(_inputs(max_tokens=np.array([2**31 + 5 - 2**32], dtype=np.int32)), LIMIT)
+    with pytest.raises(ConfigError, match=r"max_tokens = 4097: expected 1\.\.4096$"):  # too large: no hint
+        parse_request(_inputs(max_tokens=np.array([LIMIT + 1], dtype=np.int32)), LIMIT)

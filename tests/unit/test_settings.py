@@ -13,7 +13,8 @@ from splitspec.settings import ServeConfig
 
 def test_parameters_round_trip():
     cfg = ServeConfig(Path("/e"), target_device_ids=(2, 3), draft_device_id=4, draft_tp=1, num_draft_tokens=3,
-                      max_batch_size=8, kv_tokens=4096, max_prefill_tokens=256, synthetic_acceptance=(0.9, 0.5))
+                      max_batch_size=8, kv_tokens=4096, max_prefill_tokens=256, synthetic_acceptance=(0.9, 0.5),
+                      max_prompt_bytes=8192, max_queue_len=0, max_queue_s=2.5)
     params = cfg.to_parameters()
     assert params["target_device_ids"] == "2,3" and params["synthetic_acceptance"] == "0.9,0.5"
     assert ServeConfig.from_parameters(params, env={}) == cfg
@@ -40,6 +41,9 @@ def test_environment_switches_and_explicit_fields_win():
     (dict(target_device_ids=(0, 0)), "target_device_ids"),
     (dict(draft_device_id=1), "draft_device_id is set but the target runs on the CPU"),
     (dict(synthetic_acceptance=(1.5,)), "synthetic_acceptance"),
+    (dict(max_prompt_bytes=0), "max_prompt_bytes = 0"),
+    (dict(max_queue_len=-1), "max_queue_len = -1"),
+    (dict(max_queue_s=0.0), "max_queue_s = 0.0: expected seconds > 0"),
 ])
 def test_bad_fields_are_named(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -51,6 +55,7 @@ def test_bad_fields_are_named(fields, message):
     ({"engines_dir": "e", "draft_tp": "x"}, "'draft_tp' = 'x', expected an integer"),
     ({"engines_dir": "e", "target_device_ids": "0;1"}, "'target_device_ids'"),
     ({"engines_dir": "e", "synthetic_acceptance": "a,b"}, "'synthetic_acceptance'"),
+    ({"engines_dir": "e", "max_queue_s": "soon"}, "'max_queue_s' = 'soon', expected a number"),
 ])
 def test_bad_parameters_are_named(params, message):
     with pytest.raises(ConfigError, match=message):

@@ -24,7 +24,7 @@ def _model(name: str, folder: Path, **params):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel()
-    values = {"tokenizer_dir": str(folder)} | params
+    values = {"tokenizer_dir": str(folder), "max_prompt_bytes": "65536"} | params
     m.initialize({"model_config": json.dumps({"name": name, "parameters": {k: {"string_value": v} for k, v in values.items()}})})
     return m
 
@@ -63,7 +63,7 @@ def _engines(tmp_path: Path) -> Path:
     for kind in ("target", "drafter"):
         (eng / kind).mkdir(parents=True, exist_ok=True)
         (eng / kind / "engine.json").write_text(json.dumps({"kind": kind, "mapping": {"tp_size": 1},
-                                                            "limits": {"max_draft_len": 8}}))
+                                                            "limits": {"max_draft_len": 8, "max_seq_len": 256}}))
     return eng
 
 

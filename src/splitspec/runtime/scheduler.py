@@ -44,7 +44,8 @@ class SpeculativeEngine:
     num_draft_tokens (default k per request; 0 disables speculation; None: 4), max_batch_size (sequences decoded at
     once; None: the engine's), max_prefill_tokens (prompt tokens prefilled per cycle) and synthetic_acceptance
     (benchmark only — per-position acceptance probabilities; outputs are then NOT the target's and every result
-    is labelled ``synthetic``). ``tokenizer``: for stop strings and text (None: token ids only).
+    is labelled ``synthetic``), max_queue_s (a request queued longer ends with finish_reason ``"busy"``; None: no
+    limit). ``tokenizer``: for stop strings and text (None: token ids only).
     """
 
     def __init__(self, group: Group, tokenizer=None):
@@ -254,6 +255,15 @@ class SpeculativeEngine:
                 seq.stats.queue_ms = (time.perf_counter() - seq.t_submit) * 1e3
                 self.running.append(seq)
 
+    def _expired(self) -> list[tuple[Sequence, float]]:
+        """(request, seconds waited) of those queued longer than ``max_queue_s``, taken off the queue."""
+        limit, now = self.config.max_queue_s, time.perf_counter()
+        with self._lock:
+            old = [(s, now - s.t_submit) for s in self.waiting if limit is not None and now - s.t_submit > limit]
+            for s, _ in old:
+                self.waiting.remove(s)
+        return old
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one cycle over every active sequence; return (and send to callbacks) the events it produced.
@@ -269,6 +279,8 @@ class SpeculativeEngine:
         for seq in cancelled_waiting:
             events.append(self._finish(seq, "cancelled"))
         self._admit()
+        events += [self._finish(seq, "busy", f"server busy: waited {wait:.1f} s for a batch slot, at most max_queue_s = "
+                                f"{self.config.max_queue_s:g} s; retry later") for seq, wait in self._expired()]
         work, budget = [], self.max_prefill_tokens
         for seq in self.running:
             if seq.decoding:

@@ -87,7 +87,8 @@ class RequestOutput:
     """One event of a request: tokens (and text, with a tokenizer) emitted in one cycle, or the end.
 
     ``error`` is set (and ``finished`` True) when the request failed; ``stats`` is set when finished.
-    ``finish_reason``: "stop", "length", "cancelled", "error"; "rejected" for a request the engine process refused
+    ``finish_reason``: "stop", "length", "cancelled", "error", "busy" (queued longer than ``max_queue_s``: ``error``
+    says so); "rejected" for a request the engine process refused
     (:mod:`splitspec.serving.engine_process`; ``error`` says why, no ``stats``).
     """
 

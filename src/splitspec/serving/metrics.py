@@ -57,9 +57,10 @@ class Pending:
     queue_ms: list[float] = field(default_factory=list)
     draft_cycles: dict[int, int] = field(default_factory=dict)  # draft_tp -> cycles it drafted
     placement_switches: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # refusal reason -> requests
 
     def empty(self) -> bool:
-        return not (self.cycles or self.finished)
+        return not (self.cycles or self.finished or self.refused)
 
 
 class MetricsCollector:
@@ -111,6 +112,11 @@ class MetricsCollector:
                     p.ttft_ms.append(float(stats.ttft_ms))
                 p.queue_ms.append(float(stats.queue_ms))
 
+    def on_refused(self, reason: str) -> None:
+        """Record a request refused as "server busy" (``reason``: one of :data:`REFUSAL_REASONS`)."""
+        with self._lock:
+            self._p.refused[reason] = self._p.refused.get(reason, 0) + 1
+
     def drain(self) -> Pending:
         """Return everything recorded since the last call and start afresh."""
         with self._lock:
@@ -139,6 +145,9 @@ FAMILIES = {
     "prefill_tokens": ("splitspec_prefill_tokens_total", "COUNTER", "Prompt tokens prefilled"),
     "requests": ("splitspec_requests_total", "COUNTER",
                  "Finished requests by finish_reason (length, stop, cancelled, error)"),
+    "refused": ("splitspec_refused_requests_total", "COUNTER",
+                "Requests refused as server busy (HTTP 503 / UNAVAILABLE), by reason: queue_full (max_batch_size "
+                "decoding and max_queue_len waiting when it arrived), queue_timeout (waited longer than max_queue_s)"),
     "draft_ms": ("splitspec_draft_ms", "HISTOGRAM", "Draft phase wall time per cycle (ms)"),
     "verify_ms": ("splitspec_verify_ms", "HISTOGRAM", "Verify forward wall time per cycle, prefill chunks included (ms)"),
     "batch": ("splitspec_cycle_decode_sequences", "HISTOGRAM", "Sequences decoding together in one cycle"),
@@ -153,6 +162,7 @@ FAMILIES = {
 }
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
+REFUSAL_REASONS = ("queue_full", "queue_timeout")
 
 
 class TritonMetricsExporter:
@@ -187,6 +197,7 @@ class TritonMetricsExporter:
                                 for n in range(1, max_draft_len + 2)}
         self.accepted = {i: f["accepted"].Metric(labels={**lab, "position": str(i + 1)}) for i in range(max_draft_len)}
         self.requests = {r: f["requests"].Metric(labels={**lab, "finish_reason": r}) for r in FINISH_REASONS}
+        self.refused = {r: f["refused"].Metric(labels={**lab, "reason": r}) for r in REFUSAL_REASONS}
         self.draft_cycles: dict[int, object] = {}  # by draft_tp, made when first seen
         self.scalars = {key: f[key].Metric(labels=lab) for key in
                         ("verified", "cycles", "switches", "output_tokens", "prefill_tokens",
@@ -227,6 +238,8 @@ class TritonMetricsExporter:
         for reason, count in p.finished.items():
             m = self.requests.get(reason) or self.requests["error"]
             m.increment(float(count))
+        for reason, count in p.refused.items():
+            self.refused[reason].increment(float(count))
         for v in p.acceptance_lengths:
             self.acceptance.observe(v)
         for v in p.ttft_ms:
@@ -241,7 +254,7 @@ class TritonMetricsExporter:
         """Drop the metrics, then their families (Triton requires this order)."""
         for name in ("acceptance", "draft_ms", "verify_ms", "batch", "ttft_ms", "queue_ms"):
             setattr(self, name, None)
-        self.sequence_cycles = self.accepted = self.requests = self.scalars = self.draft_cycles = {}
+        self.sequence_cycles = self.accepted = self.requests = self.refused = self.scalars = self.draft_cycles = {}
         self.families = {}
 
 

@@ -41,6 +41,7 @@ from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
 from splitspec.serving.repo import repo_setting
+from splitspec.settings import PROMPT_BYTES_PER_TOKEN
 
 log = logging.getLogger("splitspec.openai")
 
@@ -55,6 +56,7 @@ class ServedModel:
     max_draft_len: int
     max_tokens_limit: int
     created: int
+    max_prompt_bytes: int  # preprocessing's limit, checked here too before the front end tokenises a prompt
 
     @classmethod
     def from_repo(cls, repo: Path, name: str | None = None) -> "ServedModel":
@@ -74,8 +76,10 @@ class ServedModel:
         if not isinstance(limits, dict) or not all(isinstance(limits.get(k), int) for k in ("max_seq_len", "max_draft_len")):
             raise ConfigError(f"{meta_path}: field 'limits' lacks max_seq_len / max_draft_len")
         limit = int(repo_setting(repo, "spec_decode", "max_tokens_limit") or limits["max_seq_len"])
+        prompt_bytes = int(repo_setting(repo, "preprocessing", "max_prompt_bytes")
+                           or limits["max_seq_len"] * PROMPT_BYTES_PER_TOKEN)
         return cls(name or Path(engines).resolve().name, ChatTokenizer.from_dir(Path(tok_dir)), limits["max_seq_len"],
-                   limits["max_draft_len"], limit, int(time.time()))
+                   limits["max_draft_len"], limit, int(time.time()), prompt_bytes)
 
     def prompt_text(self, req: schema.GenerationRequest) -> str:
         """The text sent as ``text_input``: the completion prompt, or the chat messages rendered with the chat
@@ -91,6 +95,10 @@ class ServedModel:
         """The request's max_tokens, or (none given) what fits beside the prompt."""
         if req.max_tokens is not None:
             return req.max_tokens
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:  # as preprocessing would: never tokenise what cannot fit
+            raise schema.invalid("messages" if req.messages is not None else "prompt",
+                                 f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
         return schema.default_max_tokens(len(self.tokenizer.encode(text)), self.max_seq_len, self.max_draft_len,
                                          self.max_tokens_limit)
 

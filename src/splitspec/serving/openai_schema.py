@@ -288,12 +288,13 @@ def default_max_tokens(prompt_tokens: int, max_seq_len: int, max_draft_len: int,
 def ensemble_error(message: str) -> APIError:
     """The API error for an error response of the ensemble (a gRPC stream carries its text only): the models'
     internal errors → 500 ``server_error``; a failed or unloaded engine (``generation failed``, a model not ready or
-    unknown) → 503 ``service_unavailable``; anything else is a bad request → 400 (``context_length_exceeded`` when
+    unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; anything else is a bad request → 400 (``context_length_exceeded`` when
     the prompt and max_tokens do not fit the engine's max_seq_len)."""
     low = message.lower()
     if "internal error" in low:
         return APIError(500, message, "server_error", None, "internal_error")
-    if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped")):
+    if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped",
+                              "server busy")):
         return APIError(503, message, "service_unavailable", None, "service_unavailable")
     return invalid(None, message, "context_length_exceeded" if "max_seq_len" in message else None)
 

@@ -18,7 +18,7 @@ from string import Template
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import read_json, write_atomic
-from splitspec.settings import ServeConfig
+from splitspec.settings import MAX_QUEUE_S, PROMPT_BYTES_PER_TOKEN, ServeConfig
 
 #: Models of the repository, in pipeline order (the ensemble last).
 MODELS = ("preprocessing", "spec_decode", "postprocessing", "ensemble")
@@ -76,9 +76,11 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
             served (the parameter is then left empty and the engine reads the file), else 4. ``draft_tp`` None:
             tuning.json's placement per batch bucket (left empty when the buckets' placements differ: the
             engine loads both), else 1. ``target_device_ids`` ``()``: CPU; ``draft_device_id`` None: target rank
-            0's device. ``max_batch_size`` / ``kv_tokens`` None: the engine's. ``synthetic_acceptance``:
-            BENCHMARK ONLY — served outputs are then NOT the target's (the engine labels them synthetic and the
-            model logs a warning).
+            0's device. ``max_batch_size`` / ``kv_tokens`` None: the engine's. ``max_prompt_bytes`` None: the
+            target's max_seq_len × :data:`~splitspec.settings.PROMPT_BYTES_PER_TOKEN` (preprocessing's parameter).
+            ``max_queue_s`` None: :data:`~splitspec.settings.MAX_QUEUE_S`. ``synthetic_acceptance``: BENCHMARK
+            ONLY — served outputs are then NOT the target's (the engine labels them synthetic and the model logs
+            a warning).
         out_dir: repository folder; ``template_dir`` itself renders in place, any other folder also
             receives a copy of the models' code.
         template_dir: the checkout's ``triton_repo/`` (templates and model code); relative to the working
@@ -131,8 +133,16 @@ def render_repo(cfg: ServeConfig, out_dir: Path, template_dir: Path = TEMPLATE_D
     if cfg.synthetic_acceptance is not None and not cfg.synthetic_acceptance:
         raise ConfigError("synthetic_acceptance = []: expected a non-empty list of probabilities in [0, 1]")
 
+    max_prompt_bytes = cfg.max_prompt_bytes
+    if max_prompt_bytes is None:
+        seq = _find_int(target, "max_seq_len")
+        if seq is None:
+            raise ConfigError(f"{engines_dir / 'target' / 'engine.json'}: no max_seq_len to derive max_prompt_bytes "
+                              "from; give max_prompt_bytes")
+        max_prompt_bytes = seq * PROMPT_BYTES_PER_TOKEN
     served = cfg.replace(engines_dir=engines_dir, num_draft_tokens=num_draft_tokens,
-                         draft_tp=None if per_bucket else draft_tp)
+                         draft_tp=None if per_bucket else draft_tp, max_prompt_bytes=max_prompt_bytes,
+                         max_queue_s=MAX_QUEUE_S if cfg.max_queue_s is None else cfg.max_queue_s)
     values = served.to_parameters() | {"tokenizer_dir": str(engines_dir / "target"),
                                        "max_tokens_limit": str(MAX_TOKENS_LIMIT)}
     for k, v in values.items():

@@ -4,8 +4,10 @@ The Triton model hands this module plain values — a mapping from input name to
 (absent inputs missing or None, :func:`splitspec.serving.triton.read_inputs`) and the request's parameters
 as JSON text — and gets back the runtime :class:`~splitspec.runtime.types.Request` and the options that
 shape its responses (:class:`StreamOptions`), or a :class:`~splitspec.errors.ConfigError` whose message names
-the input. The model answers that error with INVALID_ARG (HTTP 400). The inputs and their types are those of
-``triton_repo/spec_decode/config.pbtxt.in``; each arrives with a leading batch dimension of 1 (the models are
+the input. The model answers that error with INVALID_ARG (HTTP 400), and a
+:class:`~splitspec.errors.ServerBusy` (:func:`check_capacity`) with UNAVAILABLE (HTTP 503). The inputs and
+their types are those of ``triton_repo/spec_decode/config.pbtxt.in`` (:func:`prompt_text`: preprocessing's
+``text_input``); each arrives with a leading batch dimension of 1 (the models are
 batched, ``max_batch_size`` 1), which the readers here flatten away.
 
 Input names, types and meanings follow the TensorRT-LLM backend's ensemble
@@ -27,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from splitspec.errors import ConfigError
+from splitspec.errors import ConfigError, ServerBusy
 from splitspec.runtime.sampling import SamplingParams
 from splitspec.runtime.types import Request
 
@@ -57,6 +59,9 @@ TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", 
 SPEC_DECODE_INPUTS = ("input_ids", *(n for n in ENSEMBLE_INPUTS if n != "apply_chat_template"))
 #: The control input postprocessing sends to cancel a stream (no other input is read then).
 CANCEL_INPUT = "cancel_stream_id"
+#: Added to an out-of-range INT32 value's error: what the client may have sent (docs/serving.md, "Integer inputs").
+INT32_HINT = (" (an INT32 input: Triton's HTTP front end wraps a JSON integer modulo 2^32, so 2^31..2^32-1 arrives "
+              "negative)")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
@@ -121,6 +126,46 @@ def strings(inputs: Inputs, name: str) -> list[str]:
                 raise ConfigError(f"{name}: not valid UTF-8") from None
         out.append(str(v))
     return out
+
+
+def prompt_text(inputs: Inputs, max_bytes: int) -> str:
+    """The prompt of a request (input ``text_input``, TYPE_STRING [1, 1]) as str, checked before it is tokenised.
+
+    Args:
+        inputs: input name → the request's array.
+        max_bytes: the longest prompt accepted, in UTF-8 bytes (``ServeConfig.max_prompt_bytes``).
+    Raises:
+        ConfigError: naming ``text_input``: missing, more than one value, longer than ``max_bytes`` (checked on the
+            bytes, before decoding), not UTF-8, or empty.
+    """
+    raw = scalar(inputs, "text_input")
+    if raw is None:
+        raise ConfigError("text_input: missing (a required input: the prompt)")
+    size = len(raw) if isinstance(raw, bytes) else len(str(raw).encode("utf-8"))
+    if size > max_bytes:
+        raise ConfigError(f"text_input: {size} bytes, at most {max_bytes} (max_prompt_bytes: a longer prompt cannot "
+                          "fit the engine's max_seq_len)")
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("text_input: not valid UTF-8") from None
+    text = str(raw)
+    if not text:
+        raise ConfigError("text_input: empty prompt")
+    return text
+
+
+def check_capacity(open_requests: int, max_batch_size: int, max_queue_len: int) -> None:
+    """Refuse a new request when ``open_requests`` (accepted and not finished) already fill the batch
+    (``max_batch_size``) and the wait queue (``max_queue_len``).
+
+    Raises:
+        ServerBusy: saying how many requests are open and the limits.
+    """
+    if open_requests >= max_batch_size + max_queue_len:
+        raise ServerBusy(f"server busy: {open_requests} requests open, at most {max_batch_size} decoding and "
+                         f"{max_queue_len} waiting (max_queue_len); retry later")
 
 
 def cancel_stream_id(inputs: Inputs) -> int | None:
@@ -225,10 +270,10 @@ def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, Strea
         raise ConfigError("input_ids: empty prompt")
     max_tokens = scalar(inputs, "max_tokens")
     if max_tokens is None:
-        raise ConfigError("max_tokens: missing")
+        raise ConfigError(f"max_tokens: missing (a required input: tokens to generate at most, 1..{max_tokens_limit})")
     max_tokens = int(max_tokens)
     if not 1 <= max_tokens <= max_tokens_limit:
-        raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{max_tokens_limit}")
+        raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{max_tokens_limit}{INT32_HINT if max_tokens < 1 else ''}")
     check_unsupported(inputs)
 
     def opt(name, default, cast):

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-#: Triton error codes an error response may carry, with the HTTP status each becomes.
+#: Triton error codes an error response may carry, with the HTTP status each becomes at ``/infer``. Triton 2.51's
+#: generate endpoints answer every error response of a model with 400, and its gRPC streams carry the message only
+#: (measured: tests/serving/test_faults_admission.py).
 ERROR_CODES = {"INVALID_ARG": 400, "UNAVAILABLE": 503, "INTERNAL": 500}
 
 

@@ -25,6 +25,7 @@ from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricted_api_args
 from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.serving.repo import MODELS
+from splitspec.serving.server_limits import server_stack_bytes, stack_limit
 from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 
@@ -221,7 +222,7 @@ class TritonServer:
         backend_dir = prepare_backend_dir(self.repo, install)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb") as log, stack_limit(server_stack_bytes(self.repo)):  # server_limits.py
             self.proc = subprocess.Popen(self.command(backend_dir, install), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=server_env(install),
                                          cwd=str(self.repo), start_new_session=True, umask=SERVER_UMASK)

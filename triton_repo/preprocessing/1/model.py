@@ -1,6 +1,7 @@
 """Triton Python model ``preprocessing``: prompt text → token ids.
 
-Inputs: ``text_input`` (string [1, 1]); optional ``apply_chat_template`` (bool [1, 1], default false:
+Inputs: ``text_input`` (string [1, 1], required, at most the parameter ``max_prompt_bytes`` UTF-8 bytes: a longer
+prompt is refused before it is tokenised); optional ``apply_chat_template`` (bool [1, 1], default false:
 the raw prompt is completed; true: the prompt becomes one user message in the tokenizer's chat
 template). Output: ``input_ids`` (int32 [1, n]). Batched like the ensemble (``max_batch_size`` 1: one prompt
 per request). The tokenizer is ``splitspec.runtime.tokenizer.ChatTokenizer`` loaded from the parameter
@@ -18,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 from splitspec.errors import SplitspecError
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving.access import make_stub_region_private
-from splitspec.serving.requests import scalar
+from splitspec.serving.requests import prompt_text, scalar
 from splitspec.serving.triton import error_response, model_config, read_inputs, tensor
 from splitspec.settings import parameter_flag
 
@@ -36,6 +37,11 @@ class TritonPythonModel:
         if not tok_dir:
             raise SplitspecError("preprocessing/config.pbtxt: parameter 'tokenizer_dir' is empty")
         remote = parameter_flag(params, "trust_remote_code", "preprocessing/config.pbtxt")
+        raw = params.get("max_prompt_bytes", "").strip()
+        if not raw.isdigit() or int(raw) < 1:
+            raise SplitspecError(f"preprocessing/config.pbtxt: parameter 'max_prompt_bytes' = {raw!r}, expected "
+                                 "bytes ≥ 1")
+        self.max_prompt_bytes = int(raw)
         self.tokenizer = ChatTokenizer.from_dir(Path(tok_dir), trust_remote_code=remote)
 
     def execute(self, requests):
@@ -53,18 +59,7 @@ class TritonPythonModel:
 
     def _execute_one(self, request):
         inputs = read_inputs(request, INPUTS)
-        raw = scalar(inputs, "text_input")
-        if raw is None:
-            raise SplitspecError("text_input: missing")
-        if isinstance(raw, bytes):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise SplitspecError("text_input: not valid UTF-8") from None
-        else:
-            text = str(raw)
-        if not text:
-            raise SplitspecError("text_input: empty prompt")
+        text = prompt_text(inputs, self.max_prompt_bytes)  # the byte limit is checked before anything else
         chat = scalar(inputs, "apply_chat_template")
         if chat is not None and bool(chat):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],

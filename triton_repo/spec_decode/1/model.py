@@ -44,7 +44,9 @@ the repository API) recovers.
 Shapes: the model is batched like the ensemble (``max_batch_size`` 1, the TensorRT-LLM backend's convention), so
 every input and output carries a leading batch dimension of 1. Errors in a request are answered with INVALID_ARG
 (HTTP 400) naming the input (the checks, and the inputs of that convention not implemented here:
-:mod:`splitspec.serving.requests`); ``execute`` never raises.
+:mod:`splitspec.serving.requests`); ``execute`` never raises. Admission: with max_batch_size requests decoding and
+max_queue_len waiting, the next is refused at once, and one queued longer than max_queue_s is ended, with UNAVAILABLE
+(HTTP 503) "server busy"; both count in ``splitspec_refused_requests_total``.
 """
 
 import random
@@ -56,14 +58,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.engine.plan import EngineError
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.errors import ConfigError, ServerBusy, SplitspecError
 from splitspec.runtime.types import RequestOutput
 from splitspec.serving.access import make_stub_region_private
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S
-from splitspec.serving.requests import (CANCEL_INPUT, SPEC_DECODE_INPUTS, cancel_stream_id, check_parameters,
-                                        parse_request)
+from splitspec.serving.requests import (CANCEL_INPUT, SPEC_DECODE_INPUTS, cancel_stream_id, check_capacity,
+                                        check_parameters, parse_request)
 from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
 from splitspec.settings import ServeConfig
 
@@ -141,6 +143,7 @@ class TritonPythonModel:
                                      f"{list(cfg.synthetic_acceptance)} regardless of their value; outputs are NOT "
                                      "the target's")
         info = self.engine.info
+        self.max_queue_len = info["max_batch_size"] if cfg.max_queue_len is None else cfg.max_queue_len
         k = f"{info['k_by_batch']} by batch bucket (tuning.json)" if info["k_by_batch"] else info["k"]
         self.exporter = TritonMetricsExporter(pb_utils, self.model_name, info["max_draft_len"])
         self.monitor_thread = threading.Thread(target=self._monitor, name="spec_decode-monitor", daemon=True)
@@ -167,7 +170,9 @@ class TritonPythonModel:
                 sender = request.get_response_sender()
                 self._accept(request, sender)
             except SplitspecError as e:
-                code = "UNAVAILABLE" if isinstance(e, EngineError) else "INVALID_ARG"
+                if busy := isinstance(e, ServerBusy):
+                    self.collector.on_refused("queue_full")
+                code = "UNAVAILABLE" if busy or isinstance(e, EngineError) else "INVALID_ARG"
                 self._reply_error(sender, f"spec_decode: {e}", code)
             except Exception as e:  # never let a request take the model down
                 pb_utils.Logger.log_error(f"spec_decode: {traceback.format_exc()}")
@@ -194,6 +199,7 @@ class TritonPythonModel:
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
         req, options = parse_request(inputs, self.max_tokens_limit)
+        check_capacity(len(self.streams), self.engine.info["max_batch_size"], self.max_queue_len)
         st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:
             self.streams[st.sid] = st
@@ -264,8 +270,10 @@ class TritonPythonModel:
         """Handle one engine event of ``st``; ``hold``: keep its delta for the stream's next response."""
         if st.done:
             return
-        if ev.error is not None and ev.finish_reason == "rejected":  # the engine refused it: it can never be served
-            self._close(st, error=f"spec_decode: {ev.error}", code="INVALID_ARG")
+        if ev.error is not None and ev.finish_reason in ("rejected", "busy"):  # can never be served / queued too long
+            if busy := ev.finish_reason == "busy":
+                self.collector.on_refused("queue_timeout")
+            self._close(st, error=f"spec_decode: {ev.error}", code="UNAVAILABLE" if busy else "INVALID_ARG")
             return
         if ev.error is not None:
             self.collector.on_finished("error")

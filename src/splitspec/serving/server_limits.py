@@ -1,0 +1,59 @@
+"""How big a request tritonserver 2.51 takes, and the one limit of its front ends that this project sets.
+
+Measured on the server ``nvidia-pytriton`` 0.7.0 installs (tritonserver 2.51, ``tritonserver --help``):
+
+- HTTP: no option bounds a request body (``--http-max-input-size`` came in a later release); a 70 MB JSON body is
+  read whole. Its HTTP library (libevhtp) parses a body sent as ``application/x-www-form-urlencoded`` — ``curl
+  -d``'s default — as a query string before any handler runs, copying it twice onto the stack of the HTTP thread
+  (``evhtp_parse_query_wflags``). With glibc's default thread stack (the 8 MiB RLIMIT_STACK) a single ~8 MB request
+  of that type killed the server with SIGSEGV; a JSON-typed body of any size did not.
+- gRPC: the receive limit is fixed at 2 GiB (``SetMaxMessageSize(INT32_MAX)`` in its gRPC server); no option.
+
+So the stack size of tritonserver's threads is the limit that decides whether a body crashes the server:
+:func:`server_stack_bytes` sizes it so that every request carrying a prompt the models accept
+(``max_prompt_bytes``, :class:`~splitspec.settings.ServeConfig`) is parsed safely, and never below
+:data:`SERVER_STACK_MIN_BYTES`. A larger body is refused by preprocessing before tokenising (``text_input``: N bytes,
+at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51: only a release with
+a body limit (or a proxy in front) closes that. Reserving the stack costs address space, not memory: only the
+pages a thread touches are backed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from pathlib import Path
+
+from splitspec.serving.repo import repo_setting
+
+#: Smallest stack of tritonserver's threads: form-typed bodies up to ~31 MiB are parsed safely.
+SERVER_STACK_MIN_BYTES = 64 << 20
+#: Bytes of JSON per prompt byte at worst (a control character escaped as ``\u0000``).
+JSON_BYTES_PER_PROMPT_BYTE = 6
+#: A request's JSON beside its prompt (other inputs, keys), at most.
+JSON_OVERHEAD_BYTES = 64 << 10
+
+
+def server_stack_bytes(repo: Path) -> int:
+    """RLIMIT_STACK for tritonserver serving ``repo``: twice the largest body a request whose prompt has the
+    repository's ``max_prompt_bytes`` (preprocessing's parameter) can take in JSON, plus 1 MiB; at least
+    :data:`SERVER_STACK_MIN_BYTES`."""
+    prompt = (repo_setting(repo, "preprocessing", "max_prompt_bytes") or "").strip()
+    body = JSON_BYTES_PER_PROMPT_BYTE * int(prompt) + JSON_OVERHEAD_BYTES if prompt.isdigit() else 0
+    return max(SERVER_STACK_MIN_BYTES, 2 * body + (1 << 20))
+
+
+@contextlib.contextmanager
+def stack_limit(n_bytes: int):
+    """Set this process's soft RLIMIT_STACK to ``n_bytes`` (at most the hard limit; an unlimited one too, for which
+    glibc would pick its own thread stack size) while the processes it starts inherit it; restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    want = n_bytes if hard == resource.RLIM_INFINITY else min(n_bytes, hard)
+    if soft != resource.RLIM_INFINITY and soft >= want:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
