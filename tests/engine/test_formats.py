@@ -30,7 +30,7 @@ from splitspec.testing import fixtures
 from splitspec.models import fused_moe
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.testing.engine_logits import engine_logits
 from splitspec.testing.reference import load_hf_reference_target
@@ -409,7 +409,7 @@ def test_drafter_norm_before_fc_is_carried_and_applied(fx, dmaster, tmp_path):
     d = load_file(str(tmp_path / "ck" / "drafter" / "rank0.safetensors"))
     assert torch.equal(d["input_norm.weight"].float(), dmaster["input_norm"])
     build_engines(tmp_path / "ck", tmp_path / "eng", progress=False)
-    from splitspec.config import DrafterConfig
+    from splitspec.drafter_config import DrafterConfig
     from splitspec.models.drafter import DrafterModel
 
     w = load_file(str(tmp_path / "eng" / "drafter" / "rank0.safetensors"))

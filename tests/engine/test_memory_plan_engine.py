@@ -17,7 +17,8 @@ from splitspec.build.engines import build_engines
 from splitspec.build.memory_plan import Deployment, MemoryPlanError, plan_memory
 from splitspec.build.memory_report import open_target
 from splitspec.build.weight_bytes import Storage, WeightFormat
-from splitspec.config import DrafterConfig, TargetConfig
+from splitspec.config import TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.engine import graphs

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.errors import CheckpointError

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.testing.reference import load_hf_reference_target
 from splitspec.engine.group import Group
 from splitspec.files import read_json

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "src" / "splitspec"
-BASE = {"__init__", "errors", "config", "quant", "files", "settings"}
+BASE = {"__init__", "errors", "config", "drafter_config", "quant", "files", "settings"}
 ORDER = ["base", "convert", "models", "build", "engine", "runtime", "serving", "measure", "demo", "cli"]
 CLI = {"cli", "cli_parser"}
 

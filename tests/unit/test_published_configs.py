@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from splitspec import quant
-from splitspec.config import DrafterConfig, TargetConfig
+from splitspec.config import TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.describe import aux_readings, inspect_checkpoint
 from splitspec.convert.layout import index_for, target_layout
 from splitspec.convert.plan import plan_split

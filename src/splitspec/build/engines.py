@@ -46,7 +46,8 @@ import torch
 from tqdm import tqdm
 
 from splitspec import quant
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.build.memory_plan import check_build
 from splitspec.convert.pair import FORMAT, convert_pair, tokenizer_files
 from splitspec.errors import CheckpointError, ConfigError

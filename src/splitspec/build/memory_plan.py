@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec import quant
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
 from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes, target_rank_bytes

@@ -10,7 +10,8 @@ from pathlib import Path
 from splitspec import quant
 from splitspec.build.memory_plan import GIB, GROUPS, Deployment, MemoryPlan, plan_memory
 from splitspec.build.weight_bytes import Storage, WeightFormat
-from splitspec.config import DrafterConfig, TargetConfig
+from splitspec.config import TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.safetensors import INDEX_NAME, CheckpointReader
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json, write_json

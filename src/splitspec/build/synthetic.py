@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitspec.config import DrafterConfig, Mapping, RopeConfig, TargetConfig
+from splitspec.config import Mapping, RopeConfig, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.files import atomic_dir, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"

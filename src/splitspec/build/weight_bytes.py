@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from splitspec import quant
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.errors import CheckpointError, ConfigError
 

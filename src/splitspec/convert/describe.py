@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from splitspec import quant
-from splitspec.config import DRAFTER_ARCHITECTURES, MODELOPT_EAGLE_KEYS, DrafterConfig, TargetConfig
+from splitspec.config import TargetConfig
+from splitspec.drafter_config import DRAFTER_ARCHITECTURES, MODELOPT_EAGLE_KEYS, DrafterConfig
 from splitspec.convert.layout import LayoutReader, drafter_layout, target_layout
 from splitspec.convert.pair import tokenizer_vocab_size
 from splitspec.convert.plan import plan_lines

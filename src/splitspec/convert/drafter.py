@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.convert.target import FLOAT_DTYPES, TargetSource
 from splitspec.errors import CheckpointError, ConfigError

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from splitspec import quant
-from splitspec.config import DrafterConfig, TargetConfig
+from splitspec.config import TargetConfig
+from splitspec.drafter_config import DrafterConfig
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 INV_FREQ_LEN = 56  # length of the inv_freq buffers Kimi-K2-Instruct's files store (a published fact, not derived)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.drafter import check_drafter_tensors, drafter_tensors
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.convert.target import TargetSource, rank_tensor_count, target_rank_tensors

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.demo.corpus import pad_batch
 from splitspec.demo.train_config import TrainConfig, adamw, lr_at, progress_bar
 from splitspec.errors import ConfigError

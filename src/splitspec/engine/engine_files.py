@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json
 from splitspec.models.shapes import random_weights

@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.graphs import GraphCache, bucket
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
 from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
 from splitspec.models.batch import ForwardBatch

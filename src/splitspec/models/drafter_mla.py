@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.models.batch import ForwardBatch
 from splitspec.models.drafter import Eagle3Drafter, shard_common
 from splitspec.models.layers import TPComm, mla_attention

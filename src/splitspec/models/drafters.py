@@ -1,11 +1,11 @@
 """Which drafter implementation a drafter config names: Llama attention (:mod:`splitspec.models.drafter`) or MLA
-(:mod:`splitspec.models.drafter_mla`), chosen by :attr:`splitspec.config.DrafterConfig.attention`."""
+(:mod:`splitspec.models.drafter_mla`), chosen by :attr:`splitspec.drafter_config.DrafterConfig.attention`."""
 
 from __future__ import annotations
 
 import torch
 
-from splitspec.config import DrafterConfig
+from splitspec.drafter_config import DrafterConfig
 from splitspec.models.drafter import DrafterKVCache, DrafterModel, Eagle3Drafter, shard_drafter
 from splitspec.models.drafter_mla import MLADrafterKVCache, MLADrafterModel, shard_mla_drafter
 from splitspec.models.layers import TPComm

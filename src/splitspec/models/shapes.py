@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import Mapping, TargetConfig
+from splitspec.drafter_config import DrafterConfig
 
 
 def mla_shapes(cfg, heads: int, d_in: int, H: int, prefix: str = "") -> dict[str, tuple[int, ...]]:
