@@ -140,10 +140,11 @@ def _cmd_repo(a: argparse.Namespace) -> None:
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:
-    from splitspec.serving.tritonserver import serve_forever
+    from splitspec.serving.serve import serve_forever
 
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
-                  ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name)
+                  ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name,
+                  health_port=a.health_port, drain_s=a.drain_s)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:

@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--health-port", type=int, default=8003,
+                   help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
+    s.add_argument("--drain-s", type=float, default=10.0,
+                   help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they end with "
+                        "finish_reason 'shutdown'")
     s.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
                         "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")

@@ -29,7 +29,8 @@ ENV_FIELDS = {
 }
 #: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
 PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
-                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code")
+                    "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code",
+                    "request_timeout_s")
 _WHERE = "spec_decode/config.pbtxt"
 
 
@@ -92,6 +93,9 @@ class ServeConfig:
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
             default), a model folder is read as data and such a folder is refused.
+        request_timeout_s: the longest a served request may run, seconds, and its deadline when it gives none
+            (input ``timeout_ms``, capped by this): the only end of a request whose client left unseen
+            (non-streaming HTTP). The engine then ends it with ``finish_reason`` ``"timeout"``.
     """
 
     engines_dir: Path
@@ -108,6 +112,7 @@ class ServeConfig:
     cuda_graphs: bool = True
     collective_timeout_s: int = 300
     trust_remote_code: bool = False
+    request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -132,6 +137,8 @@ class ServeConfig:
             raise ConfigError(f"max_prefill_tokens = {self.max_prefill_tokens}: expected ≥ 1")
         if self.collective_timeout_s < 1:
             raise ConfigError(f"collective_timeout_s = {self.collective_timeout_s}: expected ≥ 1 second")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s = {self.request_timeout_s}: expected seconds > 0")
         if self.synthetic_acceptance is not None and not all(0.0 <= p <= 1.0 for p in self.synthetic_acceptance):
             raise ConfigError(f"synthetic_acceptance {list(self.synthetic_acceptance)}: expected probabilities in [0, 1]")
 
@@ -214,4 +221,7 @@ class ServeConfig:
         prefill = number("max_prefill_tokens")
         if prefill is not None:
             fields["max_prefill_tokens"] = prefill
+        timeout = number("request_timeout_s", float)
+        if timeout is not None:
+            fields["request_timeout_s"] = timeout
         return cls.from_env(env, **fields)

@@ -115,6 +115,7 @@ class TritonPythonModel:
         # the deployment (num_draft_tokens / draft_tp empty: tuning.json's per batch bucket, else 4 / 1)
         serve_cfg = ServeConfig.from_parameters(params)
         self.engines_dir = serve_cfg.engines_dir
+        self.request_timeout_s = serve_cfg.request_timeout_s
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
         self.engine = self.exporter = None
@@ -191,7 +192,7 @@ class TritonPythonModel:
         check_parameters(request.parameters())
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
-        req, options = parse_request(inputs, self.max_tokens_limit)
+        req, options = parse_request(inputs, self.max_tokens_limit, self.request_timeout_s)
         st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:
             self.streams[st.sid] = st
