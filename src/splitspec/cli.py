@@ -131,7 +131,8 @@ def _cmd_repo(a: argparse.Namespace) -> None:
                                target_device_ids=parse_ids(a.target_device_ids, "--target-device-ids"),
                                draft_device_id=parse_id(a.draft_device_id, "--draft-device-id"), draft_tp=a.draft_tp,
                                max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens,
-                               synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code)
+                               synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code,
+                               request_timeout_s=a.request_timeout_s)
     out = render_repo(cfg, Path(a.out))
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
     dtp = repo_setting(out, "spec_decode", "draft_tp") or "per batch bucket"

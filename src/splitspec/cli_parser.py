@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
                    help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
                         "(served outputs are then not the target's)")
+    s.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="longest a served request may run, seconds; its deadline unless input timeout_ms sets an "
+                        "earlier one (frees the slots of non-streaming clients that went away)")
     s.add_argument("--trust-remote-code", action="store_true",
                    help="load a tokenizer that exists only as Python code in the model folder (auto_map) with "
                         "transformers' AutoTokenizer, running that code (default: the folder is read as data only)")

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from splitspec.engine.plan import EngineError
-from splitspec.serving.engine_process import EngineProcess, warm_up, warm_up_plan
+from splitspec.serving.engine_process import EngineProcess
+from splitspec.serving.warm_up import warm_up, warm_up_plan
 from splitspec.serving.engine_messages import CycleMessages, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
 from splitspec.runtime.scheduler import SpeculativeEngine

@@ -34,6 +34,9 @@ Messages (pickled tuples)::
                                                                       one per refused submit
                     ("failed", message)   the engine stopped serving (a target worker died)
 
+Signals (from ``splitspec serve``'s supervisor, for a graceful stop, :class:`~splitspec.serving.engine_shutdown.ShutdownSignals`): SIGUSR1 stops admitting;
+SIGTERM also ends every request in flight with ``finish_reason`` ``"shutdown"``.
+
 ``sid`` is the host's id of a request. An event crosses as a tuple of plain values (:func:`pack_event`:
 ``(sid, RequestOutput's fields with its stats as a tuple, finishing)``), a :class:`CycleStats` as the tuple of
 its fields, and the engine's messages are pickled with the standard pickler: several times faster than
@@ -57,14 +60,15 @@ from multiprocessing.connection import Connection
 from typing import Callable, Mapping
 
 from splitspec import errors
-from splitspec.engine.graphs import BATCH_BUCKETS
 from splitspec.engine.plan import EngineError
 from splitspec.errors import SplitspecError
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.loop import EngineLoop
-from splitspec.runtime.types import Request, RequestOutput
+from splitspec.runtime.types import RequestOutput
 from splitspec.serving.engine_messages import (CycleMessages, pack_cycle_stats, pack_event, unpack_cycle_stats,
                                                unpack_event)
+from splitspec.serving.engine_shutdown import ShutdownSignals
+from splitspec.serving.warm_up import warm_up
 from splitspec.settings import ServeConfig
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
@@ -258,66 +262,6 @@ class EngineProcess:
 # ---------------------------------------------------------------------- the engine process
 
 
-def warm_up_plan(max_batch_size: int, ks: list[int]) -> list[tuple[int, int]]:
-    """The ``(batch, k)`` runs of :func:`warm_up`: every batch bucket (:data:`~splitspec.engine.graphs.BATCH_BUCKETS`)
-    below ``max_batch_size``, and ``max_batch_size`` itself (it fills its bucket), for each k of ``ks``."""
-    sizes = [b for b in BATCH_BUCKETS if b < max_batch_size] + [max_batch_size]
-    return [(b, k) for b in sizes for k in sorted(set(ks))]
-
-
-def warm_up(eng: SpeculativeEngine, log: Callable[[str], None] = print) -> float:
-    """Before serving, run greedy requests through every batch bucket and k the deployment uses; returns the wall time
-    in seconds. ``log``: one line per run (the engine process's stdout goes to the server's log).
-
-    On GPUs the first steady cycle compiles the target's layer halves (``torch.compile``, dynamic shapes: once per half
-    and layer type), and each (batch bucket, k, placement) captures its own CUDA graphs (:mod:`splitspec.engine.graphs`;
-    key window S: 256 tokens for the short prompts a first request brings). Done here, before the engine reports
-    ready, that cost is paid by the model load instead of by the first requests at each batch size. k: the
-    deployment's, or each k of ``tuning.json``'s buckets; with both placements loaded, each bucket drafts with its own
-    (the switch is made at once meanwhile). A bucket whose requests do not all fit the KV budget runs as many as fit.
-    It leaves no sequence and no KV block held.
-    """
-    t0 = time.perf_counter()
-    prompt = list(range(1, 9))
-    ks = sorted(set(eng.k_by_batch.values())) if eng.k_by_batch else [eng.num_draft_tokens]
-    switch_after, eng.switch_after = eng.switch_after, 1
-    try:
-        for batch, k in warm_up_plan(eng.max_batch_size, ks):
-            n = max(1, min(4 * (k + 1), eng.max_seq_len - len(prompt) - k - 1))  # a few steady cycles after the first
-            per_request = -(-(len(prompt) + n + k + 1) // eng.alloc.block_size)
-            fit = max(1, min(batch, eng.alloc.num_blocks // per_request))
-            t = time.perf_counter()
-            eng.run([Request(list(prompt), n, num_draft_tokens=k, stop_token_ids=set()) for _ in range(fit)])
-            log(f"splitspec engine: warm-up batch {fit}{'' if fit == batch else f' (of {batch}: KV budget)'}, "
-                f"k {k}: {time.perf_counter() - t:.2f} s")
-    finally:
-        eng.switch_after = switch_after
-    return time.perf_counter() - t0
-
-
-class _Shutdown:
-    """The engine process's part in a graceful shutdown (``splitspec serve`` signals it before stopping tritonserver):
-    SIGUSR1 stops admitting (a new request is refused with ``finish_reason`` ``"error"``, so the client gets
-    UNAVAILABLE); SIGTERM also ends every request in flight at the next cycle, each with a final event whose
-    ``finish_reason`` is ``"shutdown"`` (and what it generated so far). The process keeps running until the host
-    stops it, so those final responses reach their clients."""
-
-    def __init__(self):
-        self.admitting, self._cancel = True, False
-        signal.signal(signal.SIGUSR1, self._drain)
-        signal.signal(signal.SIGTERM, self._term)
-
-    def _drain(self, signum, frame) -> None:
-        self.admitting = False
-
-    def _term(self, signum, frame) -> None:
-        self.admitting, self._cancel = False, True
-
-    def cancel_now(self) -> bool:
-        """True while SIGTERM asks for the requests in flight to end (new ones are refused then anyway)."""
-        return self._cancel
-
-
 def _worker_failure(eng, loop) -> str | None:
     """Why the engine cannot serve (a dead worker first: clearer than the collective error it caused), or None."""
     try:
@@ -377,7 +321,7 @@ def serve(conn: Connection) -> int:
     eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
     loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())))
     failed = drained = False
-    stopping = _Shutdown()
+    stopping = ShutdownSignals()
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
                         "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,

@@ -38,8 +38,10 @@ directly are cancelled through ``is_cancelled()`` (noticed within ``CANCEL_POLL_
 Engine failure: when a target worker process (or the engine process) dies, every open request gets an
 UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
 ``--model-control-mode explicit``, as ``splitspec serve`` runs): ``/v2/models/spec_decode/ready`` and
-the ensemble's then answer not-ready. Restarting the server (or loading the models again through
-the repository API) recovers.
+the ensemble's then answer not-ready. ``splitspec serve``'s supervisor (:mod:`splitspec.serving.supervisor`) notices
+the dead process and restarts the pipeline.
+
+Deadlines: input ``timeout_ms``, capped by the parameter ``request_timeout_s`` (:func:`~splitspec.serving.requests.request_timeout`).
 
 Shapes: the model is batched like the ensemble (``max_batch_size`` 1, the TensorRT-LLM backend's convention), so
 every input and output carries a leading batch dimension of 1. Errors in a request are answered with INVALID_ARG
