@@ -136,6 +136,10 @@ class Soak:
             except (SplitspecError, requests.RequestException) as e:
                 rec["outcome"] = "vanished" if vanish else "error"
                 rec["error"] = str(e)[:300]
+                if not vanish:  # as a retrying client would: wait for the supervisor's readiness, not a busy loop
+                    t_wait = time.monotonic()
+                    while not self.stop.is_set() and not self.ready() and time.monotonic() - t_wait < 300:
+                        self.stop.wait(0.25)
             if vanish:
                 self.vanish.discard(cid)
             rec["t1"] = time.monotonic()
@@ -191,7 +195,8 @@ def summarise(s: Soak, refs: dict, t_start: float) -> dict:
         if q:
             flat[role] = round(statistics.mean(vals[-q:]) / statistics.mean(vals[q:2 * q]), 3)
     return {"minutes": s.a.minutes, "streams": s.a.streams, "max_tokens": s.a.max_tokens,
-            "requests": len(s.records), "hit_by_a_fault": len(s.records) - len(clean), "clean": len(clean),
+            "requests": len(s.records), "answered": sum(r["outcome"] == "ok" for r in s.records),
+            "hit_by_a_fault": len(s.records) - len(clean), "clean": len(clean),
             "lost": len(lost), "duplicated": len(dup), "mismatched": len(bad),
             "examples": [{k: r.get(k) for k in ("door", "prompt", "outcome", "error")} for r in (lost + dup + bad)[:5]],
             "faults": [{"fault": f["fault"], "at_s": round(f["t"] - t_start, 1),
@@ -245,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
         s.stop.wait(a.minutes * 60)
         s.stop.set()
+        deadline = time.monotonic() + 150
         for t in threads:
-            t.join(150)
-        s.proc.send_signal(signal.SIGINT)
+            t.join(max(0.0, deadline - time.monotonic()))
+        s.proc.send_signal(signal.SIGTERM)  # a background job may have SIGINT ignored
         s.proc.wait(120)
     summary = summarise(s, refs, t_start)
     write_json(summary, a.out / "soak.json")

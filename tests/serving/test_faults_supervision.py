@@ -83,7 +83,7 @@ class Serve:
     def stop(self) -> None:
         left = list(pipeline_processes(self.proc.pid))
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)  # SIGINT may be ignored in a background job
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:

@@ -98,8 +98,13 @@ class Supervisor:
     def _start_server(self) -> None:
         srv = TritonServer(self.repo, **self.ports, exit_timeout_s=self.exit_timeout_s,
                            startup_timeout_s=self.startup_timeout_s)
+        if self._stop.is_set():
+            raise SplitspecError("the supervisor is stopping")
         self.srv = srv
         srv.start()
+        if self._stop.is_set():  # shutdown() came while this one started: it may have missed it
+            srv.stop()
+            raise SplitspecError("the supervisor is stopping")
         watched = watch(srv.pid)
         with self._lock:
             self.watched, self._probe_misses, self._unready = watched, 0, 0
