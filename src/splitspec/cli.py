@@ -42,7 +42,7 @@ def _cmd_convert(a: argparse.Namespace) -> None:
     from splitspec.convert.pair import convert_pair
 
     convert_pair(Path(a.target), Path(a.drafter), Path(a.out), tp_size=a.tp, ep_size=a.ep, aux_convention=a.aux_convention,
-                 drafter_embedding=a.drafter_embedding)
+                 drafter_embedding=a.drafter_embedding, int4_reference=Path(a.int4_reference) if a.int4_reference else None)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> None:
@@ -54,7 +54,7 @@ def _cmd_inspect(a: argparse.Namespace) -> None:
 def _cmd_build(a: argparse.Namespace) -> None:
     from splitspec.build.engines import build_engines
 
-    build_engines(Path(a.checkpoints), Path(a.out), dtype=a.dtype, max_batch_size=a.max_batch_size,
+    build_engines(Path(a.checkpoints), Path(a.out), dtype=a.dtype, float_dtype=a.float_dtype, max_batch_size=a.max_batch_size,
                   max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len, gpu_memory_gib=a.gpu_memory_gib)
 
 
@@ -145,7 +145,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
 
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
                   ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name,
-                  health_port=a.health_port, drain_s=a.drain_s)
+                  admin_key=a.admin_key, health_port=a.health_port, drain_s=a.drain_s)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter-embedding", choices=["target", "own"], default=None,
                    help="when the drafter carries an embed_tokens that differs from the target's: use the target's or "
                         "its own (default: its own, reported; an equal one or eagle_config.share_target_embedding uses the target's)")
+    s.add_argument("--int4-reference", default=None, metavar="FOLDER",
+                   help="for an INT4 target: a float checkpoint of the same weights; one expert's rows are unpacked and "
+                        "compared with it, refusing a checkpoint packed in another nibble order")
 
     s = sub.add_parser("inspect", help="describe a checkpoint (target, drafter, converted or engine) without converting it")
     s.add_argument("checkpoint", help="checkpoint folder")
@@ -87,9 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("build", help="turn converted checkpoints into runtime engines")
     s.add_argument("--checkpoints", default="checkpoints/demo")
     s.add_argument("--out", default="engines/demo")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"],
-                   help="engine dtype; fp8 keeps an FP8 block-scaled checkpoint's linear weights in FP8 (bf16 activations), "
-                        "a float dtype dequantises them")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8", "int4"],
+                   help="engine dtype (default: int4 for an INT4 checkpoint, else float32); fp8 keeps an FP8 block-scaled "
+                        "checkpoint's linear weights in FP8, int4 an INT4 checkpoint's routed experts packed as published "
+                        "(both with --float-dtype for the rest); a float dtype dequantises them")
+    s.add_argument("--float-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="with --dtype fp8 or int4: dtype of every weight not kept quantised and of the activations "
+                        "(default bfloat16; float32 as CPU engines run)")
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--max-seq-len", type=int, default=1024)
     s.add_argument("--max-draft-len", type=int, default=8)
@@ -193,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ask", default=None, metavar="PROMPT",
                    help="once ready, send PROMPT over HTTP and gRPC, print both answers, stop the server")
     s.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --ask")
+    s.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="open tritonserver's control APIs (model repository load/unload, shared memory, logging, trace) "
+                        "to requests carrying the header 'splitspec-admin-key: KEY' (gRPC metadata "
+                        "'triton-grpc-protocol-splitspec-admin-key'); 16+ characters. Default: refused to every request")
 
     s = sub.add_parser("client", help="send one prompt to a running server and stream the answer to the terminal")
     s.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")

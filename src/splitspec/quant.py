@@ -239,9 +239,20 @@ def block_size_of(weights: dict[str, torch.Tensor]) -> tuple[int, int] | None:
 
 # ---------------------------------------------------------------- INT4 compressed-tensors
 
-def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """int32 [out, ceil(cols/8)] → int8 [out, cols] signed values in [-8, 7] (nibble i of a word = bits 4i..4i+3, minus 8)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+#: Where column j of a word's 8 sits, as nibble index, under the packing conventions a checkpoint may use:
+#: compressed-tensors (the only one read), its reverse, and AWQ's interleaved order (used to name a mismatch).
+NIBBLE_ORDERS = {"low nibble first (compressed-tensors)": (0, 1, 2, 3, 4, 5, 6, 7),
+                 "high nibble first": (7, 6, 5, 4, 3, 2, 1, 0),
+                 "AWQ interleaved (0 2 4 6 1 3 5 7)": (0, 4, 1, 5, 2, 6, 3, 7)}
+INT4_KEY = "int4.group_size"  # runtime-layout tensor int64 [1] present in engines that keep INT4 routed experts
+
+
+def unpack_int4(packed: torch.Tensor, cols: int, order: tuple[int, ...] = NIBBLE_ORDERS["low nibble first (compressed-tensors)"]) -> torch.Tensor:
+    """int32 [..., ceil(cols/8)] → int8 [..., cols] signed values in [-8, 7] (column j of a word = nibble ``order[j]``,
+    bits 4·order[j]..+3, minus 8; compressed-tensors: nibble i = column i)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # a kernel, not a copy: CUDA-graph safe
+    if tuple(order) != tuple(range(8)):
+        shifts = 4 * torch.tensor(order, dtype=torch.int32, device=packed.device)
     nib = (packed.to(torch.int32)[..., None] >> shifts) & 0xF
     return (nib.reshape(*packed.shape[:-1], -1)[..., :cols] - 8).to(torch.int8)
 
@@ -290,6 +301,42 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, cols: int, group:
     q = unpack_int4(packed, cols).float()
     s = scale.float().repeat_interleave(group, dim=-1)[..., :cols]
     return (q * s).to(dtype)
+
+
+def group_size_of(weights: dict[str, torch.Tensor]) -> int | None:
+    """The INT4 group of an engine rank's runtime weights (routed experts kept packed), or None."""
+    t = weights.get(INT4_KEY)
+    return None if t is None else int(t.reshape(-1)[0])
+
+
+def int4_slice(packed: torch.Tensor, scale: torch.Tensor, dim: int, parts: int, index: int,
+               group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Slice ``index`` of ``parts`` equal slices of an INT4 linear (packed int32 [out, in/8], scale [out, in/group])
+    along ``dim`` (0 rows, 1 input columns), or None when a column slice would not hold whole groups."""
+    if dim == 0:
+        return packed.chunk(parts, 0)[index], scale.chunk(parts, 0)[index]
+    cols = packed.shape[-1] * 8
+    step = cols // parts
+    if cols % parts or step % group:
+        return None
+    return packed.narrow(-1, index * step // 8, step // 8), scale.narrow(-1, index * step // group, step // group)
+
+
+def nibble_order(packed: torch.Tensor, scale: torch.Tensor, reference: torch.Tensor, group: int) -> tuple[str | None, float]:
+    """Which packing convention of :data:`NIBBLE_ORDERS` makes rows ``packed`` [r, in/8] / ``scale`` [r, in/group]
+    reproduce ``reference`` [r, in] (the same weights in float) within the quantiser's rounding, 0.6 of a scale step
+    (round to nearest: half a step; the clamped extreme of a group: half a step). Returns (the first that does, or
+    None; the largest error of compressed-tensors' order, in scale steps)."""
+    cols = reference.shape[-1]
+    s = scale.float().repeat_interleave(group, dim=-1)[..., :cols]
+    found, err_ct = None, 0.0
+    for name, order in NIBBLE_ORDERS.items():
+        err = ((unpack_int4(packed, cols, order).float() * s - reference.float()).abs() / s.clamp_min(1e-30)).max().item()
+        if order == tuple(range(8)):
+            err_ct = err
+        if found is None and err <= 0.6:
+            found = name
+    return found, err_ct
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -257,6 +257,58 @@ def test_int4_config_and_tensors_disagree(copy_forms):
                                           r"'model.layers.0.self_attn.q_a_proj.weight' instead\): quantization_config quantises")
 
 
+def test_int4_scale_of_the_wrong_group_count(copy_forms):
+    root = copy_forms("int4")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"  # [320, 256 / 32 = 8]
+    _edit_tensors(root / "target", lambda t: t.__setitem__(name, t[name][:, :4].clone()) if name in t else None)
+    _convert_fails(root, CheckpointError, rf"tensor '{name}' has shape \[320, 4\], expected \[320, 8\] \(one scale per 32 inputs\)")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_bits", 8, r"config_groups.group_0.weights.num_bits = 8, expected 4"),
+    ("group_size", 12, r"config_groups.group_0.weights.group_size = 12, expected a positive multiple of 8"),
+    ("group_size", 48, r"'model.layers.1.mlp.experts.0.down_proj.weight_packed'\): group_size 48 does not divide hidden_size 320"),
+])
+def test_int4_unsupported_bits_or_group(copy_forms, field, value, match):
+    root = copy_forms("int4")
+    cfg = json.loads((root / "target" / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"][field] = value
+    (root / "target" / "config.json").write_text(json.dumps(cfg))
+    _convert_fails(root, CheckpointError, match)
+
+
+def test_int4_nibble_order_mismatch_found_by_a_known_value_check(copy_forms, forms):
+    """Words packed high nibble first: every shape is right, so only values can tell; the float original is the
+    reference (a real checkpoint carries none: docs/formats.md says what is checked then)."""
+    from splitspec import quant
+
+    root = copy_forms("int4")
+
+    def repack(t):  # the same values, column j of each word in nibble 7 − j
+        for n in [n for n in t if n.endswith("weight_packed")]:
+            v = quant.unpack_int4(t[n], t[n].shape[1] * 8).long()
+            t[n] = quant.pack_int4(v.view(v.shape[0], -1, 8).flip(-1).reshape(v.shape))
+            assert torch.equal(quant.unpack_int4(t[n], v.shape[1], quant.NIBBLE_ORDERS["high nibble first"]).long(), v)
+
+    _edit_tensors(root / "target", repack)
+    _convert_fails(root, CheckpointError, r"tensor 'model.layers.1.mlp.experts.0.gate_proj.weight_packed' rows 0-3 unpacked low "
+                                          r"nibble first differ from 'model.layers.1.mlp.experts.0.gate_proj.weight' of .* by "
+                                          r"\d+\.\d scale steps \(at most 0.6 expected\): it agrees with the high nibble first order",
+                   int4_reference=forms / "float")
+
+
+def test_int4_expert_tp_split_cutting_groups(demo_models, tmp_path):
+    """The demo target's experts are 128 wide: at TP8 each rank would get 16 of down_proj's inputs, half a group."""
+    from splitspec.testing.fixtures import write_int4_copy
+
+    write_int4_copy(demo_models / "target", tmp_path / "target")
+    shutil.copytree(demo_models / "drafter", tmp_path / "drafter")
+    with pytest.raises(CheckpointError, match=r"expert-TP 8 gives each rank 16 of down_proj's 128 input columns, not whole "
+                                              r"groups of 32; choose a smaller --tp or a larger --ep"):
+        convert_pair(tmp_path / "target", tmp_path / "drafter", tmp_path / "out", tp_size=8, progress=False)
+    _assert_nothing_written(tmp_path)
+
+
 def test_output_that_would_destroy_an_input_or_a_file_is_refused(pair, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="would replace the input"):
         convert_pair(pair / "target", pair / "drafter", pair / "target")

@@ -30,16 +30,14 @@ from splitspec.testing import fixtures
 from splitspec.models import fused_moe
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
-from splitspec.config import DrafterConfig, Mapping, TargetConfig
+from splitspec.config import DrafterConfig
 from splitspec.convert.pair import convert_pair
+from splitspec.testing.engine_logits import engine_logits
 from splitspec.testing.reference import load_hf_reference_target
 from splitspec.errors import ConfigError
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.files import read_json
-from splitspec.models.kv import BLOCK_SIZE
-from splitspec.models.layers import TPComm, rms_norm
-from splitspec.models.batch import ForwardBatch
-from splitspec.models.target import TargetKVCache, TargetModel
+from splitspec.models.layers import rms_norm
 
 TIGHT = 2e-4  # float32 engine vs transformers on identical weights (see test_numerics.LOGITS_ATOL)
 
@@ -85,65 +83,6 @@ def built(fx, tmp_path_factory):
     return get
 
 
-class _ThreadGroup:
-    def __init__(self, n: int):
-        self.n, self.barrier, self.buf = n, threading.Barrier(n, timeout=120), [None] * n
-
-
-class ThreadComm:
-    """TPComm over threads of one process: all ranks of a target engine in one test, summed in rank order."""
-
-    def __init__(self, rank: int, group: _ThreadGroup):
-        self.rank, self.size, self.g = rank, group.n, group
-
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self.g.buf[self.rank] = x.clone()
-        self.g.barrier.wait()
-        parts = list(self.g.buf)
-        self.g.barrier.wait()
-        return parts
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._gather(x)
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total += p
-        return x.copy_(total)
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._gather(x), -1)
-
-
-def engine_logits(engines: Path, ids: list[int], capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Full-vocabulary logits [T, V] (and captured aux states) of a built target engine over ``ids``, every rank in a thread."""
-    meta = read_json(engines / "target" / "engine.json")
-    cfg, mapping = TargetConfig.from_dict(meta["config"]), Mapping.from_dict(meta["mapping"])
-    n = mapping.tp_size
-    group, results, errors = _ThreadGroup(n), [None] * n, []
-
-    def run(rank: int) -> None:
-        try:
-            w = load_file(str(engines / "target" / f"rank{rank}.safetensors"))
-            comm = ThreadComm(rank, group) if n > 1 else TPComm()
-            model = TargetModel(cfg, mapping, rank, w, comm)
-            blocks = list(range(-(-len(ids) // BLOCK_SIZE)))
-            cache = TargetKVCache(cfg, len(blocks) * BLOCK_SIZE, w["embed_tokens"].dtype, "cpu")
-            with torch.inference_mode():
-                results[rank] = model.forward(ForwardBatch.build([(blocks, 0, ids)], "all"), cache, capture)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results[0]
-
-
 def ref_dequant_fp8(w: torch.Tensor, s: torch.Tensor, block=(128, 128)) -> torch.Tensor:
     """Tile by tile, independent of splitspec.quant."""
     out = torch.empty(w.shape, dtype=torch.float32)
@@ -176,7 +115,7 @@ def dequantised_checkpoint(fx: Path, form: str, out: Path) -> Path:
         if n.endswith("weight_packed"):
             m = n.removesuffix(".weight_packed")
             shape = r.get(m + ".weight_shape").tolist()
-            tensors[m + ".weight"] = ref_dequant_int4(r.get(n), r.get(m + ".weight_scale"), shape[1]).bfloat16().float()
+            tensors[m + ".weight"] = ref_dequant_int4(r.get(n), r.get(m + ".weight_scale"), shape[1])  # exact in float32
         elif r.info(n).dtype == torch.float8_e4m3fn:
             tensors[n] = ref_dequant_fp8(r.get(n), r.get(n + "_scale_inv"))
         else:
@@ -243,20 +182,27 @@ def test_fp8_dequantised_weights_within_e4m3_rounding(fx, master, tmp_path):
     assert ragged >= 30
 
 
-def test_int4_dequantised_weights_within_group_rounding(fx, master, tmp_path):
+def test_int4_dequantised_weights_within_group_rounding(fx, master, built, tmp_path):
+    """Convert carries the INT4 experts as published; a float32 build dequantises them exactly."""
     (shard,) = _converted(fx, tmp_path, "int4")
+    eng = load_file(str(built("int4") / "target" / "rank0.safetensors"))
     src = CheckpointReader(fx / "int4")
     experts = [n for n in master if ".experts." in n]
     worst = 0.0
     for n in experts:
         m = n.removesuffix(".weight")
         packed, scale = src.get(m + ".weight_packed"), src.get(m + ".weight_scale")
+        assert torch.equal(shard[m + ".weight_packed"], packed) and torch.equal(shard[m + ".weight_scale"], scale), n
         cols = master[n].shape[1]
         assert np.array_equal(ref_unpack_int4(packed, cols), quant.unpack_int4(packed, cols).numpy()), n
-        assert torch.equal(shard[n], ref_dequant_int4(packed, scale, cols).bfloat16()), n
+        layer, e, proj = int(n.split(".")[2]), int(n.split(".")[5]), n.split(".")[6]
+        stacked = eng[f"layers.{layer}.mlp.experts.{'w2' if proj == 'down_proj' else 'w13'}"][e]
+        rows = master[n].shape[0]
+        got = stacked[rows:] if proj == "up_proj" else stacked[:rows]
+        assert torch.equal(got, ref_dequant_int4(packed, scale, cols)), n
         s = scale.float()[:, torch.arange(cols) // 32]
-        err = (shard[n].float() - master[n]).abs()
-        assert bool((err <= s / 2 + shard[n].float().abs() * 2.0 ** -8 + 1e-12).all()), n  # + bf16 half-ulp
+        err = (got - master[n]).abs()
+        assert bool((err <= s / 2 + 1e-12).all()), n
         worst = max(worst, err.max().item())
     for n in set(master) - set(experts):
         assert torch.equal(shard[n].float(), master[n]), n
@@ -272,7 +218,7 @@ def test_k25_nesting_converts_to_the_same_shards_as_int4(fx, tmp_path, capsys):
     for a, b in zip(k25, int4):
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     meta = read_json(tmp_path / "k25" / "target" / "config.json")
-    assert meta["config"]["model_type"] == "kimi_k25" and meta["quantization"]["method"] == "none"
+    assert meta["config"]["model_type"] == "kimi_k25" and meta["quantization"]["method"] == "int4"
 
 
 # ---------------------------------------------------------------- engine numerics

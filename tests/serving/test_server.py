@@ -370,8 +370,8 @@ while True:
 @pytest.mark.parametrize("behaviour", ["hang", "exit"])
 def test_stop_kills_a_server_that_gave_up_and_cleans_its_shared_memory(tmp_path, behaviour):
     """stop() against a stand-in for tritonserver (no server needed): one that logs the give-up line on SIGINT and
-    hangs is killed at once, not after stop_timeout_s, and its Python backend's /dev/shm regions go; one that exits
-    by itself keeps its exit status (and its regions, which a clean exit removes itself)."""
+    hangs is killed at once, not after stop_timeout_s; one that exits by itself keeps its exit status. Either way
+    the regions named from its Python backend's prefix (/dev/shm) are gone afterwards."""
     import subprocess
     import sys
 
@@ -392,9 +392,8 @@ def test_stop_kills_a_server_that_gave_up_and_cleans_its_shared_memory(tmp_path,
         took = time.monotonic() - t0
         if behaviour == "hang":
             assert rc == -9 and took < 5, (rc, took)  # 1 s after the line, not stop_timeout_s (30 s)
-            assert not region.exists()
         else:
             assert rc == 3 and took < 5, (rc, took)
-            assert region.exists()
+        assert not region.exists()
     finally:
         region.unlink(missing_ok=True)

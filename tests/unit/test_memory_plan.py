@@ -1,4 +1,4 @@
-"""`splitspec plan` on the published Kimi configs (config-only fixtures, tests/fixtures/plan/SOURCE.md): Kimi-K2.5
+"""`splitspec plan` on the published Kimi configs (config-only fixtures, tests/fixtures/published/README.md): Kimi-K2.5
 INT4 at TP8 with its EAGLE-3 drafter at TP1 fits 141 GiB H200s and 96 GiB cards, dequantised to bf16 it is refused
 with one line; item bytes agree with sizes worked out by hand from the published shapes; bad input is one line."""
 
@@ -13,8 +13,8 @@ from splitspec.build.memory_plan import GIB
 from splitspec.cli import main
 from splitspec.files import read_json, write_json
 
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "plan"
-K25, DRAFTER = FIXTURES / "kimi-k2.5", FIXTURES / "kimi-k2.5-eagle3"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "published"
+K25, DRAFTER = FIXTURES / "kimi-k2.5", FIXTURES / "drafter-aq-medai-kimi-k25-eagle3"
 LIMITS = ["--max-batch-size", "8", "--max-seq-len", "4096", "--max-draft-len", "3"]
 
 
@@ -71,9 +71,9 @@ def test_bytes_agree_with_the_published_shapes_worked_by_hand(capsys, tmp_path):
     items = lambda doc, g=0: {i["label"]: i["bytes"] for i in doc["gpus"][g]["items"]}  # noqa: E731
     int4, fp8 = items(read_json(tmp_path / "int4.json")), items(read_json(tmp_path / "fp8.json"))
     # INT4 (K2.5): each rank holds every expert's 1/8 slice: gate/up 256 rows, down 256 of the input columns;
-    # packed int32 = 8 values per 4 bytes, one bf16 scale per 32 inputs, one int32 [2] weight_shape per linear
-    gate_up = 2 * (w * H // 2 + w * H // 32 * 2 + 8)
-    down = H * w // 2 + H * w // 32 * 2 + 8
+    # packed int32 = 8 values per 4 bytes, one bf16 scale per 32 inputs (the engine keeps no weight_shape)
+    gate_up = 2 * (w * H // 2 + w * H // 32 * 2)
+    down = H * w // 2 + H * w // 32 * 2
     assert int4["routed experts"] == moe_layers * E * (gate_up + down)
     # FP8 (K2-Instruct): 1 byte per weight and a float32 scale per 128×128 tile of each slice
     tiles_h, tiles_w = H // 128, w // 128
@@ -128,3 +128,23 @@ def test_json_is_plain_json(capsys, tmp_path):
     capsys.readouterr()
     doc = json.loads((tmp_path / "p.json").read_text())
     assert doc["weights"] == "int4" and doc["deployment"]["tp"] == 8 and doc["fits"] is True
+
+
+def test_mla_drafter_planned_with_its_latent_cache_and_mla_layer(capsys, tmp_path):
+    """The published MLA drafter for K2.5 (k-l-lambda/Kimi-K2.5-Eagle3): its KV cache is one latent row of
+    kv_lora_rank + qk_rope_head_dim = 576 bf16 per token, not K and V per head; its layer bytes by hand."""
+    mla = FIXTURES / "drafter-k-l-lambda-kimi-k2.5-eagle3-mla"
+    rc, out, err = plan(capsys, K25, "--drafter", str(mla), "--tp", "8", "--gpu-memory-gib", "141", *LIMITS,
+                        "--json", str(tmp_path / "plan.json"))
+    assert rc == 0, err
+    items = {i["label"]: i["bytes"] for i in read_json(tmp_path / "plan.json")["gpus"][0]["items"]}
+    rows = next(v for k, v in items.items() if k.startswith("KV cache, target")) // (61 * 576 * 2)
+    assert items["KV cache, drafter (TP1)"] == rows * 576 * 2
+    H, TH, V = 7168, 7168, 163840
+    layer = (H * 3 * TH                                          # fc
+             + 2 * H * 1536 + 1536 * 64 * 192 + 2 * H * 576      # q_a, q_b, kv_a (2H inputs)
+             + 64 * 128 * 512 * 2 + 64 * 128 * H                 # w_uk, w_uv (kv_b), o_proj
+             + 3 * 18432 * H                                     # gate, up, down
+             + 1536 + 512 + 4 * H)                               # q_a / kv_a norms, 4 hidden norms
+    assert items["drafter layer (fc, attention, MLP)"] == layer * 2
+    assert items["drafter lm_head + draft→target map"] == V * H * 2 + V * 8

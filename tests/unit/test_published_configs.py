@@ -92,14 +92,16 @@ def test_tp8_per_rank_bytes_agree_with_arithmetic_from_the_config(described):
         assert f"TP8 EP{ep}: {plan.published_bytes / GiB:.2f} GiB per rank as published" in described["kimi-k2-instruct"]
 
 
-def test_tp8_plan_for_int4_counts_experts_dequantised(described):
+def test_tp8_plan_for_int4_keeps_experts_as_published(described):
     """K2.5 at TP8: INT4 experts published at 4.5 bits per value (4-bit values, a bf16 scale per 32), plus an 8-byte
-    weight_shape per expert linear; converted to bf16 they are 16 bits and the weight_shape goes."""
+    weight_shape per expert linear, converted as published (each slice with its own weight_shape)."""
     cfg, scheme, layout = _layout("kimi-k2.5")
     plan = plan_split(cfg, scheme, layout, 8, 1)
     experts = 60 * 384 * 3 * 2048 * 7168  # routed expert values
-    assert plan.published_bytes - plan.converted_bytes == experts // 8 * 9 // 16 - experts // 8 * 2 + 60 * 384 * 3 * 8
-    assert "TP8 EP1: 70.95 GiB per rank as published, 240.76 GiB as converted" in described["kimi-k2.5"]
+    shapes = 60 * 384 * 3 * 8
+    assert plan.converted_bytes == plan.published_bytes
+    assert plan.published_bytes - plan.replicated_bytes > (experts // 8 * 9 // 16 + shapes) // 8  # the experts' eighth
+    assert "TP8 EP1: 70.95 GiB per rank as published, 70.95 GiB as converted" in described["kimi-k2.5"]
     assert plan_split(cfg, scheme, [], 6, 1).error == "num_attention_heads = 64 is not divisible by 6 (tp_size=6, ep_size=1)"
     assert plan_split(cfg, scheme, [], 8, 3).error.startswith("tp_size=8, ep_size=3: need positive sizes with ep_size dividing")
 
@@ -186,3 +188,13 @@ def test_plan_matches_the_bytes_convert_writes(tmp_path):
                        for r in range(tp)]
             assert plan.converted_bytes == max(written), (form, tp, ep, plan, written)
         src.reader.close()
+
+
+def test_inspect_describes_the_published_mla_drafter():
+    """k-l-lambda/Kimi-K2.5-Eagle3 (Eagle3DeepseekV2ForCausalLM): MLA attention, the full vocabulary, no embedding
+    of its own, aux ids [2, 30, 58] whose convention the config does not declare."""
+    out = "\n".join(inspect_checkpoint(PUB / "drafter-k-l-lambda-kimi-k2.5-eagle3-mla"))
+    for fact in ["architecture: Eagle3DeepseekV2ForCausalLM (one decoder layer), hidden 7168, 64 heads, MLA (q_lora 1536, "
+                 "kv_lora 512, nope 128 / rope 64 / v 128), intermediate 18432", "fc: [7168, 21504] over 3 × target hidden 7168",
+                 "vocabulary: the full 163840 ids", "aux layer ids [2, 30, 58]: convention UNKNOWN", "embedding: none (uses the target's)"]:
+        assert fact in out, (fact, out)

@@ -16,9 +16,17 @@ Runtime layout of a target rank (names used by :class:`splitspec.models.target.T
 FP8 engines (``dtype="fp8"``, from a converted FP8 block-scaled checkpoint): every linear weight above
 whose tiles survive the fusion stays float8_e4m3fn with a float32 ``<name>.scale_inv``
 [..., ceil(out/b0), ceil(in/b1)] beside it, and ``fp8.weight_block_size`` int64 [2] records the tile;
-activations and every other weight are bfloat16, the drafter too; ``w_uk``/``w_uv`` (einsum operands,
-not linears) are dequantised, as in other engines' absorbed-MLA FP8 paths. With a float ``dtype`` an FP8
+activations and every other weight are bfloat16 (or ``float_dtype``), the drafter too; ``w_uk``/``w_uv`` (einsum
+operands, not linears) are dequantised, as in other engines' absorbed-MLA FP8 paths. With a float ``dtype`` an FP8
 checkpoint is dequantised here (tile × scale in float32, then cast).
+
+INT4 engines (``dtype="int4"``, the default for a converted INT4 compressed-tensors checkpoint): the routed experts
+stay as the checkpoint publishes them, stacked: ``mlp.experts.w13`` int32 [E_local, 2·I_e, H/8] (gate rows, then
+up rows; 8 values per word along the input, low nibble first, value = nibble − 8) with ``mlp.experts.w13.scale``
+[E_local, 2·I_e, H/G] (bf16 as published), ``mlp.experts.w2`` int32 [E_local, H, I_e/8] with ``mlp.experts.w2.scale``
+[E_local, H, I_e/G]; ``int4.group_size`` int64 [1] records G (:mod:`splitspec.models.int4_moe`). Everything else
+is ``float_dtype`` (default bfloat16). With a float ``dtype`` INT4 experts are dequantised here ((nibble − 8) ×
+scale in float32 — exact —, then cast).
 
 ``engine.json`` records architecture, dtype, weight format, model config, mapping, limits (max batch size,
 max sequence length, max draft length) and, for the drafter, its aux layer ids and convention.
@@ -47,8 +55,12 @@ from splitspec.files import atomic_dir, read_json, write_json
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BUILD_DTYPES = (*DTYPES, "fp8")
-FP8_ACTIVATION_DTYPE = torch.bfloat16
+BUILD_DTYPES = (*DTYPES, "fp8", "int4")
+QUANT_FLOAT_DTYPE = "bfloat16"  # default dtype of what fp8 / int4 engines do not keep quantised, and of their activations
+INT4_LAYOUT = {"w13": "int32 [E_local, 2*I_e, H/8] (gate rows, then up) + w13.scale [E_local, 2*I_e, H/G]",
+               "w2": "int32 [E_local, H, I_e/8] + w2.scale [E_local, H, I_e/G]",
+               "packing": "8 values per int32 along the input dimension, value j in bits 4j..4j+3, value = nibble - 8",
+               "dequantised": "(nibble - 8) * scale[row, col // G]"}
 
 
 Fp8 = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, scale_inv or None)
@@ -79,9 +91,40 @@ def _emit(name: str, w: Fp8) -> Iterator[tuple[str, torch.Tensor]]:
         yield name + ".scale_inv", w[1]
 
 
-def _linear(src: CheckpointReader, module: str) -> Fp8:
+def _linear(src: CheckpointReader, module: str, dtype: torch.dtype = torch.float32, group: int | None = None) -> Fp8:
+    """A converted linear: (FP8 weight, scale_inv), (float weight, None), or an INT4 expert (``group``) dequantised to
+    ``dtype``."""
+    if module + ".weight_packed" in src:
+        packed, scale = src.get(module + ".weight_packed"), src.get(module + ".weight_scale")
+        cols = int(src.get(module + ".weight_shape")[1])
+        return quant.dequantize_int4(packed, scale, cols, group, dtype), None
     s = src.get(module + ".weight_scale_inv") if module + ".weight_scale_inv" in src else None
     return src.get(module + ".weight"), s
+
+
+def _int4_experts(src: CheckpointReader, m: str, out: str, experts: range, group: int, hidden: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's routed experts kept INT4, stacked (see the module docstring), checked against each other."""
+    from splitspec.models.int4_moe import check_int4_experts
+
+    def part(e: int, names: tuple[str, ...], suffix: str) -> torch.Tensor:
+        got = []
+        for n in names:
+            name = f"{m}experts.{e}.{n}.weight_{suffix}"
+            if name not in src:
+                raise CheckpointError(f"{src.folder}: tensor '{name}' is missing: an int4 engine keeps every routed expert "
+                                      f"packed (this one was converted as float; build with a float --dtype)")
+            got.append(src.get(name))
+        return torch.cat(got)
+
+    t = {f"{w}{s}": torch.stack([part(e, names, suffix) for e in experts])
+         for w, names in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",)))
+         for s, suffix in (("", "packed"), (".scale", "scale"))}
+    try:
+        check_int4_experts(t["w13"], t["w13.scale"], t["w2"], t["w2.scale"], hidden, group)
+    except ValueError as e:
+        raise CheckpointError(f"{src.folder}: layer '{m}': {e}") from None
+    for name, v in t.items():
+        yield out + name, v
 
 
 def iter_mla_runtime_layout(src: CheckpointReader, a: str, q: str, cfg, heads: int, dtype: torch.dtype,
@@ -105,13 +148,16 @@ def iter_mla_runtime_layout(src: CheckpointReader, a: str, q: str, cfg, heads: i
 
 
 def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
-                               block: tuple[int, int] | None = None, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                               block: tuple[int, int] | None = None, keep_fp8: bool = False,
+                               int4_group: int | None = None, keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the runtime-layout tensors of one target rank from its converted shard (Hugging Face names).
 
     Args:
-        dtype: float dtype of every non-FP8 weight (activations run in it).
+        dtype: float dtype of every weight not kept quantised (activations run in it).
         block: the FP8 tile of the converted checkpoint (None: no FP8 weights).
         keep_fp8: keep FP8 linears with their scales (fp8 engine) instead of dequantising to ``dtype``.
+        int4_group: the INT4 group of the converted checkpoint's routed experts (None: none are INT4).
+        keep_int4: keep them packed with their scales (int4 engine) instead of dequantising to ``dtype``.
     """
     heads = cfg.num_attention_heads // mapping.tp_size
     keep = keep_fp8 and block is not None
@@ -122,6 +168,8 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
 
     if keep:
         yield quant.FP8_BLOCK_KEY, torch.tensor(block, dtype=torch.int64)
+    if keep_int4:
+        yield quant.INT4_KEY, torch.tensor([int4_group], dtype=torch.int64)
     yield "embed_tokens", cast(src.get("model.embed_tokens.weight"))
     yield "lm_head", cast(src.get("lm_head.weight"))
     yield "norm", cast(src.get("model.norm.weight"))
@@ -140,8 +188,12 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
         per = cfg.n_routed_experts // mapping.ep_size
         first = mapping.ep_rank(rank) * per
         experts = range(first, first + per)
-        yield from _emit(q + "mlp.experts.w13", _stack([fused(f"{m}experts.{e}.gate_proj", f"{m}experts.{e}.up_proj") for e in experts], block, dtype))
-        yield from _emit(q + "mlp.experts.w2", _stack([fused(f"{m}experts.{e}.down_proj") for e in experts], block, dtype))
+        if keep_int4:
+            yield from _int4_experts(src, m, q + "mlp.experts.", experts, int4_group, cfg.hidden_size)
+        else:
+            expert = lambda *ms: _fuse_rows([_linear(src, x, dtype, int4_group) for x in ms], block, dtype, keep)  # noqa: E731
+            yield from _emit(q + "mlp.experts.w13", _stack([expert(f"{m}experts.{e}.gate_proj", f"{m}experts.{e}.up_proj") for e in experts], block, dtype))
+            yield from _emit(q + "mlp.experts.w2", _stack([expert(f"{m}experts.{e}.down_proj") for e in experts], block, dtype))
         if cfg.n_shared_experts:
             s = m + "shared_experts."
             yield from _emit(q + "mlp.shared.w13", fused(s + "gate_proj", s + "up_proj"))
@@ -149,9 +201,9 @@ def iter_target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping
 
 
 def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Mapping, rank: int, dtype: torch.dtype,
-                          block: tuple[int, int] | None = None, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+                          block: tuple[int, int] | None = None, keep_fp8: bool = False, **int4) -> dict[str, torch.Tensor]:
     """Runtime-layout tensors of one target rank as a dict (see :func:`iter_target_runtime_layout`)."""
-    return dict(iter_target_runtime_layout(src, cfg, mapping, rank, dtype, block, keep_fp8))
+    return dict(iter_target_runtime_layout(src, cfg, mapping, rank, dtype, block, keep_fp8, **int4))
 
 
 def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype, cfg: DrafterConfig | None = None) -> dict[str, torch.Tensor]:
@@ -180,16 +232,18 @@ def _read_checkpoint_config(folder: Path, kind: str) -> dict:
     return meta
 
 
-def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,
+def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_batch_size: int = 8,
                   max_seq_len: int = 1024, max_draft_len: int = 8, progress: bool = True,
-                  gpu_memory_gib: float | None = None) -> Path:
+                  gpu_memory_gib: float | None = None, float_dtype: str | None = None) -> Path:
     """Build ``out/target`` and ``out/drafter`` engines from ``checkpoints`` (output of :func:`convert_pair`).
 
     Args:
-        dtype: weight/activation dtype of the engines ("float32", "bfloat16", "float16"), or "fp8":
-            keep an FP8 block-scaled checkpoint's linear weights in FP8 with their tile scales (computed
-            through :func:`splitspec.quant.linear`), everything else bfloat16. The router and its
-            correction bias stay float32.
+        dtype: weight/activation dtype of the engines ("float32", "bfloat16", "float16"); "fp8": keep an FP8
+            block-scaled checkpoint's linear weights in FP8 with their tile scales (computed through
+            :func:`splitspec.quant.linear`); "int4": keep an INT4 checkpoint's routed experts packed with their
+            group scales (:mod:`splitspec.models.int4_routed`). None: "int4" for an INT4 checkpoint, else "float32".
+            The router and its correction bias stay float32.
+        float_dtype: with "fp8" / "int4", the dtype of everything else and of the activations (default bfloat16).
         max_batch_size: sequences the KV caches hold at once (slots).
         max_seq_len: tokens per sequence (prompt + generated + draft), bounds the KV caches.
         max_draft_len: largest number of draft tokens per cycle a request may ask for.
@@ -198,10 +252,13 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
             memory; on a CPU machine no check), :func:`splitspec.build.memory_plan.check_build`.
     Raises:
         MemoryPlanError: the engines would not fit the budget (checked before anything is written).
-        ConfigError: a limit out of range; fp8 asked of a checkpoint without FP8 weights; a drafter
+        ConfigError: a limit out of range; fp8 / int4 asked of a checkpoint not stored so; a drafter
             variant the engine would not run faithfully. CheckpointError: a missing or malformed shard.
     """
     checkpoints, out = Path(checkpoints), Path(out)
+    if dtype is None:
+        qm = _read_checkpoint_config(checkpoints / "target", "target").get("quantization") or {}
+        dtype = "int4" if qm.get("method") == "int4" else "float32"
     if dtype not in BUILD_DTYPES:
         raise ConfigError(f"dtype '{dtype}' is not supported (expected one of {', '.join(BUILD_DTYPES)})")
     for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("max_draft_len", max_draft_len)):
@@ -215,16 +272,26 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
         raise ConfigError(f"max_seq_len = {max_seq_len} exceeds the target's max_position_embeddings = {tcfg.max_position_embeddings}")
     qmeta = tmeta.get("quantization") or {"method": "none"}
     block = tuple(qmeta["weight_block_size"]) if qmeta.get("method") == "fp8" else None
-    keep_fp8 = dtype == "fp8"
-    if keep_fp8 and block is None:
-        raise ConfigError(f"dtype 'fp8' keeps an FP8 block-scaled checkpoint's weights, but {checkpoints / 'target'} holds "
+    group = qmeta.get("group_size") if qmeta.get("method") == "int4" else None
+    keep_fp8, keep_int4 = dtype == "fp8", dtype == "int4"
+    if (keep_fp8 and block is None) or (keep_int4 and group is None):
+        what = "an FP8 block-scaled checkpoint's weights" if keep_fp8 else "an INT4 checkpoint's routed experts"
+        raise ConfigError(f"dtype '{dtype}' keeps {what}, but {checkpoints / 'target'} holds "
                           f"{qmeta.get('source', 'float weights')}; choose float32, bfloat16 or float16")
-    tdt = FP8_ACTIVATION_DTYPE if keep_fp8 else DTYPES[dtype]
-    weight_format = {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else str(tdt).removeprefix("torch."),
-                     "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": str(tdt).removeprefix("torch."),
+    quantised = keep_fp8 or keep_int4
+    if float_dtype is not None and (float_dtype not in DTYPES or not quantised and float_dtype != dtype):
+        raise ConfigError(f"float_dtype '{float_dtype}' goes with dtype fp8 or int4 (one of {', '.join(DTYPES)}); "
+                          f"dtype '{dtype}' is the engine's float dtype already")
+    fname = (float_dtype or QUANT_FLOAT_DTYPE) if quantised else dtype
+    tdt = DTYPES[fname]
+    weight_format = {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else "int4_routed_experts" if keep_int4 else fname,
+                     "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": fname,
                      "source": qmeta.get("source")}
+    if keep_int4:
+        weight_format |= {"format": "compressed-tensors pack-quantized, symmetric INT4 (routed experts only)",
+                          "group_size": group, "layout": INT4_LAYOUT}
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
-    print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib))
+    print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib, float_bytes=tdt.itemsize, group=group))
     with atomic_dir(out, keep=(checkpoints,)) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()
@@ -233,7 +300,7 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
             if not shard.exists():
                 raise CheckpointError(f"{shard}: shard missing (mapping says tp_size={mapping.tp_size})")
             src = CheckpointReader.single(shard)
-            write_tensors(iter_target_runtime_layout(src, tcfg, mapping, rank, tdt, block, keep_fp8),
+            write_tensors(iter_target_runtime_layout(src, tcfg, mapping, rank, tdt, block, keep_fp8, group, keep_int4),
                           tmp / "target" / f"rank{rank}.safetensors")
             src.close()
         for f in tokenizer_files(checkpoints / "target"):
@@ -245,7 +312,7 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
         write_tensors(dlayout.items(), tmp / "drafter" / "rank0.safetensors")
         del dlayout
         write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": dcfg.architecture,
-                    "dtype": dtype if not keep_fp8 else "bfloat16",
+                    "dtype": fname,
                     "config": dcfg.to_dict(), "mapping": {"tp_size": 1}, "limits": limits,
                     "aux_layer_ids": list(dcfg.aux_layer_ids), "aux_convention": dcfg.aux_convention,
                     "aux_convention_source": dcfg.aux_convention_source, "capture_points": list(dcfg.capture_points()),
@@ -253,7 +320,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
                     "embedding_source": dmeta.get("embedding_source")},
                    tmp / "drafter" / "engine.json")
     print(f"built engines → {out}/target (TP{mapping.tp_size}, {dtype}"
-          + (f": FP8 weights in {block[0]}×{block[1]} tiles, bf16 activations" if keep_fp8 else "")
+          + (f": FP8 weights in {block[0]}×{block[1]} tiles, {fname} activations" if keep_fp8 else "")
+          + (f": INT4 routed experts in groups of {group}, everything else {fname}" if keep_int4 else "")
           + f") and {out}/drafter (TP1, {str(tdt).removeprefix('torch.')}); limits {limits}")
     return out
 
@@ -261,7 +329,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str = "float32", max_batc
 def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int = 1, max_batch_size: int = 1,
                max_seq_len: int = 1024, quiet: bool = False) -> Path:
     """Convert and build ``models_dir/{target,drafter}`` (Hugging Face checkpoints) into ``out_dir``: the
-    converted checkpoint in ``out_dir/ckpt``, float32 engines in ``out_dir/engines`` (returned).
+    converted checkpoint in ``out_dir/ckpt``, engines in ``out_dir/engines`` (returned): float32, or for an INT4
+    target its routed experts INT4 and the rest float32.
 
     Args:
         tp_size, ep_size: the target's mapping (:func:`splitspec.convert.pair.convert_pair`).
@@ -274,4 +343,5 @@ def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int =
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
             stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
         convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size, ep_size=ep_size)
-        return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                             float_dtype="float32")

@@ -17,7 +17,8 @@ Per GPU g (target rank g):
   rounded to blocks. Target verify: window gather Bp·S·(kv_lora + rope), scores Bp·(heads/N)·n·S in float32
   (twice) and in the activation dtype, the MoE's grouped GEMM buffers T·top_k·(2H + 3·I_e/moe_tp) when T = Bp·n
   is above the fused kernels' 16 tokens (with FP8-kept experts also their per-call dequantisation, 12 bytes per
-  element of the stacked w13), residual stream 6·T·H, captured aux 2·T·3H and the gathered logits 2·T·V float32.
+  element of the stacked w13; with INT4-kept experts the per-call dequantisation of the chosen ones, up to
+  min(E_local, T·top_k) experts, 16 at a time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H and the gathered logits 2·T·V float32.
   Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S.
   Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp and window (powers of two
   from 256 up to S), one k per bucket (``tuning.json`` chooses one).
@@ -37,15 +38,19 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from splitspec import quant
 from splitspec.config import DrafterConfig, Mapping, TargetConfig
 from splitspec.errors import ConfigError
+from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes, target_rank_bytes
 
 GIB = 2 ** 30
 BLOCK_SIZE = 16  # splitspec.models.kv.BLOCK_SIZE, checked equal in the tests
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # splitspec.engine.graphs.BATCH_BUCKETS, likewise
 FUSED_MOE_MAX_TOKENS = 16  # splitspec.models.fused_moe.MAX_TOKENS, likewise
+INT4_CHUNK = 16  # splitspec.models.int4_routed.CHUNK, likewise
 FRAGMENTATION = 0.05
 GROUPS = ("weights", "drafter", "kv", "graphs", "activations", "headroom")
 
@@ -136,6 +141,10 @@ def _moe_buffers(cfg: TargetConfig, mapping: Mapping, fmt: WeightFormat, tokens:
     buffers = tokens * cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * ie) * act
     if fmt.name == "fp8":  # quant.dequantize_fp8 of the stacked w13: float32 weight, expanded scales, product
         buffers += 12 * (cfg.n_routed_experts // mapping.ep_size) * 2 * ie * cfg.hidden_size
+    if fmt.name == "int4":  # models.int4_routed: one chunk of the chosen experts' w13 and w2 in the activation dtype,
+        # plus the int32 nibbles, float32 values and scales of its w13 while it is dequantised
+        chunk = min(cfg.n_routed_experts // mapping.ep_size, tokens * cfg.num_experts_per_tok, INT4_CHUNK)
+        buffers += chunk * 3 * ie * cfg.hidden_size * act + chunk * 2 * ie * cfg.hidden_size * 12
     return buffers
 
 
@@ -231,7 +240,9 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp
     dweights = drafter_bytes(dcfg, fmt.float_bytes, dep.draft_tp) if dcfg is not None else Counter()
-    dkv = 2 * rows * (dcfg.num_key_value_heads // dep.draft_tp) * dcfg.head_dim * act if dcfg is not None else 0
+    # the engine's own cache class on the meta device: K and V per head (Llama attention) or the latent row (MLA)
+    dkv = (drafter_cache(dcfg, rows, {2: torch.bfloat16, 4: torch.float32}[act], "meta", dep.draft_tp).nbytes
+           if dcfg is not None else 0)
     gpus, per_token, cache = [], {}, {}
     for g in range(dep.tp):
         p = GpuPlan(g)
@@ -271,15 +282,22 @@ def device_budget(gpu_memory_gib: float | None) -> tuple[int | None, str]:
 
 
 def check_build(cfg: TargetConfig, mapping: Mapping, dcfg: DrafterConfig, dtype: str, block: tuple[int, int] | None,
-                limits: dict, gpu_memory_gib: float | None) -> str:
+                limits: dict, gpu_memory_gib: float | None, float_bytes: int | None = None, group: int | None = None) -> str:
     """The plan of engines ``splitspec build`` is about to write (drafter TP1 on GPU 0, the heavier placement; KV
     budget max_batch_size × max_seq_len), checked against :func:`device_budget`. Returns a one-line summary.
+
+    ``float_bytes``: element size of what is not kept quantised (default: bf16 beside fp8 / int4); ``group``: the INT4
+    group of a converted checkpoint, whose routed experts alone are INT4.
 
     Raises:
         MemoryPlanError: the engines would not fit (nothing has been written yet).
     """
-    fmt = WeightFormat(dtype, 2 if dtype == "fp8" else FLOAT_BYTES[dtype], block if dtype == "fp8" else None)
-    scheme = quant.QuantScheme("fp8", block=block) if block else quant.QuantScheme()
+    float_bytes = float_bytes or FLOAT_BYTES.get(dtype, 2)
+    fmt = WeightFormat(dtype, float_bytes, block if dtype == "fp8" else None, group if dtype == "int4" else None)
+    if dtype == "int4":  # a converted checkpoint keeps only the routed experts INT4
+        scheme = quant.QuantScheme("int4", group_size=group, ignore=(r"re:(?!.*\.experts\.)",))
+    else:
+        scheme = quant.QuantScheme("fp8", block=block) if block else quant.QuantScheme()
     budget, source = device_budget(gpu_memory_gib)
     dep = Deployment(tp=mapping.tp_size, ep=mapping.ep_size, max_batch_size=limits["max_batch_size"],
                      max_seq_len=limits["max_seq_len"], max_draft_len=limits["max_draft_len"], budget_bytes=budget)

@@ -17,11 +17,11 @@ weights):
   one unless it is the last), and a fused pair only when the first part ends on a tile; otherwise bf16
   (convert's and build's rule: :func:`splitspec.quant.blocked_slice`, :func:`splitspec.quant.cat_blocked`,
   applied here to meta tensors). ``w_uk`` / ``w_uv`` are always bf16.
-- ``int4`` (Kimi-K2-Thinking, K2.5, as published; compressed-tensors ``pack-quantized``): a linear stored INT4
-  keeps ``weight_packed`` int32 [out, ceil(in/8)], ``weight_scale`` [out, ceil(in/32)] (bf16 as published) and
-  ``weight_shape`` int32 [2]; a slice along the input dimension must keep whole groups. This engine's
-  convert dequantises INT4 to bf16 (docs/formats.md), so ``int4`` plans a deployment keeping the published
-  INT4 experts, as vLLM's and SGLang's INT4 MoE kernels do.
+- ``int4`` (Kimi-K2-Thinking, K2.5, as published; compressed-tensors ``pack-quantized``; ``build --dtype int4``): a
+  routed expert stored INT4 keeps ``weight_packed`` int32 [out, ceil(in/8)] and ``weight_scale`` [out, ceil(in/32)]
+  (bf16 as published), stacked per layer; the engine records the group once (``int4.group_size`` int64 [1]); a
+  slice along the input dimension must keep whole groups. Any other linear a checkpoint stores INT4 is dequantised
+  to the float dtype by convert.
 
 Which linears a checkpoint stores quantised: from ``quantization_config`` (FP8: every decoder-layer linear;
 INT4: each ``Linear`` not matched by ``ignore``, :meth:`splitspec.quant.QuantScheme.int4_quantised`), or, with
@@ -155,6 +155,8 @@ def _fp8_slice(s: Slice, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Te
 def linear_bytes(parts: list[Slice], fmt: WeightFormat, storage: Storage) -> int:
     """Bytes of one runtime linear made of ``parts`` fused along rows (one part: a plain linear)."""
     kinds = tuple(storage.of(p.module, (p.out, p.inp)) for p in parts)
+    # the engine keeps only routed experts INT4 (convert dequantises any other INT4 linear)
+    kinds = tuple("float" if k == "int4" and ".experts." not in p.module else k for k, p in zip(kinds, parts))
     geometry = tuple((p.out, p.inp, p.dim, p.parts, p.index) for p in parts)
     return _geometry_bytes(geometry, kinds, fmt, storage.int4_scale_bytes)
 
@@ -172,7 +174,7 @@ def _geometry_bytes(geometry: tuple, kinds: tuple[str, ...], fmt: WeightFormat, 
     if fmt.name == "int4" and all(k == "int4" for k in kinds):
         g = fmt.group
         if all(c % g == 0 or p.dim == -2 for p, (_, c) in zip(parts, rows_cols)):
-            return sum(r * -(-c // 8) * 4 + r * -(-c // g) * int4_scale_bytes + 8 for r, c in rows_cols)
+            return sum(r * -(-c // 8) * 4 + r * -(-c // g) * int4_scale_bytes for r, c in rows_cols)
     return sum(r * c for r, c in rows_cols) * fmt.float_bytes
 
 
@@ -182,7 +184,7 @@ def target_rank_bytes(cfg: TargetConfig, mapping: Mapping, rank: int, fmt: Weigh
     out: Counter = Counter()
     out["embeddings"] = cfg.vocab_size // N * H * fb
     out["lm_head"] = cfg.vocab_size // N * H * fb
-    out["norms"] = H * fb + (16 if fmt.name == "fp8" else 0)  # final norm; fp8.weight_block_size int64 [2]
+    out["norms"] = H * fb + {"fp8": 16, "int4": 8}.get(fmt.name, 0)  # final norm; fp8.weight_block_size / int4.group_size
     same: dict[bool, Counter] = {}  # layers of one type are identical when the storage does not depend on names
     for layer in range(cfg.num_hidden_layers):
         moe = cfg.is_moe_layer(layer)
@@ -236,21 +238,26 @@ def _layer_bytes(cfg: TargetConfig, mapping: Mapping, rank: int, fmt: WeightForm
 def drafter_bytes(cfg: DrafterConfig, float_bytes: int, tp: int = 1) -> Counter:
     """Bytes of one rank of the drafter (``tp`` 1: the whole TP1 drafter) by kind (:data:`DRAFTER_KINDS`).
 
-    Runtime layout (:func:`splitspec.models.shapes.drafter_shapes`, sharded by
-    :func:`splitspec.models.drafter.shard_drafter`): ``qkv_proj``, ``o_proj``, ``mlp.w13`` / ``w2`` and ``lm_head``
-    split ``tp`` ways; ``embed_tokens`` [vocab, H], ``fc`` [H, 3·target_hidden], norms and ``draft_to_target``
-    int64 [draft_vocab] replicated.
+    The engine's own runtime layout, on the meta device (no memory): :func:`splitspec.models.shapes.drafter_shapes`
+    (Llama attention or MLA), sliced by :func:`splitspec.models.drafters.shard_drafter_weights` for rank 0 of
+    ``tp``; every tensor ``float_bytes`` per element but ``draft_to_target`` (int64).
 
     Raises:
         ConfigError: ``tp`` does not divide the drafter's heads, intermediate size or draft vocabulary.
     """
-    for name, v in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
+    from splitspec.models.drafters import shard_drafter_weights
+    from splitspec.models.shapes import drafter_shapes
+
+    sizes = (("num_attention_heads", cfg.num_attention_heads), ("intermediate_size", cfg.intermediate_size),
+             ("draft_vocab_size", cfg.draft_vocab_size)) + ((() if cfg.is_mla else (("num_key_value_heads", cfg.num_key_value_heads),)))
+    for name, v in sizes:
         if v % tp:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {tp}")
-    H, hd, fb = cfg.hidden_size, cfg.head_dim, float_bytes
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = H * 3 * cfg.target_hidden_size + (q + 2 * kv) * 2 * H // tp + H * q // tp + 3 * cfg.intermediate_size * H // tp
-    norms = 4 * H + (3 * cfg.target_hidden_size if cfg.norm_before_fc else 0) + (3 * cfg.target_hidden_size if cfg.fc_norm else 0)
-    return Counter({"drafter_layer": (layer + norms) * fb, "drafter_embeddings": cfg.vocab_size * H * fb,
-                    "drafter_lm_head": cfg.draft_vocab_size // tp * H * fb + cfg.draft_vocab_size * 8})
+    meta = {n: torch.empty(shape, dtype=torch.int64 if n == "draft_to_target" else torch.bfloat16, device="meta")
+            for n, shape in drafter_shapes(cfg).items()}
+    out = Counter()
+    for n, t in (shard_drafter_weights(meta, cfg, 0, tp) if tp > 1 else meta).items():
+        kind = ("drafter_embeddings" if n == "embed_tokens" else "drafter_lm_head" if n in ("lm_head", "draft_to_target")
+                else "drafter_layer")
+        out[kind] += t.numel() * (8 if n == "draft_to_target" else float_bytes)
+    return out

@@ -170,7 +170,7 @@ def inspect_target(folder: Path, raw: dict) -> list[str]:
     tok = tokenizer_vocab_size(folder)
     lines.append(f"tokenizer: {tok[1]}, {tok[0]} ids" + (" — MORE than vocab_size!" if tok[0] > cfg.vocab_size else "")
                  if tok else "tokenizer: none in this folder")
-    lines.append("convert plan (weights of one rank, text model; as converted: INT4 routed experts become bf16):")
+    lines.append("convert plan (weights of one rank, text model; as converted: INT4 routed experts kept packed, FP8 cut inside a tile bf16):")
     lines += ["  " + x for x in plan_lines(cfg, scheme, layout)]
     return lines
 

@@ -8,7 +8,9 @@ Output layout (``checkpoints/<name>/``)::
 
     target/config.json            {"format", "kind": "target", "config", "mapping", "quantization", "source"}
     target/rank{i}.safetensors    Hugging Face tensor names without any nesting prefix, sliced for rank i;
-                                  FP8 linears as ``X.weight`` (float8_e4m3fn) + ``X.weight_scale_inv``
+                                  FP8 linears as ``X.weight`` (float8_e4m3fn) + ``X.weight_scale_inv``; INT4
+                                  routed experts as published: ``X.weight_packed`` / ``X.weight_scale`` slices
+                                  + the slice's ``X.weight_shape``
     target/tokenizer files        copied from the target checkpoint
     drafter/config.json           {"format", "kind": "drafter", "config", "capture_points", "embedding", ...}
     drafter/rank0.safetensors     drafter tensors, ``draft_to_target`` and the chosen ``embed_tokens.weight``
@@ -104,7 +106,8 @@ def check_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 2, ep_size: int = 1,
-                 aux_convention: str | None = None, drafter_embedding: str | None = None, progress: bool = True) -> Path:
+                 aux_convention: str | None = None, drafter_embedding: str | None = None, progress: bool = True,
+                 int4_reference: Path | None = None) -> Path:
     """Check a target/drafter pair and write ``out/target`` (TP-``tp_size`` shards) and ``out/drafter`` (TP1).
 
     Args:
@@ -115,6 +118,8 @@ def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 
         aux_convention: "input" or "output", when the drafter's config does not declare it.
         drafter_embedding: None (decide, see :func:`drafter_tensors`), "target" or "own".
         progress: show tqdm progress bars.
+        int4_reference: a float checkpoint of the same weights as an INT4 target, for the known-value check of its
+            nibble order (:meth:`splitspec.convert.target.TargetSource.check_nibble_order`); None: not checked.
     Returns: ``out``.
     Raises:
         CheckpointError / ConfigError: a clear message naming the file, tensor or field; ``out`` untouched.
@@ -131,6 +136,12 @@ def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 
     mapping.check(tcfg, where=f"target {target_dir} at tp_size={tp_size}")
     check_pair(tcfg, dcfg, drafter_dir)
     check_tokenizer(target_dir, tcfg.vocab_size)
+    if src.scheme.method == "int4":
+        src.check_int4_split(mapping)
+        if int4_reference is not None:
+            print(src.check_nibble_order(Path(int4_reference)))
+    elif int4_reference is not None:
+        raise ConfigError(f"int4_reference given, but {target_dir} holds {src.scheme.describe()}")
     dreader = CheckpointReader(drafter_dir)
     try:
         check_drafter_tensors(dreader, dcfg, tcfg.hidden_size)  # from the headers: a bad drafter fails before the target converts
@@ -162,10 +173,10 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
                                              tmp / "target" / f"rank{rank}.safetensors"))
             finally:
                 bar.close()
-        qmeta = {"method": "fp8" if src.scheme.method == "fp8" else "none",
+        qmeta = {"method": src.scheme.method,
                  "weight_block_size": list(src.scheme.block) if src.scheme.method == "fp8" else None,
-                 "source": src.scheme.describe(), "source_config": src.scheme.source,
-                 "dequantized_at_convert": (["routed experts (INT4)"] if src.scheme.method == "int4" else []) + src.dequantized}
+                 "group_size": src.scheme.group_size, "source": src.scheme.describe(), "source_config": src.scheme.source,
+                 "dequantized_at_convert": src.dequantized + src.int4_dequantized}
         write_json({"format": FORMAT, "kind": "target", "config": tcfg.to_dict(), "mapping": mapping.to_dict(),
                     "quantization": qmeta, "source": str(target_dir.resolve())}, tmp / "target" / "config.json")
         for f in tokenizer_files(target_dir):
@@ -186,7 +197,9 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
         print(f"notice: skipped {len(src.skipped)} vision tensors (vision_tower.*, mm_projector.*): the vision part of "
               f"{tcfg.model_type} is out of scope; only the text model is converted")
     if src.scheme.method == "int4":
-        print("notice: INT4 routed experts dequantised to bfloat16 ((nibble − 8) × group scale)")
+        print(f"notice: INT4 routed experts kept as published (group {src.scheme.group_size}); 'splitspec build' keeps "
+              "them (default, or --dtype int4) or dequantises them (a float --dtype)"
+              + (f"; {len(src.int4_dequantized)} other INT4 linears dequantised to bfloat16" if src.int4_dequantized else ""))
     if src.dequantized:
         print(f"notice: {len(src.dequantized)} FP8 weights stored dequantised (bfloat16) because the TP{tp_size} split cuts "
               f"through their {src.scheme.block[0]}×{src.scheme.block[1]} tiles: {', '.join(src.dequantized[:6])}"

@@ -8,8 +8,9 @@ split ``tp / ep`` ways inside it; everything else (norms, ``q_a_proj``, ``kv_a_p
 replicated. The vision tower of a ``kimi_k25`` checkpoint is not converted.
 
 Two byte counts per rank: *as published* (the stored form: FP8 with its scales, INT4 packed with its scales) and
-*as converted* by ``splitspec convert`` (INT4 routed experts dequantised to bf16; FP8 kept where the split falls on
-tile boundaries, else bf16).
+*as converted* by ``splitspec convert`` (INT4 routed experts kept packed, any other INT4 linear dequantised to bf16;
+FP8 kept where the split falls on tile boundaries, else bf16). An INT4 expert split whose slices of down_proj's input
+columns are not whole groups is not possible (convert refuses it).
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def _slice(key: tuple, parts: int, index: int, scheme: quant.QuantScheme) -> tup
     """(bytes as published, bytes as ``splitspec convert`` writes them) of slice ``index`` of ``parts`` of one tensor.
 
     FP8 slices keep their tiles unless the cut falls inside a tile; then they are written dequantised (bf16) without
-    scales. INT4 packed weights are written as bf16 values, their scales and shapes not at all; ``inv_freq`` buffers
-    are dropped.
+    scales. INT4 routed experts are written as published (each slice with its own ``weight_shape``); other INT4 packed
+    weights as bf16 values, their scales and shapes not at all; ``inv_freq`` buffers are dropped.
     """
-    _, dim, suffix, shape, dtype, base = key
+    kind, dim, suffix, shape, dtype, base = key
+    if scheme.method == "int4" and kind == "expert" and suffix.startswith("weight_"):
+        return (Tensor("", shape, dtype).nbytes // (parts if dim >= 0 and suffix != "weight_shape" else 1),) * 2
     whole = Tensor("", shape, dtype).nbytes
     if dim < 0 or parts == 1 or suffix == "weight_shape":
         pub = whole
@@ -99,6 +102,10 @@ def plan_split(cfg: TargetConfig, scheme: quant.QuantScheme, tensors: list[Tenso
         mapping.check(cfg, where="")
     except SplitspecError as e:
         return RankPlan(tp, ep, error=str(e).removeprefix(": "))
+    g = scheme.group_size
+    if scheme.method == "int4" and (cfg.moe_intermediate_size // mapping.moe_tp_size) % g:
+        return RankPlan(tp, ep, error=f"INT4 experts: moe_intermediate_size {cfg.moe_intermediate_size} / expert-TP "
+                                      f"{mapping.moe_tp_size} is not a whole number of groups of {g}")
     groups = tensors if isinstance(tensors, Counter) else _groups(tensors)
     best = None
     for rank in range(tp):

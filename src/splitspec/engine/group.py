@@ -3,7 +3,8 @@
 The leader (rank 0) lives in the caller's process (the Triton ``spec_decode`` model or the CLI) and
 starts ranks 1..N−1 as worker processes (``python -m splitspec.engine.worker``). All ranks join one
 ``torch.distributed`` group (gloo on CPU; NCCL for GPU tensors with a gloo group for the control plane),
-meeting at a ``TCPStore`` the leader opens on a free loopback port.
+meeting at a ``TCPStore`` the leader opens on a free loopback port (:func:`loopback_store`). Every rank runs on this
+host, so their gloo sockets listen on the loopback interface too (:data:`GLOO_INTERFACE`).
 
 Each cycle the leader broadcasts one cycle plan (:mod:`splitspec.engine.plan`); every rank executes it
 (:class:`~splitspec.engine.rank.RankRunner`, eagerly or from CUDA graphs: :mod:`splitspec.engine.graphs`) from
@@ -22,7 +23,9 @@ placement first moves the decoding sequences' drafter K/V rows into the other la
 from __future__ import annotations
 
 import datetime
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +46,29 @@ from splitspec.settings import ServeConfig
 #: Seconds close() waits for the workers to take the shutdown plan (an idle worker takes it at once; one
 #: left inside a collective by an interrupted cycle never does) before it kills them.
 SHUTDOWN_WAIT_S = 2.0
+#: Address of the leader's TCPStore.
+LOOPBACK = "127.0.0.1"
+#: Network interface of the ranks' gloo sockets (``GLOO_SOCKET_IFNAME``, unless the environment names one): else
+#: gloo listens on the address the host name resolves to, which may face the network.
+GLOO_INTERFACE = "lo"
+
+
+def loopback_store(world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The leader's ``TCPStore`` for ``world`` ranks, listening on a free port of 127.0.0.1 only.
+
+    Given a port, torch's TCPStore binds it on every interface (``*:port``, whatever ``host_name`` says) and
+    answers anyone unauthenticated; given a socket already listening (``master_listen_fd``), it serves that one.
+    """
+    listener = socket.create_server((LOOPBACK, 0))
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns the socket from here on
+    try:
+        return dist.TCPStore(LOOPBACK, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
+                             master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
 
 
 class Group:
@@ -87,7 +113,8 @@ class Group:
         if self.world > 1:
             if dist.is_initialized():
                 raise EngineError("a torch.distributed group already exists in this process; one target group per process")
-            self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False, timeout=timeout)
+            self.store = loopback_store(self.world, timeout)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", GLOO_INTERFACE)  # this rank's and (inherited) the workers'
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             for r in range(1, self.world):
                 self.procs.append(subprocess.Popen(

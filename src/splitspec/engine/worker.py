@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from splitspec.engine.graphs import bucket  # noqa: E402
+from splitspec.engine.group import LOOPBACK  # noqa: E402
 from splitspec.engine.plan import IDLE_TIMEOUT, CyclePlan  # noqa: E402
 from splitspec.engine.rank import RankRunner, threads_per_rank  # noqa: E402
 from splitspec.models.layers import TPComm  # noqa: E402
@@ -33,7 +34,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
     the leader's :class:`ServeConfig`'s, passed on the worker's command line."""
     torch.set_num_threads(threads_per_rank(world))
     timeout = datetime.timedelta(seconds=collective_timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timeout)
+    store = dist.TCPStore(LOOPBACK, store_port, world, is_master=False, timeout=timeout)
     store.set(f"up/{rank}", "1")
     cuda = device.startswith("cuda")
     if cuda:

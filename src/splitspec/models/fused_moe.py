@@ -3,7 +3,7 @@
 At decode and verify (tens of tokens) a MoE layer is memory-bound matrix-vector work: what costs is reading each
 activated expert's weights once, at full HBM bandwidth, and not paying a kernel launch for every small step in
 between. The general path (:func:`splitspec.models.target.noaux_tc_route`, the shared expert as two GEMMs,
-:func:`splitspec.models.target.grouped_experts`) is about twenty kernels, most of them latency-bound at batch 1,
+:func:`splitspec.models.grouped_moe.grouped_experts`) is about twenty kernels, most of them latency-bound at batch 1,
 with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton kernels:
 
 1. ``router_logits``: the router's scores x · gateᵀ in float32 ([T, E]).
@@ -286,7 +286,7 @@ def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w
                   down_config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Routed experts of this rank, plus the shared expert if given, for a few tokens, in two kernels.
 
-    Same contract as :func:`splitspec.models.target.grouped_experts`: x [T, H] (float dtype d); local [T, top_k]
+    Same contract as :func:`splitspec.models.grouped_moe.grouped_experts`: x [T, H] (float dtype d); local [T, top_k]
     integer expert ids relative to this rank's first expert (outside [0, E_local): another rank's, skipped);
     weights [T, top_k] float32 routing weights; w13 [E_local, 2·I, H] (gate rows, then up rows) and
     w2 [E_local, H, I]. shared_w13 [2·I_s, H] / shared_w2 [H, I_s]: this rank's slice of the shared expert(s),

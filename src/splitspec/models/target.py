@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fused_moe
+from splitspec.models import fused_moe, int4_routed
+from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, mla_attention, rms_norm
 from splitspec.models.batch import ForwardBatch
@@ -46,46 +47,6 @@ def noaux_tc_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg:
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * cfg.routed_scaling_factor, ids
-
-
-def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Routed experts of this rank as two grouped GEMMs (``torch._grouped_mm``), with no host synchronisation.
-
-    x: [T, H]; local: [T, top_k] expert ids relative to this rank's first expert (outside [0, E_local) = another
-    rank's); weights: [T, top_k] float32; w13: [E_local, 2·I, H]; w2: [E_local, H, I]. Returns [T, H], the
-    weighted sum over this rank's chosen experts. (token, expert) pairs are sorted by expert; each group
-    multiplies only its own expert's weights, so only activated experts are read.
-    """
-    T, K = local.shape
-    E = w13.shape[0]
-    mine = (local >= 0) & (local < E)
-    if x.is_cuda and x.dtype == torch.float32:  # CUDA grouped GEMM is bf16-only: every expert over every token, masked
-        gate_w = torch.zeros(T, E + 1, dtype=x.dtype, device=x.device).scatter_add_(
-            1, torch.where(mine, local, E), torch.where(mine, weights, 0.0).to(x.dtype))[:, :E]
-        h = torch.einsum("th,eih->eti", x, w13)
-        gate, up = h.chunk(2, dim=-1)
-        return torch.einsum("eti,ehi,te->th", F.silu(gate) * up, w2, gate_w)
-    flat = torch.where(mine, local, E).flatten()  # another rank's pairs sort last, past every group
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts[:E].cumsum(0).to(torch.int32)  # (bincount would synchronise with the host on CUDA)
-    tok = order // K
-    out = None
-    if x.dtype == torch.bfloat16:  # the grouped GEMM's only dtype
-        try:
-            h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            out = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
-        except RuntimeError:  # not on this device
-            out = None
-    if out is None:  # gather each pair's expert (reads the weights twice)
-        e = flat[order].clamp(max=E - 1)
-        h = torch.bmm(w13[e], x[tok][:, :, None])[:, :, 0]
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(w2[e], (F.silu(gate) * up)[:, :, None])[:, :, 0]
-    scale = torch.where(mine.flatten()[order], weights.flatten()[order], 0.0).to(x.dtype)[:, None]
-    out = torch.where(scale != 0, out * scale, 0.0)  # rows past the last group are undefined
-    return torch.zeros_like(x).index_add_(0, tok, out)
 
 
 class TargetKVCache:
@@ -136,6 +97,7 @@ class TargetModel:
         self.cfg, self.mapping, self.rank, self.w, self.comm = cfg, mapping, rank, weights, comm
         self.device = weights["embed_tokens"].device
         self.fp8_block = quant.block_size_of(weights)  # FP8 tile when the engine keeps FP8 linears (``build --dtype fp8``), else None
+        self.int4_group = quant.group_size_of(weights)  # INT4 group when routed experts are kept packed (``--dtype int4``)
         self.rotary = Rotary(cfg.rope, self.device)
         self.local_heads = cfg.num_attention_heads // mapping.tp_size
         self.vocab_start = rank * (cfg.vocab_size // mapping.tp_size)
@@ -192,10 +154,17 @@ class TargetModel:
         there is one expert group, the routed experts (and, for a single token, the shared one) in two more,
         which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise
         :func:`noaux_tc_route`, the shared expert as a SwiGLU and the routed ones as grouped GEMMs
-        (:func:`grouped_experts`), FP8-kept experts dequantised per call."""
+        (:func:`grouped_experts`), FP8-kept experts dequantised per call. INT4-kept experts: the same routing, the
+        shared expert as a SwiGLU, the routed ones by :func:`splitspec.models.int4_routed.routed_experts`."""
         c = self.cfg
         gate, bias = lw["mlp.gate"], lw["mlp.e_score_correction_bias"]
         experts = ("mlp.experts.w13", "mlp.experts.w2")
+        if self.int4_group:
+            one_group = c.n_group == 1 or c.topk_group >= c.n_group
+            weights, ids = (fused_moe.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+                            if fused_moe.use_fused(x) and one_group else noaux_tc_route(x, gate, bias, c))
+            y = int4_routed.routed_experts(x, ids - self.expert_start, weights, lw, self.int4_group)
+            return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else y
         if not fused_moe.use_fused(x):
             w13, w2 = (quant.dequantize_fp8(lw[n], lw[n + ".scale_inv"], self.fp8_block, x.dtype) if n + ".scale_inv" in lw
                        else lw[n] for n in experts)

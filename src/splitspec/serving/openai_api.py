@@ -284,11 +284,11 @@ class OpenAIServer:
         repo: the rendered model repository being served (tokenizer and limits are read from it).
         grpc_address: ``host:port`` of tritonserver's gRPC endpoint.
         port: port to listen on (0: any free one; :attr:`port` tells which).
-        host: address to bind (default all interfaces, as tritonserver).
+        host: address to bind (default 127.0.0.1 only, as tritonserver; ``"0.0.0.0"``: every interface).
         name: the served model name (default: the engines folder's name).
     """
 
-    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "0.0.0.0", name: str | None = None):
+    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None):
         if not 0 <= port <= 65535:
             raise ConfigError(f"--openai-port {port}: expected 0..65535")
         self.model = ServedModel.from_repo(Path(repo), name)

@@ -18,11 +18,13 @@ from splitspec.serving.tritonserver import TritonServer, check_port_free
 
 def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                   ask: str | None = None, max_tokens: int = 64, openai_port: int | None = None,
-                  served_model_name: str | None = None, health_port: int = 8003, drain_s: float = 10.0) -> None:
+                  served_model_name: str | None = None, admin_key: str | None = None, health_port: int = 8003,
+                  drain_s: float = 10.0) -> None:
     """Start tritonserver on ``repo`` under a supervisor and print its endpoints; serve until Ctrl-C or SIGTERM.
 
     The supervisor restarts the pipeline after a fault and serves readiness and the health metric on ``health_port``
-    (:mod:`splitspec.serving.health_endpoint`). A stop gives requests in flight ``drain_s`` seconds, then ends the rest
+    (:mod:`splitspec.serving.health_endpoint`). The control APIs answer only requests carrying ``admin_key`` (None:
+    none; :mod:`splitspec.serving.access`). A stop gives requests in flight ``drain_s`` seconds, then ends the rest
     with ``finish_reason`` ``"shutdown"``.
 
     With ``openai_port``, also serve the OpenAI-compatible API there from this process
@@ -34,7 +36,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     return (``make demo``).
 
     Raises:
-        ConfigError: the repository is not rendered or a port is taken.
+        ConfigError: the repository is not rendered, a port is taken, or ``admin_key`` is not a valid key.
         SplitspecError: the server failed to start (log tail included), answered with an error, or kept failing
             after restarts.
     """
@@ -42,7 +44,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         if port:
             check_port_free(port, what)
     sup = Supervisor(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                     health_port=health_port, drain_s=drain_s)
+                     health_port=health_port, drain_s=drain_s, admin_key=admin_key)
 
     def on_term(signum, frame):  # `kill PID`, service managers: stop as Ctrl-C does
         raise KeyboardInterrupt

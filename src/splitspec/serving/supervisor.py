@@ -50,6 +50,7 @@ class Supervisor:
     """Runs and heals a :class:`TritonServer` on ``repo``; a context manager (``with`` ends in :meth:`shutdown`).
 
     Ports of 0 are replaced by free ones once, then kept across restarts. ``say``: where its log lines go.
+    ``admin_key``: passed to each :class:`TritonServer` (the control APIs' key; None: they are refused).
     """
 
     def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
@@ -57,6 +58,7 @@ class Supervisor:
                  drain_s: float = 10.0, check_s: float = 0.1, probe_s: float = 0.5, live_timeout_s: float = 1.5,
                  live_failures: int = 3, error_grace_s: float = 0.5, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, max_restarts: int = 5, window_s: float = 600.0,
+                 admin_key: str | None = None,
                  say: Callable[[str], None] = lambda line: print(line, flush=True)):
         picked = iter(free_ports(4))
         self.ports = {"http_port": http_port or next(picked), "grpc_port": grpc_port or next(picked),
@@ -67,6 +69,7 @@ class Supervisor:
         self.live_timeout_s, self.live_failures, self.error_grace_s = live_timeout_s, live_failures, error_grace_s
         self.backoff_s, self.max_backoff_s, self.max_restarts, self.window_s = backoff_s, max_backoff_s, max_restarts, window_s
         self.say = say
+        self.admin_key = admin_key
         self.srv: TritonServer | None = None
         self.state = "starting"  # serving | restarting | failed | stopping | stopped
         self.watched: list[Watched] = []
@@ -97,7 +100,7 @@ class Supervisor:
 
     def _start_server(self) -> None:
         srv = TritonServer(self.repo, **self.ports, exit_timeout_s=self.exit_timeout_s,
-                           startup_timeout_s=self.startup_timeout_s)
+                           startup_timeout_s=self.startup_timeout_s, admin_key=self.admin_key)
         if self._stop.is_set():
             raise SplitspecError("the supervisor is stopping")
         self.srv = srv

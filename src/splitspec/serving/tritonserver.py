@@ -10,7 +10,6 @@ never outlive it. ``splitspec serve`` runs it under a supervisor (:mod:`splitspe
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 import requests
 
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricted_api_args
 from splitspec.serving.repo import MODELS
 from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
@@ -98,8 +98,10 @@ def check_repo(repo: Path) -> Path:
 class TritonServer:
     """A ``tritonserver`` process serving a model repository on 127.0.0.1; a context manager.
 
-    Ports of 0 are replaced by free ones. The server runs in its own process group; its log
-    goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``).
+    Ports of 0 are replaced by free ones. The server runs in its own process group, with umask 077; its log
+    goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``). The control APIs (model
+    repository, shared memory, logging, trace) answer only requests carrying ``admin_key``
+    (:mod:`splitspec.serving.access`).
 
     Example::
 
@@ -117,13 +119,18 @@ class TritonServer:
             sooner when the server gives up on requests still in flight at its exit timeout (:meth:`stop`).
         log_verbose: tritonserver ``--log-verbose`` level.
         extra_args: further tritonserver arguments.
+        admin_key: the key that opens the control APIs (None: they are refused to every request).
+
+    Raises:
+        ConfigError: the repository is not rendered, or ``admin_key`` is not a valid key.
     """
 
     def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  log_path: Path | None = None, startup_timeout_s: float = 600.0, exit_timeout_s: int = 30,
                  stop_timeout_s: float | None = None,
-                 log_verbose: int = 0, extra_args: tuple[str, ...] = ()):
+                 log_verbose: int = 0, extra_args: tuple[str, ...] = (), admin_key: str | None = None):
         self.repo = check_repo(repo)
+        self.restrict_args = restricted_api_args(admin_key)
         picked = iter(free_ports(3))  # distinct, also from each other
         self.http_port = http_port or next(picked)
         self.grpc_port = grpc_port or next(picked)
@@ -189,6 +196,7 @@ class TritonServer:
             "--strict-readiness", "true", "--exit-on-error", "true",
             "--exit-timeout-secs", str(self.exit_timeout_s),
             "--backend-config", f"python,shm-region-prefix-name={self.shm_prefix}",
+            *self.restrict_args,
             "--log-verbose", str(self.log_verbose),
             *self.extra_args,
         ]
@@ -215,7 +223,7 @@ class TritonServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command(backend_dir, install), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=server_env(install),
-                                         cwd=str(self.repo), start_new_session=True)
+                                         cwd=str(self.repo), start_new_session=True, umask=SERVER_UMASK)
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -251,15 +259,15 @@ class TritonServer:
         """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
         ``stop_timeout_s``, or 1 s after the log says the server gave up on requests still in flight at its exit
         timeout (:data:`EXIT_GAVE_UP`: tritonserver 2.51 then crashes in its exit and hangs instead of exiting);
-        finally SIGKILL whatever is left in its process group. After a kill, the Python backend's shared-memory
-        regions of this server (``/dev/shm/<shm_prefix>*``) are removed.
+        finally SIGKILL whatever is left in its process group. Then the Python backend's shared-memory regions of this
+        server (``/dev/shm/<shm_prefix>*``) that are left, after a kill by this method or by anyone, are removed.
 
         Returns:
             the server's exit status (None when it was never started). Safe to call twice.
         """
         if self.proc is None:
             return None
-        pgid, killed = self.proc.pid, False
+        pgid = self.proc.pid
         try:
             if self.proc.poll() is None:
                 log = LogWatch(self.log_path)  # from before the SIGINT on
@@ -277,12 +285,10 @@ class TritonServer:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         self.proc.wait(timeout=1.0)  # in case it does exit after all
                 if self.proc.poll() is None:
-                    killed = True
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pgid, signal.SIGKILL)
                     self.proc.wait()
         except KeyboardInterrupt:  # a second Ctrl-C: do not wait for a graceful unload
-            killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             self.proc.wait()
@@ -291,10 +297,7 @@ class TritonServer:
             # stubs or workers that outlived the server (its process group keeps their id)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-            if killed:  # a killed Python backend leaves its shared-memory regions behind
-                for region in Path("/dev/shm").glob(glob.escape(self.shm_prefix) + "*"):
-                    with contextlib.suppress(OSError):
-                        region.unlink()
+            remove_shm_regions(self.shm_prefix)  # a killed Python backend leaves its regions behind
         return self.proc.returncode
 
     def kill(self) -> int | None:

@@ -272,6 +272,19 @@ def write_target_form(folder: Path, master: dict[str, torch.Tensor], cfg: dict, 
         raise ValueError(f"unknown target form {form!r}")
 
 
+def write_int4_copy(src: Path, out: Path) -> Path:
+    """``out``: the Hugging Face target ``src`` (e.g. the demo's) in the K2-Thinking INT4 form, with its tokenizer files."""
+    from splitspec.convert.pair import tokenizer_files
+
+    r = CheckpointReader(Path(src))
+    master = {n: r.get(n).float() for n in r.names() if not n.endswith("rotary_emb.inv_freq")}
+    r.close()
+    write_target_form(out, master, read_json(Path(src) / "config.json"), "int4")
+    for f in tokenizer_files(src):
+        (Path(out) / f).write_bytes((Path(src) / f).read_bytes())
+    return Path(out)
+
+
 def write_drafter_form(folder: Path, dm: dict[str, torch.Tensor], target_cfg: dict, target: dict[str, torch.Tensor], form: str) -> None:
     """Write the drafter master ``dm`` as variant ``form`` (one of :data:`DRAFTER_FORMS`) into ``folder``."""
     layer = {k: v.to(torch.bfloat16) for k, v in dm.items() if k.startswith("midlayer.") or k in ("fc.weight", "norm.weight")}

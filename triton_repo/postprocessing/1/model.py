@@ -27,6 +27,7 @@ import triton_python_backend_utils as pb_utils
 
 from splitspec.errors import SplitspecError
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.serving.access import make_stub_region_private
 from splitspec.serving.repo import CANCEL_POLL_S
 from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
 from splitspec.settings import parameter_flag
@@ -52,6 +53,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         """Load the tokenizer named by the config parameter tokenizer_dir; raises to fail the model load."""
+        make_stub_region_private()  # before the first request: the backend made this stub's region 0644
         params = model_config(args)[1]
         tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:

@@ -60,6 +60,7 @@ import triton_python_backend_utils as pb_utils
 from splitspec.engine.plan import EngineError
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.runtime.types import RequestOutput
+from splitspec.serving.access import make_stub_region_private
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
 from splitspec.serving.repo import CANCEL_POLL_S
@@ -103,6 +104,7 @@ class TritonPythonModel:
     def initialize(self, args):
         """Load the engines (the engine process and its reader thread) and start the monitor thread; raises to fail
         the model load."""
+        make_stub_region_private()  # before the first request: the backend made this stub's region 0644
         self.model_name, params = model_config(args)
         self.model_name = self.model_name or "spec_decode"
 

@@ -1,0 +1,66 @@
+"""This rank's routed experts kept INT4 (``splitspec build --dtype int4``): which path computes them.
+
+Weights as :mod:`splitspec.models.int4_moe` takes them (the layout of docs/formats.md, "Engine files"): w13 packed
+int32 [E_local, 2·I, H/8] with scales [E_local, 2·I, H/G], w2 packed int32 [E_local, H, I/8] with scales
+[E_local, H, I/G]; weight = (nibble − 8) · scale, compressed-tensors ``pack-quantized`` as Kimi-K2-Thinking / K2.5
+publish it.
+
+- **Fused** (:func:`splitspec.models.int4_moe.int4_experts`, W4A16): where :func:`splitspec.models.fused_moe.use_fused`
+  says so — CUDA tensors, at most :data:`splitspec.models.fused_moe.MAX_TOKENS` tokens. Each (token, slot) pair
+  reads its expert's 4-bit weights once. (Triton's interpreter runs it on CPU tensors, slowly: tests only.)
+- **Grouped** (everything else: more tokens, and CPU engines): the experts the batch chose are dequantised for this
+  call (:func:`splitspec.quant.dequantize_int4`, to the activations' dtype) and go through
+  :func:`splitspec.models.grouped_moe.grouped_experts`, :data:`CHUNK` experts at a time, the chunks' outputs summed:
+  the transient is one chunk's dequantised weights (Kimi-K2.5 at TP8: 16 experts' slices, 0.26 GB in bf16), not the
+  chosen experts' (all 384 of them for a 512-token prefill chunk: 4.2 GB per layer call). Without a host
+  synchronisation (CUDA-graph safe): the chosen experts are gathered into a fixed number of slots,
+  min(E_local, T·top_k) — every chosen expert, then unchosen ones as padding — so a call reads at most T·top_k
+  experts' packed weights, never the whole stack. A GPU serving large batches would rather have a W4A16 grouped
+  GEMM (as vLLM's and SGLang's INT4 MoE kernels have); this path is exact and portable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitspec import quant
+from splitspec.models import fused_moe, int4_moe
+from splitspec.models.grouped_moe import grouped_experts
+
+NAMES = ("mlp.experts.w13", "mlp.experts.w13.scale", "mlp.experts.w2", "mlp.experts.w2.scale")
+CHUNK = 16  # experts dequantised at once by the grouped path
+
+
+def chosen_experts(local: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [n] int64: expert ids, every chosen one first; slot-relative ids [T, top_k], -1 where another rank's),
+    n = min(num_experts, T·top_k), for ``local`` [T, top_k] ids relative to this rank's first expert."""
+    E = num_experts
+    mine = (local >= 0) & (local < E)
+    n = min(E, local.numel())
+    hit = torch.zeros(E + 1, dtype=torch.int32, device=local.device).scatter_(0, torch.where(mine, local, E).flatten().long(),
+                                                                              torch.ones(local.numel(), dtype=torch.int32,
+                                                                                         device=local.device))[:E]
+    slots = torch.argsort(hit, descending=True, stable=True)[:n]
+    where = torch.full((E,), -1, dtype=torch.int64, device=local.device).scatter_(
+        0, slots, torch.arange(n, dtype=torch.int64, device=local.device))
+    return slots, torch.where(mine, where[local.clamp(0, E - 1).long()], -1)
+
+
+def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lw: dict[str, torch.Tensor],
+                   group: int) -> torch.Tensor:
+    """Σ over this rank's chosen experts of weight · W2[e] (silu(W_gate[e] x) ⊙ W_up[e] x), INT4 weights from ``lw``
+    (:data:`NAMES`). x [T, H] float; local [T, top_k] ids relative to this rank's first expert; weights [T, top_k]
+    float32. Returns [T, H] in x's dtype."""
+    p13, s13, p2, s2 = (lw[n] for n in NAMES)
+    if fused_moe.use_fused(x):
+        return int4_moe.int4_experts(x, local, weights, p13, s13, p2, s2, group=group)
+    slots, sub = chosen_experts(local, p13.shape[0])
+    H, I = p13.shape[-1] * 8, p2.shape[-1] * 8
+    y = None
+    for i in range(0, slots.shape[0], CHUNK):  # ids outside [0, CHUNK) after the shift: another chunk's, skipped
+        e = slots[i:i + CHUNK]
+        w13 = quant.dequantize_int4(p13[e], s13[e], H, group, x.dtype)
+        w2 = quant.dequantize_int4(p2[e], s2[e], I, group, x.dtype)
+        part = grouped_experts(x, sub - i, weights, w13, w2)
+        y = part if y is None else y + part
+    return y
