@@ -199,9 +199,13 @@ def summarise(s: Soak, refs: dict, t_start: float) -> dict:
             "hit_by_a_fault": len(s.records) - len(clean), "clean": len(clean),
             "lost": len(lost), "duplicated": len(dup), "mismatched": len(bad),
             "examples": [{k: r.get(k) for k in ("door", "prompt", "outcome", "error")} for r in (lost + dup + bad)[:5]],
+            "answered_latency_s_p50": round(statistics.median(
+                [r["t1"] - r["t0"] for r in s.records if r["outcome"] == "ok"] or [0.0]), 2),
             "faults": [{"fault": f["fault"], "at_s": round(f["t"] - t_start, 1),
                         "ready_again_s": None if f["ready_s"] is None else round(f["ready_s"], 1)} for f in s.faults],
             "rss_last_quarter_over_second_quarter": flat,
+            "requests_log": [{"door": r["door"], "outcome": r["outcome"], "t0": round(r["t0"] - t_start, 2),
+                              "t1": round(r["t1"] - t_start, 2), "tokens": len(r["ids"])} for r in s.records],
             "rss_mib": [{k: (round(v - t_start, 1) if k == "t" else v) for k, v in row.items()} for row in s.rss]}
 
 
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(s, refs, t_start)
     write_json(summary, a.out / "soak.json")
     plot(summary, a.out / "soak.png")
-    short = {k: v for k, v in summary.items() if k != "rss_mib"}
+    short = {k: v for k, v in summary.items() if k not in ("rss_mib", "requests_log")}
     print(short, flush=True)
     return 0 if summary["lost"] == summary["duplicated"] == summary["mismatched"] == 0 else 1
 

@@ -279,10 +279,12 @@ def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, referen
     rc = serve.proc.wait(30)
     took = time.monotonic() - t0
     print(f"\nSIGTERM with 2 streams open: exited with {rc} after {took:.1f} s; streams: {[f.outcome for f in flights]}")
+    reasons = []
     for f in flights:
-        assert f.outcome == "finished", f.outcome
-        final = merge(f.events)
-        assert final["finish_reason"] in ("shutdown", "length", "stop"), final
+        assert f.outcome == "finished", f.outcome  # a final response, not a cut connection
+        reasons.append(merge(f.events)["finish_reason"])
+    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown"
+    assert "shutdown" in reasons and set(reasons) <= {"shutdown", "length", "stop"}, reasons
     assert rc == 0 and took < 15, (rc, took)
     try:
         requests.get(f"{serve.url}/v2/health/live", headers=CLOSE, timeout=1)
