@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--fault-every-s", type=float, default=30.0)
+    p.add_argument("--fault-every-s", type=float, default=90.0)
     p.add_argument("--rss-every-s", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=Path("soak_results"))
     a = p.parse_args(argv)

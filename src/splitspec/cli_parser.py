@@ -192,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-s", type=float, default=10.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they end with "
                         "finish_reason 'shutdown'")
+    s.add_argument("--restart-limit", type=int, default=5,
+                   help="give up (exit with an error) after this many failures in a row: restarts that failed, or "
+                        "a pipeline that failed again within --stable-s of being ready")
+    s.add_argument("--stable-s", type=float, default=60.0,
+                   help="a pipeline that served this long before a fault is restarted at once, without back-off")
     s.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
                         "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")

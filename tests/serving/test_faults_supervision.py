@@ -46,7 +46,7 @@ class Serve:
         self.log = repo / "_backends" / f"tritonserver.{self.http}.log"
         cmd = [sys.executable, "-m", "splitspec.cli", "serve", "--repo", str(repo), "--http-port", str(self.http),
                "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--health-port", str(self.health_port),
-               "--drain-s", "1"]
+               "--drain-s", "1", "--stable-s", "0"]  # back to back faults here: each restarted at once
         self.proc = subprocess.Popen(cmd, stdout=open(out, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
     url = property(lambda self: f"http://127.0.0.1:{self.http}")

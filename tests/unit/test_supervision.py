@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
-from splitspec.errors import ConfigError
+from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.health_endpoint import HealthEndpoint
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import Watched, pipeline_processes, role_of
 from splitspec.serving.requests import parse_request, request_timeout
 from splitspec.serving.server_log import rotate
+from splitspec.serving.supervisor import Supervisor
 
 
 @pytest.mark.parametrize("cmdline, role", [
@@ -49,8 +52,6 @@ def test_pipeline_processes_names_the_children_it_knows():
     parent = subprocess.Popen([sys.executable, "-c", code, sys.executable, "-c", "import time; time.sleep(60)",
                                "splitspec.serving.engine_process"])
     try:
-        import time
-
         for _ in range(100):
             found = pipeline_processes(parent.pid)
             if found:
@@ -105,3 +106,33 @@ def test_request_deadline_is_the_clients_within_the_servers_cap():
     for bad in (0, -5, 1.5):
         with pytest.raises(ConfigError, match="timeout_ms"):
             request_timeout({"timeout_ms": np.array([[bad]])}, 600.0)
+
+
+class _FakeServer:
+    log_path, pid = Path("tritonserver.8000.log"), 1
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("starts_ok, stable", [(True, True), (True, False), (False, True)])
+def test_a_fault_now_and_then_is_healed_and_a_crash_loop_given_up(starts_ok, stable):
+    lines: list[str] = []
+    sup = Supervisor(Path("unused"), backoff_s=0.001, max_restarts=3, stable_s=60.0, say=lines.append)
+    sup.endpoint = None
+
+    def start():
+        if not starts_ok:
+            raise SplitspecError("tritonserver exited with status 1 while starting")
+        sup.state, sup._ready_at = "serving", time.monotonic() - (3600 if stable else 0)
+
+    sup._start_server = start
+    sup.state, sup.srv, sup._ready_at = "serving", _FakeServer(), time.monotonic() - (3600 if stable else 0)
+    for _ in range(5):  # five faults, each after the previous restart
+        sup._recover("the spec_decode stub (pid 7) died")
+        if sup.failed:
+            break
+    if starts_ok and stable:
+        assert not sup.failed and len(sup.restarts) == 5, lines
+    else:  # failing again right after ready, or never starting: a crash loop, given up after 3 in a row
+        assert sup.failed and "giving up after 3 failures in a row" in lines[-1], lines

@@ -14,9 +14,10 @@ On a fault it turns not-ready at once (its own endpoint, :mod:`splitspec.serving
 drops to 0 and stays exported), logs what died, kills the server's whole process group (clients' connections drop:
 gRPC UNAVAILABLE, HTTP a closed connection; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
 to answer its requests with UNAVAILABLE itself), and starts it again on the same ports, the old log kept
-(:func:`~splitspec.serving.server_log.rotate`). A start that fails is retried after ``backoff_s``, doubling up to
-``max_backoff_s``; after ``max_restarts`` restarts within ``window_s`` it gives up (:attr:`failed`) and
-``splitspec serve`` exits with an error.
+(:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
+that fails, or a pipeline that fails again within ``stable_s`` of ready, counts as a failure in a row, each retried
+after ``backoff_s`` doubling up to ``max_backoff_s``, and after ``max_restarts`` in a row it gives up
+(:attr:`failed`) and ``splitspec serve`` exits with an error.
 
 :meth:`shutdown` is the graceful stop (SIGTERM / Ctrl-C): not-ready, the engine stops admitting (SIGUSR1 to the engine
 process), in-flight requests get up to ``drain_s`` to finish, then the rest end with ``finish_reason`` ``"shutdown"``
@@ -57,7 +58,7 @@ class Supervisor:
                  health_port: int = 0, exit_timeout_s: int = 30, startup_timeout_s: float = 600.0,
                  drain_s: float = 10.0, check_s: float = 0.1, probe_s: float = 0.5, live_timeout_s: float = 1.5,
                  live_failures: int = 3, error_grace_s: float = 0.5, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, max_restarts: int = 5, window_s: float = 600.0,
+                 max_backoff_s: float = 30.0, max_restarts: int = 5, stable_s: float = 60.0,
                  admin_key: str | None = None,
                  say: Callable[[str], None] = lambda line: print(line, flush=True)):
         picked = iter(free_ports(4))
@@ -67,7 +68,9 @@ class Supervisor:
         self.repo, self.exit_timeout_s, self.startup_timeout_s = repo, exit_timeout_s, startup_timeout_s
         self.drain_s, self.check_s, self.probe_s = drain_s, check_s, probe_s
         self.live_timeout_s, self.live_failures, self.error_grace_s = live_timeout_s, live_failures, error_grace_s
-        self.backoff_s, self.max_backoff_s, self.max_restarts, self.window_s = backoff_s, max_backoff_s, max_restarts, window_s
+        self.backoff_s, self.max_backoff_s, self.max_restarts, self.stable_s = backoff_s, max_backoff_s, max_restarts, stable_s
+        self._failing = 0  # failures in a row: starts that failed, or a pipeline failed again within stable_s of ready
+        self._ready_at = float("-inf")  # time.monotonic() of the last ready
         self.say = say
         self.admin_key = admin_key
         self.srv: TritonServer | None = None
@@ -112,6 +115,7 @@ class Supervisor:
         with self._lock:
             self.watched, self._probe_misses, self._unready = watched, 0, 0
             self._generation += 1
+            self._ready_at = time.monotonic()
             if self.state in ("starting", "restarting"):
                 self.state = "serving"
 
@@ -187,37 +191,35 @@ class Supervisor:
             if self.state != "serving":
                 return
             self.state = "restarting"
-        recent = [r for r in self.restarts if noticed - r["noticed"] < self.window_s]
-        self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight and restarting it "
-                 f"(restart {len(recent) + 1} within {self.window_s:g} s, at most {self.max_restarts})")
+        # a crash loop, not a fault now and then: the pipeline failed again within stable_s of being ready
+        self._failing = self._failing + 1 if t0 - self._ready_at < self.stable_s else 0
+        self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight and restarting it"
+                 + (f" (failed again {t0 - self._ready_at:.0f} s after ready: {self._failing} in a row, at most "
+                    f"{self.max_restarts})" if self._failing else ""))
         if any(r in fault for r in ENGINE_ROLES):
             time.sleep(self.error_grace_s)  # spec_decode answers its open requests with UNAVAILABLE meanwhile
         old = self.srv
         old.kill()
         self.say(f"splitspec serve: tritonserver stopped; its log is kept as {old.log_path.name}.1 once it restarts")
-        delay = self.backoff_s
-        for attempt in range(1, self.max_restarts + 1):
-            if len(recent) >= self.max_restarts:
-                break
-            if self._stop.is_set():
-                return
+        while self._failing < self.max_restarts and not self._stop.is_set():
+            if self._failing:  # back-off: 1, 2, 4 ... s before the next try of a crash loop
+                self._stop.wait(min(self.backoff_s * 2 ** (self._failing - 1), self.max_backoff_s))
             try:
                 self._start_server()
             except SplitspecError as e:
-                recent.append({"noticed": noticed})
-                self.say(f"splitspec serve: restart attempt {attempt} failed: {str(e).splitlines()[0]}; next in "
-                         f"{delay:g} s")
-                self._stop.wait(delay)
-                delay = min(2 * delay, self.max_backoff_s)
+                self._failing += 1
+                self.say(f"splitspec serve: restart failed ({self._failing} in a row): {str(e).splitlines()[0]}")
                 continue
             took = time.monotonic() - t0
             self.restarts.append({"fault": fault, "noticed": noticed, "recovery_s": took})
             self.say(f"splitspec serve: ready again {took:.1f} s after the fault ({len(self.restarts)} restart(s) so far)")
             return
+        if self._stop.is_set():
+            return
         with self._lock:
             self.state = "failed"
-        self.say(f"splitspec serve: giving up after {len(recent)} restarts within {self.window_s:g} s; the last fault: "
-                 f"{fault}")
+        self.say(f"splitspec serve: giving up after {self._failing} failures in a row (a start that failed, or a "
+                 f"pipeline that failed again within {self.stable_s:g} s of ready); the last fault: {fault}")
 
     # -- stopping ----------------------------------------------------------------------------
     def in_flight(self) -> float | None:
