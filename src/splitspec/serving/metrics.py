@@ -138,7 +138,7 @@ FAMILIES = {
     "output_tokens": ("splitspec_output_tokens_total", "COUNTER", "Tokens emitted by verify forwards"),
     "prefill_tokens": ("splitspec_prefill_tokens_total", "COUNTER", "Prompt tokens prefilled"),
     "requests": ("splitspec_requests_total", "COUNTER",
-                 "Finished requests by finish_reason (length, stop, cancelled, error)"),
+                 "Finished requests by finish_reason (length, stop, cancelled, timeout, shutdown, error)"),
     "draft_ms": ("splitspec_draft_ms", "HISTOGRAM", "Draft phase wall time per cycle (ms)"),
     "verify_ms": ("splitspec_verify_ms", "HISTOGRAM", "Verify forward wall time per cycle, prefill chunks included (ms)"),
     "batch": ("splitspec_cycle_decode_sequences", "HISTOGRAM", "Sequences decoding together in one cycle"),
@@ -152,7 +152,7 @@ FAMILIES = {
     "healthy": ("splitspec_engine_healthy", "GAUGE", "1 while the engine serves, 0 after a worker process died"),
 }
 
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+FINISH_REASONS = ("length", "stop", "cancelled", "timeout", "shutdown", "error")
 
 
 class TritonMetricsExporter:
