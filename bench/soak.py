@@ -17,7 +17,7 @@ faults marked) to ``--out``. Usage::
 
     .venv/bin/python bench/soak.py --engines engines/demo --minutes 10
 
-RSS "flat": per role, the mean of the last quarter of the run against the mean of the second quarter (after
+RSS "flat": per role, the median of the last quarter of the run against the median of the second quarter (after
 warm-up), reported as a ratio.
 """
 
@@ -193,7 +193,7 @@ def summarise(s: Soak, refs: dict, t_start: float) -> dict:
         vals = [row[role] for row in s.rss if row.get(role)]
         q = len(vals) // 4
         if q:
-            flat[role] = round(statistics.mean(vals[-q:]) / statistics.mean(vals[q:2 * q]), 3)
+            flat[role] = round(statistics.median(vals[-q:]) / statistics.median(vals[q:2 * q]), 3)
     return {"minutes": s.a.minutes, "streams": s.a.streams, "max_tokens": s.a.max_tokens,
             "requests": len(s.records), "answered": sum(r["outcome"] == "ok" for r in s.records),
             "hit_by_a_fault": len(s.records) - len(clean), "clean": len(clean),
