@@ -133,7 +133,8 @@ def _cmd_repo(a: argparse.Namespace) -> None:
                                max_batch_size=a.max_batch_size, kv_tokens=a.kv_tokens,
                                max_prompt_bytes=a.max_prompt_bytes, max_queue_len=a.max_queue_len,
                                max_queue_s=a.max_queue_s,
-                               synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code)
+                               synthetic_acceptance=a.synthetic_acceptance, trust_remote_code=a.trust_remote_code,
+                               request_timeout_s=a.request_timeout_s)
     out = render_repo(cfg, Path(a.out))
     k = repo_setting(out, "spec_decode", "num_draft_tokens") or f"per batch bucket from {Path(a.engines) / 'tuning.json'}"
     dtp = repo_setting(out, "spec_decode", "draft_tp") or "per batch bucket"
@@ -142,11 +143,12 @@ def _cmd_repo(a: argparse.Namespace) -> None:
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:
-    from splitspec.serving.tritonserver import serve_forever
+    from splitspec.serving.serve import serve_forever
 
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
                   ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name,
-                  admin_key=a.admin_key)
+                  admin_key=a.admin_key, health_port=a.health_port, drain_s=a.drain_s,
+                  restart_limit=a.restart_limit, stable_s=a.stable_s)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:

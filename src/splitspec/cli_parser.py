@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
                    help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
                         "(served outputs are then not the target's)")
+    s.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="longest a served request may run, seconds; its deadline unless input timeout_ms sets an "
+                        "earlier one (frees the slots of non-streaming clients that went away)")
     s.add_argument("--trust-remote-code", action="store_true",
                    help="load a tokenizer that exists only as Python code in the model folder (auto_map) with "
                         "transformers' AutoTokenizer, running that code (default: the folder is read as data only)")
@@ -192,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--health-port", type=int, default=8003,
+                   help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
+    s.add_argument("--drain-s", type=float, default=10.0,
+                   help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they end with "
+                        "finish_reason 'shutdown'")
+    s.add_argument("--restart-limit", type=int, default=5,
+                   help="give up (exit with an error) after this many failures in a row: restarts that failed, or "
+                        "a pipeline that failed again within --stable-s of being ready")
+    s.add_argument("--stable-s", type=float, default=60.0,
+                   help="a pipeline that served this long before a fault is restarted at once, without back-off")
     s.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
                         "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")

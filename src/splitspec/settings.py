@@ -30,7 +30,7 @@ ENV_FIELDS = {
 #: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
 PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
                     "max_batch_size", "kv_tokens", "max_prefill_tokens", "synthetic_acceptance", "trust_remote_code",
-                    "max_prompt_bytes", "max_queue_len", "max_queue_s")
+                    "max_prompt_bytes", "max_queue_len", "max_queue_s", "request_timeout_s")
 _WHERE = "spec_decode/config.pbtxt"
 #: Prompt bytes allowed per token of the engine's max_seq_len when max_prompt_bytes is not given. English text and
 #: code run at 3–5 UTF-8 bytes per token with the usual BPE vocabularies, CJK at 2–4: a prompt this long (6× or more
@@ -107,6 +107,9 @@ class ServeConfig:
             when that is None too), so at most twice max_batch_size requests are open.
         max_queue_s: seconds a request may wait for a batch slot before it is refused as "server busy"; None: no
             limit (offline runs; ``render_repo`` writes :data:`MAX_QUEUE_S` for serving).
+        request_timeout_s: the longest a served request may run, seconds, and its deadline when it gives none
+            (input ``timeout_ms``, capped by this): the only end of a request whose client left unseen
+            (non-streaming HTTP). The engine then ends it with ``finish_reason`` ``"timeout"``.
     """
 
     engines_dir: Path
@@ -126,6 +129,7 @@ class ServeConfig:
     max_prompt_bytes: int | None = None
     max_queue_len: int | None = None
     max_queue_s: float | None = None
+    request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -154,6 +158,8 @@ class ServeConfig:
             raise ConfigError(f"max_prefill_tokens = {self.max_prefill_tokens}: expected ≥ 1")
         if self.collective_timeout_s < 1:
             raise ConfigError(f"collective_timeout_s = {self.collective_timeout_s}: expected ≥ 1 second")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s = {self.request_timeout_s}: expected seconds > 0")
         if self.synthetic_acceptance is not None and not all(0.0 <= p <= 1.0 for p in self.synthetic_acceptance):
             raise ConfigError(f"synthetic_acceptance {list(self.synthetic_acceptance)}: expected probabilities in [0, 1]")
 
@@ -238,4 +244,7 @@ class ServeConfig:
         prefill = number("max_prefill_tokens")
         if prefill is not None:
             fields["max_prefill_tokens"] = prefill
+        timeout = number("request_timeout_s", float)
+        if timeout is not None:
+            fields["request_timeout_s"] = timeout
         return cls.from_env(env, **fields)

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from splitspec.engine.plan import EngineError
-from splitspec.serving.engine_process import EngineProcess, warm_up
+from splitspec.serving.engine_process import EngineProcess
+from splitspec.serving.warm_up import warm_up, warm_up_plan
 from splitspec.serving.engine_messages import CycleMessages, pack_cycle_stats, pack_event, unpack_event
 from splitspec.errors import CheckpointError
 from splitspec.runtime.scheduler import SpeculativeEngine
@@ -233,8 +234,14 @@ def test_dead_engine_process_is_reported_once_and_takes_its_workers(built_engine
         pytest.fail(f"worker processes {workers} outlived their engine process")
 
 
-def test_warm_up_runs_a_request_to_its_end_and_leaves_the_engine_empty(built_engines):
-    """The request run before ready on GPUs (so that compiling is not the first client's wait) holds nothing after."""
-    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2)) as eng:
-        assert warm_up(eng) > 0
+def test_warm_up_runs_every_batch_bucket_and_k_and_leaves_the_engine_empty(built_engines):
+    """The requests run before ready on GPUs (so that compiling and graph capture are not the first clients' wait):
+    one run per batch bucket up to max_batch_size and per k in use, each logged; they hold nothing after."""
+    assert warm_up_plan(64, [4, 2, 4]) == [(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in (2, 4)]
+    assert warm_up_plan(3, [0]) == [(1, 0), (2, 0), (3, 0)]
+    lines: list[str] = []
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2, max_batch_size=3)) as eng:
+        assert warm_up(eng, lines.append) > 0
         assert not eng.has_work() and eng.num_active == 0 and eng.num_queued == 0 and eng.alloc.used == 0
+    assert [line.split(":")[1] for line in lines] == [" warm-up batch 1, k 2", " warm-up batch 2, k 2",
+                                                      " warm-up batch 3, k 2"], lines

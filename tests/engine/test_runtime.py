@@ -3,6 +3,8 @@ speculative sampling's distribution, stop strings, synthetic acceptance."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -98,6 +100,15 @@ def test_cancel_frees_kv(built_engines, tok):
         while eng.has_work():
             eng.step()
         assert eng.alloc.used == 0 and b not in eng.seqs
+        # a cancellation's reason becomes the finish reason; a deadline ends a request as "timeout", keeping its tokens
+        c = eng.submit(Request(tok.encode(PROMPTS[0]), 50, stop_token_ids=set()))
+        d = eng.submit(Request(tok.encode(PROMPTS[1]), 50, stop_token_ids=set(), timeout_s=0.05))
+        eng.step()
+        eng.cancel(c, "shutdown")
+        time.sleep(0.06)
+        events = eng.step()
+        assert {e.request_id: e.finish_reason for e in events if e.finished} == {c: "shutdown", d: "timeout"}
+        assert eng.alloc.used == 0 and not eng.has_work()
 
 
 def test_rejection_sampler_matches_target_distribution(built_engines, tok):

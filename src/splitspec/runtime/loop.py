@@ -40,8 +40,9 @@ class EngineLoop:
             self._wake.notify()
         return rid
 
-    def cancel(self, request_id: int) -> None:
-        self.engine.cancel(request_id)
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        """Cancel a request; its final event carries ``finish_reason`` ``reason``."""
+        self.engine.cancel(request_id, reason)
         with self._wake:
             self._wake.notify()
 

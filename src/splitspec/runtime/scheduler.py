@@ -196,12 +196,21 @@ class SpeculativeEngine:
             self.waiting.append(seq)
         return seq.id
 
-    def cancel(self, request_id: int) -> None:
-        """Cancel a request (thread-safe); its slot and KV are freed at the start of the next cycle."""
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        """Cancel a request (thread-safe); its slot and KV are freed at the start of the next cycle, and its final
+        event carries ``finish_reason`` ``reason`` (e.g. ``"shutdown"``) with what it generated so far."""
         with self._lock:
             seq = self.seqs.get(request_id)
-            if seq is not None:
-                seq.cancelled = True
+            if seq is not None and not seq.cancelled:
+                seq.cancelled, seq.cancel_reason = True, reason
+
+    def _expire(self) -> None:
+        """Cancel, as ``"timeout"``, every sequence past its deadline (:attr:`Request.timeout_s`)."""
+        now = time.perf_counter()
+        with self._lock:
+            for seq in self.seqs.values():
+                if seq.deadline is not None and now >= seq.deadline and not seq.cancelled:
+                    seq.cancelled, seq.cancel_reason = True, "timeout"
 
     def fail_all(self, message: str) -> None:
         """End every running and queued request with an error event carrying ``message`` (the engine cannot go on:
@@ -272,12 +281,13 @@ class SpeculativeEngine:
             EngineError: a worker died (the caller should fail the requests and stop).
         """
         events: list[RequestOutput] = []
+        self._expire()
         for seq in [s for s in self.running if s.cancelled]:
-            events.append(self._finish(seq, "cancelled"))
+            events.append(self._finish(seq, seq.cancel_reason))
         with self._lock:
             cancelled_waiting = [s for s in self.waiting if s.cancelled]
         for seq in cancelled_waiting:
-            events.append(self._finish(seq, "cancelled"))
+            events.append(self._finish(seq, seq.cancel_reason))
         self._admit()
         events += [self._finish(seq, "busy", f"server busy: waited {wait:.1f} s for a batch slot, at most max_queue_s = "
                                 f"{self.config.max_queue_s:g} s; retry later") for seq, wait in self._expired()]

@@ -34,6 +34,8 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.cancel_reason = "cancelled"  # the finish reason of a cancelled sequence
+        self.deadline = None if req.timeout_s is None else self.t_submit + req.timeout_s  # time.perf_counter()
 
     @property
     def decoding(self) -> bool:

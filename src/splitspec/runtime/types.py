@@ -19,6 +19,8 @@ class Request:
         num_draft_tokens: draft tokens per cycle (k); None = the deployment's default; 0 = no speculation.
         stop: stop strings (need a tokenizer); output ends right before the first one.
         stop_token_ids: ids that end generation (they are emitted); None = the tokenizer's EOS / <|im_end|>.
+        timeout_s: seconds from submission after which the engine ends the request (``finish_reason``
+            ``"timeout"``, with what it generated so far); None = no limit.
     """
 
     prompt_ids: list[int]
@@ -27,6 +29,7 @@ class Request:
     num_draft_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: set[int] | None = None
+    timeout_s: float | None = None
 
     def check(self) -> None:
         """Check the fields on their own (the engine checks them against its limits: vocabulary, k, max_seq_len,
@@ -50,6 +53,8 @@ class Request:
             raise ConfigError("prompt is empty: at least one token is needed")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens = {self.max_tokens!r}, expected an integer ≥ 1")
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s = {self.timeout_s!r}, expected seconds > 0 (or None)")
         self.sampling.check()
 
 

@@ -46,7 +46,7 @@ INPUTS = {
     "return_generation_logits": _BOOL, "exclude_input_in_output": _BOOL, "return_perf_metrics": _BOOL,
     "return_num_input_tokens": _BOOL, "return_num_output_tokens": _BOOL,
     "stop": _STRINGS, "num_draft_tokens": _I32, "return_token_ids": _BOOL, "return_stats": _BOOL,
-    "apply_chat_template": _BOOL,
+    "apply_chat_template": _BOOL, "timeout_ms": ("int64", "INT64", False),
 }
 #: Outputs whose value is a list (the others are single values).
 LIST_OUTPUTS = ("output_ids", "accepted_per_position")

@@ -34,6 +34,9 @@ Messages (pickled tuples)::
                                                                       one per refused submit
                     ("failed", message)   the engine stopped serving (a target worker died)
 
+Signals (from ``splitspec serve``'s supervisor, for a graceful stop, :class:`~splitspec.serving.engine_shutdown.ShutdownSignals`): SIGUSR1 stops admitting;
+SIGTERM also ends every request in flight with ``finish_reason`` ``"shutdown"``.
+
 ``sid`` is the host's id of a request. An event crosses as a tuple of plain values (:func:`pack_event`:
 ``(sid, RequestOutput's fields with its stats as a tuple, finishing)``), a :class:`CycleStats` as the tuple of
 its fields, and the engine's messages are pickled with the standard pickler: several times faster than
@@ -64,6 +67,8 @@ from splitspec.runtime.loop import EngineLoop
 from splitspec.runtime.types import RequestOutput
 from splitspec.serving.engine_messages import (CycleMessages, pack_cycle_stats, pack_event, unpack_cycle_stats,
                                                unpack_event)
+from splitspec.serving.engine_shutdown import ShutdownSignals
+from splitspec.serving.warm_up import warm_up
 from splitspec.settings import ServeConfig
 
 #: Seconds between two checks of the target's worker processes (in the engine process).
@@ -257,19 +262,6 @@ class EngineProcess:
 # ---------------------------------------------------------------------- the engine process
 
 
-def warm_up(eng: SpeculativeEngine) -> float:
-    """Run one short greedy request to its end before serving; returns its wall time in seconds.
-
-    On GPUs the first steady cycle compiles the target's layer halves (``torch.compile``, dynamic shapes: once per
-    half and layer type) and captures the batch-1 CUDA graph. Done here, before the engine reports ready, that cost
-    is paid by the model load instead of by the first client request. It leaves no sequence and no KV block held.
-    """
-    t0 = time.perf_counter()
-    prompt = list(range(1, 9))
-    eng.generate(prompt, max(1, min(32, eng.max_seq_len - len(prompt) - eng.max_draft_len - 1)), stop_token_ids=set())
-    return time.perf_counter() - t0
-
-
 def _worker_failure(eng, loop) -> str | None:
     """Why the engine cannot serve (a dead worker first: clearer than the collective error it caused), or None."""
     try:
@@ -294,7 +286,7 @@ def serve(conn: Connection) -> int:
     eng = None
     try:
         eng = SpeculativeEngine.load(cfg)
-        warm_up_s = warm_up(eng) if cfg.on_gpu else None  # compile before ready, not on the first request
+        warm_up_s = warm_up(eng, lambda line: print(line, flush=True)) if cfg.on_gpu else None  # compile before ready, not on the first request
     except BaseException as e:  # reported to the host, which fails the model load
         if eng is not None:
             eng.close()  # a failed warm-up: its worker ranks go with it
@@ -329,6 +321,7 @@ def serve(conn: Connection) -> int:
     eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
     loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())))
     failed = drained = False
+    stopping = ShutdownSignals()
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
                         "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
@@ -343,6 +336,8 @@ def serve(conn: Connection) -> int:
                 if msg[0] == "submit":
                     sid, req = msg[1], msg[2]
                     try:
+                        if not stopping.admitting:
+                            raise EngineError("the server is shutting down: not admitting new requests")
                         rid = loop.submit(req, lambda ev, sid=sid: on_event(sid, ev))
                     except Exception as e:  # its one event: refused, or the engine stopped serving
                         reason = "error" if isinstance(e, EngineError) else "rejected"
@@ -358,6 +353,9 @@ def serve(conn: Connection) -> int:
                         loop.cancel(rid)
                 elif msg[0] == "stop":
                     break
+            if stopping.cancel_now():  # SIGTERM: what is in flight ends now, with a final event
+                for rid in list(rids.values()):
+                    loop.cancel(rid, "shutdown")
             if not drained and time.monotonic() >= next_check:
                 next_check = time.monotonic() + HEALTH_CHECK_S
                 reason = None if failed else _worker_failure(eng, loop)

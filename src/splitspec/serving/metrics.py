@@ -144,7 +144,7 @@ FAMILIES = {
     "output_tokens": ("splitspec_output_tokens_total", "COUNTER", "Tokens emitted by verify forwards"),
     "prefill_tokens": ("splitspec_prefill_tokens_total", "COUNTER", "Prompt tokens prefilled"),
     "requests": ("splitspec_requests_total", "COUNTER",
-                 "Finished requests by finish_reason (length, stop, cancelled, error)"),
+                 "Finished requests by finish_reason (length, stop, cancelled, timeout, shutdown, error)"),
     "refused": ("splitspec_refused_requests_total", "COUNTER",
                 "Requests refused as server busy (HTTP 503 / UNAVAILABLE), by reason: queue_full (max_batch_size "
                 "decoding and max_queue_len waiting when it arrived), queue_timeout (waited longer than max_queue_s)"),
@@ -161,7 +161,7 @@ FAMILIES = {
     "healthy": ("splitspec_engine_healthy", "GAUGE", "1 while the engine serves, 0 after a worker process died"),
 }
 
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+FINISH_REASONS = ("length", "stop", "cancelled", "timeout", "shutdown", "error")
 REFUSAL_REASONS = ("queue_full", "queue_timeout")
 
 

@@ -50,7 +50,7 @@ ENSEMBLE_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k",
                    "stop_words", "bad_words", "end_id", "pad_id", "length_penalty", *UNSUPPORTED,
                    "exclude_input_in_output", "return_perf_metrics", "return_num_input_tokens",
                    "return_num_output_tokens", "stop", "num_draft_tokens", "return_token_ids", "return_stats",
-                   "apply_chat_template")
+                   "apply_chat_template", "timeout_ms")
 #: Request parameters Triton's front ends may attach themselves (never rejected).
 TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                "binary_data_output", "headers"})
@@ -250,12 +250,31 @@ def _end_id(inputs: Inputs) -> set[int] | None:
     return {int(v)}
 
 
-def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, StreamOptions]:
+def request_timeout(inputs: Inputs, cap_s: float | None) -> float | None:
+    """Seconds the engine gives the request (:attr:`Request.timeout_s`): input ``timeout_ms`` (milliseconds, ≥ 1),
+    never more than the server's cap ``cap_s`` (``ServeConfig.request_timeout_s``; None: no cap), the cap without it.
+    Triton cannot tell this model that a non-streaming HTTP client went away, so this deadline is what frees its slot.
+
+    Raises:
+        ConfigError: ``timeout_ms`` is not one integer ≥ 1.
+    """
+    v = scalar(inputs, "timeout_ms")
+    if v is None:
+        return cap_s
+    if isinstance(v, (float, np.floating)) or int(v) < 1:
+        raise ConfigError(f"timeout_ms = {v}: expected whole milliseconds ≥ 1")
+    s = int(v) / 1000.0
+    return s if cap_s is None else min(s, cap_s)
+
+
+def parse_request(inputs: Inputs, max_tokens_limit: int,
+                  timeout_cap_s: float | None = None) -> tuple[Request, StreamOptions]:
     """Read and check a generation request's inputs.
 
     Args:
         inputs: input name → the request's array (absent inputs missing or None).
         max_tokens_limit: the largest ``max_tokens`` accepted (the model's parameter ``max_tokens_limit``).
+        timeout_cap_s: the server's cap on a request's time (:func:`request_timeout`).
     Returns:
         the runtime request and its stream options.
     Raises:
@@ -298,5 +317,6 @@ def parse_request(inputs: Inputs, max_tokens_limit: int) -> tuple[Request, Strea
                             return_num_output_tokens=stats or opt("return_num_output_tokens", False, bool),
                             echo=echo)
     req = Request(prompt_ids=prompt.astype(np.int64).tolist(), max_tokens=max_tokens, sampling=sampling,
-                  num_draft_tokens=k, stop=stop, stop_token_ids=_end_id(inputs))
+                  num_draft_tokens=k, stop=stop, stop_token_ids=_end_id(inputs),
+                  timeout_s=request_timeout(inputs, timeout_cap_s))
     return req, options

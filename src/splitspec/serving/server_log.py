@@ -75,3 +75,26 @@ def start_failure(what: str, log_path: Path) -> str:
     if errors:
         head += f"\nerrors:\n{errors}"
     return f"{head}\nlog tail:\n{tail(log_path, 3000)}"
+
+
+#: Earlier logs kept by :func:`rotate` (``<log>.1`` the newest).
+KEEP_LOGS = 5
+
+
+def rotate(path: Path, keep: int = KEEP_LOGS) -> Path | None:
+    """Keep the log at ``path`` before a server writes it afresh: ``<path>.1`` … ``<path>.<keep>`` move up by one (the
+    oldest is dropped) and ``path`` becomes ``<path>.1``. Returns that name, or None when there was no log (or it was
+    empty). A restart (``splitspec serve``'s supervisor) thus never truncates the log of the server that failed."""
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            return None
+    except OSError:
+        return None
+    for i in range(keep - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+    first = path.with_name(f"{path.name}.1")
+    os.replace(path, first)
+    return first

@@ -4,13 +4,12 @@ repository.
 :class:`TritonServer` starts ``tritonserver`` in its own process group, waits until
 ``/v2/health/ready`` answers, and stops it (SIGINT, then SIGKILL of the whole group), so that
 the model's stubs and the tensor-parallel worker processes the ``spec_decode`` model starts
-never outlive it. :func:`serve_forever` is the ``splitspec serve`` command.
+never outlive it. ``splitspec serve`` runs it under a supervisor (:mod:`splitspec.serving.serve`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -23,10 +22,9 @@ import requests
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricted_api_args
-from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.serving.repo import MODELS
 from splitspec.serving.server_limits import server_stack_bytes, stack_limit
-from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, start_failure, tail
+from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 
 LOCALHOST = "127.0.0.1"
@@ -68,7 +66,7 @@ def free_ports(n: int = 1) -> list[int]:
         return ports
 
 
-def _check_port_free(port: int, what: str) -> None:
+def check_port_free(port: int, what: str) -> None:
     """Raise ConfigError naming ``what`` when ``port`` cannot be bound on 127.0.0.1."""
     if not 0 < port < 65536:
         raise ConfigError(f"{what} = {port}: expected a TCP port in 1..65535")
@@ -217,10 +215,11 @@ class TritonServer:
             raise SplitspecError("TritonServer.start: already started")
         for port, what in ((self.http_port, "http_port"), (self.grpc_port, "grpc_port"),
                            (self.metrics_port, "metrics_port")):
-            _check_port_free(port, what)
+            check_port_free(port, what)
         install = find_triton()
         backend_dir = prepare_backend_dir(self.repo, install)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        rotate(self.log_path)  # an earlier server's log (e.g. one that failed) is kept, not truncated
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log, stack_limit(server_stack_bytes(self.repo)):  # server_limits.py
             self.proc = subprocess.Popen(self.command(backend_dir, install), stdin=subprocess.DEVNULL,
@@ -302,6 +301,13 @@ class TritonServer:
             remove_shm_regions(self.shm_prefix)  # a killed Python backend leaves its regions behind
         return self.proc.returncode
 
+    def kill(self) -> int | None:
+        """Stop at once, for a server that cannot be trusted to stop itself (a dead stub, a wedged server): SIGKILL
+        of its whole process group after the SIGINT, and its shared-memory regions removed (:meth:`stop`). Its
+        clients' connections drop (gRPC: UNAVAILABLE)."""
+        self.stop_timeout_s = 0.0
+        return self.stop()
+
     def __enter__(self) -> "TritonServer":
         return self.start()
 
@@ -311,98 +317,3 @@ class TritonServer:
     def log_tail(self, n_bytes: int = 6000) -> str:
         """The last ``n_bytes`` of the server log."""
         return tail(self.log_path, n_bytes)
-
-
-def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                  ask: str | None = None, max_tokens: int = 64, openai_port: int | None = None,
-                  served_model_name: str | None = None, admin_key: str | None = None) -> None:
-    """Start tritonserver on ``repo`` and print its endpoints; serve until Ctrl-C.
-
-    The control APIs answer only requests carrying ``admin_key`` (None: none; :mod:`splitspec.serving.access`).
-
-    With ``openai_port``, also serve the OpenAI-compatible API there from this process
-    (:class:`~splitspec.serving.openai_api.OpenAIServer`, model ``served_model_name``, default the engines
-    folder's name), over tritonserver's gRPC endpoint; it stops with the server.
-
-    With ``ask``, send that prompt over HTTP generate, HTTP generate_stream and gRPC streaming, print
-    the three answers (they must be equal) and the acceptance length, then stop the server and
-    return (``make demo``).
-
-    Raises:
-        ConfigError: the repository is not rendered, a port is taken, or ``admin_key`` is not a valid key.
-        SplitspecError: the server failed to start (log tail included) or answered with an error.
-    """
-    if openai_port is not None:
-        _check_port_free(openai_port, "--openai-port")
-    srv = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, admin_key=admin_key)
-    print(f"starting tritonserver on {srv.repo} (log {srv.log_path}) ...", flush=True)
-
-    def on_term(signum, frame):  # `kill PID`, service managers: stop tritonserver too, as Ctrl-C does
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        _serve(srv, ask, max_tokens, openai_port, served_model_name)
-    except KeyboardInterrupt:
-        print("interrupted; tritonserver stopped", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def print_endpoints(srv: TritonServer, openai_url: str | None = None, model_name: str = "") -> None:
-    """Print the server's endpoints (and the OpenAI-compatible API's base URL, when it runs) and a curl example."""
-    print(f"  HTTP generate        : {srv.generate_url}", flush=True)
-    print(f"  HTTP generate_stream : {srv.generate_stream_url}  (server-sent events)", flush=True)
-    print(f"  gRPC                 : {srv.grpc_address}  (model 'ensemble', streaming: stream_infer)", flush=True)
-    if openai_url:
-        print(f"  OpenAI API           : {openai_url}  (model '{model_name}': chat/completions, completions, models)",
-              flush=True)
-    print(f"  metrics (Prometheus) : {srv.metrics_url}", flush=True)
-    print(f"  readiness            : {srv.model_url('spec_decode')}/ready", flush=True)
-    print(f"  per-model statistics : {srv.model_url('ensemble')}/stats", flush=True)
-    print(f"  try: curl -N -X POST {srv.generate_stream_url} "
-          """-d '{"text_input": "def fibonacci(n):", "max_tokens": 32, "stream": true}'""", flush=True)
-    if openai_url:
-        print(f"  try: curl {openai_url}/chat/completions -H 'Content-Type: application/json' "
-              f"""-d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "def fibonacci(n):"}}], """
-              """"max_tokens": 32}'""", flush=True)
-
-
-def _serve(srv: TritonServer, ask: str | None, max_tokens: int, openai_port: int | None = None,
-           model_name: str | None = None) -> None:
-    with srv, contextlib.ExitStack() as stack:
-        print(f"ready after {srv.startup_s:.1f} s", flush=True)
-        front = None
-        if openai_port is not None:
-            from splitspec.serving.openai_api import OpenAIServer  # FastAPI: only when asked for
-
-            front = stack.enter_context(OpenAIServer(srv.repo, srv.grpc_address, openai_port, name=model_name))
-        print_endpoints(srv, front.url if front else None, front.model.name if front else "")
-        if ask is not None:
-            t = time.monotonic()
-            h = ask_http(srv.generate_url, ask, max_tokens=max_tokens, return_stats=True)
-            t_http = time.monotonic() - t
-            t = time.monotonic()
-            s = merge(stream_http(srv.generate_stream_url, ask, max_tokens=max_tokens))
-            t_stream = time.monotonic() - t
-            t = time.monotonic()
-            g = ask_grpc(srv.grpc_address, ask, max_tokens=max_tokens, stream=True)
-            t_grpc = time.monotonic() - t
-            print(f"prompt: {ask!r}")
-            print(f"HTTP answer ({t_http * 1000:.0f} ms): {json.dumps(h['text_output'])}")
-            print(f"HTTP stream ({t_stream * 1000:.0f} ms, {s['num_responses']} responses): "
-                  f"{json.dumps(s['text_output'])}")
-            print(f"gRPC stream ({t_grpc * 1000:.0f} ms, {g['num_responses']} responses): {json.dumps(g['text_output'])}")
-            print(f"acceptance length: {float(h['acceptance_length']):.2f} tokens per target forward")
-            if not h["text_output"] == s["text_output"] == g["text_output"]:
-                raise SplitspecError("HTTP, HTTP-stream and gRPC-stream answers differ for the same greedy request")
-            return
-        print("serving; Ctrl-C stops the server", flush=True)
-        try:
-            while srv.is_running():
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            print("\nstopping tritonserver ...", flush=True)
-            return
-        raise SplitspecError(f"tritonserver exited with status {srv.proc.returncode} "
-                             f"(log {srv.log_path}):\n{srv.log_tail()}")

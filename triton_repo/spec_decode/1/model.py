@@ -38,8 +38,10 @@ directly are cancelled through ``is_cancelled()`` (noticed within ``CANCEL_POLL_
 Engine failure: when a target worker process (or the engine process) dies, every open request gets an
 UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
 ``--model-control-mode explicit``, as ``splitspec serve`` runs): ``/v2/models/spec_decode/ready`` and
-the ensemble's then answer not-ready. Restarting the server (or loading the models again through
-the repository API) recovers.
+the ensemble's then answer not-ready. ``splitspec serve``'s supervisor (:mod:`splitspec.serving.supervisor`) notices
+the dead process and restarts the pipeline.
+
+Deadlines: input ``timeout_ms``, capped by the parameter ``request_timeout_s`` (:func:`~splitspec.serving.requests.request_timeout`).
 
 Shapes: the model is batched like the ensemble (``max_batch_size`` 1, the TensorRT-LLM backend's convention), so
 every input and output carries a leading batch dimension of 1. Errors in a request are answered with INVALID_ARG
@@ -119,6 +121,7 @@ class TritonPythonModel:
         # the deployment (num_draft_tokens / draft_tp empty: tuning.json's per batch bucket, else 4 / 1)
         serve_cfg = ServeConfig.from_parameters(params)
         self.engines_dir = serve_cfg.engines_dir
+        self.request_timeout_s = serve_cfg.request_timeout_s
         self.max_tokens_limit = param("max_tokens_limit", 4096)
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
         self.engine = self.exporter = None
@@ -198,7 +201,7 @@ class TritonPythonModel:
         check_parameters(request.parameters())
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
-        req, options = parse_request(inputs, self.max_tokens_limit)
+        req, options = parse_request(inputs, self.max_tokens_limit, self.request_timeout_s)
         check_capacity(len(self.streams), self.engine.info["max_batch_size"], self.max_queue_len)
         st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:

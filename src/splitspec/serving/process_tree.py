@@ -1,0 +1,106 @@
+"""The processes of a served pipeline, read from ``/proc`` (Linux ``proc(5)``): who they are and whether they live.
+
+Below ``splitspec serve`` run ``tritonserver``, one Python backend stub per model instance
+(``triton_python_backend_stub <repo>/<model>/1/model.py …``), the engine process that ``spec_decode``'s stub starts
+(``python -m splitspec.serving.engine_process``) and the target's worker ranks that the engine process starts
+(``python -m splitspec.engine.worker … --rank N``). :func:`pipeline_processes` names each by its role;
+:class:`Watched` tells a process that died (or became a zombie) from one that lives, and is not fooled by a pid
+reused by a later process (it compares the start time, field 22 of ``/proc/<pid>/stat``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+PROC = Path("/proc")
+_STUB = re.compile(r"triton_python_backend_stub\s+\S*/([^/\s]+)/\d+/model\.py")
+_RANK = re.compile(r"--rank\s+(\d+)")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None when the process is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children first, then theirs), from the parent ids in ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for d in PROC.iterdir():
+        if d.name.isdigit():
+            st = _stat(int(d.name))
+            if st is not None:
+                children.setdefault(int(st[1]), []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def role_of(cmdline: str) -> str | None:
+    """The pipeline role of a command line: ``"tritonserver"``, ``"<model> stub"``, ``"engine process"``,
+    ``"target worker rank N"``; None for anything else."""
+    m = _STUB.search(cmdline)
+    if m:
+        return f"{m.group(1)} stub"
+    if "splitspec.serving.engine_process" in cmdline:
+        return "engine process"
+    if "splitspec.engine.worker" in cmdline:
+        m = _RANK.search(cmdline)
+        return f"target worker rank {m.group(1) if m else '?'}"
+    first = cmdline.split(" ", 1)[0]
+    if first.endswith("/tritonserver") or first == "tritonserver":
+        return "tritonserver"
+    return None
+
+
+def pipeline_processes(root: int) -> dict[int, str]:
+    """pid → role (:func:`role_of`) of the pipeline's processes below ``root`` (``root`` itself when it is one)."""
+    out = {}
+    for pid in [root, *descendants(root)]:
+        role = role_of(_cmdline(pid))
+        if role is not None:
+            out[pid] = role
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """A process seen alive: its pid, role and start time (clock ticks since boot)."""
+
+    pid: int
+    role: str
+    started: str
+
+    @classmethod
+    def of(cls, pid: int, role: str) -> "Watched | None":
+        st = _stat(pid)
+        return None if st is None else cls(pid, role, st[19])
+
+    def alive(self) -> bool:
+        """False once the process exited, is a zombie, or its pid belongs to a later process."""
+        st = _stat(self.pid)
+        return st is not None and st[0] not in ("Z", "X") and st[19] == self.started
+
+    def __str__(self) -> str:
+        return f"the {self.role} (pid {self.pid})"
+
+
+def watch(root: int) -> list[Watched]:
+    """The pipeline below ``root`` as :class:`Watched` processes (those that ended meanwhile left out)."""
+    found = (Watched.of(pid, role) for pid, role in pipeline_processes(root).items())
+    return [w for w in found if w is not None]

@@ -1,0 +1,274 @@
+"""Keeping the served pipeline up: ``splitspec serve``'s supervisor.
+
+tritonserver alone turns several faults into silent outages: a Python backend stub that dies leaves its in-flight
+requests hanging and the server and models "ready"; a dead engine process or worker unloads ``spec_decode`` while
+``/v2/health/ready`` stays 200; a wedged server answers nothing. :class:`Supervisor` runs a
+:class:`~splitspec.serving.tritonserver.TritonServer` and watches it from outside:
+
+- every ``check_s`` whether each process of the pipeline seen at ready still lives
+  (:mod:`splitspec.serving.process_tree`: tritonserver, each model's stub, the engine process, the target's workers);
+- every ``probe_s``, from a thread of its own, ``/v2/health/live`` (``live_timeout_s`` each) and the ensemble's
+  readiness: ``live_failures`` probes in a row without an answer, or the models not ready, is a fault too.
+
+On a fault it turns not-ready at once (its own endpoint, :mod:`splitspec.serving.health_endpoint`: the health metric
+drops to 0 and stays exported), logs what died, kills the server's whole process group (clients' connections drop:
+gRPC UNAVAILABLE, HTTP a closed connection; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
+to answer its requests with UNAVAILABLE itself), and starts it again on the same ports, the old log kept
+(:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
+that fails, or a pipeline that fails again within ``stable_s`` of ready, counts as a failure in a row, each retried
+after ``backoff_s`` doubling up to ``max_backoff_s``, and after ``max_restarts`` in a row it gives up
+(:attr:`failed`) and ``splitspec serve`` exits with an error.
+
+:meth:`shutdown` is the graceful stop (SIGTERM / Ctrl-C): not-ready, the engine stops admitting (SIGUSR1 to the engine
+process), in-flight requests get up to ``drain_s`` to finish, then the rest end with ``finish_reason`` ``"shutdown"``
+(SIGTERM to the engine process) and tritonserver stops with nothing left in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import requests
+
+from splitspec.errors import SplitspecError
+from splitspec.serving.health_endpoint import HealthEndpoint
+from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.process_tree import Watched, watch
+from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
+
+_CLOSE = {"Connection": "close"}
+#: Roles whose death ``spec_decode`` notices itself, failing its requests with UNAVAILABLE before the kill.
+ENGINE_ROLES = ("engine process", "target worker")
+
+
+class Supervisor:
+    """Runs and heals a :class:`TritonServer` on ``repo``; a context manager (``with`` ends in :meth:`shutdown`).
+
+    Ports of 0 are replaced by free ones once, then kept across restarts. ``say``: where its log lines go.
+    ``admin_key``: passed to each :class:`TritonServer` (the control APIs' key; None: they are refused).
+    """
+
+    def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
+                 health_port: int = 0, exit_timeout_s: int = 30, startup_timeout_s: float = 600.0,
+                 drain_s: float = 10.0, check_s: float = 0.1, probe_s: float = 0.5, live_timeout_s: float = 1.5,
+                 live_failures: int = 3, error_grace_s: float = 0.5, backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0, max_restarts: int = 5, stable_s: float = 60.0,
+                 admin_key: str | None = None,
+                 say: Callable[[str], None] = lambda line: print(line, flush=True)):
+        picked = iter(free_ports(4))
+        self.ports = {"http_port": http_port or next(picked), "grpc_port": grpc_port or next(picked),
+                      "metrics_port": metrics_port or next(picked)}
+        self.health_port = health_port or next(picked)
+        self.repo, self.exit_timeout_s, self.startup_timeout_s = repo, exit_timeout_s, startup_timeout_s
+        self.drain_s, self.check_s, self.probe_s = drain_s, check_s, probe_s
+        self.live_timeout_s, self.live_failures, self.error_grace_s = live_timeout_s, live_failures, error_grace_s
+        self.backoff_s, self.max_backoff_s, self.max_restarts, self.stable_s = backoff_s, max_backoff_s, max_restarts, stable_s
+        self._failing = 0  # failures in a row: starts that failed, or a pipeline failed again within stable_s of ready
+        self._ready_at = float("-inf")  # time.monotonic() of the last ready
+        self.say = say
+        self.admin_key = admin_key
+        self.srv: TritonServer | None = None
+        self.state = "starting"  # serving | restarting | failed | stopping | stopped
+        self.watched: list[Watched] = []
+        self.restarts: list[dict] = []  # per restart: fault, noticed (time.time()), recovery_s
+        self._lock = threading.Lock()
+        self._generation = 0  # of the server the probes speak of
+        self._probe_misses = 0
+        self._unready = 0
+        self._stop = threading.Event()
+        self.endpoint: HealthEndpoint | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> "Supervisor":
+        """Start the server (a failure here raises: nothing is retried before the first ready), the health endpoint
+        and the watching threads."""
+        self.endpoint = HealthEndpoint(LOCALHOST, self.health_port, self._health)
+        try:
+            self._start_server()
+        except BaseException:
+            self.endpoint.close()
+            raise
+        for name, fn in (("splitspec-supervisor", self._watch), ("splitspec-prober", self._probe)):
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _start_server(self) -> None:
+        srv = TritonServer(self.repo, **self.ports, exit_timeout_s=self.exit_timeout_s,
+                           startup_timeout_s=self.startup_timeout_s, admin_key=self.admin_key)
+        if self._stop.is_set():
+            raise SplitspecError("the supervisor is stopping")
+        self.srv = srv
+        srv.start()
+        if self._stop.is_set():  # shutdown() came while this one started: it may have missed it
+            srv.stop()
+            raise SplitspecError("the supervisor is stopping")
+        watched = watch(srv.pid)
+        with self._lock:
+            self.watched, self._probe_misses, self._unready = watched, 0, 0
+            self._generation += 1
+            self._ready_at = time.monotonic()
+            if self.state in ("starting", "restarting"):
+                self.state = "serving"
+
+    def __enter__(self) -> "Supervisor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def failed(self) -> bool:
+        """True once it gave up restarting."""
+        return self.state == "failed"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{LOCALHOST}:{self.health_port}"
+
+    def _health(self) -> tuple[bool, bool, dict[str, float]]:
+        ready = self.state == "serving" and self._probe_misses == 0 and self._unready == 0
+        values = {"splitspec_pipeline_healthy": 1.0 if ready else 0.0,
+                  "splitspec_pipeline_restarts_total": float(len(self.restarts)),
+                  "splitspec_pipeline_last_recovery_seconds": self.restarts[-1]["recovery_s"] if self.restarts else 0.0}
+        return ready, self.state != "failed", values
+
+    # -- noticing ----------------------------------------------------------------------------
+    def _fault(self) -> str | None:
+        """What went wrong with the running server, or None."""
+        srv = self.srv
+        if srv is not None and not srv.is_running():
+            return f"tritonserver (pid {srv.pid}) exited with status {srv.proc.returncode}"
+        for w in self.watched:
+            if not w.alive():
+                return f"{w} died"
+        if self._probe_misses >= self.live_failures:
+            return (f"tritonserver (pid {srv.pid}) is wedged: {self._probe_misses} liveness probes in a row got no "
+                    f"answer within {self.live_timeout_s:g} s")
+        if self._unready >= 2:
+            return "tritonserver is live but the ensemble is not ready (a model unloaded itself)"
+        return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.check_s):
+            if self.state != "serving":
+                continue
+            fault = self._fault()
+            if fault is not None:
+                self._recover(fault)
+
+    def _probe(self) -> None:
+        with requests.Session() as s:
+            s.trust_env = False
+            while not self._stop.wait(self.probe_s):
+                gen, srv = self._generation, self.srv
+                if self.state != "serving" or srv is None:
+                    continue
+                try:
+                    live = s.get(f"{srv.http_url}/v2/health/live", headers=_CLOSE, timeout=self.live_timeout_s).ok
+                    ready = live and s.get(srv.model_url("ensemble") + "/ready", headers=_CLOSE,
+                                           timeout=self.live_timeout_s).ok
+                except requests.RequestException:
+                    live = ready = False
+                with self._lock:
+                    if gen != self._generation or self.state != "serving":
+                        continue  # the server this probe spoke of was replaced meanwhile
+                    self._probe_misses = 0 if live else self._probe_misses + 1
+                    self._unready = 0 if ready or not live else self._unready + 1
+
+    # -- healing -----------------------------------------------------------------------------
+    def _recover(self, fault: str) -> None:
+        noticed, t0 = time.time(), time.monotonic()
+        with self._lock:
+            if self.state != "serving":
+                return
+            self.state = "restarting"
+        # a crash loop, not a fault now and then: the pipeline failed again within stable_s of being ready
+        self._failing = self._failing + 1 if t0 - self._ready_at < self.stable_s else 0
+        self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight and restarting it"
+                 + (f" (failed again {t0 - self._ready_at:.0f} s after ready: {self._failing} in a row, at most "
+                    f"{self.max_restarts})" if self._failing else ""))
+        if any(r in fault for r in ENGINE_ROLES):
+            time.sleep(self.error_grace_s)  # spec_decode answers its open requests with UNAVAILABLE meanwhile
+        old = self.srv
+        old.kill()
+        self.say(f"splitspec serve: tritonserver stopped; its log is kept as {old.log_path.name}.1 once it restarts")
+        while self._failing < self.max_restarts and not self._stop.is_set():
+            if self._failing:  # back-off: 1, 2, 4 ... s before the next try of a crash loop
+                self._stop.wait(min(self.backoff_s * 2 ** (self._failing - 1), self.max_backoff_s))
+            try:
+                self._start_server()
+            except SplitspecError as e:
+                self._failing += 1
+                self.say(f"splitspec serve: restart failed ({self._failing} in a row): {str(e).splitlines()[0]}")
+                continue
+            took = time.monotonic() - t0
+            self.restarts.append({"fault": fault, "noticed": noticed, "recovery_s": took})
+            self.say(f"splitspec serve: ready again {took:.1f} s after the fault ({len(self.restarts)} restart(s) so far)")
+            return
+        if self._stop.is_set():
+            return
+        with self._lock:
+            self.state = "failed"
+        self.say(f"splitspec serve: giving up after {self._failing} failures in a row (a start that failed, or a "
+                 f"pipeline that failed again within {self.stable_s:g} s of ready); the last fault: {fault}")
+
+    # -- stopping ----------------------------------------------------------------------------
+    def in_flight(self) -> float | None:
+        """Requests the engine holds (active + queued), from tritonserver's metrics; None when they cannot be read."""
+        try:
+            r = requests.get(self.srv.metrics_url, headers=_CLOSE, timeout=2)
+            m = parse_prometheus(r.text)
+        except (requests.RequestException, AttributeError):
+            return None
+        return metric_value(m, "splitspec_active_sequences") + metric_value(m, "splitspec_queued_requests")
+
+    def _signal_engines(self, sig: int) -> None:
+        for w in self.watched:
+            if w.role == "engine process" and w.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, sig)
+
+    def _wait_drained(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            n = self.in_flight()
+            if not n:
+                return
+            time.sleep(0.1)
+
+    def shutdown(self) -> None:
+        """Graceful stop (module docstring): within ``drain_s`` plus a cycle and tritonserver's own stop. A second
+        Ctrl-C (KeyboardInterrupt) meanwhile kills the server instead. Safe to call twice."""
+        if self.state in ("stopping", "stopped"):
+            return
+        with self._lock:
+            was, self.state = self.state, "stopping"
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.live_timeout_s + 1)
+        try:
+            if was == "serving" and self.srv is not None and self.srv.is_running():
+                self.say(f"splitspec serve: stopping: not admitting new requests; {self.drain_s:g} s for those in flight")
+                self._signal_engines(signal.SIGUSR1)
+                self._wait_drained(self.drain_s)
+                self._signal_engines(signal.SIGTERM)  # the rest end now, with finish_reason "shutdown"
+                self._wait_drained(5.0)
+            if self.srv is not None:
+                self.srv.stop()
+        except KeyboardInterrupt:
+            if self.srv is not None:
+                self.srv.kill()
+            raise
+        finally:
+            self.state = "stopped"
+            if self.endpoint is not None:
+                self.endpoint.close()

@@ -1,0 +1,293 @@
+"""Faults under ``splitspec serve``: its supervisor notices each kind of death or a wedged server, fails what was in
+flight, reports not-ready and a health metric of 0, restarts the pipeline and serves correct output again; requests
+whose client cannot be seen leaving end at their deadline; SIGTERM drains streams with a final response.
+
+One ``splitspec serve`` process of this module (its own repository: TP2 target + TP1 drafter on CPU, batch 2, a
+server cap on request time) is killed into, piece by piece; the supervisor restarting it is what is under test. The
+SIGTERM test runs last and ends it. Greedy references come from the engine in this process (target only, k = 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from splitspec.errors import SplitspecError
+from splitspec.serving.client import ask_http, merge, stream_grpc, stream_http
+from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.process_tree import pipeline_processes
+from splitspec.serving.repo import render_repo
+from splitspec.serving.tritonserver import free_ports
+from splitspec.settings import ServeConfig
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
+
+PROMPT = "def fibonacci(n):"
+MAX_TOKENS = 12
+LONG = 230  # tokens of a request that outlives the fault (the test engines' max_seq_len is 256)
+CAP_S = 3.0  # the server's cap on a request's time (ServeConfig.request_timeout_s)
+CLOSE = {"Connection": "close"}
+
+
+class Serve:
+    """A ``splitspec serve`` process on free ports, its stdout in ``out``."""
+
+    def __init__(self, repo: Path, out: Path):
+        self.http, self.grpc, self.metrics, self.health_port = free_ports(4)
+        self.out = out
+        self.log = repo / "_backends" / f"tritonserver.{self.http}.log"
+        cmd = [sys.executable, "-m", "splitspec.cli", "serve", "--repo", str(repo), "--http-port", str(self.http),
+               "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--health-port", str(self.health_port),
+               "--drain-s", "1", "--stable-s", "0"]  # back to back faults here: each restarted at once
+        self.proc = subprocess.Popen(cmd, stdout=open(out, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    url = property(lambda self: f"http://127.0.0.1:{self.http}")
+    grpc_address = property(lambda self: f"127.0.0.1:{self.grpc}")
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def triton_ready(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/v2/health/ready", headers=CLOSE, timeout=0.5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def health(self) -> dict:
+        """The supervisor's own metrics (served by ``splitspec serve``, not by tritonserver)."""
+        r = requests.get(f"http://127.0.0.1:{self.health_port}/metrics", headers=CLOSE, timeout=2)
+        return parse_prometheus(r.text)
+
+    def supervisor_ready(self) -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{self.health_port}/v2/health/ready", headers=CLOSE, timeout=0.5).ok
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout_s: float = 120) -> float:
+        t0 = time.monotonic()
+        while not (self.triton_ready() and self.supervisor_ready()):
+            assert self.proc.poll() is None, f"splitspec serve exited ({self.proc.returncode}):\n{self.text()[-3000:]}"
+            assert time.monotonic() - t0 < timeout_s, f"not ready after {timeout_s} s:\n{self.text()[-3000:]}"
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def stop(self) -> None:
+        left = list(pipeline_processes(self.proc.pid))
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # SIGINT may be ignored in a background job
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in left:  # whatever outlived it (tritonserver runs in a process group of its own)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class InFlight:
+    """A request running in a thread: how and when it ended."""
+
+    def __init__(self, fn):
+        self.outcome = self.t_end = None
+        self.events: list[dict] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            for ev in fn():
+                self.events.append(ev)
+                self.started.set()
+            self.outcome = "finished"
+        except SplitspecError as e:
+            self.outcome = f"error: {e}"
+        finally:
+            self.t_end = time.monotonic()
+            self.started.set()
+
+
+def _streams(s: Serve) -> list[InFlight]:
+    """One gRPC and one HTTP (server-sent events) stream of LONG tokens, both generating."""
+    flights = [InFlight(lambda: stream_grpc(s.grpc_address, PROMPT, LONG, timeout_s=60)),
+               InFlight(lambda: stream_http(f"{s.url}/v2/models/ensemble/generate_stream", PROMPT, LONG, timeout_s=60))]
+    for f in flights:
+        assert f.started.wait(60) and f.events, f"a stream did not start: {f.outcome}"
+    return flights
+
+
+@pytest.fixture(scope="module")
+def reference(built_engines) -> dict:
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.runtime.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(built_engines / "target")
+    with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0, max_batch_size=1)) as eng:
+        ids = eng.generate(tok.encode(PROMPT), LONG, num_draft_tokens=0).token_ids
+    return {"ids": ids, "text": tok.decode(ids[:MAX_TOKENS]), "tok": tok}
+
+
+@pytest.fixture(scope="module")
+def serve(built_engines, reference, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("supervised")
+    repo = render_repo(ServeConfig(built_engines, num_draft_tokens=4, max_batch_size=2, kv_tokens=2 * 256,
+                                   request_timeout_s=CAP_S), tmp / "repo")
+    s = Serve(repo, tmp / "serve.out")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _check_serves_correctly(s: Serve, reference) -> None:
+    answer = ask_http(f"{s.url}/v2/models/ensemble/generate", PROMPT, MAX_TOKENS, return_token_ids=True, timeout_s=60)
+    assert answer["output_ids"] == reference["ids"][:MAX_TOKENS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure 3: a request whose client is gone (non-streaming HTTP) ends at its deadline
+# ---------------------------------------------------------------------------------------------
+
+
+def test_abandoned_generate_requests_free_their_slots_at_the_server_cap(serve, reference):
+    """Two /generate clients vanish (their sockets time out and close: Triton's HTTP front end does not notice) while
+    holding both batch slots; a third request is served once the server's cap (CAP_S) ends them, not after them."""
+    def abandon():
+        try:
+            requests.post(f"{serve.url}/v2/models/ensemble/generate", json={"text_input": PROMPT, "max_tokens": LONG},
+                          headers=CLOSE, timeout=0.3)
+        except requests.RequestException:
+            pass
+
+    t0 = time.monotonic()
+    for th in [threading.Thread(target=abandon) for _ in range(2)]:
+        th.start()
+        th.join()
+    time.sleep(0.2)
+    answer = ask_http(f"{serve.url}/v2/models/ensemble/generate", PROMPT, MAX_TOKENS, return_token_ids=True,
+                      timeout_s=120)
+    took = time.monotonic() - t0
+    print(f"\nthird request answered {took:.1f} s after two abandoned ones took both slots (cap {CAP_S} s)")
+    assert answer["output_ids"] == reference["ids"][:MAX_TOKENS]
+    assert took < CAP_S + 3.0, f"the third request waited {took:.1f} s: the abandoned requests held the slots"
+
+
+def test_client_deadline_ends_a_request_with_finish_reason_timeout(serve, reference):
+    t0 = time.monotonic()
+    answer = ask_http(f"{serve.url}/v2/models/ensemble/generate", PROMPT, LONG, return_token_ids=True, timeout_ms=400,
+                      timeout_s=60)
+    took = time.monotonic() - t0
+    assert answer["finish_reason"] == "timeout", answer
+    assert 0 < len(answer["output_ids"]) < LONG and answer["output_ids"] == reference["ids"][:len(answer["output_ids"])]
+    assert took < 2.0, took
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures 2 and 5: a dead process or a wedged server, noticed, failed, reported and healed
+# ---------------------------------------------------------------------------------------------
+
+
+def _roles(s: Serve) -> dict[str, int]:
+    """role -> pid of the pipeline below ``splitspec serve`` (tritonserver, stubs, engine process, workers)."""
+    return {role: pid for pid, role in pipeline_processes(s.proc.pid).items()}
+
+
+def _watch_down(s: Serve, t_kill: float, timeout_s: float = 10) -> dict:
+    """Poll after a fault: when tritonserver's and the supervisor's readiness went false, the health metric's value."""
+    seen: dict = {}
+    while time.monotonic() - t_kill < timeout_s and not {"triton", "supervisor", "healthy0"} <= seen.keys():
+        now = time.monotonic() - t_kill
+        if "triton" not in seen and not s.triton_ready():
+            seen["triton"] = now
+        if "supervisor" not in seen and not s.supervisor_ready():
+            seen["supervisor"] = now
+        h = s.health()
+        if "healthy0" not in seen and ("splitspec_pipeline_healthy", frozenset()) in h \
+                and metric_value(h, "splitspec_pipeline_healthy") == 0:
+            seen["healthy0"] = now
+        time.sleep(0.05)
+    return seen
+
+
+FAULTS = {
+    "spec_decode stub": lambda pid: os.kill(pid, signal.SIGKILL),
+    "postprocessing stub": lambda pid: os.kill(pid, signal.SIGKILL),
+    "engine process": lambda pid: os.kill(pid, signal.SIGKILL),
+    "target worker rank 1": lambda pid: os.kill(pid, signal.SIGKILL),
+    "tritonserver": lambda pid: os.kill(pid, signal.SIGSTOP),  # wedged: alive, answering nothing
+}
+
+
+@pytest.mark.parametrize("victim", list(FAULTS))
+def test_fault_is_failed_reported_and_healed(serve, reference, victim):
+    roles = _roles(serve)
+    assert victim in roles, roles
+    restarts = metric_value(serve.health(), "splitspec_pipeline_restarts_total")
+    old_log = serve.log.read_bytes()
+    flights = _streams(serve)
+    t_kill = time.monotonic()
+    FAULTS[victim](roles[victim])
+    down = _watch_down(serve, t_kill, timeout_s=15)
+    for f in flights:
+        f.thread.join(15)
+    ended = [f.t_end - t_kill if f.t_end else None for f in flights]
+    print(f"\n{victim}: in-flight ended after {ended} s; not ready (triton, supervisor) after "
+          f"{down.get('triton')}, {down.get('supervisor')} s; healthy 0 after {down.get('healthy0')} s")
+    limit = 1.0 if victim != "tritonserver" else 8.0  # a wedged server is known only after its probes time out
+    for f, t in zip(flights, ended):
+        assert f.outcome and f.outcome.startswith("error"), f"an in-flight request was not failed: {f.outcome}"
+        assert "HTTP 400" not in f.outcome and "INVALID_ARG" not in f.outcome, f.outcome
+        assert t is not None and t < limit, f"an in-flight request was failed {t} s after the fault"
+    assert {"triton", "supervisor", "healthy0"} <= down.keys(), down
+    assert max(down.values()) < limit, down
+
+    t_ready = serve.wait_ready(120)
+    print(f"{victim}: ready again {time.monotonic() - t_kill:.1f} s after the fault")
+    _check_serves_correctly(serve, reference)
+    h = serve.health()
+    assert metric_value(h, "splitspec_pipeline_healthy") == 1
+    assert metric_value(h, "splitspec_pipeline_restarts_total") == restarts + 1
+    assert victim in serve.text(), serve.text()[-2000:]  # the log says what died
+    rotated = serve.log.with_name(serve.log.name + ".1")
+    assert rotated.is_file() and rotated.read_bytes().startswith(old_log[:4096]), "the previous server log was not kept"
+    assert t_ready < 120
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure 10: SIGTERM with streams in flight (last: it ends the server)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, reference):
+    flights = _streams(serve)
+    t0 = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    for f in flights:
+        f.thread.join(30)
+    rc = serve.proc.wait(30)
+    took = time.monotonic() - t0
+    print(f"\nSIGTERM with 2 streams open: exited with {rc} after {took:.1f} s; streams: {[f.outcome for f in flights]}")
+    reasons = []
+    for f in flights:
+        assert f.outcome == "finished", f.outcome  # a final response, not a cut connection
+        reasons.append(merge(f.events)["finish_reason"])
+    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown"
+    assert "shutdown" in reasons and set(reasons) <= {"shutdown", "length", "stop"}, reasons
+    assert rc == 0 and took < 15, (rc, took)
+    try:
+        requests.get(f"{serve.url}/v2/health/live", headers=CLOSE, timeout=1)
+        raise AssertionError("tritonserver still answers after splitspec serve exited")
+    except requests.RequestException:
+        pass

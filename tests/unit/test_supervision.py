@@ -1,0 +1,138 @@
+"""The supervisor's pieces without a server: naming the pipeline's processes, telling a dead one (or a reused pid)
+from a live one, keeping old logs, the health endpoint, and the request deadline read from the inputs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.serving.health_endpoint import HealthEndpoint
+from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.process_tree import Watched, pipeline_processes, role_of
+from splitspec.serving.requests import parse_request, request_timeout
+from splitspec.serving.server_log import rotate
+from splitspec.serving.supervisor import Supervisor
+
+
+@pytest.mark.parametrize("cmdline, role", [
+    ("/r/_backends/python/triton_python_backend_stub /r/spec_decode/1/model.py splitspec_1_2_x 1048576 1048576 9 "
+     "/r/_backends/python 336 spec_decode_0_0 DEFAULT", "spec_decode stub"),
+    ("/r/_backends/python/triton_python_backend_stub /r/post processing/1/model.py", None),  # not a model folder name
+    ("/v/bin/python3 -m splitspec.serving.engine_process --fd 5", "engine process"),
+    ("/v/bin/python3 -m splitspec.engine.worker --engines /e --rank 3 --world 4", "target worker rank 3"),
+    ("/site-packages/pytriton/tritonserver/bin/tritonserver --model-repository /r", "tritonserver"),
+    ("/usr/bin/python3 -m pytest", None),
+])
+def test_roles_from_command_lines(cmdline, role):
+    assert role_of(cmdline) == role
+
+
+def test_a_dead_process_is_told_from_a_live_one_and_from_a_reused_pid():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        w = Watched.of(child.pid, "engine process")
+        assert w is not None and w.alive() and str(w) == f"the engine process (pid {child.pid})"
+        assert not Watched(child.pid, "engine process", "1").alive()  # same pid, another start time: not ours
+        child.kill()
+        child.wait()
+        assert not w.alive()
+    finally:
+        child.kill()
+
+
+def test_pipeline_processes_names_the_children_it_knows():
+    code = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", code, sys.executable, "-c", "import time; time.sleep(60)",
+                               "splitspec.serving.engine_process"])
+    try:
+        for _ in range(100):
+            found = pipeline_processes(parent.pid)
+            if found:
+                break
+            time.sleep(0.05)
+        assert list(found.values()) == ["engine process"], found
+    finally:
+        for pid in pipeline_processes(parent.pid):
+            subprocess.run(["kill", "-9", str(pid)])
+        parent.kill()
+
+
+def test_rotate_keeps_the_previous_logs_and_drops_the_oldest(tmp_path):
+    log = tmp_path / "tritonserver.8000.log"
+    assert rotate(log) is None  # nothing to keep
+    for i in range(7):
+        log.write_text(f"run {i}\n")
+        assert rotate(log, keep=3) == log.with_name(log.name + ".1")
+    assert not log.exists()
+    assert [log.with_name(f"{log.name}.{i}").read_text() for i in (1, 2, 3)] == ["run 6\n", "run 5\n", "run 4\n"]
+    assert not log.with_name(log.name + ".4").exists()
+
+
+def test_health_endpoint_serves_probes_and_metrics():
+    state = {"ready": True}
+    ep = HealthEndpoint("127.0.0.1", 0, lambda: (state["ready"], True, {"splitspec_pipeline_healthy": float(state["ready"]),
+                                                                        "splitspec_pipeline_restarts_total": 2}))
+    try:
+        base = f"http://127.0.0.1:{ep.port}"
+        assert requests.get(base + "/v2/health/ready", timeout=5).status_code == 200
+        state["ready"] = False
+        assert requests.get(base + "/v2/health/ready", timeout=5).status_code == 503
+        assert requests.get(base + "/v2/health/live", timeout=5).status_code == 200
+        m = parse_prometheus(requests.get(base + "/metrics", timeout=5).text)
+        assert ("splitspec_pipeline_healthy", frozenset()) in m and metric_value(m, "splitspec_pipeline_healthy") == 0
+        assert metric_value(m, "splitspec_pipeline_restarts_total") == 2
+        assert requests.get(base + "/other", timeout=5).status_code == 404
+    finally:
+        ep.close()
+
+
+def _inputs(**values):
+    return {"input_ids": np.array([[5, 6]]), "max_tokens": np.array([[8]]), **{k: np.array([[v]]) for k, v in values.items()}}
+
+
+def test_request_deadline_is_the_clients_within_the_servers_cap():
+    assert request_timeout({}, 600.0) == 600.0 and request_timeout({}, None) is None
+    assert request_timeout({"timeout_ms": np.array([[1500]])}, 600.0) == 1.5
+    assert request_timeout({"timeout_ms": np.array([[10**9]])}, 600.0) == 600.0
+    assert parse_request(_inputs(timeout_ms=250), 64, 600.0)[0].timeout_s == 0.25
+    assert parse_request(_inputs(), 64, 30.0)[0].timeout_s == 30.0
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ConfigError, match="timeout_ms"):
+            request_timeout({"timeout_ms": np.array([[bad]])}, 600.0)
+
+
+class _FakeServer:
+    log_path, pid = Path("tritonserver.8000.log"), 1
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("starts_ok, stable", [(True, True), (True, False), (False, True)])
+def test_a_fault_now_and_then_is_healed_and_a_crash_loop_given_up(starts_ok, stable):
+    lines: list[str] = []
+    sup = Supervisor(Path("unused"), backoff_s=0.001, max_restarts=3, stable_s=60.0, say=lines.append)
+    sup.endpoint = None
+
+    def start():
+        if not starts_ok:
+            raise SplitspecError("tritonserver exited with status 1 while starting")
+        sup.state, sup._ready_at = "serving", time.monotonic() - (3600 if stable else 0)
+
+    sup._start_server = start
+    sup.state, sup.srv, sup._ready_at = "serving", _FakeServer(), time.monotonic() - (3600 if stable else 0)
+    for _ in range(5):  # five faults, each after the previous restart
+        sup._recover("the spec_decode stub (pid 7) died")
+        if sup.failed:
+            break
+    if starts_ok and stable:
+        assert not sup.failed and len(sup.restarts) == 5, lines
+    else:  # failing again right after ready, or never starting: a crash loop, given up after 3 in a row
+        assert sup.failed and "giving up after 3 failures in a row" in lines[-1], lines
