@@ -49,8 +49,8 @@ generate: engines
 	  $(if $(DEVICE_IDS),--device cuda:$(DEVICE_IDS))
 
 repo: engines
-	$(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K)) \
-	  $(if $(DEVICE_IDS),--target-device-ids $(DEVICE_IDS)) $(if $(DRAFT_DEVICE),--draft-device-id $(DRAFT_DEVICE))
+	$(strip $(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K)) \
+	  $(if $(DEVICE_IDS),--target-device-ids $(DEVICE_IDS)) $(if $(DRAFT_DEVICE),--draft-device-id $(DRAFT_DEVICE)))
 
 # The OpenAI-compatible API (OPENAI_PORT, default 9000; empty: off) runs beside tritonserver in the same process.
 OPENAI_PORT ?= 9000
