@@ -171,7 +171,7 @@ def test_server_start_failure_reports_log_and_leaves_nothing(tmp_path):
     for kind in ("target", "drafter"):
         (eng / kind).mkdir(parents=True, exist_ok=True)
         (eng / kind / "engine.json").write_text(json.dumps({"kind": kind, "mapping": {"tp_size": 1},
-                                                            "limits": {"max_draft_len": 8}}))
+                                                            "limits": {"max_draft_len": 8, "max_seq_len": 256}}))
     repo = render_repo(ServeConfig(eng, num_draft_tokens=4), tmp_path / "repo")
     (eng / "target" / "tokenizer.json").unlink()  # preprocessing, postprocessing and spec_decode now fail
     srv = TritonServer(repo, startup_timeout_s=120)
