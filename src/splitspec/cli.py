@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except SplitspecError as e:
         print(f"splitspec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the command was given cannot be written or read (a file where a folder belongs, …)
+        print(f"splitspec {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # engines and workers were stopped on the way out
         print(f"splitspec {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ so a malformed value is refused by argparse, naming the flag, before any command
 from __future__ import annotations
 
 import argparse
+import math
 
 DESCRIPTION = "The ``splitspec`` command line: one subcommand per pipeline stage."
 #: Highest level a ``levels`` argument accepts (concurrency, batch bucket, k, draft_tp).
@@ -31,6 +32,23 @@ def numbers(kind):
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from None
 
     parse.__name__ = f"{kind.__name__}_list"
+    return parse
+
+
+def finite(minimum: float = 0.0, above: bool = True, maximum: float = 1e9):
+    """An argument type: a float > ``minimum`` (``above``) or ≥ it, and ≤ ``maximum`` (GiB and seconds: 1e9 is
+    beyond any machine); nan, inf and the rest refused by argparse."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or v < minimum or (above and v == minimum) or v > maximum:
+            raise argparse.ArgumentTypeError(f"expected a number {'>' if above else '≥'} {minimum:g} and ≤ {maximum:g}, "
+                                             f"got {text!r}")
+        return v
+
+    parse.__name__ = "number"
     return parse
 
 
@@ -100,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--max-seq-len", type=int, default=1024)
     s.add_argument("--max-draft-len", type=int, default=8)
-    s.add_argument("--gpu-memory-gib", type=float, default=None,
+    s.add_argument("--gpu-memory-gib", type=finite(), default=None,
                    help="check the memory plan against this per-GPU budget (default: free memory of this machine's GPU; "
                         "none on a CPU machine)")
 
@@ -111,14 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, required=True, help="target tensor-parallel size (GPUs)")
     s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
     s.add_argument("--draft-tp", type=int, default=1, help="1 = drafter on GPU 0 beside target rank 0; --tp = sharded")
-    s.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of each GPU, GiB")
+    s.add_argument("--gpu-memory-gib", type=finite(), required=True, help="memory of each GPU, GiB")
     s.add_argument("--max-batch-size", type=int, required=True)
     s.add_argument("--max-seq-len", type=int, required=True)
     s.add_argument("--max-draft-len", type=int, default=8, help="largest k (as splitspec build's default)")
     s.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default max-batch-size × max-seq-len)")
     s.add_argument("--dtype", default=None,
                    help="int4, fp8, bfloat16, float16 or float32 (default: as published; int4/fp8 keep published quantised weights)")
-    s.add_argument("--headroom-gib", type=float, default=2.0, help="CUDA context, cuBLAS and NCCL workspaces per GPU")
+    s.add_argument("--headroom-gib", type=finite(above=False), default=2.0, help="CUDA context, cuBLAS and NCCL workspaces per GPU")
     s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
 
     s = sub.add_parser("generate", help="speculative decoding from built engines, in this process")
@@ -178,12 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-len", type=int, default=None,
                    help="requests that may wait for a batch slot; one more is refused at once as 'server busy' "
                         "(default: max-batch-size)")
-    s.add_argument("--max-queue-s", type=float, default=None,
+    s.add_argument("--max-queue-s", type=finite(), default=None,
                    help="seconds a request may wait for a batch slot before it is refused as 'server busy' (default 60)")
     s.add_argument("--synthetic-acceptance", default=None, metavar="P1,P2,...", type=numbers(float),
                    help="BENCHMARK ONLY: accept draft position i with probability Pi regardless of its value "
                         "(served outputs are then not the target's)")
-    s.add_argument("--request-timeout-s", type=float, default=600.0,
+    s.add_argument("--request-timeout-s", type=finite(), default=600.0,
                    help="longest a served request may run, seconds; its deadline unless input timeout_ms sets an "
                         "earlier one (frees the slots of non-streaming clients that went away)")
     s.add_argument("--trust-remote-code", action="store_true",
@@ -197,13 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=8002)
     s.add_argument("--health-port", type=int, default=8003,
                    help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
-    s.add_argument("--drain-s", type=float, default=10.0,
+    s.add_argument("--drain-s", type=finite(above=False), default=10.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they end with "
                         "finish_reason 'shutdown'")
     s.add_argument("--restart-limit", type=int, default=5,
                    help="give up (exit with an error) after this many failures in a row: restarts that failed, or "
                         "a pipeline that failed again within --stable-s of being ready")
-    s.add_argument("--stable-s", type=float, default=60.0,
+    s.add_argument("--stable-s", type=finite(above=False), default=60.0,
                    help="a pipeline that served this long before a fault is restarted at once, without back-off")
     s.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "

@@ -148,3 +148,11 @@ def test_mla_drafter_planned_with_its_latent_cache_and_mla_layer(capsys, tmp_pat
              + 1536 + 512 + 4 * H)                               # q_a / kv_a norms, 4 hidden norms
     assert items["drafter layer (fc, attention, MLP)"] == layer * 2
     assert items["drafter lm_head + draft→target map"] == V * H * 2 + V * 8
+
+
+@pytest.mark.parametrize("args, expect", [(["--headroom-gib", "nan"], "argument --headroom-gib: expected a number ≥ 0 and ≤ 1e+09, got 'nan'"),
+                                          (["--gpu-memory-gib", "1e308"], "argument --gpu-memory-gib: expected a number > 0 and ≤ 1e+09")])
+def test_non_finite_sizes_are_refused_by_the_parser(capsys, args, expect):
+    """nan / inf / absurd GiB never reach the arithmetic (argparse's convention: usage, then the error line)."""
+    rc, out, err = plan(capsys, K25, "--tp", "8", "--gpu-memory-gib", "141", *LIMITS, *args)
+    assert rc == 2 and out == "" and expect in err.strip().splitlines()[-1], err

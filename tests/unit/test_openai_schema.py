@@ -58,6 +58,9 @@ BAD_CHAT = [
     ({**CHAT, "temperature": 2.5}, "temperature"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "max_tokens": 10**23}, "max_tokens"),  # past the ensemble's INT32: refused, not a 500
+    ({**CHAT, "max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ({**CHAT, "top_k": 2**40}, "top_k"),
     ({**CHAT, "seed": 1.5}, "seed"),
     ({**CHAT, "stop": 5}, "stop"),
     ({**CHAT, "stop": [""]}, "stop"),

@@ -4,6 +4,8 @@ renders as transformers renders it, streamed decoding never breaks a character, 
 
 from __future__ import annotations
 
+import re
+
 import hashlib
 import itertools
 import json
@@ -209,3 +211,21 @@ def test_conversion_carries_the_tokenizer_files(folder, tmp_path):
     assert tokenizer_files(tmp_path / "x") == ["tokenizer_config.json", "generation_config.json", "tiktoken.model",
                                               "chat_template.jinja", "tokenization_kimi.py"]
     assert tokenizer_vocab_size(folder) == (ChatTokenizer.from_dir(folder).vocab_size, "tiktoken.model")
+
+
+@pytest.mark.parametrize("line, expect", [(b"Bg== seven\n", "line 7: b'Bg== seven' is not 'base64-token rank'"),
+                                          (b"\xff\xfe 5\n", "line 7:")])
+def test_convert_checks_the_ranks_file_before_writing(folder, tmp_path, line, expect):
+    """convert reads tiktoken.model as the runtime does: a bad line is a one-line error before anything is written
+    (invalid UTF-8 or base64 alike)."""
+    from splitspec.convert.pair import tokenizer_vocab_size
+    from splitspec.errors import CheckpointError
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    lines = (bad / "tiktoken.model").read_bytes().splitlines(keepends=True)
+    (bad / "tiktoken.model").write_bytes(b"".join(lines[:6] + [line] + lines[6:]))
+    with pytest.raises(CheckpointError, match="tiktoken.model: " + re.escape(expect)):
+        tokenizer_vocab_size(bad)

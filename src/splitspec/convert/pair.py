@@ -34,6 +34,7 @@ from splitspec.convert.drafter import check_drafter_tensors, drafter_tensors
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.convert.target import TargetSource, rank_tensor_count, target_rank_tensors
 from splitspec.errors import CheckpointError, ConfigError
+from splitspec.convert.tiktoken_file import read_ranks, special_tokens
 from splitspec.files import atomic_dir, read_json, write_json
 
 FORMAT = "splitspec-checkpoint-v1"
@@ -75,8 +76,9 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig, drafter_dir: Path) 
 def tokenizer_vocab_size(folder: Path) -> tuple[int, str] | None:
     """Token count of a checkpoint's tokenizer (highest id + 1) and the file it came from, or None without one.
 
-    Reads ``tokenizer.json`` with the ``tokenizers`` library, or counts a tiktoken ``tiktoken.model``
-    (one token per line) plus the ``added_tokens_decoder`` ids of ``tokenizer_config.json``.
+    Reads ``tokenizer.json`` with the ``tokenizers`` library, or a tiktoken ``tiktoken.model`` and the special tokens
+    of ``tokenizer_config.json`` (:mod:`splitspec.convert.tiktoken_file`: a malformed line or field is a one-line
+    CheckpointError, before anything is written).
     """
     folder = Path(folder)
     if (folder / "tokenizer.json").exists():
@@ -88,13 +90,11 @@ def tokenizer_vocab_size(folder: Path) -> tuple[int, str] | None:
             raise CheckpointError(f"{folder / 'tokenizer.json'}: cannot be read by the tokenizers library ({e})") from None
         ids = list(tok.get_vocab(with_added_tokens=True).values())
         return (max(ids) + 1 if ids else 0), "tokenizer.json"
-    if (folder / "tiktoken.model").exists():
-        n = sum(1 for line in (folder / "tiktoken.model").read_text().splitlines() if line.strip())
-        added = {}
-        if (folder / "tokenizer_config.json").exists():
-            added = read_json(folder / "tokenizer_config.json").get("added_tokens_decoder") or {}
-        ids = [int(k) for k in added] + [n - 1]
-        return max(ids) + 1, "tiktoken.model"
+    if (folder / "tiktoken.model").exists():  # parsed and checked as the runtime reads it (tiktoken_file.py)
+        n = len(read_ranks(folder / "tiktoken.model"))
+        specials, _ = special_tokens(read_json(folder / "tokenizer_config.json", "the tokenizer's special tokens"), n,
+                                     str(folder / "tokenizer_config.json"))
+        return max(n, max(specials.values()) + 1), "tiktoken.model"
     return None
 
 

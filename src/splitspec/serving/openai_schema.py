@@ -122,14 +122,18 @@ def _type_name(v) -> str:
                                      dict: "object"}.get(type(v), type(v).__name__)
 
 
-def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+#: Largest value of the ensemble's INT32 inputs (max_tokens, top_k, num_draft_tokens).
+INT32_MAX = 2**31 - 1
+
+
+def _int(body: dict, name: str, lo: int, hi: int = INT32_MAX) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(name, f"{name}: expected an integer, got {_type_name(v)} {json.dumps(v)}")
     if v < lo or (hi is not None and v > hi):
-        raise invalid(name, f"{name} = {v}: expected {lo}..{hi}" if hi is not None else f"{name} = {v}: expected ≥ {lo}")
+        raise invalid(name, f"{name} = {v}: expected {lo}..{hi}")
     return v
 
 
