@@ -86,8 +86,10 @@ demo: repo
 gpu-carry: setup
 	PYVER=$(or $(PYVER),3.12) bash scripts/gpu_carry.sh
 
+# Two worker processes (the CI machine has 2 cores), whole test files each: module fixtures and servers stay together.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 clean:
 	rm -rf $(CKPT) $(ENGINES) checkpoints perf_results $(REPO)/_backends
