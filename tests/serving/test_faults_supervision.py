@@ -180,7 +180,11 @@ def test_abandoned_generate_requests_free_their_slots_at_the_server_cap(serve, r
                       timeout_s=120)
     took = time.monotonic() - t0
     print(f"\nthird request answered {took:.1f} s after two abandoned ones took both slots (cap {CAP_S} s)")
-    assert answer["output_ids"] == reference["ids"][:MAX_TOKENS]
+    # the cap bounds the third request too (it arrived ~0.2 s after the others): on a busy machine it may end at its
+    # own cap with part of its answer; what it has is the reference's prefix
+    out = answer["output_ids"]
+    assert answer["finish_reason"] in ("length", "timeout") and out and out == reference["ids"][:len(out)], answer
+    assert answer["finish_reason"] == "timeout" or len(out) == MAX_TOKENS
     assert took < CAP_S + 3.0, f"the third request waited {took:.1f} s: the abandoned requests held the slots"
 
 
