@@ -30,7 +30,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory) -> Path:
-    """The demo target + drafter + tokenizer (Hugging Face formats), generated once per test session."""
+    """The demo target + drafter + tokenizer (Hugging Face formats), generated once per test session.
+
+    ``$SPLITSPEC_DEMO_MODELS`` names a folder ``splitspec demo-models`` wrote (e.g. ``models/demo`` carried to a GPU
+    machine, whose library versions miss the training cache): used as it is, nothing trained."""
+    given = os.environ.get("SPLITSPEC_DEMO_MODELS")
+    if given:
+        folder = Path(given).absolute()
+        if not (folder / "target" / "config.json").is_file() or not (folder / "drafter" / "config.json").is_file():
+            raise pytest.UsageError(f"SPLITSPEC_DEMO_MODELS={given}: expected a demo-models folder with target/ and drafter/")
+        return folder
     out = tmp_path_factory.mktemp("models") / "demo"
     make_demo_models(out, seed=0)
     return out
