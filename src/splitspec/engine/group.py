@@ -236,7 +236,7 @@ class Group:
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(plan)
-                if drafts is not None:
+                if drafts is not None and not self.fake_peers:  # no worker to receive them
                     dist.broadcast(drafts, 0)
             return r0.execute_padded(plan, drafts, draft_timed=drafts is not None, on_launched=on_launched)
         t0 = time.perf_counter()
