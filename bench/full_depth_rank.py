@@ -240,11 +240,14 @@ def elapsed() -> str:
 
 
 def todo(a, rows: list[dict]) -> list[tuple[int, int, int | None]]:
-    """(batch, k, draft_tp) still to measure, in order: batch 1 first, k = 0 (no drafter) before each k's
+    """(batch, k, draft_tp) still to measure, in order: verifies of up to 16 tokens first (the fused decode kernels;
+    batch 1's rows, all there for its speed-ups), then the larger ones (a new compilation per chunk count of the
+    grouped INT4 path: the slowest rows to start), each by batch and k, k = 0 (no drafter) before each k's
     placements; those of ``rows`` (an earlier run's, ``--resume``) left out."""
     placements = (1, a.tp) if a.tp > 1 else (1,)
     done = {(r["batch"], r["k"], r["draft_tp"]) for r in rows}
-    return [(B, k, d) for B in a.batches for k in a.ks for d in (placements if k else (None,)) if (B, k, d) not in done]
+    order = sorted(((B, k) for B in a.batches for k in a.ks), key=lambda bk: (bk[0] * (bk[1] + 1) > 16, bk))
+    return [(B, k, d) for B, k in order for d in (placements if k else (None,)) if (B, k, d) not in done]
 
 
 def measure_rows(a, res: dict, save) -> None:

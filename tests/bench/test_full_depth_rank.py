@@ -4,6 +4,7 @@ error) on canned numbers, and the whole script on the CPU with tiny shapes (--dr
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,12 @@ def test_full_depth_speedups_and_model_error_on_canned_rows(tmp_path):
     assert "| sharded (drafter TP8) | 1 | 2 | 11.00 | 1.00 | 9.50 | 0.12 | 11.12 | 157 | ×1.58 |" in text
     assert "| stub | 26% / 17% | 21% / 17% | 10.50 / 10.06 |" in text
     assert fdr.plot(res, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_to_measure_put_large_verifies_last_and_skip_those_kept():
+    a = SimpleNamespace(tp=8, batches=[1, 4, 16], ks=[0, 4])
+    assert fdr.todo(a, [{"batch": 1, "k": 0, "draft_tp": None}, {"batch": 16, "k": 4, "draft_tp": 1}]) == [
+        (1, 4, 1), (1, 4, 8), (4, 0, None), (16, 0, None), (4, 4, 1), (4, 4, 8), (16, 4, 8)]
 
 
 def test_dry_run_writes_rows_report_and_plot(tmp_path, capsys):
