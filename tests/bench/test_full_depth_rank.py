@@ -61,7 +61,7 @@ def test_full_depth_speedups_and_model_error_on_canned_rows(tmp_path):
            "model_errors": errs}
     text = fdr.report(res)
     assert "| sharded (drafter TP8) | 1 | 2 | 11.00 | 1.00 | 9.50 | 0.12 | 11.12 | 157 | ×1.58 |" in text
-    assert "| stub | 26% / 17% | 21% / 17% | 10.50 / 10.06 |" in text
+    assert "| stub | 1 | 10.50 / 10.06 | +17% / +26% | +17% / +21% |" in text
     assert fdr.plot(res, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
