@@ -148,21 +148,35 @@ def layer_report(d: dict) -> None:
                                              for r in d["layers"]["drafter_step_tp1"]))
 
 
-def kimi_report(d: dict) -> None:
+def calibrated_models(d: dict) -> dict | None:
+    """The full-depth models calibrated on a ``bench/gpu_bench.py`` result ``d``: its compiled MoE layer rows at the
+    TP8 shard shape fitted as overhead + bytes / (efficiency × its copy bandwidth), its smallest all-reduce in a
+    graph as α. Returns {"ours": KimiScale with those layer costs, "ideal": a production-grade layer (70% of
+    bandwidth, 10 µs), "alpha_us", "overhead_ms", "efficiency", "fit_error", "bw_GBps"}, or None when the file holds
+    rows at fewer than the 3 token counts the fit needs."""
     bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
     ar = d.get("allreduce", {}).get("rows", {})
     alpha = min(v["graph_us"] for v in ar.values()) if ar else 13.0
-    moe8 = [r for r in d["layers"]["rows"] if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
+    moe8 = [r for r in d.get("layers", {}).get("rows", [])
+            if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
     if len({r["tokens"] for r in moe8}) < 3:  # overhead and efficiency need rows at several token counts
-        print(f"\n(compiled TP8-shape MoE rows at {len({r['tokens'] for r in moe8})} token count(s) in this file, "
-              "fewer than the 3 a fit of overhead and efficiency needs: no full-depth model from it)")
-        return
+        return None
     overhead, eff, err = fit_layer_costs(moe8, bw)
-    print(f"\n## Kimi-K2, 61 layers, TP8 (model)\n\nCalibration: MoE layer at the TP8 shard shape = {overhead * 1e3:.0f} µs + "
-          f"bytes / ({eff:.2f} × {bw / 1e3:.2f} TB/s) (fit max error {err:.0%}); all-reduce α = {alpha:.1f} µs (2 GPUs, in a graph);"
-          " drafter step 0.70 ms at TP1, 0.17 ms per TP8 shard + 3 collectives.")
-    ours = KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha, efficiency=eff, layer_overhead_us=overhead * 1e3)
-    ideal = KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha)
+    return {"ours": KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha, efficiency=eff, layer_overhead_us=overhead * 1e3),
+            "ideal": KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha), "alpha_us": alpha, "overhead_ms": overhead,
+            "efficiency": eff, "fit_error": err, "bw_GBps": bw}
+
+
+def kimi_report(d: dict) -> None:
+    cal = calibrated_models(d)
+    if cal is None:
+        print("\n(compiled TP8-shape MoE rows at fewer than the 3 token counts a fit of overhead and efficiency needs in "
+              "this file: no full-depth model from it)")
+        return
+    bw, alpha, ours, ideal = cal["bw_GBps"], cal["alpha_us"], cal["ours"], cal["ideal"]
+    print(f"\n## Kimi-K2, 61 layers, TP8 (model)\n\nCalibration: MoE layer at the TP8 shard shape = {cal['overhead_ms'] * 1e3:.0f} µs + "
+          f"bytes / ({cal['efficiency']:.2f} × {bw / 1e3:.2f} TB/s) (fit max error {cal['fit_error']:.0%}); all-reduce α = {alpha:.1f} µs "
+          "(2 GPUs, in a graph); drafter step 0.70 ms at TP1, 0.17 ms per TP8 shard + 3 collectives.")
     pcie = ideal.calibrate_allreduce_to_decode(90.0)
     prof = KIMI_DRAFTER_PROFILE
     print(f"Synthetic acceptance profile {prof[:4]}… (acceptance length {expected_acceptance_length(prof, 3):.2f} at k=3).\n")

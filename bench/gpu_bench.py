@@ -30,12 +30,13 @@ import traceback
 from pathlib import Path
 from unittest.mock import patch
 
-for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[k] = v
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
+from lab import NO_NVLINK_MULTICAST
 
-from lab.gpu_kernels import allreduce, bandwidth, distinct_experts, moe_fp8, moe_int4, moe_kernel, timed_graph  # noqa: E402
+os.environ.update(NO_NVLINK_MULTICAST)
+import torch
+import torch._dynamo
+
+from lab.gpu_kernels import allreduce, bandwidth, distinct_experts, moe_fp8, moe_int4, moe_kernel, timed_graph
 
 RESULTS: dict = {}
 

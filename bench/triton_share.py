@@ -63,7 +63,9 @@ import tempfile
 import time
 from pathlib import Path
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+from lab import NO_NVLINK_MULTICAST
+
+for _k, _v in NO_NVLINK_MULTICAST.items():
     os.environ.setdefault(_k, _v)  # inherited by the engine's workers and by tritonserver
 
 from splitspec.errors import CheckpointError, SplitspecError  # noqa: E402

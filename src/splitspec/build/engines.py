@@ -64,6 +64,14 @@ INT4_LAYOUT = {"w13": "int32 [E_local, 2*I_e, H/8] (gate rows, then up) + w13.sc
                "dequantised": "(nibble - 8) * scale[row, col // G]"}
 
 
+def int4_quantization(group: int, float_dtype: str, source) -> dict:
+    """``engine.json`` ``quantization`` of a target keeping its routed experts INT4 in groups of ``group``, everything
+    else (and the activations) ``float_dtype``; ``source``: what the weights came from (docs/formats.md)."""
+    return {"weights": "int4_routed_experts", "weight_block_size": None, "activation_dtype": float_dtype, "source": source,
+            "format": "compressed-tensors pack-quantized, symmetric INT4 (routed experts only)", "group_size": group,
+            "layout": INT4_LAYOUT}
+
+
 Fp8 = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, scale_inv or None)
 
 
@@ -285,12 +293,9 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
                           f"dtype '{dtype}' is the engine's float dtype already")
     fname = (float_dtype or QUANT_FLOAT_DTYPE) if quantised else dtype
     tdt = DTYPES[fname]
-    weight_format = {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else "int4_routed_experts" if keep_int4 else fname,
-                     "weight_block_size": list(block) if keep_fp8 else None, "activation_dtype": fname,
-                     "source": qmeta.get("source")}
-    if keep_int4:
-        weight_format |= {"format": "compressed-tensors pack-quantized, symmetric INT4 (routed experts only)",
-                          "group_size": group, "layout": INT4_LAYOUT}
+    weight_format = (int4_quantization(group, fname, qmeta.get("source")) if keep_int4 else
+                     {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else fname, "weight_block_size": list(block) if keep_fp8 else None,
+                      "activation_dtype": fname, "source": qmeta.get("source")})
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
     print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib, float_bytes=tdt.itemsize, group=group))
     with atomic_dir(out, keep=(checkpoints,)) as tmp:

@@ -13,7 +13,7 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json
-from splitspec.models.shapes import random_weights
+from splitspec.models.shapes import int4_expert_shapes, random_weights
 
 
 def read_engine_meta(folder: Path, kind: str) -> dict:
@@ -41,11 +41,17 @@ def read_engine_meta(folder: Path, kind: str) -> dict:
 
 def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = None, shapes: dict | None = None) -> dict[str, torch.Tensor]:
     """Runtime-layout weights of one rank: ``rank{i}.safetensors``, or, for a synthetic engine
-    (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device``."""
+    (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device`` — for an
+    ``int4`` target its routed experts INT4 in the layout ``build --dtype int4`` writes
+    (:func:`splitspec.models.shapes.int4_expert_shapes`), the rest in ``quantization.activation_dtype``."""
     synthetic = (meta or {}).get("weights", {}).get("synthetic")
     if synthetic is not None:
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta["dtype"]]
-        return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank)
+        group = meta["quantization"]["group_size"] if meta["dtype"] == "int4" else None
+        fname = meta["quantization"]["activation_dtype"] if group else meta["dtype"]
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[fname]
+        if group:
+            shapes = int4_expert_shapes(shapes, group)
+        return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank, int4_group=group)
     path = Path(folder) / f"rank{rank}.safetensors"
     if not path.exists():
         raise CheckpointError(f"{path}: engine weights missing")

@@ -18,6 +18,11 @@ bucket placement, ``splitspec tune``): each plan names the placement that drafts
 placement first moves the decoding sequences' drafter K/V rows into the other layout
 (:meth:`~splitspec.engine.rank.RankRunner.switch_placement`). The deployment's settings come as one
 :class:`~splitspec.settings.ServeConfig`; worker ranks get the switches they need on their command line.
+
+Benchmarks only (``fake_peers``): rank 0 of the group alone, in this process, with no workers; its collectives go
+to torch.distributed's fake process group (:func:`join_fake_group`) and return at once. One GPU then runs one
+rank of a TP-N engine at full size (``bench/full_depth_rank.py``); its outputs are meaningless (nothing is summed
+over ranks), its compute is one rank's.
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ LOOPBACK = "127.0.0.1"
 GLOO_INTERFACE = "lo"
 
 
+def join_fake_group(world: int, timeout: datetime.timedelta) -> None:
+    """Make this process rank 0 of a ``world``-rank torch.distributed group whose other ranks do not exist: the fake
+    process group (``torch.testing._internal.distributed.fake_pg``, backend "fake"), where every collective returns
+    at once without communicating — an all-reduce leaves its tensor as it is; recent torch copies the local part into
+    every slot of an all-gather. Benchmarks only. Raises EngineError when this torch has no fake process group."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    except ImportError as e:
+        raise EngineError(f"fake_peers: this torch ({torch.__version__}) has no fake process group ({e})") from None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world, timeout=timeout)
+
+
 def loopback_store(world: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """The leader's ``TCPStore`` for ``world`` ranks, listening on a free port of 127.0.0.1 only.
 
@@ -79,11 +96,14 @@ class Group:
             rank 0's), kv_tokens and the switches padded, compile, cuda_graphs, collective_timeout_s.
         placements: the draft_tp values to load, 1 and/or the target's TP size (the first drafts until a plan names
             the other); None: ``(cfg.draft_tp or 1,)``.
+        fake_peers: BENCHMARK ONLY — run rank 0 alone with no workers, its collectives no-ops (the module docstring);
+            ``cfg.target_device_ids`` then names rank 0's GPU only (or none: CPU).
     Raises:
         ConfigError: a placement the engines cannot take. EngineError: a worker fails to start or dies.
     """
 
-    def __init__(self, cfg: ServeConfig, placements: tuple[int, ...] | None = None, start_timeout_s: float = 300.0):
+    def __init__(self, cfg: ServeConfig, placements: tuple[int, ...] | None = None, start_timeout_s: float = 300.0,
+                 fake_peers: bool = False):
         self.config = cfg
         self.engines_dir = cfg.engines_dir
         device_ids, kv_tokens = list(cfg.target_device_ids), cfg.kv_tokens
@@ -94,11 +114,14 @@ class Group:
         for dtp in self.placements or (None,):
             if dtp not in (1, self.world):
                 raise ConfigError(f"draft_tp = {dtp}: expected 1 (split placement) or {self.world} (sharded over the target's TP group)")
-        if device_ids and len(device_ids) != self.world:
-            raise ConfigError(f"target engine is TP{self.world} but {len(device_ids)} target device ids were given")
+        ranks_here = 1 if fake_peers else self.world
+        if device_ids and len(device_ids) != ranks_here:
+            raise ConfigError(f"target engine is TP{self.world} but {len(device_ids)} target device ids were given"
+                              + (" (fake_peers: rank 0's only)" if fake_peers else ""))
         if device_ids and (not torch.cuda.is_available() or max(device_ids) >= torch.cuda.device_count()):
             raise ConfigError(f"target_device_ids {device_ids}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
-        self.devices = [f"cuda:{i}" for i in device_ids] if device_ids else ["cpu"] * self.world
+        self.devices = [f"cuda:{i}" for i in device_ids] if device_ids else ["cpu"] * ranks_here
+        self.fake_peers = fake_peers
         draft_device = f"cuda:{cfg.draft_device_id}" if cfg.draft_device_id is not None else None
         # steady decode cycles in the static-shape form: always on GPU (CUDA graphs), opt-in on CPU
         self.padded = bool(device_ids) or cfg.padded
@@ -110,9 +133,11 @@ class Group:
         cuda = self.devices[0].startswith("cuda")
         if cuda:
             torch.cuda.set_device(self.devices[0])
-        if self.world > 1:
-            if dist.is_initialized():
-                raise EngineError("a torch.distributed group already exists in this process; one target group per process")
+        if self.world > 1 and dist.is_initialized():
+            raise EngineError("a torch.distributed group already exists in this process; one target group per process")
+        if self.world > 1 and fake_peers:
+            join_fake_group(self.world, timeout)
+        elif self.world > 1:
             self.store = loopback_store(self.world, timeout)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", GLOO_INTERFACE)  # this rank's and (inherited) the workers'
             env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -137,7 +162,8 @@ class Group:
         try:
             self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], self.placements,
                                     draft_device, kv_tokens, cfg.compile, cfg.cuda_graphs)
-            self._wait_for("ready", start_timeout_s)
+            if self.procs:
+                self._wait_for("ready", start_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -210,7 +236,7 @@ class Group:
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(plan)
-                if drafts is not None:
+                if drafts is not None and not self.fake_peers:  # no worker to receive them
                     dist.broadcast(drafts, 0)
             return r0.execute_padded(plan, drafts, draft_timed=drafts is not None, on_launched=on_launched)
         t0 = time.perf_counter()
@@ -226,9 +252,11 @@ class Group:
         return out
 
     def _send_plan(self, plan: CyclePlan) -> None:
-        """Broadcast ``plan`` to the workers. ``broadcast_object_list`` is two broadcasts (size, then bytes): a
-        KeyboardInterrupt between them leaves the workers expecting bytes, and a shutdown plan sent after it
-        would be unpickled from its size header — so :meth:`close` kills the workers instead."""
+        """Broadcast ``plan`` to the workers (none with ``fake_peers``). ``broadcast_object_list`` is two broadcasts
+        (size, then bytes): a KeyboardInterrupt between them leaves the workers expecting bytes, and a shutdown plan
+        sent after it would be unpickled from its size header — so :meth:`close` kills the workers instead."""
+        if self.fake_peers:
+            return
         self._sending_plan = True
         dist.broadcast_object_list([plan], 0, group=self.control)
         self._sending_plan = False
@@ -248,7 +276,7 @@ class Group:
             return
         self.closed = True
         group, t = self.world > 1 and dist.is_initialized(), None
-        if group:
+        if group and not self.fake_peers:
             if not self._sending_plan:  # else the control group is mid-message (see _send_plan): kill the workers
                 sent = threading.Event()
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 KIMI_EXPERTS, KIMI_TOPK = 384, 8
+#: Bytes per routed-expert weight kept INT4 with a bf16 scale per group of 32 (Kimi-K2-Thinking / K2.5): ½ + 2/32.
+INT4_G32_BYTES = 0.5 + 2 / 32
 
 
 def distinct_experts(tokens: float, experts: int = KIMI_EXPERTS, top_k: int = KIMI_TOPK) -> float:
@@ -103,7 +105,8 @@ class KimiScale:
     """Kimi-K2 (61 layers: 1 dense + 60 MoE) at tensor parallelism ``tp``, batch ``B``, from first principles:
 
     per layer and rank, bytes read = attention (replicated MLA down-projections + this rank's heads) +
-    E(T) experts' slices + shared expert slice + router; time = bytes / (hbm_GBps · efficiency) +
+    E(T) experts' slices (``routed_expert_weight_bytes`` per weight: 2 in bf16, :data:`INT4_G32_BYTES` for the
+    INT4 experts of K2-Thinking / K2.5) + shared expert slice (bf16) + router; time = bytes / (hbm_GBps · efficiency) +
     layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
     draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded.
 
@@ -121,6 +124,7 @@ class KimiScale:
     draft_step_tp1_ms: float = 0.70     # measured: Kimi-width EAGLE-3 step, TP1, in a graph, batch 1 (bench/gpu_bench.py)
     draft_step_shard_ms: float = 0.17   # same, TP8 shard before communication, in a graph (docs/architecture.md)
     fixed_cycle_ms: float = 0.3         # scheduler + one host copy per cycle
+    routed_expert_weight_bytes: float = 2.0  # bf16; INT4_G32_BYTES for INT4 experts with group-32 bf16 scales
 
     H: int = 7168
 
@@ -132,8 +136,8 @@ class KimiScale:
         attn = H * (1536 + 576) * 2 + (1536 * 64 * 192 + 64 * 128 * 512 * 2 + 64 * 128 * H) * 2 / tp
         if not moe:
             return attn + 3 * H * 18432 * 2 / tp
-        expert = 3 * H * 2048 * 2 / tp
-        return attn + distinct_experts(tokens) * expert + expert + KIMI_EXPERTS * H * 4
+        expert = 3 * H * 2048 / tp  # weights of one expert's slice on this rank
+        return attn + distinct_experts(tokens) * expert * self.routed_expert_weight_bytes + expert * 2 + KIMI_EXPERTS * H * 4
 
     def verify_ms(self, B: int, k: int, layers: int = 61) -> float:
         T = B * (k + 1)

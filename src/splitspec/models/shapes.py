@@ -3,12 +3,16 @@
 
 Shapes are per rank: the target's attention heads, vocabulary and dense MLP are split over ``tp_size``,
 its routed experts over ``ep_size`` (and their width over ``moe_tp_size``); the drafter is the TP1 whole.
+:func:`int4_expert_shapes` turns a target rank's shapes into those of an engine keeping its routed experts INT4.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 
@@ -56,13 +60,53 @@ def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
             "lm_head": (cfg.draft_vocab_size, H), "draft_to_target": (cfg.draft_vocab_size,)} | norms
 
 
-def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
+#: The routed experts' runtime names that an INT4 engine keeps packed (each with ``<name>.scale`` beside it).
+INT4_EXPERTS = ("mlp.experts.w13", "mlp.experts.w2")
+#: RMS of a uniformly random stored nibble's value (nibble − 8 over −8 … 7): √(21.25 + 0.5²).
+NIBBLE_RMS = math.sqrt(21.5)
+
+
+def int4_expert_shapes(shapes: dict[str, tuple[int, ...]], group: int) -> dict[str, tuple[int, ...]]:
+    """``shapes`` of a target rank (:func:`target_shapes`) with every MoE layer's routed experts in the INT4 runtime
+    layout ``splitspec build --dtype int4`` writes (docs/formats.md, "Engine files"): each float [E, N, K] becomes
+    ``<name>`` int32 [E, N, K/8] (8 nibbles per word) and ``<name>.scale`` [E, N, K/group]; plus
+    :data:`splitspec.quant.INT4_KEY` [1]. Raises ValueError when ``group`` is not a multiple of 8 or does not divide
+    an expert's input width K."""
+    if group < 8 or group % 8:
+        raise ValueError(f"INT4 group size {group}: expected a positive multiple of 8")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        if name.endswith(INT4_EXPERTS):
+            E, N, K = shape
+            if K % group:
+                raise ValueError(f"{name}: input width {K} is not a multiple of the INT4 group size {group}")
+            out[name], out[name + ".scale"] = (E, N, K // 8), (E, N, K // group)
+        else:
+            out[name] = shape
+    return out | {quant.INT4_KEY: (1,)}
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str, seed: int,
+                   int4_group: int | None = None) -> dict[str, torch.Tensor]:
     """Seeded random tensors: norms ≈ 1, router and its bias float32, linears N(0, 1/fan_in),
-    ``draft_to_target`` the first draft-vocabulary ids."""
+    ``draft_to_target`` the first draft-vocabulary ids.
+
+    ``int4_group``: ``shapes`` come from :func:`int4_expert_shapes` and the routed experts are drawn INT4 in that
+    layout: packed int32 words of uniformly random nibbles, bf16 group scales uniform in [0.5, 1.5] ×
+    fan_in^−½ / :data:`NIBBLE_RMS` (so a weight's RMS is ≈ fan_in^−½, as the float linears'), and
+    :data:`splitspec.quant.INT4_KEY` = [int4_group]."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in shapes.items():
-        if name == "draft_to_target":
+        if int4_group and name == quant.INT4_KEY:
+            out[name] = torch.tensor([int4_group], dtype=torch.int64, device=device)
+        elif int4_group and name + ".scale" in shapes:  # every bit pattern is a valid word: 8 uniform nibbles
+            out[name] = torch.empty(shape, dtype=torch.int32, device=device).random_(-2 ** 31, 2 ** 31, generator=g)
+        elif int4_group and name.endswith(".scale") and name.removesuffix(".scale") in shapes:
+            fan_in = shape[-1] * int4_group
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device).uniform_(0.5, 1.5, generator=g)
+            out[name] = t.mul_(fan_in ** -0.5 / NIBBLE_RMS)
+        elif name == "draft_to_target":
             out[name] = torch.arange(shape[0], device=device, dtype=torch.int64)
         elif len(shape) == 1:
             out[name] = torch.ones(shape, device=device, dtype=torch.float32 if "bias" in name else dtype)
