@@ -148,7 +148,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
     serve_forever(Path(a.repo), http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
                   ask=a.ask, max_tokens=a.max_tokens, openai_port=a.openai_port, served_model_name=a.served_model_name,
                   admin_key=a.admin_key, health_port=a.health_port, drain_s=a.drain_s,
-                  restart_limit=a.restart_limit, stable_s=a.stable_s)
+                  restart_limit=a.restart_limit, stable_s=a.stable_s, stall_s=a.stall_s)
 
 
 def _cmd_client(a: argparse.Namespace) -> None:

@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a pipeline that failed again within --stable-s of being ready")
     s.add_argument("--stable-s", type=finite(above=False), default=60.0,
                    help="a pipeline that served this long before a fault is restarted at once, without back-off")
+    s.add_argument("--stall-s", type=finite(), default=60.0,
+                   help="restart the pipeline when the engine loop has gone this many seconds without a heartbeat "
+                        "(a cycle blocked by a stalled worker, a wedged engine); longer than any legitimate cycle")
     s.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
                         "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")

@@ -20,12 +20,15 @@ from pathlib import Path
 
 from splitspec.errors import ConfigError
 
+#: The variable by which a started tritonserver names its private run folder to its processes (``run_dir``).
+RUN_DIR_ENV = "SPLITSPEC_RUN_DIR"
 #: Environment variables read by :meth:`ServeConfig.from_env`, with the field each sets.
 ENV_FIELDS = {
     "SPLITSPEC_PADDED": "padded",
     "SPLITSPEC_COMPILE": "compile",
     "SPLITSPEC_CUDA_GRAPHS": "cuda_graphs",
     "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "collective_timeout_s",
+    RUN_DIR_ENV: "run_dir",
 }
 #: Fields stored as ``spec_decode/config.pbtxt`` parameters (same names there).
 PARAMETER_FIELDS = ("engines_dir", "target_device_ids", "draft_device_id", "draft_tp", "num_draft_tokens",
@@ -110,6 +113,9 @@ class ServeConfig:
         request_timeout_s: the longest a served request may run, seconds, and its deadline when it gives none
             (input ``timeout_ms``, capped by this): the only end of a request whose client left unseen
             (non-streaming HTTP). The engine then ends it with ``finish_reason`` ``"timeout"``.
+        run_dir: the serving tritonserver's private folder (mode 0700, made for each start of the server and named
+            to its processes as ``SPLITSPEC_RUN_DIR``), where the engine process keeps its heartbeat file
+            (:mod:`splitspec.serving.heartbeat`); None: no heartbeat (offline runs, tests).
     """
 
     engines_dir: Path
@@ -130,10 +136,13 @@ class ServeConfig:
     max_queue_len: int | None = None
     max_queue_s: float | None = None
     request_timeout_s: float = 600.0
+    run_dir: Path | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "engines_dir", Path(self.engines_dir))
+        if self.run_dir is not None:
+            set_(self, "run_dir", Path(self.run_dir))
         set_(self, "target_device_ids", tuple(int(i) for i in self.target_device_ids or ()))
         if self.synthetic_acceptance is not None:
             set_(self, "synthetic_acceptance", tuple(float(p) for p in self.synthetic_acceptance))
@@ -175,13 +184,16 @@ class ServeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **fields) -> "ServeConfig":
         """``fields`` plus the engine switches from ``SPLITSPEC_*`` variables of ``env`` (default: this
         process's environment): ``SPLITSPEC_PADDED=1``, ``SPLITSPEC_COMPILE=0``, ``SPLITSPEC_CUDA_GRAPHS=0``,
-        ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``. A field given explicitly wins over the environment."""
+        ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
+        over the environment."""
         env = os.environ if env is None else env
         for var, name in ENV_FIELDS.items():
             if name in fields or var not in env:
                 continue
             raw = env[var]
-            if name == "collective_timeout_s":
+            if name == "run_dir":
+                fields[name] = Path(raw) if raw.strip() else None
+            elif name == "collective_timeout_s":
                 try:
                     fields[name] = int(raw)
                 except ValueError:

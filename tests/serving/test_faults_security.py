@@ -7,8 +7,9 @@ the server writes, and what a killed server leaves behind.
   the server read or write a shared-memory region by name.
 * Every listening socket of the server's processes (tritonserver, the Python stubs, the engine process and its
   worker, whose TCPStore and gloo sockets are the engine's rendezvous) is on the loopback interface.
-* The Python backend's ``/dev/shm`` regions (they hold request text) are readable by the server's user only,
-  and none is left once the server is stopped, even after tritonserver itself was killed with SIGKILL.
+* The Python backend's ``/dev/shm`` regions (they hold request text) are readable by the server's user only, from
+  their creation on (watched while the server starts), and so are its log and run folder; none is left once the
+  server is stopped, even after tritonserver itself was killed with SIGKILL.
 
 The default-refusal tests use the session's shared server (tests/conftest.py); the others share one server of
 this module, started with an admin key, which the last test kills.
@@ -23,6 +24,9 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from splitspec.serving.repo import render_repo
 from splitspec.engine.group import loopback_store
 from splitspec.errors import ConfigError
 from splitspec.serving.access import ADMIN_HEADER, admin_headers, check_admin_key, make_stub_region_private
+from splitspec.serving.seccomp import private_fchmod
 from splitspec.serving.tritonserver import TritonServer
 from splitspec.settings import ServeConfig
 
@@ -149,6 +154,32 @@ def test_a_stub_makes_the_region_on_its_command_line_private(tmp_path):
     assert make_stub_region_private(tmp_path / "missing", shm) == []
 
 
+FCHMODS = """
+import os, stat, sys
+path = sys.argv[1]
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+modes = [stat.S_IMODE(os.fstat(fd).st_mode)]
+for mode in (0o644, 0o640, 0o700, 0o755, 0o600):
+    os.fchmod(fd, mode)
+    modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+os.chmod(path, 0o644)  # by path (fchmodat): not filtered
+modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+print(" ".join(oct(m) for m in modes))
+"""
+
+
+@pytest.mark.skipif(private_fchmod() is None, reason="seccomp filter: x86-64 and AArch64 only")
+def test_the_server_filter_keeps_fchmod_from_opening_a_data_file_to_others(tmp_path):
+    """What the Python backend does to each region it creates (fchmod 0644 after shm_open) changes nothing under the
+    filter tritonserver starts with; a private or executable mode, and chmod by path, still apply."""
+    run = [sys.executable, "-c", FCHMODS]
+    plain = subprocess.run(run + [str(tmp_path / "a")], umask=0o077, capture_output=True, text=True, check=True)
+    filtered = subprocess.run(run + [str(tmp_path / "b")], umask=0o077, preexec_fn=private_fchmod(),
+                              capture_output=True, text=True, check=True)
+    assert plain.stdout.split() == ["0o600", "0o644", "0o640", "0o700", "0o755", "0o600", "0o644"]
+    assert filtered.stdout.split() == ["0o600", "0o600", "0o600", "0o700", "0o755", "0o600", "0o644"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The session's shared server: no admin key
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +257,43 @@ def test_grpc_control_api_is_refused_without_an_admin_key(server, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+class _ModesWatch:
+    """Polls, from a thread, the modes of what a starting server creates for itself: its ``/dev/shm`` regions, its run
+    folder and what is in it, its log. ``seen``: path → the modes seen."""
+
+    def __init__(self, srv: TritonServer):
+        self.srv, self.seen, self._stop = srv, {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            run_dir = self.srv.run_dir
+            found = [*_shm_regions(self.srv.shm_prefix), self.srv.log_path]
+            if run_dir is not None:
+                found += [run_dir, *run_dir.glob("*")]
+            for path in found:
+                try:
+                    self.seen.setdefault(path, set()).add(stat.S_IMODE(path.stat().st_mode))
+                except OSError:  # not there yet, or gone
+                    pass
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.fixture(scope="module")
 def keyed(built_engines, tmp_path_factory):
     cfg = ServeConfig(built_engines, num_draft_tokens=4, max_batch_size=4)
     repo = render_repo(cfg, tmp_path_factory.mktemp("secure") / "repo")
-    srv = TritonServer(repo, exit_timeout_s=5, startup_timeout_s=300, admin_key=ADMIN_KEY).start()
+    srv = TritonServer(repo, exit_timeout_s=5, startup_timeout_s=300, admin_key=ADMIN_KEY)
+    srv.modes_at_start = _ModesWatch(srv)
+    try:
+        srv.start()
+    finally:
+        srv.modes_at_start.stop()
     yield srv
     srv.stop()
 
@@ -280,6 +343,18 @@ def test_the_openai_front_end_listens_on_loopback_by_default(keyed):
             assert s.get(f"{api.url}/models", headers=CLOSE, timeout=10).status_code == 200
 
 
+def test_nothing_the_server_made_was_open_to_others_while_it_started(keyed):
+    """Polled every few ms from before the start until ready: each shared-memory region (three stubs, and the stubs
+    that complete the models' configurations), the run folder and the engine's heartbeat in it, the log."""
+    seen = {str(p).replace(keyed.shm_prefix, "<prefix>"): sorted(oct(m) for m in modes)
+            for p, modes in keyed.modes_at_start.seen.items()}
+    assert keyed.private_fchmod, "tritonserver started without its seccomp filter"
+    regions = [p for p in seen if "<prefix>" in p]
+    heartbeats = list(keyed.run_dir.glob("engine.*.heartbeat"))
+    assert len(regions) >= 3 and heartbeats and str(heartbeats[0]) in seen and str(keyed.run_dir) in seen, seen
+    assert all(m & 0o077 == 0 for modes in keyed.modes_at_start.seen.values() for m in modes), seen
+
+
 def test_shared_memory_regions_are_private_to_the_server_user(keyed):
     """The Python backend's regions (named from the server's ``shm_prefix``) hold request text: mode 0600."""
     ask_http(keyed.generate_url, PROMPT, max_tokens=4)
@@ -303,3 +378,4 @@ def test_no_shared_memory_is_left_after_tritonserver_is_killed(keyed):
     assert keyed.stop() == -signal.SIGKILL
     left = _shm_regions(keyed.shm_prefix)
     assert not left, f"{len(left)} of {len(before)} regions ({mib:.1f} MiB before the kill) left: {left}"
+    assert not keyed.run_dir.exists()

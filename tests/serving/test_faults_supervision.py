@@ -1,5 +1,5 @@
-"""Faults under ``splitspec serve``: its supervisor notices each kind of death or a wedged server, fails what was in
-flight, reports not-ready and a health metric of 0, restarts the pipeline and serves correct output again; requests
+"""Faults under ``splitspec serve``: its supervisor notices each kind of death or a stopped (SIGSTOP) process, fails what
+was in flight, reports not-ready and a health metric of 0, restarts the pipeline and serves correct output again; requests
 whose client cannot be seen leaving end at their deadline; SIGTERM drains streams with a final response.
 
 One ``splitspec serve`` process of this module (its own repository: TP2 target + TP1 drafter on CPU, batch 2, a
@@ -10,9 +10,11 @@ SIGTERM test runs last and ends it. Greedy references come from the engine in th
 from __future__ import annotations
 
 import os
+import glob
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,8 +24,9 @@ import requests
 
 from splitspec.errors import SplitspecError
 from splitspec.serving.client import ask_http, merge, stream_grpc, stream_http
+from splitspec.serving.heartbeat import read
 from splitspec.serving.metrics import metric_value, parse_prometheus
-from splitspec.serving.process_tree import pipeline_processes
+from splitspec.serving.process_tree import Watched, pipeline_processes
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import free_ports
 from splitspec.settings import ServeConfig
@@ -199,7 +202,7 @@ def test_client_deadline_ends_a_request_with_finish_reason_timeout(serve, refere
 
 
 # ---------------------------------------------------------------------------------------------
-# Failures 2 and 5: a dead process or a wedged server, noticed, failed, reported and healed
+# Failures 2 and 5: a dead or a stopped process, noticed, failed, reported and healed
 # ---------------------------------------------------------------------------------------------
 
 
@@ -225,31 +228,43 @@ def _watch_down(s: Serve, t_kill: float, timeout_s: float = 10) -> dict:
     return seen
 
 
+#: the process hit, and how. SIGSTOP: alive, running nothing; the supervisor sees its /proc state (after 0.5 s).
 FAULTS = {
-    "spec_decode stub": lambda pid: os.kill(pid, signal.SIGKILL),
-    "postprocessing stub": lambda pid: os.kill(pid, signal.SIGKILL),
-    "engine process": lambda pid: os.kill(pid, signal.SIGKILL),
-    "target worker rank 1": lambda pid: os.kill(pid, signal.SIGKILL),
-    "tritonserver": lambda pid: os.kill(pid, signal.SIGSTOP),  # wedged: alive, answering nothing
+    "spec_decode stub": signal.SIGKILL,
+    "postprocessing stub": signal.SIGKILL,
+    "engine process": signal.SIGKILL,
+    "target worker rank 1": signal.SIGKILL,
+    "engine process stopped": signal.SIGSTOP,
+    "tritonserver stopped": signal.SIGSTOP,  # wedged: answering nothing
 }
 
 
-@pytest.mark.parametrize("victim", list(FAULTS))
-def test_fault_is_failed_reported_and_healed(serve, reference, victim):
+def _engine_heartbeat_age(s: Serve, pid: int) -> float:
+    """Seconds since the engine process ``pid`` last beat (its file in the server's run folder)."""
+    found = glob.glob(f"{tempfile.gettempdir()}/splitspec-{s.http}-*/engine.{pid}.heartbeat")
+    assert len(found) == 1, found
+    return time.monotonic() - read(found[0])[0]
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_failed_reported_and_healed(serve, reference, fault):
+    victim, sig = fault.removesuffix(" stopped"), FAULTS[fault]
     roles = _roles(serve)
     assert victim in roles, roles
+    old = [Watched.of(pid, role) for role, pid in roles.items()]
+    assert _engine_heartbeat_age(serve, roles["engine process"]) < 1.0  # idle, and beating
     restarts = metric_value(serve.health(), "splitspec_pipeline_restarts_total")
     old_log = serve.log.read_bytes()
     flights = _streams(serve)
     t_kill = time.monotonic()
-    FAULTS[victim](roles[victim])
+    os.kill(roles[victim], sig)
     down = _watch_down(serve, t_kill, timeout_s=15)
     for f in flights:
         f.thread.join(15)
     ended = [f.t_end - t_kill if f.t_end else None for f in flights]
-    print(f"\n{victim}: in-flight ended after {ended} s; not ready (triton, supervisor) after "
+    print(f"\n{fault}: in-flight ended after {ended} s; not ready (triton, supervisor) after "
           f"{down.get('triton')}, {down.get('supervisor')} s; healthy 0 after {down.get('healthy0')} s")
-    limit = 1.0 if victim != "tritonserver" else 8.0  # a wedged server is known only after its probes time out
+    limit = 1.0 if sig == signal.SIGKILL else 2.0  # a stopped process is a fault once stopped for 0.5 s
     for f, t in zip(flights, ended):
         assert f.outcome and f.outcome.startswith("error"), f"an in-flight request was not failed: {f.outcome}"
         assert "HTTP 400" not in f.outcome and "INVALID_ARG" not in f.outcome, f.outcome
@@ -258,12 +273,14 @@ def test_fault_is_failed_reported_and_healed(serve, reference, victim):
     assert max(down.values()) < limit, down
 
     t_ready = serve.wait_ready(120)
-    print(f"{victim}: ready again {time.monotonic() - t_kill:.1f} s after the fault")
+    print(f"{fault}: ready again {time.monotonic() - t_kill:.1f} s after the fault")
     _check_serves_correctly(serve, reference)
     h = serve.health()
     assert metric_value(h, "splitspec_pipeline_healthy") == 1
     assert metric_value(h, "splitspec_pipeline_restarts_total") == restarts + 1
-    assert victim in serve.text(), serve.text()[-2000:]  # the log says what died
+    said = f"the {victim} (pid {roles[victim]}) " + ("died" if sig == signal.SIGKILL else "is stopped")
+    assert said in serve.text(), serve.text()[-2000:]  # the log says what died or stopped
+    assert not [str(w) for w in old if w and w.alive()], "a process of the old pipeline outlived it"
     rotated = serve.log.with_name(serve.log.name + ".1")
     assert rotated.is_file() and rotated.read_bytes().startswith(old_log[:4096]), "the previous server log was not kept"
     assert t_ready < 120

@@ -1,19 +1,26 @@
 """The supervisor's pieces without a server: naming the pipeline's processes, telling a dead one (or a reused pid)
-from a live one, keeping old logs, the health endpoint, and the request deadline read from the inputs."""
+from a live one and a stopped one from a running one, the engine loop's heartbeat and its staleness, keeping old logs,
+the health endpoint, and the request deadline read from the inputs."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import requests
 
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.runtime.loop import EngineLoop
 from splitspec.serving.health_endpoint import HealthEndpoint
+from splitspec.serving.heartbeat import Heartbeat, heartbeat_path, read, stall
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import Watched, pipeline_processes, role_of
 from splitspec.serving.requests import parse_request, request_timeout
@@ -109,10 +116,13 @@ def test_request_deadline_is_the_clients_within_the_servers_cap():
 
 
 class _FakeServer:
-    log_path, pid = Path("tritonserver.8000.log"), 1
+    log_path, pid, run_dir = Path("tritonserver.8000.log"), 1, None
 
     def kill(self):
         self.killed = True
+
+    def is_running(self):
+        return True
 
 
 @pytest.mark.parametrize("starts_ok, stable", [(True, True), (True, False), (False, True)])
@@ -136,3 +146,126 @@ def test_a_fault_now_and_then_is_healed_and_a_crash_loop_given_up(starts_ok, sta
         assert not sup.failed and len(sup.restarts) == 5, lines
     else:  # failing again right after ready, or never starting: a crash loop, given up after 3 in a row
         assert sup.failed and "giving up after 3 failures in a row" in lines[-1], lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Stalls: a stopped process, an engine loop without a heartbeat
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_stopped_process_is_a_fault_after_stopped_s_and_is_killed_stopped():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        sup = Supervisor(Path("unused"), stopped_s=0.2)
+        w = Watched.of(child.pid, "target worker rank 1")
+        sup.watched = [w]
+        assert sup._fault() is None and not w.stopped()
+        os.kill(child.pid, signal.SIGSTOP)
+        while w.state() not in ("T", "t"):
+            time.sleep(0.01)
+        assert w.stopped() and w.alive()
+        assert sup._fault() is None  # stopped, but not for stopped_s yet (a profiler's pause)
+        time.sleep(0.25)
+        fault, grace_s = sup._fault()
+        assert fault.startswith(f"the target worker rank 1 (pid {child.pid}) is stopped (/proc state T for 0.")
+        assert grace_s == 0.0  # it cannot answer anything: the kill comes at once
+        os.kill(child.pid, signal.SIGCONT)
+        while w.stopped():
+            time.sleep(0.01)
+        assert sup._fault() is None and not sup._stopped_since  # running again: the count starts over
+        os.kill(child.pid, signal.SIGSTOP)
+        w.kill()  # SIGKILL, which needs no SIGCONT
+        assert child.wait(5) == -signal.SIGKILL
+        assert sup._fault() == (f"the target worker rank 1 (pid {child.pid}) died", sup.error_grace_s)
+    finally:
+        child.kill()
+
+
+def test_heartbeat_file_and_its_staleness(tmp_path):
+    path = heartbeat_path(tmp_path, 1234)
+    assert path.name == "engine.1234.heartbeat" and stall(path, 1.0) is None  # none yet: nothing to judge
+    hb = Heartbeat(path, every_s=10.0)
+    t, busy = read(path)
+    assert not busy and abs(time.monotonic() - t) < 1.0 and path.stat().st_mode & 0o077 == 0
+    assert stall(path, 1.0, now=t + 0.9) is None
+    assert stall(path, 1.0, now=t + 2.5) == "its engine loop has not beaten, idle then, for 2.5 s (stall limit 1 s)"
+    hb.beat(True)  # a change of state is written at once
+    t1, busy = read(path)
+    assert busy and t1 >= t
+    hb.beat(True)  # the same state within every_s: not written again
+    assert read(path) == (t1, True)
+    assert stall(path, 60.0, now=t1 + 61) == "its engine loop has been in one cycle for 61.0 s (stall limit 60 s)"
+    path.write_bytes(b"12.5 unknown\n")
+    assert read(path) is None and stall(path, 1.0, now=1e9) is None  # unreadable: no verdict
+    hb.close()
+    assert not path.exists()
+
+
+def test_the_supervisor_names_an_engine_process_whose_heartbeat_stalled(tmp_path):
+    sup = Supervisor(Path("unused"), stall_s=0.1)
+    sup.srv = _FakeServer()
+    sup.srv.run_dir = tmp_path
+    sup.watched = [Watched.of(os.getpid(), "engine process")]
+    hb = Heartbeat(heartbeat_path(tmp_path, os.getpid()))
+    assert sup._fault() is None
+    time.sleep(0.15)
+    fault, grace_s = sup._fault()
+    assert fault.startswith(f"the engine process (pid {os.getpid()}) stalled: its engine loop has not beaten, idle "
+                            "then, for 0.") and "stall limit 0.1 s" in fault and grace_s == 0.0
+    hb.beat(True)
+    assert sup._fault() is None
+    hb.close()
+
+
+class _BlockingEngine:
+    """Enough of a SpeculativeEngine for EngineLoop: one cycle that blocks until ``release`` (a collective waiting
+    for a stalled rank)."""
+
+    group = SimpleNamespace(devices=["cpu"])
+
+    def __init__(self):
+        self.work, self.release = False, threading.Event()
+
+    def has_work(self):
+        return self.work
+
+    def submit(self, req, callback):
+        self.work = True
+        return 1
+
+    def step(self):
+        self.release.wait(10)
+        self.work = False
+
+    def fail_all(self, error):
+        pass
+
+
+def _until(cond, timeout_s: float = 5.0) -> bool:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_engine_loop_beats_while_idle_and_not_during_a_blocked_cycle(tmp_path):
+    path = tmp_path / "engine.heartbeat"
+    hb, eng = Heartbeat(path, every_s=0.02), _BlockingEngine()
+    loop = EngineLoop(eng, heartbeat=hb.beat, beat_s=0.02)
+    try:
+        time.sleep(0.3)
+        assert stall(path, 0.2) is None and read(path)[1] is False  # idle for 0.3 s, and beating
+        loop.submit(None, lambda ev: None)
+        assert _until(lambda: read(path)[1] is True)
+        time.sleep(0.3)
+        assert (stall(path, 0.25) or "").startswith("its engine loop has been in one cycle for 0.")
+        eng.release.set()
+        assert _until(lambda: read(path)[1] is False)  # the cycle ended: idle, beating again
+        time.sleep(0.3)
+        assert stall(path, 0.2) is None
+    finally:
+        eng.release.set()
+        loop.stop()
+        hb.close()

@@ -19,12 +19,16 @@ class EngineLoop:
     queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
 
     ``after_step``: called on the loop thread after every cycle (after its callbacks), e.g. to pass the
-    cycle's events on in one message.
+    cycle's events on in one message. ``heartbeat(busy)``: called on the loop thread before every cycle (True) and,
+    while the loop waits for work, at least every ``beat_s`` seconds (False), so that a watcher can tell a loop that
+    stalled (no calls) from an idle one (:mod:`splitspec.serving.heartbeat`).
     """
 
-    def __init__(self, engine: SpeculativeEngine, after_step: Callable[[], None] | None = None):
+    def __init__(self, engine: SpeculativeEngine, after_step: Callable[[], None] | None = None,
+                 heartbeat: Callable[[bool], None] | None = None, beat_s: float = 0.25):
         self.engine = engine
         self.after_step = after_step
+        self.heartbeat, self.beat_s = heartbeat, beat_s
         self.healthy, self.error = True, None
         self._wake = threading.Condition()
         self._stop = False
@@ -50,12 +54,15 @@ class EngineLoop:
         device = self.engine.group.devices[0]
         if device.startswith("cuda"):  # a new thread's current device is GPU 0, whatever the loading thread set
             torch.cuda.set_device(device)
+        beat = self.heartbeat or (lambda busy: None)
         while True:
             with self._wake:
                 while not self._stop and not self.engine.has_work():
-                    self._wake.wait()
+                    beat(False)
+                    self._wake.wait(self.beat_s if self.heartbeat else None)
                 if self._stop:
                     return
+            beat(True)
             try:
                 self.engine.step()
                 if self.after_step is not None:

@@ -17,14 +17,14 @@ command line, which other local users can read in the process list: it guards th
 not against users of the same machine.
 
 :data:`SERVER_UMASK` is the umask tritonserver and every process it starts run with: what they create is their
-user's only. The Python backend's ``/dev/shm`` regions, which hold request and response tensors, escape it: the
+user's only. The Python backend's ``/dev/shm`` regions, which hold request and response tensors, escape a umask: the
 backend (Boost.Interprocess) sets their mode to 0644 with ``fchmod`` after creating one for each model instance
-and passing its name to the instance's stub (``triton_python_backend_stub <model.py> <region> ...``). Each of
-our models therefore calls :func:`make_stub_region_private` as it initialises, before the model takes a
-request. A local user who opened a region in the seconds between its creation and that call keeps the open
-descriptor; only a private ``/dev/shm`` (a mount namespace) would close that window. :func:`remove_shm_regions`
-removes a server's regions (named from its ``shm-region-prefix-name``) once it is gone: a killed backend cannot
-remove them itself.
+and passing its name to the instance's stub (``triton_python_backend_stub <model.py> <region> ...``). tritonserver
+therefore starts under the seccomp filter of :mod:`splitspec.serving.seccomp`, which turns that ``fchmod`` into a
+no-op: the regions stay 0600 from creation. Where the filter cannot be installed, each of our models still calls
+:func:`make_stub_region_private` as it initialises, before the model takes a request; a local user who opened a
+region in the seconds before keeps the open descriptor. :func:`remove_shm_regions` removes a server's regions
+(named from its ``shm-region-prefix-name``) once it is gone: a killed backend cannot remove them itself.
 """
 
 from __future__ import annotations

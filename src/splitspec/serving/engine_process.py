@@ -36,6 +36,8 @@ Messages (pickled tuples)::
 
 Signals (from ``splitspec serve``'s supervisor, for a graceful stop, :class:`~splitspec.serving.engine_shutdown.ShutdownSignals`): SIGUSR1 stops admitting;
 SIGTERM also ends every request in flight with ``finish_reason`` ``"shutdown"``.
+With ``ServeConfig.run_dir`` set (by ``splitspec serve``'s server), the loop thread keeps a heartbeat file there, by
+which the supervisor tells a stalled engine from an idle one (:mod:`splitspec.serving.heartbeat`).
 
 ``sid`` is the host's id of a request. An event crosses as a tuple of plain values (:func:`pack_event`:
 ``(sid, RequestOutput's fields with its stats as a tuple, finishing)``), a :class:`CycleStats` as the tuple of
@@ -68,6 +70,7 @@ from splitspec.runtime.types import RequestOutput
 from splitspec.serving.engine_messages import (CycleMessages, pack_cycle_stats, pack_event, unpack_cycle_stats,
                                                unpack_event)
 from splitspec.serving.engine_shutdown import ShutdownSignals
+from splitspec.serving.heartbeat import engine_heartbeat
 from splitspec.serving.warm_up import warm_up
 from splitspec.settings import ServeConfig
 
@@ -319,7 +322,9 @@ def serve(conn: Connection) -> int:
 
     eng.on_cycle = lambda cs: msgs.set_stats(pack_cycle_stats(cs))
     eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
-    loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())))
+    heart = engine_heartbeat(cfg.run_dir)  # None without a run folder
+    loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())),
+                      heartbeat=heart.beat if heart else None)
     failed = drained = False
     stopping = ShutdownSignals()
     try:
@@ -375,6 +380,8 @@ def serve(conn: Connection) -> int:
         except OSError:
             pass
         eng.close()
+        if heart is not None:
+            heart.close()
     return 0
 
 

@@ -4,19 +4,25 @@ Below ``splitspec serve`` run ``tritonserver``, one Python backend stub per mode
 (``triton_python_backend_stub <repo>/<model>/1/model.py …``), the engine process that ``spec_decode``'s stub starts
 (``python -m splitspec.serving.engine_process``) and the target's worker ranks that the engine process starts
 (``python -m splitspec.engine.worker … --rank N``). :func:`pipeline_processes` names each by its role;
-:class:`Watched` tells a process that died (or became a zombie) from one that lives, and is not fooled by a pid
-reused by a later process (it compares the start time, field 22 of ``/proc/<pid>/stat``).
+:class:`Watched` tells a process that died (or became a zombie) from one that lives, and one stopped (SIGSTOP,
+SIGTSTP, a debugger: state ``T`` or ``t``, field 3) from one that runs, and is not fooled by a pid reused by a later
+process (it compares the start time, field 22 of ``/proc/<pid>/stat``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+import signal
 from pathlib import Path
 
 PROC = Path("/proc")
 _STUB = re.compile(r"triton_python_backend_stub\s+\S*/([^/\s]+)/\d+/model\.py")
 _RANK = re.compile(r"--rank\s+(\d+)")
+#: ``/proc/<pid>/stat`` states of a process that will not run until it gets SIGCONT (``t``: stopped by a tracer).
+STOPPED = ("T", "t")
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -91,10 +97,25 @@ class Watched:
         st = _stat(pid)
         return None if st is None else cls(pid, role, st[19])
 
+    def state(self) -> str | None:
+        """Its ``/proc`` state letter (``R``, ``S``, ``D``, ``T`` …), or None once it exited or its pid belongs to a
+        later process."""
+        st = _stat(self.pid)
+        return st[0] if st is not None and st[19] == self.started else None
+
     def alive(self) -> bool:
         """False once the process exited, is a zombie, or its pid belongs to a later process."""
-        st = _stat(self.pid)
-        return st is not None and st[0] not in ("Z", "X") and st[19] == self.started
+        return self.state() not in (None, "Z", "X")
+
+    def stopped(self) -> bool:
+        """True while it lives but is stopped (:data:`STOPPED`): it runs nothing until SIGCONT."""
+        return self.state() in STOPPED
+
+    def kill(self) -> None:
+        """SIGKILL it if it still lives (a stopped process too: SIGKILL needs no SIGCONT, unlike SIGTERM)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def __str__(self) -> str:
         return f"the {self.role} (pid {self.pid})"

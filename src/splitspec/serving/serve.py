@@ -12,21 +12,22 @@ from pathlib import Path
 
 from splitspec.errors import SplitspecError
 from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
-from splitspec.serving.supervisor import Supervisor
+from splitspec.serving.supervisor import STALL_S, Supervisor
 from splitspec.serving.tritonserver import TritonServer, check_port_free
 
 
 def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                   ask: str | None = None, max_tokens: int = 64, openai_port: int | None = None,
                   served_model_name: str | None = None, admin_key: str | None = None, health_port: int = 8003,
-                  drain_s: float = 10.0, restart_limit: int = 5, stable_s: float = 60.0) -> None:
+                  drain_s: float = 10.0, restart_limit: int = 5, stable_s: float = 60.0,
+                  stall_s: float = STALL_S) -> None:
     """Start tritonserver on ``repo`` under a supervisor and print its endpoints; serve until Ctrl-C or SIGTERM.
 
     The supervisor restarts the pipeline after a fault and serves readiness and the health metric on ``health_port``
     (:mod:`splitspec.serving.health_endpoint`). The control APIs answer only requests carrying ``admin_key`` (None:
     none; :mod:`splitspec.serving.access`). A stop gives requests in flight ``drain_s`` seconds, then ends the rest
     with ``finish_reason`` ``"shutdown"``. ``restart_limit`` / ``stable_s``: the supervisor's bound on a crash loop
-    (:class:`Supervisor` ``max_restarts`` / ``stable_s``).
+    (:class:`Supervisor` ``max_restarts`` / ``stable_s``); ``stall_s``: its stall limit for the engine's heartbeat.
 
     With ``openai_port``, also serve the OpenAI-compatible API there from this process
     (:class:`~splitspec.serving.openai_api.OpenAIServer`, model ``served_model_name``, default the engines
@@ -46,7 +47,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
             check_port_free(port, what)
     sup = Supervisor(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                      health_port=health_port, drain_s=drain_s, admin_key=admin_key,
-                     max_restarts=restart_limit, stable_s=stable_s)
+                     max_restarts=restart_limit, stable_s=stable_s, stall_s=stall_s)
 
     def on_term(signum, frame):  # `kill PID`, service managers: stop as Ctrl-C does
         raise KeyboardInterrupt

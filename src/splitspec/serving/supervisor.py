@@ -6,12 +6,16 @@ requests hanging and the server and models "ready"; a dead engine process or wor
 :class:`~splitspec.serving.tritonserver.TritonServer` and watches it from outside:
 
 - every ``check_s`` whether each process of the pipeline seen at ready still lives
-  (:mod:`splitspec.serving.process_tree`: tritonserver, each model's stub, the engine process, the target's workers);
+  (:mod:`splitspec.serving.process_tree`: tritonserver, each model's stub, the engine process, the target's workers),
+  whether one has been stopped (``/proc`` state ``T``/``t``: SIGSTOP, a debugger) for ``stopped_s``, and whether the
+  engine process's loop has beaten within ``stall_s`` (:mod:`splitspec.serving.heartbeat`: a cycle blocked in a
+  collective by a stalled worker, or a wedged engine, stops the beats);
 - every ``probe_s``, from a thread of its own, ``/v2/health/live`` (``live_timeout_s`` each) and the ensemble's
   readiness: ``live_failures`` probes in a row without an answer, or the models not ready, is a fault too.
 
 On a fault it turns not-ready at once (its own endpoint, :mod:`splitspec.serving.health_endpoint`: the health metric
-drops to 0 and stays exported), logs what died, kills the server's whole process group (clients' connections drop:
+drops to 0 and stays exported), logs what died or stalled, kills the server's whole process group and every process
+it watched (SIGKILL: a stopped process needs no SIGCONT for it; clients' connections drop:
 gRPC UNAVAILABLE, HTTP a closed connection; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
 to answer its requests with UNAVAILABLE itself), and starts it again on the same ports, the old log kept
 (:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
@@ -38,13 +42,18 @@ import requests
 
 from splitspec.errors import SplitspecError
 from splitspec.serving.health_endpoint import HealthEndpoint
+from splitspec.serving.heartbeat import heartbeat_path, stall
 from splitspec.serving.metrics import metric_value, parse_prometheus
-from splitspec.serving.process_tree import Watched, watch
+from splitspec.serving.process_tree import STOPPED, Watched, watch
 from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
 
 _CLOSE = {"Connection": "close"}
 #: Roles whose death ``spec_decode`` notices itself, failing its requests with UNAVAILABLE before the kill.
 ENGINE_ROLES = ("engine process", "target worker")
+#: Default stall limit, seconds: the longest the engine loop may go without a heartbeat. Longer than any cycle after
+#: the engine's warm-up (a key window's first CUDA-graph capture takes seconds; an unwarmed first compile took
+#: 24–50 s on an H200), shorter than ``collective_timeout_s`` (300 s), after which a rank gives up by itself.
+STALL_S = 60.0
 
 
 class Supervisor:
@@ -52,6 +61,8 @@ class Supervisor:
 
     Ports of 0 are replaced by free ones once, then kept across restarts. ``say``: where its log lines go.
     ``admin_key``: passed to each :class:`TritonServer` (the control APIs' key; None: they are refused).
+    ``stall_s``: the stall limit (:data:`STALL_S`); ``stopped_s``: how long a process may stay stopped before that is
+    a fault (long enough for a sampling profiler's pause, short against a SIGSTOP: 0.5 s).
     """
 
     def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
@@ -59,7 +70,7 @@ class Supervisor:
                  drain_s: float = 10.0, check_s: float = 0.1, probe_s: float = 0.5, live_timeout_s: float = 1.5,
                  live_failures: int = 3, error_grace_s: float = 0.5, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, max_restarts: int = 5, stable_s: float = 60.0,
-                 admin_key: str | None = None,
+                 stall_s: float = STALL_S, stopped_s: float = 0.5, admin_key: str | None = None,
                  say: Callable[[str], None] = lambda line: print(line, flush=True)):
         picked = iter(free_ports(4))
         self.ports = {"http_port": http_port or next(picked), "grpc_port": grpc_port or next(picked),
@@ -69,6 +80,8 @@ class Supervisor:
         self.drain_s, self.check_s, self.probe_s = drain_s, check_s, probe_s
         self.live_timeout_s, self.live_failures, self.error_grace_s = live_timeout_s, live_failures, error_grace_s
         self.backoff_s, self.max_backoff_s, self.max_restarts, self.stable_s = backoff_s, max_backoff_s, max_restarts, stable_s
+        self.stall_s, self.stopped_s = stall_s, stopped_s
+        self._stopped_since: dict[int, float] = {}  # pid -> time.monotonic() it was first seen stopped
         self._failing = 0  # failures in a row: starts that failed, or a pipeline failed again within stable_s of ready
         self._ready_at = float("-inf")  # time.monotonic() of the last ready
         self.say = say
@@ -114,6 +127,7 @@ class Supervisor:
         watched = watch(srv.pid)
         with self._lock:
             self.watched, self._probe_misses, self._unready = watched, 0, 0
+            self._stopped_since = {}
             self._generation += 1
             self._ready_at = time.monotonic()
             if self.state in ("starting", "restarting"):
@@ -142,19 +156,32 @@ class Supervisor:
         return ready, self.state != "failed", values
 
     # -- noticing ----------------------------------------------------------------------------
-    def _fault(self) -> str | None:
-        """What went wrong with the running server, or None."""
+    def _fault(self) -> tuple[str, float] | None:
+        """What went wrong with the running server, and the seconds ``spec_decode`` gets to fail its requests with
+        UNAVAILABLE itself before the kill (``error_grace_s`` after an engine or worker death, else 0); or None."""
         srv = self.srv
         if srv is not None and not srv.is_running():
-            return f"tritonserver (pid {srv.pid}) exited with status {srv.proc.returncode}"
+            return f"tritonserver (pid {srv.pid}) exited with status {srv.proc.returncode}", 0.0
+        now, run_dir = time.monotonic(), getattr(srv, "run_dir", None)
         for w in self.watched:
-            if not w.alive():
-                return f"{w} died"
+            state = w.state()
+            if state in (None, "Z", "X"):
+                return f"{w} died", self.error_grace_s if w.role.startswith(ENGINE_ROLES) else 0.0
+            if state in STOPPED:
+                since = self._stopped_since.setdefault(w.pid, now)
+                if now - since >= self.stopped_s:
+                    return f"{w} is stopped (/proc state {state} for {now - since:.1f} s: SIGSTOP, or a debugger)", 0.0
+            else:
+                self._stopped_since.pop(w.pid, None)
+            if w.role == "engine process" and run_dir is not None:
+                why = stall(heartbeat_path(run_dir, w.pid), self.stall_s, now)
+                if why is not None:
+                    return f"{w} stalled: {why}", 0.0
         if self._probe_misses >= self.live_failures:
             return (f"tritonserver (pid {srv.pid}) is wedged: {self._probe_misses} liveness probes in a row got no "
-                    f"answer within {self.live_timeout_s:g} s")
+                    f"answer within {self.live_timeout_s:g} s"), 0.0
         if self._unready >= 2:
-            return "tritonserver is live but the ensemble is not ready (a model unloaded itself)"
+            return "tritonserver is live but the ensemble is not ready (a model unloaded itself)", 0.0
         return None
 
     def _watch(self) -> None:
@@ -163,7 +190,7 @@ class Supervisor:
                 continue
             fault = self._fault()
             if fault is not None:
-                self._recover(fault)
+                self._recover(*fault)
 
     def _probe(self) -> None:
         with requests.Session() as s:
@@ -185,7 +212,7 @@ class Supervisor:
                     self._unready = 0 if ready or not live else self._unready + 1
 
     # -- healing -----------------------------------------------------------------------------
-    def _recover(self, fault: str) -> None:
+    def _recover(self, fault: str, grace_s: float = 0.0) -> None:
         noticed, t0 = time.time(), time.monotonic()
         with self._lock:
             if self.state != "serving":
@@ -196,10 +223,11 @@ class Supervisor:
         self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight and restarting it"
                  + (f" (failed again {t0 - self._ready_at:.0f} s after ready: {self._failing} in a row, at most "
                     f"{self.max_restarts})" if self._failing else ""))
-        if any(r in fault for r in ENGINE_ROLES):
-            time.sleep(self.error_grace_s)  # spec_decode answers its open requests with UNAVAILABLE meanwhile
+        time.sleep(grace_s)  # after an engine or worker death spec_decode answers its open requests meanwhile
         old = self.srv
         old.kill()
+        for w in self.watched:  # any that left the server's process group, stopped ones too
+            w.kill()
         self.say(f"splitspec serve: tritonserver stopped; its log is kept as {old.log_path.name}.1 once it restarts")
         while self._failing < self.max_restarts and not self._stop.is_set():
             if self._failing:  # back-off: 1, 2, 4 ... s before the next try of a crash loop

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,9 +25,11 @@ import requests
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricted_api_args
 from splitspec.serving.repo import MODELS
+from splitspec.serving.seccomp import filter_installed, private_fchmod
 from splitspec.serving.server_limits import server_stack_bytes, stack_limit
 from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
+from splitspec.settings import RUN_DIR_ENV
 
 LOCALHOST = "127.0.0.1"
 #: Header for our one-off HTTP requests: a kept-alive idle connection delays server shutdown by
@@ -99,8 +103,11 @@ def check_repo(repo: Path) -> Path:
 class TritonServer:
     """A ``tritonserver`` process serving a model repository on 127.0.0.1; a context manager.
 
-    Ports of 0 are replaced by free ones. The server runs in its own process group, with umask 077; its log
-    goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``). The control APIs (model
+    Ports of 0 are replaced by free ones. The server runs in its own process group, with umask 077 and the seccomp
+    filter of :mod:`splitspec.serving.seccomp` (its shared-memory regions private from creation); its log (mode 0600)
+    goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``). ``run_dir``: a private folder
+    (mode 0700) made for each start and removed at its stop, named to the server's processes as ``SPLITSPEC_RUN_DIR``
+    (the engine process's heartbeat goes there: :mod:`splitspec.serving.heartbeat`). The control APIs (model
     repository, shared memory, logging, trace) answer only requests carrying ``admin_key``
     (:mod:`splitspec.serving.access`).
 
@@ -147,6 +154,8 @@ class TritonServer:
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.run_dir: Path | None = None
+        self.private_fchmod: bool | None = None  # whether the seccomp filter is in place (known once started)
 
     # -- endpoints --------------------------------------------------------------------------
     @property
@@ -221,10 +230,14 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         rotate(self.log_path)  # an earlier server's log (e.g. one that failed) is kept, not truncated
         t0 = time.monotonic()
-        with open(self.log_path, "wb") as log, stack_limit(server_stack_bytes(self.repo)):  # server_limits.py
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"splitspec-{self.http_port}-"))  # mode 0700
+        env = dict(server_env(install), **{RUN_DIR_ENV: str(self.run_dir)})
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold request text
+        with open(log_fd, "wb") as log, stack_limit(server_stack_bytes(self.repo)):  # server_limits.py
             self.proc = subprocess.Popen(self.command(backend_dir, install), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, env=server_env(install),
-                                         cwd=str(self.repo), start_new_session=True, umask=SERVER_UMASK)
+                                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.repo),
+                                         start_new_session=True, umask=SERVER_UMASK, preexec_fn=private_fchmod())
+        self.private_fchmod = filter_installed(self.proc.pid)
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -299,6 +312,8 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
             remove_shm_regions(self.shm_prefix)  # a killed Python backend leaves its regions behind
+            if self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
         return self.proc.returncode
 
     def kill(self) -> int | None:

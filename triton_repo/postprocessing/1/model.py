@@ -53,7 +53,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         """Load the tokenizer named by the config parameter tokenizer_dir; raises to fail the model load."""
-        make_stub_region_private()  # before the first request: the backend made this stub's region 0644
+        make_stub_region_private()  # before the first request (no-op where the seccomp filter kept it 0600)
         params = model_config(args)[1]
         tok_dir = params.get("tokenizer_dir", "")
         if not tok_dir:

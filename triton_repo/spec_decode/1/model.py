@@ -106,7 +106,7 @@ class TritonPythonModel:
     def initialize(self, args):
         """Load the engines (the engine process and its reader thread) and start the monitor thread; raises to fail
         the model load."""
-        make_stub_region_private()  # before the first request: the backend made this stub's region 0644
+        make_stub_region_private()  # before the first request (no-op where the seccomp filter kept it 0600)
         self.model_name, params = model_config(args)
         self.model_name = self.model_name or "spec_decode"
 
