@@ -339,7 +339,8 @@ def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, referen
     took = time.monotonic() - t0
     print(f"\nSIGTERM with 2 streams and a queued OpenAI request open: exited with {rc} after {took:.1f} s; "
           f"outcomes: {[f.outcome for f in [*flights, queued]]}; the last OpenAI events: {flights[1].events[-2:]}; "
-          f"a new OpenAI request answered {refused['status']} after {t_refused:.2f} s")
+          f"a new OpenAI request answered {refused['status']} after {t_refused:.2f} s\n"
+          f"{(re.findall(r'splitspec serve: stopped after .*', serve.text()) or ['(no stop line)'])[0]}")
     assert refused["status"] == 503 and refused["error"]["type"] == "service_unavailable", refused
     assert "shutting down" in refused["error"]["message"] and set(refused["error"]) == {"message", "type", "param", "code"}
     for f in [*flights, queued]:
@@ -349,10 +350,16 @@ def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, referen
     reasons = [c["choices"][0]["finish_reason"] for c in openai_stream[:-1] if c["choices"][0]["finish_reason"]]
     assert len(reasons) == 1 and openai_stream[-2]["choices"][0]["finish_reason"] == reasons[0], openai_stream[-3:]
     assert answer["status"] == 200 and answer["object"] == "text_completion", answer
-    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown"
+    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown" (the queued
+    # completion at least); on a loaded machine a stream may reach this module's cap on request time first (timeout)
     ended = [sse["finish_reason"], reasons[0], answer["choices"][0]["finish_reason"]]
-    assert "shutdown" in ended and set(ended) <= {"shutdown", "length", "stop"}, ended
-    assert rc == 0 and took < 15, (rc, took)
+    assert "shutdown" in ended and set(ended) <= {"shutdown", "length", "stop", "timeout"}, ended
+    # tritonserver's own stop (unloading the models, the engine and its worker) took 10 s of it on the loaded 2-core
+    # machine; passing the last answers on through the OpenAI API takes next to nothing after the engine drained
+    assert rc == 0 and took < 20, (rc, took)
+    stopped = re.search(r"splitspec serve: stopped after .*engine drained after ([\d.]+) s, front ends done after "
+                        r"([\d.]+) s", serve.text())
+    assert stopped and float(stopped.group(2)) - float(stopped.group(1)) < 1.0, serve.text()[-1000:]
     for url in (f"{serve.url}/v2/health/live", f"{serve.openai_url}/models"):
         try:
             requests.get(url, headers=CLOSE, timeout=1)

@@ -220,3 +220,37 @@ def test_an_oversized_body_is_refused_before_it_is_read(served, client):
     r = _post(api, "/completions", b'{"model": "x", "prompt": "' + b" " * (limit - 40) + b'"}')
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text[:300]
     assert client.completions.create(model=api.model.name, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_draining_refuses_new_requests_and_lets_open_streams_finish(served, monkeypatch):
+    """The front end's part in a graceful stop, against a stand-in ensemble that streams for ~1 s: after drain() a
+    new request gets 503 in OpenAI's error shape at once, the open stream still gets its last chunk and [DONE], and
+    wait_idle() returns once it has (tests/serving/test_faults_supervision.py runs the whole order under serve)."""
+    from splitspec.serving.openai_api import EnsembleStream
+
+    async def stand_in(self, text, max_tokens, params):
+        import asyncio
+
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            yield {"text_output": "a"}
+        yield {"text_output": "b", "finish_reason": "length", "num_input_tokens": 3, "num_output_tokens": 21}
+
+    monkeypatch.setattr(EnsembleStream, "stream", stand_in)
+    srv, _ = served
+    with OpenAIServer(srv.repo, f"127.0.0.1:{free_ports(1)[0]}", port=0, host="127.0.0.1") as api:
+        body = {"model": api.model.name, "prompt": PROMPT, "max_tokens": 21, "stream": True}
+        with requests.Session() as s:
+            s.trust_env = False
+            r = s.post(f"{api.url}/completions", json=body, stream=True, timeout=30)
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln).startswith(b"data: {")  # streaming
+            api.drain()
+            refused = _post(api, "/completions", {**body, "stream": False})
+            left_now, left = api.gate.active, api.wait_idle(10)
+            events = [ln for ln in lines if ln]
+        assert refused.status_code == 503 and refused.headers["connection"] == "close", refused.text
+        assert refused.json()["error"] == {"message": "the server is shutting down: not admitting new requests",
+                                           "type": "service_unavailable", "param": None, "code": "service_unavailable"}
+        assert (left_now, left) == (1, 0)
+        assert events[-1] == b"data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"

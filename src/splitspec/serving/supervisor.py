@@ -265,6 +265,7 @@ class Supervisor:
         call twice."""
         if self.state in ("stopping", "stopped"):
             return
+        t0, marks = time.monotonic(), []
         for front in self.front_ends:  # before not-ready: a client that sees not-ready is refused by them too
             front.drain()
         with self._lock:
@@ -279,12 +280,17 @@ class Supervisor:
                 self._wait_drained(self.drain_s)
                 self._signal_engines(signal.SIGTERM)  # the rest end now, with finish_reason "shutdown"
                 self._wait_drained(5.0)
+                marks.append(f"engine drained after {time.monotonic() - t0:.1f} s")
                 for front in self.front_ends:  # their clients get those final responses before tritonserver stops
                     if left := front.wait_idle(self.flush_s):
                         self.say(f"splitspec serve: {left} request(s) of a front end still open after "
                                  f"{self.flush_s:g} s; stopping anyway")
+                if self.front_ends:
+                    marks.append(f"front ends done after {time.monotonic() - t0:.1f} s")
             if self.srv is not None:
                 self.srv.stop()
+                if marks:
+                    self.say(f"splitspec serve: stopped after {time.monotonic() - t0:.1f} s ({', '.join(marks)})")
         except KeyboardInterrupt:
             if self.srv is not None:
                 self.srv.kill()
