@@ -62,6 +62,20 @@ def device(text: str) -> list[int] | None:
     return [int(i) for i in ids]
 
 
+def port(text: str) -> int:
+    """A TCP port: 1..65535, or 0 for a free one picked at start."""
+    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, or 0 for a free one, got {text!r}")
+    return int(text)
+
+
+def count(text: str) -> int:
+    """An integer ≥ 0."""
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
+    return int(text)
+
+
 def names(text: str) -> list[str]:
     """``"grpc, http"`` → ``["grpc", "http"]`` (empty items dropped)."""
     return [x.strip() for x in text.split(",") if x.strip()]
@@ -210,25 +224,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
     s.add_argument("--repo", default="triton_repo")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--health-port", type=int, default=8003,
+    s.add_argument("--http-port", type=port, default=8000,
+                   help="tritonserver's HTTP port (default 8000). Every port flag: 0 = a free port picked at start, "
+                        "shown in the endpoints printed once ready (and kept across restarts)")
+    s.add_argument("--grpc-port", type=port, default=8001)
+    s.add_argument("--metrics-port", type=port, default=8002)
+    s.add_argument("--health-port", type=port, default=8003,
                    help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
     s.add_argument("--drain-s", type=finite(above=False), default=10.0,
-                   help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they end with "
-                        "finish_reason 'shutdown'")
-    s.add_argument("--restart-limit", type=int, default=5,
+                   help="on Ctrl-C / SIGTERM new requests are refused (the OpenAI API's too, 503), and requests in "
+                        "flight get this many seconds to finish before they end with finish_reason 'shutdown'")
+    s.add_argument("--restart-limit", type=count, default=5,
                    help="give up (exit with an error) after this many failures in a row: restarts that failed, or "
-                        "a pipeline that failed again within --stable-s of being ready")
+                        "a pipeline that failed again within --stable-s of being ready (default 5; 0 = never "
+                        "restart: the first fault ends serve with an error)")
     s.add_argument("--stable-s", type=finite(above=False), default=60.0,
                    help="a pipeline that served this long before a fault is restarted at once, without back-off")
     s.add_argument("--stall-s", type=finite(), default=60.0,
                    help="restart the pipeline when the engine loop has gone this many seconds without a heartbeat "
                         "(a cycle blocked by a stalled worker, a wedged engine); longer than any legitimate cycle")
-    s.add_argument("--openai-port", type=int, default=None,
+    s.add_argument("--openai-port", type=port, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
-                        "this port, over the gRPC endpoint (default: off; `make serve` uses 9000)")
+                        "this port, over the gRPC endpoint (default: off; `make serve` uses 9000; 0: a free port)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name of the OpenAI API (default: the engines folder's name, e.g. demo)")
     s.add_argument("--ask", default=None, metavar="PROMPT",

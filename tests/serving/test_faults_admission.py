@@ -28,6 +28,10 @@ JSON = {"Content-Type": "application/json", **CLOSE}
 FORM = {"Content-Type": "application/x-www-form-urlencoded", **CLOSE}  # curl -d's default
 MAX_SEQ_LEN = 256  # tests/conftest.py's engines
 MAX_PROMPT_BYTES = MAX_SEQ_LEN * PROMPT_BYTES_PER_TOKEN
+VOCAB_SIZE = 4096  # the demo models' (splitspec.demo.checkpoints.VOCAB_SIZE)
+#: An end_id that keeps a request generating to max_tokens: [PAD], the vocabulary's last token, which greedy decoding
+#: of these prompts never produces (an id outside the vocabulary is refused).
+NEVER_END_ID = VOCAB_SIZE - 1
 
 
 def _alive(srv) -> bool:
@@ -148,12 +152,32 @@ def test_json_integers_beyond_int32(shared_server):
     assert r.status_code == 400, r.text[:300]
     assert f"max_tokens = {2**31 + 5 - 2**32}" in r.json()["error"] and "modulo 2^32" in r.json()["error"], r.text
     r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 2**32 + 8, "return_num_output_tokens": True,
-                                 "end_id": 10**6})
+                                 "end_id": NEVER_END_ID})
     assert r.status_code == 200, r.text[:300]
     assert r.json()["num_output_tokens"] == 8  # 2^32 + 8 wraps to 8: not detectable in the model (documented)
     for bad in (2**64 + 1, 1e3, "8"):  # beyond 64 bits, a float, a string: Triton refuses to read them
         r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": bad})
         assert r.status_code == 500 and "Unable to parse 'data'" in r.json()["error"], r.text[:300]
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_in_every_door(shared_server):
+    """end_id (and pad_id) must be tokens of the served vocabulary: beyond it, HTTP generate, generate_stream and gRPC
+    answer 400 / INVALID_ARG naming the input and the vocabulary's size (before, end_id = 10^6 ran as "no end")."""
+    from splitspec.errors import SplitspecError
+    from splitspec.serving.client import ask_grpc
+
+    srv = shared_server.get()
+    for name in ("end_id", "pad_id"):
+        want = f"{name} = {VOCAB_SIZE}: outside the vocabulary of the served model (token ids 0..{VOCAB_SIZE - 1}, vocab_size {VOCAB_SIZE})"
+        for url in (srv.generate_url, srv.generate_stream_url):
+            r = _post(url, {"text_input": "def f(x):", "max_tokens": 4, name: VOCAB_SIZE})
+            refused = r.status_code == 400 or (url == srv.generate_stream_url and r.text.startswith('data: {"error"'))
+            assert refused and want in r.text, (url, r.status_code, r.text[:300])
+        with pytest.raises(SplitspecError, match="INVALID_ARG|outside the vocabulary") as e:
+            ask_grpc(srv.grpc_address, "def f(x):", 4, **{name: VOCAB_SIZE})
+        assert want in str(e.value), e.value
+    r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4, "end_id": NEVER_END_ID, "pad_id": 0})
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length", r.text[:300]
 
 
 # ---------------------------------------------------------------- 4: the bounded wait queue
@@ -191,7 +215,7 @@ class _Holder(threading.Thread):
         self.srv, self.started, self.stop, self.events = srv, threading.Event(), threading.Event(), 0
 
     def run(self):
-        body = {"text_input": "def f(x):", "max_tokens": 240, "end_id": 10**6, "stream": True}
+        body = {"text_input": "def f(x):", "max_tokens": 240, "end_id": NEVER_END_ID, "stream": True}
         with requests.post(self.srv.generate_stream_url, json=body, headers=CLOSE, stream=True, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data:"):

@@ -1,16 +1,20 @@
-"""Faults under ``splitspec serve``: its supervisor notices each kind of death or a stopped (SIGSTOP) process, fails what
-was in flight, reports not-ready and a health metric of 0, restarts the pipeline and serves correct output again; requests
-whose client cannot be seen leaving end at their deadline; SIGTERM drains streams with a final response.
+"""Faults under ``splitspec serve``: its supervisor notices each kind of death or a stopped (SIGSTOP) process, fails
+what was in flight, reports not-ready and a health metric of 0, restarts the pipeline and serves correct output
+again; requests whose client cannot be seen leaving end at their deadline; SIGTERM drains streams with a final
+response, the OpenAI API's too, and refuses new requests meanwhile.
 
 One ``splitspec serve`` process of this module (its own repository: TP2 target + TP1 drafter on CPU, batch 2, a
-server cap on request time) is killed into, piece by piece; the supervisor restarting it is what is under test. The
-SIGTERM test runs last and ends it. Greedy references come from the engine in this process (target only, k = 0).
+server cap on request time, the OpenAI API, every port 0: its ports are read from the endpoints it prints) is killed
+into, piece by piece; the supervisor restarting it is what is under test. The SIGTERM test runs last and ends it.
+Greedy references come from the engine in this process (target only, k = 0).
 """
 
 from __future__ import annotations
 
-import os
 import glob
+import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +32,6 @@ from splitspec.serving.heartbeat import read
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import Watched, pipeline_processes
 from splitspec.serving.repo import render_repo
-from splitspec.serving.tritonserver import free_ports
 from splitspec.settings import ServeConfig
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
@@ -40,23 +43,40 @@ CAP_S = 3.0  # the server's cap on a request's time (ServeConfig.request_timeout
 CLOSE = {"Connection": "close"}
 
 
+#: The ports ``splitspec serve`` prints once ready (each asked for as 0: a free one).
+ENDPOINTS = {"http": r"HTTP generate +: http://127\.0\.0\.1:(\d+)/", "grpc": r"gRPC +: 127\.0\.0\.1:(\d+) ",
+             "metrics": r"metrics \(Prometheus\) : http://127\.0\.0\.1:(\d+)/metrics",
+             "health_port": r"supervisor +: http://127\.0\.0\.1:(\d+)/", "openai": r"OpenAI API +: http://127\.0\.0\.1:(\d+)/v1 "}
+
+
 class Serve:
-    """A ``splitspec serve`` process on free ports, its stdout in ``out``."""
+    """A ``splitspec serve`` process on ports it picks (0), its stdout in ``out``; :meth:`wait_ready` reads them."""
 
     def __init__(self, repo: Path, out: Path):
-        self.http, self.grpc, self.metrics, self.health_port = free_ports(4)
-        self.out = out
-        self.log = repo / "_backends" / f"tritonserver.{self.http}.log"
-        cmd = [sys.executable, "-m", "splitspec.cli", "serve", "--repo", str(repo), "--http-port", str(self.http),
-               "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--health-port", str(self.health_port),
+        self.repo, self.out = repo, out
+        self.http = self.grpc = self.metrics = self.health_port = self.openai = None
+        cmd = [sys.executable, "-m", "splitspec.cli", "serve", "--repo", str(repo), "--http-port", "0", "--grpc-port", "0",
+               "--metrics-port", "0", "--health-port", "0", "--openai-port", "0",
                "--drain-s", "1", "--stable-s", "0"]  # back to back faults here: each restarted at once
         self.proc = subprocess.Popen(cmd, stdout=open(out, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
     url = property(lambda self: f"http://127.0.0.1:{self.http}")
     grpc_address = property(lambda self: f"127.0.0.1:{self.grpc}")
+    openai_url = property(lambda self: f"http://127.0.0.1:{self.openai}/v1")
+    log = property(lambda self: self.repo / "_backends" / f"tritonserver.{self.http}.log")
 
     def text(self) -> str:
         return self.out.read_text(errors="replace")
+
+    def read_ports(self) -> bool:
+        """The ports from the endpoints printed once ready; False until they are printed."""
+        found = {k: re.search(pattern, self.text()) for k, pattern in ENDPOINTS.items()}
+        if not all(found.values()):
+            return False
+        for k, m in found.items():
+            setattr(self, k, int(m.group(1)))
+        assert 0 not in [getattr(self, k) for k in ENDPOINTS], self.text()[-2000:]
+        return True
 
     def triton_ready(self) -> bool:
         try:
@@ -77,7 +97,7 @@ class Serve:
 
     def wait_ready(self, timeout_s: float = 120) -> float:
         t0 = time.monotonic()
-        while not (self.triton_ready() and self.supervisor_ready()):
+        while not ((self.http or self.read_ports()) and self.triton_ready() and self.supervisor_ready()):
             assert self.proc.poll() is None, f"splitspec serve exited ({self.proc.returncode}):\n{self.text()[-3000:]}"
             assert time.monotonic() - t0 < timeout_s, f"not ready after {timeout_s} s:\n{self.text()[-3000:]}"
             time.sleep(0.1)
@@ -291,24 +311,75 @@ def test_fault_is_failed_reported_and_healed(serve, reference, fault):
 # ---------------------------------------------------------------------------------------------
 
 
+def _openai(s: Serve, path: str, body: dict):
+    """An OpenAI request: each server-sent event's object (``"[DONE]"`` as is), or for a non-streaming request the
+    one JSON answer. A connection cut before the end raises SplitspecError."""
+    try:
+        with requests.post(f"{s.openai_url}{path}", json=body, headers=CLOSE, stream=True, timeout=60) as r:
+            if r.status_code != 200 or not body.get("stream"):
+                yield {"status": r.status_code, **r.json()}
+                return
+            for line in r.iter_lines():
+                if line.startswith(b"data: "):
+                    yield "[DONE]" if line == b"data: [DONE]" else json.loads(line[6:])
+    except requests.RequestException as e:
+        raise SplitspecError(f"the OpenAI answer was cut: {type(e).__name__}: {e}") from None
+
+
 def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, reference):
-    flights = _streams(serve)
+    """SIGTERM with an SSE stream and an OpenAI chat stream generating, and a non-streaming OpenAI completion waiting
+    for a batch slot: new OpenAI requests are refused with 503 at once; each of the three ends with its final answer
+    (the OpenAI stream with a chunk carrying the finish reason, then [DONE]); then serve exits."""
+    model = re.search(r"OpenAI API +: \S+ +\(model '([^']+)'", serve.text()).group(1)
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 200,  # the template: 33
+            "stream": True}  # tokens of prompt
+    flights = [InFlight(lambda: stream_http(f"{serve.url}/v2/models/ensemble/generate_stream", PROMPT, LONG, timeout_s=60)),
+               InFlight(lambda: _openai(serve, "/chat/completions", chat))]
+    for f in flights:
+        assert f.started.wait(60) and f.events, f"a stream did not start: {f.outcome}"
+    assert flights[1].events[0]["object"] == "chat.completion.chunk", flights[1].events
+    queued = InFlight(lambda: _openai(serve, "/completions", {"model": model, "prompt": PROMPT, "max_tokens": LONG}))
+    time.sleep(0.3)  # it reached the engine's wait queue (both slots are taken)
     t0 = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
-    for f in flights:
+    while serve.supervisor_ready():
+        assert time.monotonic() - t0 < 5, "the supervisor still reports ready 5 s after SIGTERM"
+        time.sleep(0.02)
+    try:
+        refused = next(_openai(serve, "/completions", {"model": model, "prompt": PROMPT, "max_tokens": 4}))
+    except SplitspecError as e:  # not answered at all (asserted below, after the streams' outcomes are known)
+        refused = {"status": None, "error": {"message": str(e)}}
+    t_refused = time.monotonic() - t0
+    for f in [*flights, queued]:
         f.thread.join(30)
     rc = serve.proc.wait(30)
     took = time.monotonic() - t0
-    print(f"\nSIGTERM with 2 streams open: exited with {rc} after {took:.1f} s; streams: {[f.outcome for f in flights]}")
-    reasons = []
-    for f in flights:
-        assert f.outcome == "finished", f.outcome  # a final response, not a cut connection
-        reasons.append(merge(f.events)["finish_reason"])
-    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown"
-    assert "shutdown" in reasons and set(reasons) <= {"shutdown", "length", "stop"}, reasons
-    assert rc == 0 and took < 15, (rc, took)
-    try:
-        requests.get(f"{serve.url}/v2/health/live", headers=CLOSE, timeout=1)
-        raise AssertionError("tritonserver still answers after splitspec serve exited")
-    except requests.RequestException:
-        pass
+    print(f"\nSIGTERM with 2 streams and a queued OpenAI request open: exited with {rc} after {took:.1f} s; "
+          f"outcomes: {[f.outcome for f in [*flights, queued]]}; the last OpenAI events: {flights[1].events[-2:]}; "
+          f"a new OpenAI request answered {refused['status']} after {t_refused:.2f} s\n"
+          f"{(re.findall(r'splitspec serve: stopped after .*', serve.text()) or ['(no stop line)'])[0]}")
+    assert refused["status"] == 503 and refused["error"]["type"] == "service_unavailable", refused
+    assert "shutting down" in refused["error"]["message"] and set(refused["error"]) == {"message", "type", "param", "code"}
+    for f in [*flights, queued]:
+        assert f.outcome == "finished", f.outcome  # a final answer, not a cut connection
+    sse, openai_stream, (answer,) = merge(flights[0].events), flights[1].events, queued.events
+    assert openai_stream[-1] == "[DONE]", openai_stream[-3:]
+    reasons = [c["choices"][0]["finish_reason"] for c in openai_stream[:-1] if c["choices"][0]["finish_reason"]]
+    assert len(reasons) == 1 and openai_stream[-2]["choices"][0]["finish_reason"] == reasons[0], openai_stream[-3:]
+    assert answer["status"] == 200 and answer["object"] == "text_completion", answer
+    # LONG tokens take longer than the drain (1 s) here: what was still generating ended as "shutdown" (the queued
+    # completion at least); on a loaded machine a stream may reach this module's cap on request time first (timeout)
+    ended = [sse["finish_reason"], reasons[0], answer["choices"][0]["finish_reason"]]
+    assert "shutdown" in ended and set(ended) <= {"shutdown", "length", "stop", "timeout"}, ended
+    # tritonserver's own stop (unloading the models, the engine and its worker) took 10 s of it on the loaded 2-core
+    # machine; passing the last answers on through the OpenAI API takes next to nothing after the engine drained
+    assert rc == 0 and took < 20, (rc, took)
+    stopped = re.search(r"splitspec serve: stopped after .*engine drained after ([\d.]+) s, front ends done after "
+                        r"([\d.]+) s", serve.text())
+    assert stopped and float(stopped.group(2)) - float(stopped.group(1)) < 1.0, serve.text()[-1000:]
+    for url in (f"{serve.url}/v2/health/live", f"{serve.openai_url}/models"):
+        try:
+            requests.get(url, headers=CLOSE, timeout=1)
+            raise AssertionError(f"{url} still answers after splitspec serve exited")
+        except requests.RequestException:
+            pass

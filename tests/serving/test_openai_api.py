@@ -169,3 +169,88 @@ def test_disconnect_mid_request_frees_the_engine(served, stream):
     else:
         raise AssertionError("the disconnected client's request was not cancelled in the engine")
     assert metric_value(m, "splitspec_kv_used_blocks") == 0
+
+
+def _raw_request(api, head: str, body_parts=(), timeout_s: float = 10) -> tuple[bytes, float]:
+    """Send ``head`` (the request line and headers) and ``body_parts`` on a socket of their own; return the answer's
+    bytes (read until the server closes) and the seconds from the last byte sent to the answer's first."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", api.port), timeout=timeout_s) as sock:
+        sock.sendall(head.encode())
+        for part in body_parts:
+            sock.sendall(part)
+        t0, got = time.monotonic(), b""
+        took = None
+        while chunk := sock.recv(65536):
+            took = time.monotonic() - t0 if took is None else took
+            got += chunk
+    return got, took
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(served, client):
+    """A body beyond the largest a prompt of max_prompt_bytes can take in JSON is refused with 413 in OpenAI's error
+    shape: by its Content-Length before any of it is sent, and a chunked one as soon as its chunks pass the limit;
+    the front end keeps serving."""
+    from splitspec.serving.server_limits import request_body_limit
+
+    srv, api = served
+    limit = request_body_limit(api.model.max_prompt_bytes)
+    assert api.model.max_body_bytes == limit and limit == 6 * 8192 + 65536
+    size = 200 * 10**6
+    answer, took = _raw_request(api, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                     f"Content-Length: {size}\r\n\r\n")  # nothing of the body is ever sent
+    status, _, body = answer.partition(b"\r\n\r\n")
+    print(f"\n200 MB Content-Length refused after {took * 1000:.1f} ms")
+    assert status.startswith(b"HTTP/1.1 413") and b"connection: close" in status.lower(), answer[:300]
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+    assert f"request body of {size} bytes exceeds the limit of {limit} bytes" in err["message"]
+    assert "max_prompt_bytes = 8192" in err["message"] and took < 1.0
+    # chunked: every chunk up to just past the limit is read, then the answer comes without the rest
+    piece = b"x" * 16384
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * (limit // len(piece) + 1)
+    t0 = time.monotonic()
+    answer, _ = _raw_request(api, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  "Transfer-Encoding: chunked\r\n\r\n", chunks)
+    print(f"chunked body of {len(chunks) * len(piece)} bytes refused after {(time.monotonic() - t0) * 1000:.1f} ms")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert "chunked request body exceeds the limit" in json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
+    # a body at the limit is read (and refused for what it holds), and serving goes on
+    r = _post(api, "/completions", b'{"model": "x", "prompt": "' + b" " * (limit - 40) + b'"}')
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text[:300]
+    assert client.completions.create(model=api.model.name, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_draining_refuses_new_requests_and_lets_open_streams_finish(served, monkeypatch):
+    """The front end's part in a graceful stop, against a stand-in ensemble that streams for ~1 s: after drain() a
+    new request gets 503 in OpenAI's error shape at once, the open stream still gets its last chunk and [DONE], and
+    wait_idle() returns once it has (tests/serving/test_faults_supervision.py runs the whole order under serve)."""
+    from splitspec.serving.openai_api import EnsembleStream
+
+    async def stand_in(self, text, max_tokens, params):
+        import asyncio
+
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            yield {"text_output": "a"}
+        yield {"text_output": "b", "finish_reason": "length", "num_input_tokens": 3, "num_output_tokens": 21}
+
+    monkeypatch.setattr(EnsembleStream, "stream", stand_in)
+    srv, _ = served
+    with OpenAIServer(srv.repo, f"127.0.0.1:{free_ports(1)[0]}", port=0, host="127.0.0.1") as api:
+        body = {"model": api.model.name, "prompt": PROMPT, "max_tokens": 21, "stream": True}
+        with requests.Session() as s:
+            s.trust_env = False
+            r = s.post(f"{api.url}/completions", json=body, stream=True, timeout=30)
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln).startswith(b"data: {")  # streaming
+            api.drain()
+            refused = _post(api, "/completions", {**body, "stream": False})
+            left_now, left = api.gate.active, api.wait_idle(10)
+            events = [ln for ln in lines if ln]
+        assert refused.status_code == 503 and refused.headers["connection"] == "close", refused.text
+        assert refused.json()["error"] == {"message": "the server is shutting down: not admitting new requests",
+                                           "type": "service_unavailable", "param": None, "code": "service_unavailable"}
+        assert (left_now, left) == (1, 0)
+        assert events[-1] == b"data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"

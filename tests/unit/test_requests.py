@@ -197,6 +197,17 @@ def test_end_id_and_statistics_switches():
         parse_request(_batched(end_id=np.int32(-1)), LIMIT)
 
 
+@pytest.mark.parametrize("name", ["end_id", "pad_id"])
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_input_and_the_size(name):
+    """A token-id input must be a token of the served vocabulary: the last one passes, the next is refused."""
+    req, _ = parse_request(_batched(**{name: np.int32(511)}), LIMIT, vocab_size=512)
+    assert req.stop_token_ids == ({511} if name == "end_id" else None)
+    for bad in (512, 10**6):
+        with pytest.raises(ConfigError, match=rf"^{name} = {bad}: outside the vocabulary .*0\.\.511, vocab_size 512\)$"):
+            parse_request(_batched(**{name: np.int32(bad)}), LIMIT, vocab_size=512)
+    assert parse_request(_batched(**{name: np.int32(10**6)}), LIMIT)[0]  # no vocabulary given: not checked
+
+
 def test_inputs_agree_with_the_client_and_the_model():
     """The client's input table, spec_decode's inputs and the ensemble's config name the same inputs."""
     import re

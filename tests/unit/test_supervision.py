@@ -269,3 +269,65 @@ def test_the_engine_loop_beats_while_idle_and_not_during_a_blocked_cycle(tmp_pat
         eng.release.set()
         loop.stop()
         hb.close()
+
+
+def test_restart_limit_0_gives_up_at_the_first_fault_and_a_negative_one_is_refused():
+    lines: list[str] = []
+    sup = Supervisor(Path("unused"), max_restarts=0, stable_s=60.0, say=lines.append)
+    sup.endpoint = None
+    sup._start_server = lambda: pytest.fail("restarted although the restart limit is 0")
+    sup.state, sup.srv, sup._ready_at = "serving", _FakeServer(), time.monotonic() - 3600  # a fault now and then
+    sup._recover("the spec_decode stub (pid 7) died")
+    assert sup.failed and sup.srv.killed and not sup.restarts
+    assert "not restarting" in lines[0] and lines[-1] == ("splitspec serve: giving up at the first fault (restart "
+                                                           "limit 0): the spec_decode stub (pid 7) died"), lines
+    with pytest.raises(ConfigError, match=r"^--restart-limit = -1: expected 0 \(never restart\) or more$"):
+        Supervisor(Path("unused"), max_restarts=-1)
+
+
+def test_shutdown_drains_the_front_ends_first_and_waits_for_them_before_tritonserver_stops(monkeypatch):
+    """The order of a graceful stop: front ends refuse new requests (before not-ready), the engine stops admitting,
+    drains, ends the rest, the front ends pass the last responses on, then tritonserver stops."""
+    calls: list[str] = []
+
+    class Front:
+        def drain(self):
+            calls.append(f"front drain (state {sup.state})")
+
+        def wait_idle(self, timeout_s):
+            calls.append(f"front wait_idle {timeout_s:g}")
+            return 0
+
+    class Srv(_FakeServer):
+        def is_running(self):
+            return True
+
+        def stop(self):
+            calls.append("tritonserver stop")
+
+    sup = Supervisor(Path("unused"), drain_s=0.0, flush_s=2.5, say=lambda line: None)
+    sup.state, sup.srv = "serving", Srv()
+    sup.front_ends.append(Front())
+    monkeypatch.setattr(sup, "_signal_engines", lambda sig: calls.append(f"engine {signal.Signals(sig).name}"))
+    monkeypatch.setattr(sup, "_wait_drained", lambda timeout_s: calls.append("engine drained"))
+    sup.shutdown()
+    assert calls == ["front drain (state serving)", "engine SIGUSR1", "engine drained", "engine SIGTERM",
+                     "engine drained", "front wait_idle 2.5", "tritonserver stop"], calls
+    assert sup.state == "stopped"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--http-port", "-1"], "argument --http-port: expected a TCP port in 1..65535, or 0 for a free one, got '-1'"),
+    (["--openai-port", "70000"], "argument --openai-port: expected a TCP port in 1..65535, or 0 for a free one, got '70000'"),
+    (["--restart-limit", "-1"], "argument --restart-limit: expected an integer ≥ 0, got '-1'"),
+])
+def test_serve_arguments_out_of_range_are_refused_in_one_line(argv, message, capsys):
+    from splitspec.cli_parser import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    a = build_parser().parse_args(["serve", "--http-port", "0", "--openai-port", "0", "--restart-limit", "0"])
+    assert (a.http_port, a.openai_port, a.restart_limit) == (0, 0, 0)
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "0 = a free port" in help_text and "0 = never restart" in " ".join(help_text.split())

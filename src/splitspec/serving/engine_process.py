@@ -329,7 +329,7 @@ def serve(conn: Connection) -> int:
     stopping = ShutdownSignals()
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
-                        "max_seq_len": eng.max_seq_len, "kv_blocks": eng.alloc.num_blocks,
+                        "max_seq_len": eng.max_seq_len, "vocab_size": eng.vocab_size, "kv_blocks": eng.alloc.num_blocks,
                         "block_size": eng.alloc.block_size, "worker_pids": [p.pid for p in eng.group.procs],
                         "torch_threads": torch.get_num_threads(), "draft_tp": eng.group.draft_tp,
                         "draft_tp_by_batch": eng.draft_tp_by_batch, "k": eng.num_draft_tokens, "k_by_batch": eng.k_by_batch,

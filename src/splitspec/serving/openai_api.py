@@ -15,6 +15,9 @@ awaited first, so a request the engine refuses gets a proper HTTP error status a
 disconnects cancels its gRPC stream, and Triton cancels the request in the engine (its slot and KV blocks are freed
 within a cycle or two, as for any cancelled gRPC stream).
 
+A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON, and the app runs behind a gate
+that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+
 :class:`OpenAIServer` runs the app under uvicorn on a thread of the calling process (``splitspec serve
 --openai-port``, the tests, ``bench/openai_overhead.py``).
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from splitspec.errors import ConfigError, SplitspecError
@@ -40,7 +43,9 @@ from splitspec.files import read_json
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
+from splitspec.serving.openai_http import Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
+from splitspec.serving.server_limits import request_body_limit
 from splitspec.settings import PROMPT_BYTES_PER_TOKEN
 
 log = logging.getLogger("splitspec.openai")
@@ -57,6 +62,11 @@ class ServedModel:
     max_tokens_limit: int
     created: int
     max_prompt_bytes: int  # preprocessing's limit, checked here too before the front end tokenises a prompt
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body read (:func:`~splitspec.serving.server_limits.request_body_limit`)."""
+        return request_body_limit(self.max_prompt_bytes)
 
     @classmethod
     def from_repo(cls, repo: Path, name: str | None = None) -> "ServedModel":
@@ -228,13 +238,10 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
 
     app = FastAPI(title="splitspec OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    def error(e: schema.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # unknown paths and methods, in OpenAI's error shape
-        return error(schema.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                     "invalid_request_error", None, None))
+        return error_response(schema.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                              "invalid_request_error", None, None))
 
     @app.get("/v1/models")
     async def models():
@@ -243,12 +250,13 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
         if model_id != model.name:
-            return error(schema.unknown_model(model_id, model.name))
+            return error_response(schema.unknown_model(model_id, model.name))
         return schema.models_list(model.name, model.created)["data"][0]
 
     async def generate(request: Request, parse: Callable[[dict], schema.GenerationRequest]):
         try:
-            req = parse(schema.parse_json(await request.body()))
+            body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes)
+            req = parse(schema.parse_json(body))
             if req.model != model.name:
                 raise schema.unknown_model(req.model, model.name)
             text = model.prompt_text(req)
@@ -268,11 +276,11 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
             ans = merge(seen)
             return schema.answer(req, rid, created, ans["text_output"], ans.get("finish_reason"), schema.usage(ans))
         except schema.APIError as e:
-            return error(e)
+            return error_response(e)
         except Exception as e:  # never let a request take the front end down
             log.exception("openai front end: internal error")
-            return error(schema.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
-                                         "internal_error"))
+            return error_response(schema.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                                                  None, "internal_error"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -302,6 +310,7 @@ class OpenAIServer:
         self.model = ServedModel.from_repo(Path(repo), name)
         self.grpc_address, self.host, self.port = grpc_address, host, port
         self._server = self._thread = None
+        self.gate = Gate(create_app(self.model, grpc_address))
 
     @property
     def url(self) -> str:
@@ -325,8 +334,7 @@ class OpenAIServer:
             sock.close()
             raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.model, self.grpc_address), log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(self.gate, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)
@@ -339,8 +347,21 @@ class OpenAIServer:
             time.sleep(0.02)
         return self
 
+    def drain(self) -> None:
+        """Refuse new requests (503 ``service_unavailable``) from now on; those in flight go on."""
+        self.gate.drain()
+
+    def wait_idle(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until no request is in flight (each response complete, a stream's ``[DONE]``
+        sent); return how many still are."""
+        deadline = time.monotonic() + timeout_s
+        while self.gate.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.gate.active
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop serving (open streams are closed, their requests cancelled). Safe to call twice."""
+        """Stop serving (streams still open are closed, their requests cancelled: :meth:`drain` and
+        :meth:`wait_idle` first let them finish). Safe to call twice."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:

@@ -240,14 +240,27 @@ def _seed(inputs: Inputs) -> int | None:
     return None if v is None else int(v)
 
 
-def _end_id(inputs: Inputs) -> set[int] | None:
-    """The stop token ids ``end_id`` asks for ({end_id}), or None (the tokenizer's end-of-sequence tokens)."""
-    v = scalar(inputs, "end_id")
+#: Inputs that carry one token id (``pad_id`` has no effect here, but a client's id must still be a token).
+TOKEN_ID_INPUTS = ("end_id", "pad_id")
+
+
+def token_id(inputs: Inputs, name: str, vocab_size: int | None) -> int | None:
+    """Token-id input ``name`` (:data:`TOKEN_ID_INPUTS`), or None when absent. ``vocab_size``: the target's vocabulary
+    size (None: only checked for ≥ 0).
+
+    Raises:
+        ConfigError: naming the input: negative, or not below ``vocab_size`` (a token the model can never produce:
+            the client's tokenizer is not the served one).
+    """
+    v = scalar(inputs, name)
     if v is None:
         return None
     if int(v) < 0:
-        raise ConfigError(f"end_id = {int(v)}: expected a token id ≥ 0")
-    return {int(v)}
+        raise ConfigError(f"{name} = {int(v)}: expected a token id ≥ 0{INT32_HINT}")
+    if vocab_size is not None and int(v) >= vocab_size:
+        raise ConfigError(f"{name} = {int(v)}: outside the vocabulary of the served model (token ids 0..{vocab_size - 1}, "
+                          f"vocab_size {vocab_size})")
+    return int(v)
 
 
 def request_timeout(inputs: Inputs, cap_s: float | None) -> float | None:
@@ -267,14 +280,16 @@ def request_timeout(inputs: Inputs, cap_s: float | None) -> float | None:
     return s if cap_s is None else min(s, cap_s)
 
 
-def parse_request(inputs: Inputs, max_tokens_limit: int,
-                  timeout_cap_s: float | None = None) -> tuple[Request, StreamOptions]:
+def parse_request(inputs: Inputs, max_tokens_limit: int, timeout_cap_s: float | None = None,
+                  vocab_size: int | None = None) -> tuple[Request, StreamOptions]:
     """Read and check a generation request's inputs.
 
     Args:
         inputs: input name → the request's array (absent inputs missing or None).
         max_tokens_limit: the largest ``max_tokens`` accepted (the model's parameter ``max_tokens_limit``).
         timeout_cap_s: the server's cap on a request's time (:func:`request_timeout`).
+        vocab_size: the target's vocabulary size: the token-id inputs (:data:`TOKEN_ID_INPUTS`) must lie below it
+            (None: unchecked; the prompt's ids are checked by the engine).
     Returns:
         the runtime request and its stream options.
     Raises:
@@ -294,6 +309,8 @@ def parse_request(inputs: Inputs, max_tokens_limit: int,
     if not 1 <= max_tokens <= max_tokens_limit:
         raise ConfigError(f"max_tokens = {max_tokens}: expected 1..{max_tokens_limit}{INT32_HINT if max_tokens < 1 else ''}")
     check_unsupported(inputs)
+    end_id = token_id(inputs, "end_id", vocab_size)
+    token_id(inputs, "pad_id", vocab_size)  # checked only: no padded outputs here
 
     def opt(name, default, cast):
         v = scalar(inputs, name)
@@ -317,6 +334,6 @@ def parse_request(inputs: Inputs, max_tokens_limit: int,
                             return_num_output_tokens=stats or opt("return_num_output_tokens", False, bool),
                             echo=echo)
     req = Request(prompt_ids=prompt.astype(np.int64).tolist(), max_tokens=max_tokens, sampling=sampling,
-                  num_draft_tokens=k, stop=stop, stop_token_ids=_end_id(inputs),
+                  num_draft_tokens=k, stop=stop, stop_token_ids=None if end_id is None else {end_id},
                   timeout_s=request_timeout(inputs, timeout_cap_s))
     return req, options

@@ -4,13 +4,12 @@ end with a final response, :meth:`Supervisor.shutdown`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import time
 from pathlib import Path
 
-from splitspec.errors import SplitspecError
+from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.serving.supervisor import STALL_S, Supervisor
 from splitspec.serving.tritonserver import TritonServer, check_port_free
@@ -27,7 +26,9 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     (:mod:`splitspec.serving.health_endpoint`). The control APIs answer only requests carrying ``admin_key`` (None:
     none; :mod:`splitspec.serving.access`). A stop gives requests in flight ``drain_s`` seconds, then ends the rest
     with ``finish_reason`` ``"shutdown"``. ``restart_limit`` / ``stable_s``: the supervisor's bound on a crash loop
-    (:class:`Supervisor` ``max_restarts`` / ``stable_s``); ``stall_s``: its stall limit for the engine's heartbeat.
+    (:class:`Supervisor` ``max_restarts`` / ``stable_s``; ``restart_limit`` 0: never restart, the first fault ends
+    serving with an error); ``stall_s``: its stall limit for the engine's heartbeat. A port of 0 (any of them) is a
+    free one picked at start; the endpoints printed show it.
 
     With ``openai_port``, also serve the OpenAI-compatible API there from this process
     (:class:`~splitspec.serving.openai_api.OpenAIServer`, model ``served_model_name``, default the engines
@@ -38,13 +39,19 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     return (``make demo``).
 
     Raises:
-        ConfigError: the repository is not rendered, a port is taken, or ``admin_key`` is not a valid key.
+        ConfigError: the repository is not rendered, a port is taken or outside 0..65535, ``restart_limit`` is
+            negative, or ``admin_key`` is not a valid key.
         SplitspecError: the server failed to start (log tail included), answered with an error, or kept failing
             after restarts.
     """
-    for port, what in ((openai_port, "--openai-port"), (health_port, "--health-port")):
-        if port:
-            check_port_free(port, what)
+    ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port,
+             "--health-port": health_port, "--openai-port": openai_port}
+    for what, port in ports.items():
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"{what} = {port}: expected a TCP port in 1..65535, or 0 for a free one")
+    for what in ("--openai-port", "--health-port"):
+        if ports[what]:
+            check_port_free(ports[what], what)
     sup = Supervisor(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                      health_port=health_port, drain_s=drain_s, admin_key=admin_key,
                      max_restarts=restart_limit, stable_s=stable_s, stall_s=stall_s)
@@ -107,24 +114,33 @@ def _ask(srv: TritonServer, ask: str, max_tokens: int) -> None:
 
 def _serve(sup: Supervisor, ask: str | None, max_tokens: int, openai_port: int | None = None,
            model_name: str | None = None) -> None:
-    with sup, contextlib.ExitStack() as stack:
-        srv = sup.srv
-        print(f"ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
-        front = None
-        if openai_port is not None:
-            from splitspec.serving.openai_api import OpenAIServer  # FastAPI: only when asked for
+    """Serve until a stop. The OpenAI front end stops after the supervisor's graceful stop, in which it refuses new
+    requests and passes the last responses of those in flight on before tritonserver stops (:meth:`Supervisor.shutdown`)."""
+    front = None
+    try:
+        with sup:
+            srv = sup.srv
+            print(f"ready after {srv.startup_s:.1f} s (log {srv.log_path})", flush=True)
+            if openai_port is not None:
+                from splitspec.serving.openai_api import OpenAIServer  # FastAPI: only when asked for
 
-            front = stack.enter_context(OpenAIServer(srv.repo, srv.grpc_address, openai_port, name=model_name))
-        print_endpoints(srv, front.url if front else None, front.model.name if front else "", sup.health_url)
-        if ask is not None:
-            _ask(srv, ask, max_tokens)
-            return
-        print("serving; Ctrl-C stops the server", flush=True)
-        try:
-            while not sup.failed:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            print("\nstopping tritonserver ...", flush=True)
-            return
-        raise SplitspecError(f"the pipeline kept failing; gave up after restarts (log {sup.srv.log_path}):\n"
-                             f"{sup.srv.log_tail()}")
+                front = OpenAIServer(srv.repo, srv.grpc_address, openai_port, name=model_name)
+                front.start()
+                sup.front_ends.append(front)
+            print_endpoints(srv, front.url if front else None, front.model.name if front else "", sup.health_url)
+            if ask is not None:
+                _ask(srv, ask, max_tokens)
+                return
+            print("serving; Ctrl-C stops the server", flush=True)
+            try:
+                while not sup.failed:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                print("\nstopping tritonserver ...", flush=True)
+                return
+            gave_up = ("the pipeline failed and the restart limit is 0" if not sup.max_restarts
+                       else "the pipeline kept failing; gave up after restarts")
+            raise SplitspecError(f"{gave_up} (log {sup.srv.log_path}):\n{sup.srv.log_tail()}")
+    finally:
+        if front is not None:
+            front.stop()

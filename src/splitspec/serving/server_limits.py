@@ -16,6 +16,9 @@ So the stack size of tritonserver's threads is the limit that decides whether a 
 at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51: only a release with
 a body limit (or a proxy in front) closes that. Reserving the stack costs address space, not memory: only the
 pages a thread touches are backed.
+
+The OpenAI-compatible front end, which this project runs itself, bounds its bodies by the same measure
+(:func:`request_body_limit`), before reading them.
 """
 
 from __future__ import annotations
@@ -34,12 +37,19 @@ JSON_BYTES_PER_PROMPT_BYTE = 6
 JSON_OVERHEAD_BYTES = 64 << 10
 
 
+def request_body_limit(max_prompt_bytes: int) -> int:
+    """The largest JSON body a request whose prompt has at most ``max_prompt_bytes`` UTF-8 bytes can take, in bytes:
+    every prompt byte escaped (:data:`JSON_BYTES_PER_PROMPT_BYTE`) plus :data:`JSON_OVERHEAD_BYTES` for the rest. A
+    longer body cannot carry a prompt the models accept; the OpenAI front end refuses it before reading it."""
+    return JSON_BYTES_PER_PROMPT_BYTE * max_prompt_bytes + JSON_OVERHEAD_BYTES
+
+
 def server_stack_bytes(repo: Path) -> int:
     """RLIMIT_STACK for tritonserver serving ``repo``: twice the largest body a request whose prompt has the
-    repository's ``max_prompt_bytes`` (preprocessing's parameter) can take in JSON, plus 1 MiB; at least
-    :data:`SERVER_STACK_MIN_BYTES`."""
+    repository's ``max_prompt_bytes`` (preprocessing's parameter) can take in JSON (:func:`request_body_limit`), plus
+    1 MiB; at least :data:`SERVER_STACK_MIN_BYTES`."""
     prompt = (repo_setting(repo, "preprocessing", "max_prompt_bytes") or "").strip()
-    body = JSON_BYTES_PER_PROMPT_BYTE * int(prompt) + JSON_OVERHEAD_BYTES if prompt.isdigit() else 0
+    body = request_body_limit(int(prompt)) if prompt.isdigit() else 0
     return max(SERVER_STACK_MIN_BYTES, 2 * body + (1 << 20))
 
 

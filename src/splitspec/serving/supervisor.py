@@ -21,11 +21,14 @@ to answer its requests with UNAVAILABLE itself), and starts it again on the same
 (:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
 that fails, or a pipeline that fails again within ``stable_s`` of ready, counts as a failure in a row, each retried
 after ``backoff_s`` doubling up to ``max_backoff_s``, and after ``max_restarts`` in a row it gives up
-(:attr:`failed`) and ``splitspec serve`` exits with an error.
+(:attr:`failed`) and ``splitspec serve`` exits with an error. ``max_restarts`` 0: never restart, the first fault is
+given up at once.
 
-:meth:`shutdown` is the graceful stop (SIGTERM / Ctrl-C): not-ready, the engine stops admitting (SIGUSR1 to the engine
-process), in-flight requests get up to ``drain_s`` to finish, then the rest end with ``finish_reason`` ``"shutdown"``
-(SIGTERM to the engine process) and tritonserver stops with nothing left in flight.
+:meth:`shutdown` is the graceful stop (SIGTERM / Ctrl-C): the front ends in :attr:`Supervisor.front_ends` (the
+OpenAI-compatible API) refuse new requests, not-ready, the engine stops admitting (SIGUSR1 to the engine process),
+in-flight requests get up to ``drain_s`` to finish, then the rest end with ``finish_reason`` ``"shutdown"`` (SIGTERM
+to the engine process); the front ends get up to ``flush_s`` to pass those last responses on, and tritonserver stops
+with nothing left in flight.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Callable
 
 import requests
 
-from splitspec.errors import SplitspecError
+from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.health_endpoint import HealthEndpoint
 from splitspec.serving.heartbeat import heartbeat_path, stall
 from splitspec.serving.metrics import metric_value, parse_prometheus
@@ -63,6 +66,10 @@ class Supervisor:
     ``admin_key``: passed to each :class:`TritonServer` (the control APIs' key; None: they are refused).
     ``stall_s``: the stall limit (:data:`STALL_S`); ``stopped_s``: how long a process may stay stopped before that is
     a fault (long enough for a sampling profiler's pause, short against a SIGSTOP: 0.5 s).
+    ``max_restarts``: failures in a row given up after (≥ 0; 0: never restart). :attr:`front_ends`: servers in this
+    process that answer clients through tritonserver, each with ``drain()`` (refuse new requests) and
+    ``wait_idle(timeout_s)`` (wait for those in flight); :meth:`shutdown` drains them first and waits for them (up to
+    ``flush_s``) before tritonserver stops.
     """
 
     def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
@@ -70,8 +77,10 @@ class Supervisor:
                  drain_s: float = 10.0, check_s: float = 0.1, probe_s: float = 0.5, live_timeout_s: float = 1.5,
                  live_failures: int = 3, error_grace_s: float = 0.5, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, max_restarts: int = 5, stable_s: float = 60.0,
-                 stall_s: float = STALL_S, stopped_s: float = 0.5, admin_key: str | None = None,
+                 stall_s: float = STALL_S, stopped_s: float = 0.5, admin_key: str | None = None, flush_s: float = 5.0,
                  say: Callable[[str], None] = lambda line: print(line, flush=True)):
+        if max_restarts < 0:
+            raise ConfigError(f"--restart-limit = {max_restarts}: expected 0 (never restart) or more")
         picked = iter(free_ports(4))
         self.ports = {"http_port": http_port or next(picked), "grpc_port": grpc_port or next(picked),
                       "metrics_port": metrics_port or next(picked)}
@@ -85,7 +94,8 @@ class Supervisor:
         self._failing = 0  # failures in a row: starts that failed, or a pipeline failed again within stable_s of ready
         self._ready_at = float("-inf")  # time.monotonic() of the last ready
         self.say = say
-        self.admin_key = admin_key
+        self.admin_key, self.flush_s = admin_key, flush_s
+        self.front_ends: list = []
         self.srv: TritonServer | None = None
         self.state = "starting"  # serving | restarting | failed | stopping | stopped
         self.watched: list[Watched] = []
@@ -220,7 +230,8 @@ class Supervisor:
             self.state = "restarting"
         # a crash loop, not a fault now and then: the pipeline failed again within stable_s of being ready
         self._failing = self._failing + 1 if t0 - self._ready_at < self.stable_s else 0
-        self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight and restarting it"
+        self.say(f"splitspec serve: {fault}; the pipeline is not ready; failing what was in flight"
+                 + (" and restarting it" if self.max_restarts else " (restart limit 0: not restarting)")
                  + (f" (failed again {t0 - self._ready_at:.0f} s after ready: {self._failing} in a row, at most "
                     f"{self.max_restarts})" if self._failing else ""))
         time.sleep(grace_s)  # after an engine or worker death spec_decode answers its open requests meanwhile
@@ -246,6 +257,9 @@ class Supervisor:
             return
         with self._lock:
             self.state = "failed"
+        if not self.max_restarts:
+            self.say(f"splitspec serve: giving up at the first fault (restart limit 0): {fault}")
+            return
         self.say(f"splitspec serve: giving up after {self._failing} failures in a row (a start that failed, or a "
                  f"pipeline that failed again within {self.stable_s:g} s of ready); the last fault: {fault}")
 
@@ -274,10 +288,14 @@ class Supervisor:
             time.sleep(0.1)
 
     def shutdown(self) -> None:
-        """Graceful stop (module docstring): within ``drain_s`` plus a cycle and tritonserver's own stop. A second
-        Ctrl-C (KeyboardInterrupt) meanwhile kills the server instead. Safe to call twice."""
+        """Graceful stop (module docstring): within ``drain_s`` plus a cycle, ``flush_s`` at most for the front ends
+        and tritonserver's own stop. A second Ctrl-C (KeyboardInterrupt) meanwhile kills the server instead. Safe to
+        call twice."""
         if self.state in ("stopping", "stopped"):
             return
+        t0, marks = time.monotonic(), []
+        for front in self.front_ends:  # before not-ready: a client that sees not-ready is refused by them too
+            front.drain()
         with self._lock:
             was, self.state = self.state, "stopping"
         self._stop.set()
@@ -290,8 +308,17 @@ class Supervisor:
                 self._wait_drained(self.drain_s)
                 self._signal_engines(signal.SIGTERM)  # the rest end now, with finish_reason "shutdown"
                 self._wait_drained(5.0)
+                marks.append(f"engine drained after {time.monotonic() - t0:.1f} s")
+                for front in self.front_ends:  # their clients get those final responses before tritonserver stops
+                    if left := front.wait_idle(self.flush_s):
+                        self.say(f"splitspec serve: {left} request(s) of a front end still open after "
+                                 f"{self.flush_s:g} s; stopping anyway")
+                if self.front_ends:
+                    marks.append(f"front ends done after {time.monotonic() - t0:.1f} s")
             if self.srv is not None:
                 self.srv.stop()
+                if marks:
+                    self.say(f"splitspec serve: stopped after {time.monotonic() - t0:.1f} s ({', '.join(marks)})")
         except KeyboardInterrupt:
             if self.srv is not None:
                 self.srv.kill()

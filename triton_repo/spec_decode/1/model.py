@@ -201,7 +201,7 @@ class TritonPythonModel:
         check_parameters(request.parameters())
         if self.failure is not None:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
-        req, options = parse_request(inputs, self.max_tokens_limit, self.request_timeout_s)
+        req, options = parse_request(inputs, self.max_tokens_limit, self.request_timeout_s, self.engine.info["vocab_size"])
         check_capacity(len(self.streams), self.engine.info["max_batch_size"], self.max_queue_len)
         st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:

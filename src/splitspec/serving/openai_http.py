@@ -1,0 +1,91 @@
+"""The OpenAI front end's HTTP edge, before a request's JSON is read: the body size limit, and the gate that counts
+requests in flight and refuses new ones once the server is shutting down.
+
+**Body limit.** A body longer than :func:`~splitspec.serving.server_limits.request_body_limit` of the served
+``max_prompt_bytes`` cannot carry a prompt the server accepts, so :func:`read_body` refuses it with 413 before reading
+it: by its ``Content-Length`` at once, a chunked body as soon as the bytes read pass the limit. Until the route reads
+it, uvicorn holds at most 64 KiB of a body (its flow control stops reading the socket). The refusal carries
+``Connection: close``: the rest of the body is never read, the connection is closed instead.
+
+**Gate.** :class:`Gate` wraps the app (ASGI): it counts the HTTP requests in flight, each until its response is
+complete (a stream until its ``[DONE]``) or its client left, and after :meth:`Gate.drain` answers every new request
+503 ``service_unavailable`` at once. ``splitspec serve`` drains it when it starts stopping and waits for
+:attr:`Gate.active` to reach 0 before tritonserver stops (:meth:`splitspec.serving.supervisor.Supervisor.shutdown`).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from splitspec.serving.openai_schema import APIError
+
+#: Headers of an answer after which the connection is closed (the request's body may be left unread).
+CLOSE = {"Connection": "close"}
+
+
+def too_large(size: int | None, limit: int, max_prompt_bytes: int) -> APIError:
+    """413 for a body of ``size`` bytes (None: chunked, past the limit) over ``limit``."""
+    what = f"request body of {size} bytes" if size is not None else "chunked request body"
+    return APIError(413, f"{what} exceeds the limit of {limit} bytes (the largest JSON a prompt of max_prompt_bytes = "
+                    f"{max_prompt_bytes} can take)", "invalid_request_error", None, "request_too_large")
+
+
+def shutting_down() -> APIError:
+    """503 for a request that arrives while the server stops."""
+    return APIError(503, "the server is shutting down: not admitting new requests", "service_unavailable", None,
+                    "service_unavailable")
+
+
+async def read_body(request: Request, limit: int, max_prompt_bytes: int) -> bytes:
+    """The request's body, at most ``limit`` bytes.
+
+    Raises:
+        APIError: 413 (:func:`too_large`) when ``Content-Length`` exceeds ``limit`` (nothing of the body is read) or,
+            without one, once the chunks read pass it; 400 for a ``Content-Length`` that is not a number.
+    """
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise APIError(400, f"Content-Length: expected a number of bytes, got {length[:40]!r}")
+        if int(length) > limit:
+            raise too_large(int(length), limit, max_prompt_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(None, limit, max_prompt_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """``e`` as a JSON answer in OpenAI's error shape; a 413 closes the connection (its body stays unread)."""
+    return JSONResponse(e.body(), status_code=e.status, headers=CLOSE if e.status == 413 else None)
+
+
+class Gate:
+    """ASGI middleware around ``app``: :attr:`active` HTTP requests in flight; after :meth:`drain`, a new request is
+    answered 503 (:func:`shutting_down`, ``Connection: close``) without reaching the app. Lifespan events pass
+    through. ``active`` changes on the event loop's thread; reading it from another thread is safe (an int)."""
+
+    def __init__(self, app):
+        self.app, self.draining, self.active = app, False, 0
+
+    def drain(self) -> None:
+        """Refuse every request from now on (those in flight go on)."""
+        self.draining = True
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            e = shutting_down()
+            await JSONResponse(e.body(), status_code=e.status, headers=CLOSE)(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
