@@ -149,9 +149,9 @@ def layer_report(d: dict) -> None:
 
 
 def kimi_report(d: dict) -> None:
-    bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
+    bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", KimiScale.hbm_GBps)
     ar = d.get("allreduce", {}).get("rows", {})
-    alpha = min(v["graph_us"] for v in ar.values()) if ar else 13.0
+    alpha = min(v["graph_us"] for v in ar.values()) if ar else KimiScale.allreduce_alpha_us
     moe8 = [r for r in d["layers"]["rows"] if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
     if len({r["tokens"] for r in moe8}) < 3:  # overhead and efficiency need rows at several token counts
         print(f"\n(compiled TP8-shape MoE rows at {len({r['tokens'] for r in moe8})} token count(s) in this file, "
@@ -160,7 +160,7 @@ def kimi_report(d: dict) -> None:
     overhead, eff, err = fit_layer_costs(moe8, bw)
     print(f"\n## Kimi-K2, 61 layers, TP8 (model)\n\nCalibration: MoE layer at the TP8 shard shape = {overhead * 1e3:.0f} µs + "
           f"bytes / ({eff:.2f} × {bw / 1e3:.2f} TB/s) (fit max error {err:.0%}); all-reduce α = {alpha:.1f} µs (2 GPUs, in a graph);"
-          " drafter step 0.70 ms at TP1, 0.17 ms per TP8 shard + 3 collectives.")
+          f" drafter step {KimiScale.draft_step_tp1_ms:.2f} ms at TP1, {KimiScale.draft_step_shard_ms:.2f} ms per TP8 shard + 3 collectives.")
     ours = KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha, efficiency=eff, layer_overhead_us=overhead * 1e3)
     ideal = KimiScale(hbm_GBps=bw, allreduce_alpha_us=alpha)
     pcie = ideal.calibrate_allreduce_to_decode(90.0)
@@ -169,7 +169,8 @@ def kimi_report(d: dict) -> None:
     print("| machine and engine | batch | bound ms/verify (k=0) | model ms/verify (k=0) | no speculation tok/s | best k, drafter TP1 | best k, drafter TP8 |\n"
           "|---|---|---|---|---|---|---|")
     for name, m in ((f"H200 NVLink, this engine's measured layer costs (α = {alpha:.0f} µs)", ours),
-                    (f"H200 NVLink, a production-grade engine (70% of bandwidth, 10 µs per layer; α = {alpha:.0f} µs)", ideal),
+                    (f"H200 NVLink, a production-grade engine ({ideal.efficiency:.0%} of bandwidth, {ideal.layer_overhead_us:.0f} µs "
+                     f"per layer; α = {alpha:.0f} µs)", ideal),
                     (f"PCIe, production-grade engine, α fitted to 90 tok/s (α = {pcie.allreduce_alpha_us:.0f} µs)", pcie)):
         for B in (1, 4, 16):
             k0 = m.tokens_per_s(B, 0, "tp1", prof)
