@@ -39,6 +39,7 @@ import torch
 
 from splitspec import quant
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
+from splitspec.demo.checkpoints import target_config as demo_target_config
 from splitspec.files import atomic_dir, read_json, write_json
 
 BLOCK = (128, 128)
@@ -66,26 +67,18 @@ def int4_config(ignore: list[str], group: int = INT4_GROUP) -> dict:
 
 
 def target_config(**over) -> dict:
-    """``config.json`` of the fixture target (Kimi-K2 fields at toy size, dims chosen for ragged FP8 tiles).
+    """``config.json`` of the fixture target: the demo target's Kimi-K2 fields
+    (:func:`splitspec.demo.checkpoints.target_config`, without ``pad_token_id``) at other toy sizes, chosen for ragged
+    FP8 tiles, then ``over``.
 
     hidden 320 (tiles 128+128+64), kv_a rows 160+64 = 224 (128+96), kv_b columns 160 (128+32); every
     TP2 split falls on a tile boundary, routed-expert splits at TP4 do not (64 rows).
     """
-    cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "vocab_size": 512, "hidden_size": 320, "intermediate_size": 512, "moe_intermediate_size": 256,
-        "num_hidden_layers": 3, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 4,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "q_lora_rank": 256, "kv_lora_rank": 160, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
-        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-        "rope_theta": 50000.0,
-        "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
-                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-    }
+    cfg = demo_target_config(bos_id=1, eos_id=2, pad_id=0)
+    del cfg["pad_token_id"]
+    cfg.update(vocab_size=512, hidden_size=320, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=256,
+               kv_lora_rank=160, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
     cfg.update(over)
     return cfg
 
