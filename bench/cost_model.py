@@ -154,9 +154,9 @@ def calibrated_models(d: dict) -> dict | None:
     graph as α. Returns {"ours": KimiScale with those layer costs, "ideal": a production-grade layer (70% of
     bandwidth, 10 µs), "alpha_us", "overhead_ms", "efficiency", "fit_error", "bw_GBps"}, or None when the file holds
     rows at fewer than the 3 token counts the fit needs."""
-    bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
+    bw = d.get("bandwidth", {}).get("copy_GBps_read_plus_write", KimiScale.hbm_GBps)
     ar = d.get("allreduce", {}).get("rows", {})
-    alpha = min(v["graph_us"] for v in ar.values()) if ar else 13.0
+    alpha = min(v["graph_us"] for v in ar.values()) if ar else KimiScale.allreduce_alpha_us
     moe8 = [r for r in d.get("layers", {}).get("rows", [])
             if r["tp"] == 8 and r["layer"] == "moe" and r.get("compiled") and not r.get("comparison")]
     if len({r["tokens"] for r in moe8}) < 3:  # overhead and efficiency need rows at several token counts
@@ -176,14 +176,16 @@ def kimi_report(d: dict) -> None:
     bw, alpha, ours, ideal = cal["bw_GBps"], cal["alpha_us"], cal["ours"], cal["ideal"]
     print(f"\n## Kimi-K2, 61 layers, TP8 (model)\n\nCalibration: MoE layer at the TP8 shard shape = {cal['overhead_ms'] * 1e3:.0f} µs + "
           f"bytes / ({cal['efficiency']:.2f} × {bw / 1e3:.2f} TB/s) (fit max error {cal['fit_error']:.0%}); all-reduce α = {alpha:.1f} µs "
-          "(2 GPUs, in a graph); drafter step 0.70 ms at TP1, 0.17 ms per TP8 shard + 3 collectives.")
+          "(2 GPUs, in a graph);"
+          f" drafter step {KimiScale.draft_step_tp1_ms:.2f} ms at TP1, {KimiScale.draft_step_shard_ms:.2f} ms per TP8 shard + 3 collectives.")
     pcie = ideal.calibrate_allreduce_to_decode(90.0)
     prof = KIMI_DRAFTER_PROFILE
     print(f"Synthetic acceptance profile {prof[:4]}… (acceptance length {expected_acceptance_length(prof, 3):.2f} at k=3).\n")
     print("| machine and engine | batch | bound ms/verify (k=0) | model ms/verify (k=0) | no speculation tok/s | best k, drafter TP1 | best k, drafter TP8 |\n"
           "|---|---|---|---|---|---|---|")
     for name, m in ((f"H200 NVLink, this engine's measured layer costs (α = {alpha:.0f} µs)", ours),
-                    (f"H200 NVLink, a production-grade engine (70% of bandwidth, 10 µs per layer; α = {alpha:.0f} µs)", ideal),
+                    (f"H200 NVLink, a production-grade engine ({ideal.efficiency:.0%} of bandwidth, {ideal.layer_overhead_us:.0f} µs "
+                     f"per layer; α = {alpha:.0f} µs)", ideal),
                     (f"PCIe, production-grade engine, α fitted to 90 tok/s (α = {pcie.allreduce_alpha_us:.0f} µs)", pcie)):
         for B in (1, 4, 16):
             k0 = m.tokens_per_s(B, 0, "tp1", prof)

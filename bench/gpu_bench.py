@@ -38,6 +38,8 @@ import torch._dynamo
 
 from lab.gpu_kernels import allreduce, bandwidth, distinct_experts, moe_fp8, moe_int4, moe_kernel, timed_graph
 
+from splitspec.measure.cost_model import KimiScale
+
 RESULTS: dict = {}
 
 
@@ -329,7 +331,7 @@ def main() -> None:
         section("allreduce", out)(allreduce)(ngpu)
     if "experts" not in skip:
         section("distinct_experts", out)(distinct_experts)()
-    bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", 4200.0)
+    bw = RESULTS.get("bandwidth", {}).get("copy_GBps_read_plus_write", KimiScale.hbm_GBps)  # else the cost model's
     if "moe_kernel" not in skip and not a.dry_run:
         section("moe_kernel", out)(moe_kernel)(bw, [int(x) for x in a.moe_tp.split(",")])
     if "moe_fp8" not in skip and not a.dry_run:

@@ -12,17 +12,23 @@ import time
 import torch
 
 
+def per_call_s(fn, warm: int, iters: int) -> float:
+    """Seconds per call of ``fn`` (no arguments, eager): ``warm`` calls first, then ``iters`` timed between two
+    device synchronisations."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def bandwidth() -> dict:
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / 10
+    dt = per_call_s(lambda: y.copy_(x), warm=3, iters=10)
     return {"copy_GBps_read_plus_write": 2 * x.numel() / dt / 1e9}
 
 
@@ -34,14 +40,7 @@ def allreduce_worker(rank: int, world: int, port: int, sizes: list[int], q) -> N
     out = {}
     for n in sizes:
         x = torch.randn(n, 7168, dtype=torch.bfloat16, device="cuda")
-        for _ in range(20):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        eager = (time.perf_counter() - t0) / 200 * 1e6
+        eager = per_call_s(lambda: dist.all_reduce(x), warm=20, iters=200) * 1e6
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

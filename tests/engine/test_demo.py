@@ -14,6 +14,7 @@ from splitspec.demo.pair import make_demo_models
 from splitspec.demo.corpus import stdlib_corpus
 from splitspec.demo.tokenizer_train import count_token_frequencies, train_tokenizer
 from splitspec.errors import CheckpointError
+from splitspec.files import read_json
 from splitspec.runtime.tokenizer import SPECIAL_TOKENS, ChatTokenizer
 from splitspec.testing.reference import load_hf_reference_target
 
@@ -22,21 +23,18 @@ N_SPECIAL = len(SPECIAL_TOKENS)
 BOS, EOS, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, UNK, PAD = range(VOCAB - N_SPECIAL, VOCAB)
 BF16, F32 = torch.bfloat16, torch.float32
 
-EXPECTED_TARGET_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
-    "num_hidden_layers": 5, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "num_attention_heads": 8, "num_key_value_heads": 8,
-    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-    "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-    "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 1.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
-    "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD, "torch_dtype": "bfloat16",
-}
+#: The demo target's config.json: Kimi-K2-Instruct's as published (tests/fixtures/published), at toy size, without
+#: the fields of its quantisation, remote code and training, and with a [PAD] id.
+KIMI_K2 = read_json(Path(__file__).parents[1] / "fixtures" / "published" / "kimi-k2-instruct" / "config.json")
+NOT_CARRIED = ("auto_map", "aux_loss_alpha", "num_nextn_predict_layers", "pretraining_tp", "quantization_config",
+               "seq_aux", "transformers_version")
+TOY_SIZE = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+            "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 16,
+            "num_experts_per_tok": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16, "v_head_dim": 32, "max_position_embeddings": 4096,
+            "rope_scaling": KIMI_K2["rope_scaling"] | {"factor": 8.0, "original_max_position_embeddings": 512},
+            "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+EXPECTED_TARGET_CONFIG = {k: v for k, v in KIMI_K2.items() if k not in NOT_CARRIED} | TOY_SIZE
 
 EXPECTED_DRAFTER_CONFIG = {
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",

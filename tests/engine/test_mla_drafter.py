@@ -26,7 +26,7 @@ from splitspec.models.drafters import drafter_cache, drafter_model
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
-from splitspec.testing.fixtures import MLA_DRAFTER_FORMS, write_mla_drafter
+from splitspec.testing.mla_drafter_fixture import MLA_DRAFTER_FORMS, write_mla_drafter
 from splitspec.testing.reference import reference_mla_drafter
 
 PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"

@@ -19,6 +19,7 @@ import requests
 
 from splitspec.serving.client import ask_grpc, ask_http
 from splitspec.errors import ConfigError, SplitspecError
+from splitspec.serving.process_tree import descendants, pipeline_processes
 from splitspec.serving.repo import render_repo
 from splitspec.serving.triton_install import find_triton, prepare_backend_dir
 from splitspec.serving.tritonserver import TritonServer
@@ -36,28 +37,6 @@ def _runtime_available() -> bool:
     if importlib.util.find_spec("splitspec.runtime.scheduler") is None:
         return False
     return hasattr(importlib.import_module("splitspec.runtime.scheduler"), "SpeculativeEngine")
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """{pid: command line} of every process below ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    cmd: dict[int, str] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = {}, [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out[c] = cmd.get(c, "")
-            todo.append(c)
-    return out
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -316,17 +295,17 @@ def test_perf_analyzer_short_run(server, tmp_path, capsys):
 @pytest.mark.server
 def test_stop_is_clean_and_leaves_no_process(server):
     """Runs last: SIGINT unloads the models (spec_decode closes its engine) and every child exits."""
-    before = _descendants(server.pid)
-    stubs = [p for p, c in before.items() if "triton_python_backend_stub" in c]
-    workers = [p for p, c in before.items() if "splitspec.engine.worker" in c]
-    assert len(stubs) == 3, before
-    assert len(workers) == 1, before  # the target is TP2: the leader in the stub + one worker
+    before, roles = descendants(server.pid), pipeline_processes(server.pid)
+    stubs = [p for p, r in roles.items() if r.endswith(" stub")]
+    workers = [p for p, r in roles.items() if r.startswith("target worker")]
+    assert len(stubs) == 3, roles
+    assert len(workers) == 1, roles  # the target is TP2: the leader in the stub + one worker
     t0 = time.monotonic()
     assert server.stop() == 0, server.log_tail()
     assert time.monotonic() - t0 < 30
     time.sleep(0.2)
     left = [p for p in [server.pid, *before] if _alive(p)]
-    assert not left, {p: before.get(p) for p in left}
+    assert not left, {p: roles.get(p, "not of the pipeline") for p in left}
     assert not _group_members(server.pid)
     assert "successfully unloaded 'spec_decode'" in server.log_tail(20000)
     assert not os.path.exists(f"/proc/{server.pid}")

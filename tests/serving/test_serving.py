@@ -23,6 +23,7 @@ import requests
 from splitspec.serving.client import ask_grpc, ask_http, merge, stream_grpc, stream_http
 from splitspec.errors import SplitspecError
 from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.process_tree import pipeline_processes
 from splitspec.serving.repo import render_repo
 from splitspec.serving.tritonserver import TritonServer
 from splitspec.settings import ServeConfig
@@ -119,28 +120,6 @@ def _live_in_group(pgid: int) -> list[str]:
         if rest[2] == str(pgid) and rest[0] != "Z":  # fields 3 (state) and 5 (pgrp) of proc(5)
             out.append(name)
     return out
-
-
-def _worker_pids(server_pid: int) -> list[int]:
-    """Target worker processes below the server (``python -m splitspec.engine.worker``), from /proc."""
-    children: dict[int, list[int]] = {}
-    cmd: dict[int, str] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    found, todo = [], [server_pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if "splitspec.engine.worker" in cmd.get(c, ""):
-                found.append(c)
-            todo.append(c)
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +446,7 @@ def test_multi_token_cycles_stream_exactly(built_engines, tok, tmp_path):
 
 def test_worker_crash_fails_requests_reports_not_ready_and_restart_recovers(served, tok, reference):
     srv = served.get()
-    workers = _worker_pids(srv.pid)
+    workers = [p for p, role in pipeline_processes(srv.pid).items() if role.startswith("target worker")]
     assert len(workers) == 1, workers  # TP2: the leader in spec_decode's stub + one worker
     result: dict = {}
 

@@ -89,3 +89,10 @@ def test_model_config():
     assert triton.model_config(args) == ("spec_decode", {"engines_dir": "/e", "k": ""})
     assert triton.model_config({"model_config": json.dumps({"name": "pre"})}) == ("pre", {})
 
+
+
+def test_response_keeps_the_outputs_in_order(pb):
+    arrays = [("output_text", triton.bytes_array("hi", batched=True)), ("stream_id", np.array([[3]], np.int64))]
+    r = triton.response(arrays)
+    assert [t.name for t in r.output_tensors] == ["output_text", "stream_id"] and r.error is None
+    assert r.output_tensors[0].array.shape == (1, 1) and r.output_tensors[1].array is arrays[1][1]

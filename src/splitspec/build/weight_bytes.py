@@ -27,6 +27,11 @@ Which linears a checkpoint stores quantised: from ``quantization_config`` (FP8: 
 INT4: each ``Linear`` not matched by ``ignore``, :meth:`splitspec.quant.QuantScheme.int4_quantised`), or, with
 shards present, from the headers (``weight_scale_inv`` / ``weight_packed`` beside the module), each shape checked
 against the config.
+
+This is the runtime layout, not the published or the converted one that ``splitspec inspect`` counts per rank
+(:mod:`splitspec.convert.plan`: every published tensor, ``weight_shape`` and ``inv_freq`` included, unfused, the
+router bf16): the two counts measure different things and differ by design. They share how a quantised linear or
+its TP slice is stored (:mod:`splitspec.convert.stored_bytes`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.safetensors import CheckpointReader
+from splitspec.convert.stored_bytes import fp8_slice, int4_bytes, int4_packed_shape
 from splitspec.errors import CheckpointError, ConfigError
 
 FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -103,7 +109,7 @@ class Storage:
                 return "fp8"
             return "int4" if _int4_quantised(self.scheme.ignore, m) else "float"
         if m + ".weight_packed" in r:
-            want = (shape[0], -(-shape[1] // 8))
+            want = int4_packed_shape(*shape)
             if tuple(r.info(m + ".weight_packed").shape) != want:
                 raise CheckpointError(f"{r.file_of(m + '.weight_packed')}: tensor '{m}.weight_packed' has shape "
                                       f"{list(r.info(m + '.weight_packed').shape)}, expected {list(want)} from the config")
@@ -146,13 +152,6 @@ class Slice:
         return rows, cols
 
 
-def _fp8_slice(s: Slice, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The FP8 slice (weight, scale_inv) as meta tensors, or None when it cuts through a tile."""
-    w = torch.empty((s.out, s.inp), dtype=quant.FP8_DTYPE, device="meta")
-    sc = torch.empty(quant.fp8_scale_shape((s.out, s.inp), block), dtype=torch.float32, device="meta")
-    return quant.blocked_slice(w, sc, s.dim, s.parts, s.index, block)
-
-
 def linear_bytes(parts: list[Slice], fmt: WeightFormat, storage: Storage) -> int:
     """Bytes of one runtime linear made of ``parts`` fused along rows (one part: a plain linear)."""
     kinds = tuple(storage.of(p.module, (p.out, p.inp)) for p in parts)
@@ -167,7 +166,7 @@ def _geometry_bytes(geometry: tuple, kinds: tuple[str, ...], fmt: WeightFormat, 
     parts = [Slice("", *g) for g in geometry]
     rows_cols = [p.shape for p in parts]
     if fmt.name == "fp8" and all(k == "fp8" for k in kinds):
-        sliced = [_fp8_slice(p, fmt.block) for p in parts]
+        sliced = [fp8_slice((p.out, p.inp), p.dim, p.parts, p.index, fmt.block) for p in parts]
         if all(x is not None for x in sliced):
             fused = quant.cat_blocked(sliced, fmt.block)
             if fused is not None:
@@ -175,7 +174,7 @@ def _geometry_bytes(geometry: tuple, kinds: tuple[str, ...], fmt: WeightFormat, 
     if fmt.name == "int4" and all(k == "int4" for k in kinds):
         g = fmt.group
         if all(c % g == 0 or p.dim == -2 for p, (_, c) in zip(parts, rows_cols)):
-            return sum(r * -(-c // 8) * 4 + r * -(-c // g) * int4_scale_bytes for r, c in rows_cols)
+            return sum(int4_bytes(r, c, g, int4_scale_bytes) for r, c in rows_cols)
     return sum(r * c for r, c in rows_cols) * fmt.float_bytes
 
 

@@ -35,6 +35,7 @@ import torch
 
 from splitspec import quant
 from splitspec.config import TargetConfig
+from splitspec.convert.stored_bytes import int4_shapes
 from splitspec.drafter_config import DrafterConfig
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
@@ -83,9 +84,9 @@ def _linear(module: str, out: int, inp: int, scheme: quant.QuantScheme, split=("
         return [Tensor(module + ".weight", (out, inp), quant.FP8_DTYPE, module, s, d),
                 Tensor(module + ".weight_scale_inv", quant.fp8_scale_shape((out, inp), scheme.block), F32, module, s, d, (out, inp))]
     if scheme.method == "int4" and (int4 or _Int4Ignore(scheme)).quantised(module):
-        g = scheme.group_size
-        return [Tensor(module + ".weight_packed", (out, -(-inp // 8)), I32, module, s, d),
-                Tensor(module + ".weight_scale", (out, -(-inp // g)), BF16, module, s, d),
+        packed, scale = int4_shapes(out, inp, scheme.group_size)
+        return [Tensor(module + ".weight_packed", packed, I32, module, s, d),
+                Tensor(module + ".weight_scale", scale, BF16, module, s, d),
                 Tensor(module + ".weight_shape", (2,), I32, module, s, -1)]
     return [Tensor(module + ".weight", (out, inp), BF16, module, s, d)]
 

@@ -11,6 +11,12 @@ Two byte counts per rank: *as published* (the stored form: FP8 with its scales, 
 *as converted* by ``splitspec convert`` (INT4 routed experts kept packed, any other INT4 linear dequantised to bf16;
 FP8 kept where the split falls on tile boundaries, else bf16). An INT4 expert split whose slices of down_proj's input
 columns are not whole groups is not possible (convert refuses it).
+
+These are the published and the converted layouts, tensor by tensor (``weight_shape`` and ``inv_freq`` included),
+not the engine's: the memory plan (:mod:`splitspec.build.weight_bytes`) counts the runtime layout ``build`` makes
+from the converted shards (fused projections, ``w_uk`` / ``w_uv``, a float32 router, the chosen dtype), so its
+numbers differ by design. What the two share, how a quantised linear or its TP slice is stored, is
+:mod:`splitspec.convert.stored_bytes`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.convert.layout import Tensor
+from splitspec.convert.stored_bytes import INT4_PER_WORD, fp8_cut_inside_tile
 from splitspec.errors import SplitspecError
 
 GiB = 2**30
@@ -57,18 +64,12 @@ def _groups(tensors: list[Tensor]) -> Counter:
     return Counter((t.split, t.dim, _suffix(t), t.shape, t.dtype, t.base) for t in tensors)
 
 
-def _cut_inside_tile(size: int, block: int, parts: int, index: int) -> bool:
-    """Whether slice ``index`` of ``parts`` of a ``size``-long FP8 dimension cuts a ``block`` tile
-    (:func:`splitspec.quant.blocked_slice` then has no block-scaled form for it)."""
-    lo, hi = index * (size // parts), (index + 1) * (size // parts)
-    return bool(lo % block or (hi % block and hi != size))
-
-
 def _slice(key: tuple, parts: int, index: int, scheme: quant.QuantScheme) -> tuple[int, int]:
     """(bytes as published, bytes as ``splitspec convert`` writes them) of slice ``index`` of ``parts`` of one tensor.
 
-    FP8 slices keep their tiles unless the cut falls inside a tile; then they are written dequantised (bf16) without
-    scales. INT4 routed experts are written as published (each slice with its own ``weight_shape``); other INT4 packed
+    FP8 slices keep their tiles unless the cut falls inside a tile (:func:`~splitspec.convert.stored_bytes.fp8_slice`);
+    then they are written dequantised (bf16) without scales; as published, a slice of the scales counts the tiles
+    it overlaps. INT4 routed experts are written as published (each slice with its own ``weight_shape``); other INT4 packed
     weights as bf16 values, their scales and shapes not at all; ``inv_freq`` buffers are dropped.
     """
     kind, dim, suffix, shape, dtype, base = key
@@ -85,9 +86,9 @@ def _slice(key: tuple, parts: int, index: int, scheme: quant.QuantScheme) -> tup
     if suffix == "rotary_emb.inv_freq" or (scheme.method == "int4" and suffix in ("weight_scale", "weight_shape")):
         return pub, 0
     if suffix == "weight_packed":
-        return pub, pub // 4 * 8 * 2  # int32 words of 8 nibbles → bf16 values
+        return pub, pub // 4 * INT4_PER_WORD * 2  # int32 words of 8 nibbles → bf16 values
     fp8 = dtype == quant.FP8_DTYPE or suffix == "weight_scale_inv"
-    if fp8 and dim >= 0 and parts > 1 and _cut_inside_tile((base or shape)[dim], scheme.block[dim], parts, index):
+    if fp8 and dim >= 0 and parts > 1 and fp8_cut_inside_tile(base or shape, dim, parts, index, tuple(scheme.block)):
         return pub, (pub * 2 if dtype == quant.FP8_DTYPE else 0)
     return pub, pub
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -23,8 +22,7 @@ import torch
 import splitspec
 from splitspec.demo.corpus import CorpusSplit, corpus_fingerprint, corpus_split
 from splitspec.demo.train_config import TrainConfig
-from splitspec.errors import ConfigError
-from splitspec.files import default_permissions, replace_dir
+from splitspec.files import atomic_dir, default_permissions
 
 CACHE_ENV = "SPLITSPEC_CACHE"
 TRAINING_INFO = "training.json"
@@ -90,16 +88,7 @@ def install_trained_pair(entry: Path, out_dir: Path) -> bool:
         have = None
     if have == want and (out_dir / "target" / "config.json").is_file() and (out_dir / "drafter" / "config.json").is_file():
         return False
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"demo models output {out_dir} exists and is not a folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        os.rmdir(tmp)
-        shutil.copytree(entry, tmp)
+    with atomic_dir(out_dir) as tmp:
+        shutil.copytree(entry, tmp, dirs_exist_ok=True)
         default_permissions(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return True

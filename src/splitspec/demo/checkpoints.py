@@ -21,8 +21,6 @@ checkpoints, so converters and engines run the same code paths on them.
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,7 @@ import torch
 from splitspec.demo.corpus import stdlib_corpus
 from splitspec.demo.report import log
 from splitspec.demo.tokenizer_train import count_token_frequencies, select_draft_vocab, train_tokenizer
-from splitspec.errors import ConfigError
-from splitspec.files import default_permissions, replace_dir, write_json
+from splitspec.files import atomic_dir, default_permissions, write_json
 from splitspec.runtime.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer
 
 VOCAB_SIZE = 4096
@@ -308,15 +305,11 @@ def write_random_pair(out_dir: Path, seed: int = 0) -> None:
         seed: seed of the torch generators (target ``seed``, drafter ``seed + 1``).
 
     Raises:
-        ConfigError: ``out_dir`` exists and is not a folder.
+        ConfigError: ``out_dir`` is an existing file (:func:`splitspec.files.atomic_dir`).
     """
     out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"demo models output {out_dir} exists and is not a folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         target_dir = tmp / "target"
         drafter_dir = tmp / "drafter"
         target_dir.mkdir()
@@ -348,8 +341,4 @@ def write_random_pair(out_dir: Path, seed: int = 0) -> None:
             drafter_params=drafter_params), encoding="utf-8")
 
         default_permissions(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out_dir} in {time.perf_counter() - t0:.1f} s")

@@ -39,7 +39,6 @@ contents, library versions) under ``$SPLITSPEC_CACHE`` (default ``~/.cache/split
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -62,8 +61,7 @@ from splitspec.demo.train_config import (TrainConfig, check_config, deterministi
 from splitspec.demo.train_drafter import Eagle3Trainable, compute_teacher, train_drafter
 from splitspec.demo.train_target import (build_target, greedy_continuations, round_to_published, target_heldout_loss,
                                          target_published_tensors, train_target)
-from splitspec.errors import ConfigError
-from splitspec.files import default_permissions, replace_dir
+from splitspec.files import atomic_dir, default_permissions
 from splitspec.runtime.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, ChatTokenizer
 
 
@@ -114,22 +112,13 @@ def train_pair(out_dir: Path, cfg: TrainConfig, progress: bool = True, measure: 
         The report written to :data:`TRAINING_INFO`.
 
     Raises:
-        ConfigError: an invalid configuration or an unavailable device.
+        ConfigError: an invalid configuration, an unavailable device, or ``out_dir`` an existing file.
     """
     check_config(cfg)
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"trained demo models output {out_dir} exists and is not a folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(Path(out_dir)) as tmp:
         with deterministic_mode(cfg):
             report = _train_into(tmp, cfg, progress, measure, key)
         default_permissions(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 

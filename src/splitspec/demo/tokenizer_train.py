@@ -39,33 +39,28 @@ from splitspec.runtime.tokenizer import (
 )
 
 
-def tokenizer_config_dict(model_max_length: int = MODEL_MAX_LENGTH) -> dict[str, Any]:
-    """Return the ``tokenizer_config.json`` content (special tokens, class, chat template)."""
+def special_tokens_map_dict() -> dict[str, Any]:
+    """Return the ``special_tokens_map.json`` content (also the special tokens of ``tokenizer_config.json``)."""
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": UNK_TOKEN,
         "additional_special_tokens": [IM_END_TOKEN, IM_USER_TOKEN, IM_ASSISTANT_TOKEN, IM_SYSTEM_TOKEN,
                                       IM_MIDDLE_TOKEN],
+    }
+
+
+def tokenizer_config_dict(model_max_length: int = MODEL_MAX_LENGTH) -> dict[str, Any]:
+    """Return the ``tokenizer_config.json`` content (special tokens, class, chat template)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_tokens_map_dict(),
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
         "chat_template": CHAT_TEMPLATE,
-    }
-
-
-def special_tokens_map_dict() -> dict[str, Any]:
-    """Return the ``special_tokens_map.json`` content."""
-    return {
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": UNK_TOKEN,
-        "additional_special_tokens": [IM_END_TOKEN, IM_USER_TOKEN, IM_ASSISTANT_TOKEN, IM_SYSTEM_TOKEN,
-                                      IM_MIDDLE_TOKEN],
     }
 
 

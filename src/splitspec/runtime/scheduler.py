@@ -13,7 +13,6 @@ drafter row j pairs aux(j) with token x_{j+1} at rotary position j and predicts 
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
@@ -26,6 +25,7 @@ from splitspec.engine.group import Group
 from splitspec.models.kv import BlockAllocator
 from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.errors import ConfigError
+from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
 from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
 from splitspec.runtime.sequence import Sequence
@@ -67,7 +67,7 @@ class SpeculativeEngine:
         self.synthetic = synthetic_acceptance
         self.vocab_size = group.cfg.vocab_size
         self.alloc = BlockAllocator(group.rank0.kv_blocks)
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.queue = AdmissionQueue(cfg.max_queue_s)  # submitted, waiting for a batch slot and KV blocks
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._finished_ids: list[int] = []
@@ -126,7 +126,7 @@ class SpeculativeEngine:
         queued + this request), else the deployment's default."""
         if not self.k_by_batch:
             return self.num_draft_tokens
-        return by_bucket(self.k_by_batch, len(self.running) + len(self.waiting) + 1)
+        return by_bucket(self.k_by_batch, len(self.running) + len(self.queue) + 1)
 
     def draft_tp_for(self, batch: int) -> int:
         """The placement wanted for a cycle of ``batch`` drafting sequences: the tuned one of its bucket where
@@ -193,7 +193,7 @@ class SpeculativeEngine:
             self.seqs[seq.id] = seq
             if callback is not None:
                 self._callbacks[seq.id] = callback
-            self.waiting.append(seq)
+        self.queue.put(seq)
         return seq.id
 
     def cancel(self, request_id: int, reason: str = "cancelled") -> None:
@@ -216,19 +216,19 @@ class SpeculativeEngine:
         """End every running and queued request with an error event carrying ``message`` (the engine cannot go on:
         :class:`~splitspec.runtime.loop.EngineLoop` calls this when a cycle fails)."""
         with self._lock:
-            seqs = list(self.running) + list(self.waiting)
-            self.running, self.waiting = [], collections.deque()
+            seqs, self.running = list(self.running), []
+        seqs += self.queue.drain()
         for seq in seqs:
             cb = self._callbacks.pop(seq.id, None)
             if cb:
                 cb(RequestOutput(seq.id, [], "", True, "error", seq.stats, message))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.queue or self.running)
 
     @property
     def num_queued(self) -> int:
-        return len(self.waiting)
+        return len(self.queue)
 
     @property
     def num_active(self) -> int:
@@ -254,25 +254,6 @@ class SpeculativeEngine:
             events.append(self._finish(seq, reason))
         return events
 
-    def _admit(self) -> None:
-        with self._lock:
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-            while self.waiting and len(self.running) < self.max_batch_size and self.alloc.can_allocate(self.waiting[0].need_tokens()):
-                seq = self.waiting.popleft()
-                seq.blocks = self.alloc.allocate(seq.need_tokens())
-                seq.stats.queue_ms = (time.perf_counter() - seq.t_submit) * 1e3
-                self.running.append(seq)
-
-    def _expired(self) -> list[tuple[Sequence, float]]:
-        """(request, seconds waited) of those queued longer than ``max_queue_s``, taken off the queue."""
-        limit, now = self.config.max_queue_s, time.perf_counter()
-        with self._lock:
-            old = [(s, now - s.t_submit) for s in self.waiting if limit is not None and now - s.t_submit > limit]
-            for s, _ in old:
-                self.waiting.remove(s)
-        return old
-
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one cycle over every active sequence; return (and send to callbacks) the events it produced.
@@ -284,13 +265,10 @@ class SpeculativeEngine:
         self._expire()
         for seq in [s for s in self.running if s.cancelled]:
             events.append(self._finish(seq, seq.cancel_reason))
-        with self._lock:
-            cancelled_waiting = [s for s in self.waiting if s.cancelled]
-        for seq in cancelled_waiting:
+        for seq in self.queue.take_cancelled():
             events.append(self._finish(seq, seq.cancel_reason))
-        self._admit()
-        events += [self._finish(seq, "busy", f"server busy: waited {wait:.1f} s for a batch slot, at most max_queue_s = "
-                                f"{self.config.max_queue_s:g} s; retry later") for seq, wait in self._expired()]
+        self.queue.admit(self.running, self.max_batch_size, self.alloc)
+        events += [self._finish(seq, "busy", message) for seq, message in self.queue.expired()]
         work, budget = [], self.max_prefill_tokens
         for seq in self.running:
             if seq.decoding:
@@ -361,7 +339,7 @@ class SpeculativeEngine:
             for i in range(min(a, emitted[-1])):
                 accepted_pos[i] += 1
         self.last_cycle = CycleStats(len(emitted), prefill_tokens, out.draft_ms, out.verify_ms, emitted, accepted_pos,
-                                     self.alloc.used, self.alloc.num_blocks, len(self.waiting), draft_tp, switched)
+                                     self.alloc.used, self.alloc.num_blocks, len(self.queue), draft_tp, switched)
         if self.on_cycle:
             self.on_cycle(self.last_cycle)
         return events

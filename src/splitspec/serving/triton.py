@@ -51,11 +51,22 @@ def tensor(name: str, values, dtype) -> object:
     return _pb().Tensor(name, np.asarray(values, dtype=dtype))
 
 
-def bytes_tensor(name: str, value: str | bytes, batched: bool = False) -> object:
-    """A one-element TYPE_STRING ``pb_utils.Tensor`` (str is sent as UTF-8): shape [1], or [1, 1] when ``batched``
+def bytes_array(value: str | bytes, batched: bool = False) -> np.ndarray:
+    """A one-element TYPE_STRING array (object dtype; str as UTF-8 bytes): shape [1], or [1, 1] when ``batched``
     (an output of a model with ``max_batch_size`` > 0 that goes on to another model of the ensemble)."""
     data = value.encode("utf-8") if isinstance(value, str) else value
-    return _pb().Tensor(name, np.array([[data]] if batched else [data], dtype=np.object_))
+    return np.array([[data]] if batched else [data], dtype=np.object_)
+
+
+def bytes_tensor(name: str, value: str | bytes, batched: bool = False) -> object:
+    """A one-element TYPE_STRING ``pb_utils.Tensor`` named ``name`` holding :func:`bytes_array` of ``value``."""
+    return _pb().Tensor(name, bytes_array(value, batched))
+
+
+def response(outputs: Iterable[tuple[str, np.ndarray]]) -> object:
+    """A ``pb_utils.InferenceResponse`` whose output tensors are ``outputs`` ((name, array) pairs, in order)."""
+    pb = _pb()
+    return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in outputs])
 
 
 def model_config(args: Mapping[str, str]) -> tuple[str, dict[str, str]]:

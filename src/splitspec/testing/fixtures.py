@@ -25,12 +25,7 @@ EAGLE-3 drafter, then writes them in each form a user may bring (docs/formats.md
 drafter's (full ``lm_head`` over the whole vocabulary, ``draft_ids``, ``embed_tokens``), so tests can
 compare what a converter produced with the weights every form came from.
 
-:func:`write_mla_drafter` writes an MLA EAGLE-3 drafter (``Eagle3DeepseekV2ForCausalLM``) for any target folder in
-one of :data:`MLA_DRAFTER_FORMS`: ``mla`` as lightseekorg/kimi-k2.5-eagle3-mla is loaded (``layers.0.*``, its own
-``embed_tokens`` equal to the target's, full vocabulary, no ``d2t``/``t2d``, aux convention undeclared), ``mla31`` the
-EAGLE-3.1 revision (``fc_norm`` + ``norm_output``, ``fc_norm.{0,1,2}.weight``; here with a reduced vocabulary,
-``d2t`` and ``t2d``, declared input convention), ``mla_modelopt`` a ModelOpt export (``midlayer.*``, ModelOpt
-``eagle_config`` keys, no embedding, no ``lm_head``: the target's).
+MLA EAGLE-3 drafters for a target folder: :mod:`splitspec.testing.mla_drafter_fixture`.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ import torch
 
 from splitspec import quant
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
+from splitspec.demo.checkpoints import target_config as demo_target_config
 from splitspec.files import atomic_dir, read_json, write_json
 
 BLOCK = (128, 128)
@@ -54,7 +50,6 @@ K25_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(BLOCK)}
 TARGET_FORMS = ("float", "bf16", "fp8", "int4", "k25")
 DRAFTER_FORMS = ("drafter", "drafter_modelopt", "drafter_own_embed", "drafter_norm_fc")
-MLA_DRAFTER_FORMS = ("mla", "mla31", "mla_modelopt")
 MODELOPT_KEYS = {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True, "use_mtp_layernorm": False,
                  "next_layer_regular": True}
 
@@ -72,26 +67,18 @@ def int4_config(ignore: list[str], group: int = INT4_GROUP) -> dict:
 
 
 def target_config(**over) -> dict:
-    """``config.json`` of the fixture target (Kimi-K2 fields at toy size, dims chosen for ragged FP8 tiles).
+    """``config.json`` of the fixture target: the demo target's Kimi-K2 fields
+    (:func:`splitspec.demo.checkpoints.target_config`, without ``pad_token_id``) at other toy sizes, chosen for ragged
+    FP8 tiles, then ``over``.
 
     hidden 320 (tiles 128+128+64), kv_a rows 160+64 = 224 (128+96), kv_b columns 160 (128+32); every
     TP2 split falls on a tile boundary, routed-expert splits at TP4 do not (64 rows).
     """
-    cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "vocab_size": 512, "hidden_size": 320, "intermediate_size": 512, "moe_intermediate_size": 256,
-        "num_hidden_layers": 3, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 4,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "q_lora_rank": 256, "kv_lora_rank": 160, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
-        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-        "rope_theta": 50000.0,
-        "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
-                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-    }
+    cfg = demo_target_config(bos_id=1, eos_id=2, pad_id=0)
+    del cfg["pad_token_id"]
+    cfg.update(vocab_size=512, hidden_size=320, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=256,
+               kv_lora_rank=160, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
     cfg.update(over)
     return cfg
 
@@ -134,7 +121,8 @@ def target_linears(cfg: dict) -> list[tuple[str, tuple[int, int], bool]]:
     return out
 
 
-def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
+def bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bf16 and back to float32: float values every published (bf16) form holds exactly."""
     return x.to(torch.bfloat16).float()
 
 
@@ -149,23 +137,23 @@ def target_master(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     out_scale = 1 / math.sqrt(2 * cfg["num_hidden_layers"])
     linears = {m: shape for m, shape, _ in target_linears(cfg)}
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _bf16_exact(rnd(V, H))}
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": bf16_exact(rnd(V, H))}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        t[p + "input_layernorm.weight"] = _bf16_exact(1 + 0.05 * rnd(H))
-        t[p + "post_attention_layernorm.weight"] = _bf16_exact(1 + 0.05 * rnd(H))
-        t[p + "self_attn.q_a_layernorm.weight"] = _bf16_exact(1 + 0.05 * rnd(cfg["q_lora_rank"]))
-        t[p + "self_attn.kv_a_layernorm.weight"] = _bf16_exact(1 + 0.05 * rnd(cfg["kv_lora_rank"]))
+        t[p + "input_layernorm.weight"] = bf16_exact(1 + 0.05 * rnd(H))
+        t[p + "post_attention_layernorm.weight"] = bf16_exact(1 + 0.05 * rnd(H))
+        t[p + "self_attn.q_a_layernorm.weight"] = bf16_exact(1 + 0.05 * rnd(cfg["q_lora_rank"]))
+        t[p + "self_attn.kv_a_layernorm.weight"] = bf16_exact(1 + 0.05 * rnd(cfg["kv_lora_rank"]))
         if n >= cfg["first_k_dense_replace"]:
             E = cfg["n_routed_experts"]
-            t[p + "mlp.gate.weight"] = _bf16_exact(0.1 * rnd(E, H))
+            t[p + "mlp.gate.weight"] = bf16_exact(0.1 * rnd(E, H))
             t[p + "mlp.gate.e_score_correction_bias"] = 0.1 * rnd(E)
         for m, shape in linears.items():
             if m.startswith(p):
                 scale = out_scale if m.endswith(("o_proj", "down_proj")) else 1.0
-                t[m + ".weight"] = _bf16_exact(rnd(*shape) * scale / math.sqrt(shape[1]))
-    t["model.norm.weight"] = _bf16_exact(1 + 0.05 * rnd(H))
-    t["lm_head.weight"] = _bf16_exact(0.08 * rnd(V, H))
+                t[m + ".weight"] = bf16_exact(rnd(*shape) * scale / math.sqrt(shape[1]))
+    t["model.norm.weight"] = bf16_exact(1 + 0.05 * rnd(H))
+    t["lm_head.weight"] = bf16_exact(0.08 * rnd(V, H))
     return t
 
 
@@ -177,8 +165,8 @@ def drafter_master(dcfg: dict, seed: int = 1, draft_vocab: int = 128) -> dict[st
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     H, I, TH, V = dcfg["hidden_size"], dcfg["intermediate_size"], dcfg["target_hidden_size"], dcfg["vocab_size"]
     nq, nkv, hd = dcfg["num_attention_heads"], dcfg["num_key_value_heads"], dcfg["head_dim"]
-    lin = lambda o, i, s=1.0: _bf16_exact(rnd(o, i) * s / math.sqrt(i))  # noqa: E731
-    norm = lambda n: _bf16_exact(1 + 0.05 * rnd(n))  # noqa: E731
+    lin = lambda o, i, s=1.0: bf16_exact(rnd(o, i) * s / math.sqrt(i))  # noqa: E731
+    norm = lambda n: bf16_exact(1 + 0.05 * rnd(n))  # noqa: E731
     ids = torch.cat((torch.tensor([2]), 3 + torch.randperm(V - 3, generator=g)[: draft_vocab - 1])).sort().values
     return {
         "midlayer.input_layernorm.weight": norm(H), "midlayer.hidden_norm.weight": norm(H),
@@ -186,8 +174,8 @@ def drafter_master(dcfg: dict, seed: int = 1, draft_vocab: int = 128) -> dict[st
         "midlayer.self_attn.v_proj.weight": lin(nkv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": lin(H, nq * hd, 0.7),
         "midlayer.post_attention_layernorm.weight": norm(H),
         "midlayer.mlp.gate_proj.weight": lin(I, H), "midlayer.mlp.up_proj.weight": lin(I, H), "midlayer.mlp.down_proj.weight": lin(H, I, 0.7),
-        "fc.weight": lin(H, 3 * TH), "norm.weight": norm(H), "lm_head_full": _bf16_exact(0.08 * rnd(V, H)),
-        "draft_ids": ids, "own_embed": _bf16_exact(rnd(V, H)), "input_norm": norm(3 * TH),
+        "fc.weight": lin(H, 3 * TH), "norm.weight": norm(H), "lm_head_full": bf16_exact(0.08 * rnd(V, H)),
+        "draft_ids": ids, "own_embed": bf16_exact(rnd(V, H)), "input_norm": norm(3 * TH),
     }
 
 
@@ -310,77 +298,6 @@ def write_drafter_form(folder: Path, dm: dict[str, torch.Tensor], target_cfg: di
     else:
         raise ValueError(f"unknown drafter form {form!r}")
     write_checkpoint(folder, sorted(tensors.items()), cfg, shards=1)
-
-
-def mla_drafter_config(target: dict, draft_vocab: int, aux_ids: list[int], **eagle) -> dict:
-    """``config.json`` of an MLA EAGLE-3 drafter for ``target`` with the fields the published Kimi-K2.5 MLA drafters
-    carry (k-l-lambda/Kimi-K2.5-Eagle3's config: ``Eagle3DeepseekV2ForCausalLM``, ``model_type`` kimi_k2, the target's
-    YaRN rope, a leftover Llama ``head_dim``), at toy size: 4 heads, q_lora 64, kv_lora 32, nope/rope/v 16."""
-    return {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "num_hidden_layers": 1,
-        "hidden_size": target["hidden_size"], "intermediate_size": 2 * target["hidden_size"], "hidden_act": "silu",
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128, "q_lora_rank": 64, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "rms_norm_eps": 1e-5, "vocab_size": target["vocab_size"], "draft_vocab_size": draft_vocab,
-        "max_position_embeddings": target["max_position_embeddings"], "rope_theta": target["rope_theta"],
-        "rope_scaling": dict(target["rope_scaling"]), "attention_bias": False, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True, **eagle},
-    }
-
-
-def mla_drafter_master(dcfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """An MLA drafter's float weights under ``midlayer.*`` names (bf16-representable), ``fc_norm.{i}.weight``,
-    ``lm_head_full`` [vocab, H] and ``draft_ids`` (sorted target ids of a quarter of the vocabulary)."""
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    lin = lambda o, i, s=1.0: _bf16_exact(rnd(o, i) * s / math.sqrt(i))  # noqa: E731
-    norm = lambda n: _bf16_exact(1 + 0.05 * rnd(n))  # noqa: E731
-    H, I, V, nh = dcfg["hidden_size"], dcfg["intermediate_size"], dcfg["vocab_size"], dcfg["num_attention_heads"]
-    ql, kl, nope, rope, v = (dcfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
-    t = {a + "q_a_proj.weight": lin(ql, 2 * H), a + "q_a_layernorm.weight": norm(ql), a + "q_b_proj.weight": lin(nh * (nope + rope), ql),
-         a + "kv_a_proj_with_mqa.weight": lin(kl + rope, 2 * H), a + "kv_a_layernorm.weight": norm(kl),
-         a + "kv_b_proj.weight": lin(nh * (nope + v), kl), a + "o_proj.weight": lin(H, nh * v, 0.7),
-         m + "gate_proj.weight": lin(I, H), m + "up_proj.weight": lin(I, H), m + "down_proj.weight": lin(H, I, 0.7),
-         "midlayer.input_layernorm.weight": norm(H), "midlayer.hidden_norm.weight": norm(H),
-         "midlayer.post_attention_layernorm.weight": norm(H), "fc.weight": lin(H, 3 * H), "norm.weight": norm(H),
-         "lm_head_full": _bf16_exact(0.08 * rnd(V, H))}
-    t |= {f"fc_norm.{i}.weight": norm(H) for i in range(3)}
-    t["draft_ids"] = torch.randperm(V, generator=g)[: V // 4].sort().values
-    return t
-
-
-def write_mla_drafter(folder: Path, target_dir: Path, form: str, seed: int = 11) -> dict[str, torch.Tensor]:
-    """Write an MLA EAGLE-3 drafter for the target checkpoint in ``target_dir`` as ``form`` (one of
-    :data:`MLA_DRAFTER_FORMS`, see the module docstring) into ``folder``, atomically. Aux ids: inputs to layers 1, 2
-    and N−1 of an N-layer target. Returns the master weights it came from (:func:`mla_drafter_master`)."""
-    target = read_json(Path(target_dir) / "config.json")
-    n, V = target["num_hidden_layers"], target["vocab_size"]
-    dm = mla_drafter_master(mla_drafter_config(target, V, [1, 2, n - 1]), seed)
-    layer = {k: v for k, v in dm.items() if k.startswith("midlayer.") or k in ("fc.weight", "norm.weight")}
-    ids = dm["draft_ids"]
-    if form == "mla":
-        cfg = mla_drafter_config(target, V, [1, 2, n - 1])
-        reader = CheckpointReader(Path(target_dir))
-        embed = reader.get("model.embed_tokens.weight")
-        reader.close()
-        tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in layer.items()} | {
-            "embed_tokens.weight": embed, "lm_head.weight": dm["lm_head_full"]}
-    elif form == "mla31":
-        cfg = mla_drafter_config(target, len(ids), [1, 2, n - 1], aux_layer_id_convention="input") | {"fc_norm": True, "norm_output": True}
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids] = True
-        tensors = layer | {f"fc_norm.{i}.weight": dm[f"fc_norm.{i}.weight"] for i in range(3)} | {
-            "lm_head.weight": dm["lm_head_full"][ids], "d2t": ids - torch.arange(len(ids)), "t2d": t2d}
-    elif form == "mla_modelopt":
-        cfg = mla_drafter_config(target, V, [0, 1, n - 2], **MODELOPT_KEYS)
-        tensors = layer
-    else:
-        raise ValueError(f"unknown MLA drafter form {form!r}")
-    with atomic_dir(Path(folder)) as tmp:
-        write_checkpoint(tmp, sorted((k, v if v.dtype in (torch.int64, torch.bool) else v.to(torch.bfloat16)) for k, v in tensors.items()),
-                         cfg, shards=1)
-    return dm
 
 
 def make_fixtures(out: Path, seed: int = 0, forms: Iterable[str] = TARGET_FORMS + DRAFTER_FORMS) -> Path:

@@ -1,6 +1,7 @@
 """Triton Python model ``spec_decode`` (decoupled): speculative decoding with an EAGLE-3 drafter.
 
-A thin adapter over ``splitspec.runtime.scheduler``. The engine — a :class:`SpeculativeEngine` (the leader, rank 0
+A thin adapter over ``splitspec.runtime.scheduler``; what each response carries is assembled by
+:mod:`splitspec.serving.responses`. The engine — a :class:`SpeculativeEngine` (the leader, rank 0
 of the target's tensor-parallel group, which starts the other ranks as worker processes) and the
 :class:`EngineLoop` running batched draft/verify cycles over every active request — lives in a process of
 its own, started with ``sys.executable`` (:mod:`splitspec.serving.engine_process`), not in this stub: the stub's
@@ -56,7 +57,6 @@ import threading
 import time
 import traceback
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitspec.engine.plan import EngineError
@@ -65,39 +65,15 @@ from splitspec.runtime.types import RequestOutput
 from splitspec.serving.access import make_stub_region_private
 from splitspec.serving.engine_process import EngineProcess
 from splitspec.serving.metrics import MetricsCollector, TritonMetricsExporter
-from splitspec.serving.repo import CANCEL_POLL_S
 from splitspec.serving.requests import (CANCEL_INPUT, SPEC_DECODE_INPUTS, cancel_stream_id, check_capacity,
                                         check_parameters, parse_request)
-from splitspec.serving.triton import bytes_tensor, error_response, model_config, read_inputs, tensor
+from splitspec.serving.responses import Stream
+from splitspec.serving.triton import error_response, model_config, read_inputs, response
 from splitspec.settings import ServeConfig
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RECOVERY_HINT = ("; the engine stopped serving and the model is unloading: restart the server (or load the "
                  "models again through the repository API)")
-#: Outputs of the final response with ``return_stats`` / ``return_perf_metrics``: (output, RequestStats field, dtype).
-STATS_OUTPUTS = (("acceptance_length", "acceptance_length", np.float32), ("queue_ms", "queue_ms", np.float32),
-                 ("ttft_ms", "ttft_ms", np.float32), ("e2e_ms", "e2e_ms", np.float32),
-                 ("draft_ms", "draft_ms", np.float32), ("verify_ms", "verify_ms", np.float32),
-                 ("total_draft_tokens", "drafted_tokens", np.int32))
-
-
-class _Stream:
-    """One open request: where its responses go and what is still to be sent."""
-
-    __slots__ = ("sid", "sender", "stream", "want_ids", "options", "num_input", "ids", "text", "done", "cancelled",
-                 "cancel_cycle", "next_poll")
-
-    def __init__(self, sid, sender, options, num_input):
-        self.sid, self.sender = sid, sender  # sid: the request's id here and in the engine process
-        self.stream, self.want_ids, self.options = options.stream, options.return_token_ids, options
-        self.num_input = num_input  # prompt tokens
-        self.ids, self.text = [], []  # not yet sent (ids: also when not asked for, to count them)
-        if options.echo:
-            self.text.append(options.echo)  # exclude_input_in_output false: the prompt leads the (single) response
-        self.done = False  # the final response (or an error) was sent
-        self.cancelled = False
-        self.cancel_cycle = None  # engine cycles run when the cancellation reached this model
-        self.next_poll = time.monotonic() + CANCEL_POLL_S  # of the next is_cancelled() poll
 
 
 class TritonPythonModel:
@@ -126,7 +102,7 @@ class TritonPythonModel:
         self.metrics_interval_s = max(0.05, param("metrics_interval_s", 0.2, float))
         self.engine = self.exporter = None
         self.lock = threading.Lock()
-        self.streams = {}  # stream_id -> _Stream, while open
+        self.streams = {}  # stream_id -> serving.responses.Stream, while open
         self.failure = None  # why the engine stopped serving
         self.send_lock = threading.RLock()  # one thread sends at a time: the reader, or finalize once it has stopped
         self.stopping = threading.Event()
@@ -203,7 +179,7 @@ class TritonPythonModel:
             raise EngineError(f"the engine is not serving ({self.failure}){RECOVERY_HINT}")
         req, options = parse_request(inputs, self.max_tokens_limit, self.request_timeout_s, self.engine.info["vocab_size"])
         check_capacity(len(self.streams), self.engine.info["max_batch_size"], self.max_queue_len)
-        st = _Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
+        st = Stream(self._rng.getrandbits(62) + 1, sender, options, len(req.prompt_ids))
         with self.lock:
             self.streams[st.sid] = st
         try:
@@ -286,54 +262,23 @@ class TritonPythonModel:
                 message += RECOVERY_HINT
             self._close(st, error=message, code="UNAVAILABLE")
             return
-        st.ids += ev.token_ids
-        if ev.text:
-            st.text.append(ev.text)
+        st.add(ev)
         if not ev.finished:
             if st.cancelled or hold:
                 return
-            if st.stream and (st.text or (st.want_ids and st.ids)):
-                self._send(st, None)
-            now = time.monotonic()
-            if now >= st.next_poll:  # a request sent to this model directly may have been cancelled; asked after
-                st.next_poll = now + CANCEL_POLL_S  # the response, which the IPC round trip then never delays
-                self._client_cancelled(st)
+            if st.has_delta():
+                st.sender.send(response(st.take_outputs()), flags=0)
+            if st.poll_due(time.monotonic()):  # a request sent to this model directly may have been cancelled; asked
+                self._client_cancelled(st)  # after the response, which the IPC round trip then never delays
             return
         self.collector.on_finished(ev.finish_reason, ev.stats)
         if ev.finish_reason == "cancelled" and st.cancel_cycle is not None:
             pb_utils.Logger.log_verbose(
                 f"spec_decode: stream {st.sid} cancelled; its slot and KV were freed "
                 f"{self.collector.cycles_seen - st.cancel_cycle} cycle(s) after the cancellation reached the model")
-        self._send(st, ev)
+        self._close(st, final=response(st.take_outputs(ev)))
 
-    def _send(self, st, final_event):
-        """Send what ``st`` holds; with ``final_event`` (the engine's finish event) as the final response. Every
-        output has a leading batch dimension of 1 (the model is batched, ``max_batch_size`` 1)."""
-        o = st.options
-        tensors = [bytes_tensor("output_text", "".join(st.text), batched=True), tensor("stream_id", [[st.sid]], np.int64),
-                   tensor("batch_index", [[0]], np.int32), tensor("sequence_index", [[0]], np.int32)]
-        if st.want_ids:
-            tensors.append(tensor("output_ids", [st.ids], np.int32))
-        if o.return_num_input_tokens:
-            tensors.append(tensor("num_input_tokens", [[st.num_input]], np.int32))
-        if o.return_num_output_tokens:
-            tensors.append(tensor("num_output_tokens", [[len(st.ids)]], np.int32))
-        st.ids, st.text = [], []
-        if final_event is None:
-            st.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
-            return
-        reason = final_event.finish_reason or "stop"
-        tensors.append(bytes_tensor("finish_reason", reason, batched=True))
-        s = final_event.stats
-        if o.return_stats and s is not None:
-            accepted = sum(s.accepted_per_position)
-            tensors += [tensor("accepted_per_position", [s.accepted_per_position], np.int32),
-                        tensor("total_accepted_draft_tokens", [[accepted]], np.int32),
-                        tensor("acceptance_rate", [[accepted / s.drafted_tokens if s.drafted_tokens else 0.0]], np.float32)]
-            tensors += [tensor(name, [[getattr(s, field)]], dtype) for name, field, dtype in STATS_OUTPUTS]
-        self._close(st, response=pb_utils.InferenceResponse(output_tensors=tensors))
-
-    def _close(self, st, response=None, error=None, code="INVALID_ARG"):
+    def _close(self, st, final=None, error=None, code="INVALID_ARG"):
         """Send ``st``'s final response (or an error) once; forget the stream."""
         if st.done:
             return
@@ -341,7 +286,7 @@ class TritonPythonModel:
         with self.lock:
             self.streams.pop(st.sid, None)
         try:
-            st.sender.send(response if error is None else error_response(error, code), flags=FINAL)
+            st.sender.send(final if error is None else error_response(error, code), flags=FINAL)
         except Exception:  # the client went away or Triton already closed a cancelled request
             if not st.cancelled:
                 pb_utils.Logger.log_warn(f"spec_decode: could not send the final response: {traceback.format_exc()}")
