@@ -56,7 +56,8 @@ GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3)
 DOWN_CONFIG = (16, 256, 8, 4)
 
 #: The same for FP8 routed experts, with a fifth entry: the FP8 mode (:mod:`splitspec.models.fp8_tiles`; modes
-#: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs).
+#: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs), and
+#: for gate/up an optional sixth: split H over that many programs (more programs for few rows: the TP8 shard's 256).
 #: Paste the winners of ``bench/fp8_bench.py`` (section ``moe``) here.
 FP8_GATE_UP_CONFIG = (16, 512, 4, 4, 0)
 FP8_GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3, 0)
@@ -159,56 +160,83 @@ def _new_acc(FP8: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
 
 
 @jit
-def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, H, n, out_row, BS0, BS1, x_mul, out_mul,
-                 FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """silu(gate rows n) · (up rows n) of one expert ([2·n_rows, H] at ``rows``) against one token, to out_row[n]."""
+def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, k_lo, k_hi, n, out_row, half, BS0, BS1, x_mul,
+                 out_mul, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """silu(gate rows n) · (up rows n) of one expert ([2·n_rows, H] at ``rows``) against one token, to out_row[n]; with
+    SPLIT > 1 the gate and up sums over columns [k_lo, k_hi) only, to out_row[n] and out_row[half + n] (the down
+    kernel adds the splits and applies the SiLU, :func:`_act`)."""
     acc_g = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
     acc_u = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-        xg = _column_scales(xv, n, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
-        xu = _column_scales(xv, n + n_rows, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
-        acc_g = _accumulate(acc_g, _weights(rows, n, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
+        kmask = k < k_hi
+        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+        xg = _column_scales(xv, n, k, kmask, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        xu = _column_scales(xv, n + n_rows, k, kmask, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        acc_g = _accumulate(acc_g, _weights(rows, n, k, n < n_rows, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8,
                                             ONE_ROW_TILE, MODE), xg, x_mul, FP8, MODE)
-        acc_u = _accumulate(acc_u, _weights(rows, n + n_rows, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0,
+        acc_u = _accumulate(acc_u, _weights(rows, n + n_rows, k, n < n_rows, kmask, stride_n, scales, s_stride_n, BS0,
                                             BS1, FP8, ONE_ROW_TILE, MODE), xu, x_mul, FP8, MODE)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if FP8:
         g *= out_mul
         u *= out_mul
-    tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * u, mask=n < n_rows)
+    if SPLIT == 1:
+        tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * u, mask=n < n_rows)
+    else:
+        tl.store(out_row + n, g, mask=n < n_rows)
+        tl.store(out_row + half + n, u, mask=n < n_rows)
 
 
 @jit
 def _gate_up(x_ptr, ids_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, act_ptr, H, I, I_s, E, top_k, pairs, stride_we, stride_wn,
-             stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, x_mul, out_mul, FP8: tl.constexpr,
-             SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, split_stride, half, k_per_split,
+             x_mul, out_mul, FP8: tl.constexpr, SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr,
+             SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)  # a (token, slot) pair, or past the pairs a token's shared expert
     n0 = tl.program_id(1) * BLOCK_N  # the grid covers max(I, I_s) rows: blocks past this expert's rows do nothing
     n = n0 + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(2) * k_per_split  # this program's share of the H columns (SPLIT > 1)
+    k_hi = tl.minimum(k_lo + k_per_split, H)
+    out_row = act_ptr + tl.program_id(2) * split_stride + p * act_stride
     if p < pairs:
         e = tl.load(ids_ptr + p).to(tl.int64)
         if (e >= 0) & (e < E) & (n0 < I):
             _swiglu_rows(x_ptr + (p // top_k) * H, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e, s_stride_n,
-                         I, H, n, act_ptr + p * act_stride, BS0, BS1, x_mul, out_mul, FP8, ONE_ROW_TILE, MODE, BLOCK_N,
-                         BLOCK_K)
+                         I, k_lo, k_hi, n, out_row, half, BS0, BS1, x_mul, out_mul, FP8, ONE_ROW_TILE, MODE, SPLIT,
+                         BLOCK_N, BLOCK_K)
     elif n0 < I_s:
-        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n,
-                     act_ptr + p * act_stride, BS0, BS1, x_mul, out_mul, SHARED_FP8, ONE_ROW_TILE, MODE, BLOCK_N, BLOCK_K)
+        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, k_lo, k_hi, n, out_row, half,
+                     BS0, BS1, x_mul, out_mul, SHARED_FP8, ONE_ROW_TILE, MODE, SPLIT, BLOCK_N, BLOCK_K)
 
 
 @jit
-def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n, scale, BS0, BS1, x_mul,
-               FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + (rows n of [n_rows, width] at ``rows``) · (a_row · scale), as :func:`_accumulate` sums."""
+def _act(a_row, k, kmask, split_stride, half, SPLIT: tl.constexpr):
+    """A pair's activations at columns k: as gate/up stored them, or with SPLIT > 1 silu(Σ gate) · Σ up over the
+    splits, added in split order."""
+    if SPLIT == 1:
+        a = tl.load(a_row + k, mask=kmask, other=0.0)
+    else:
+        g = tl.load(a_row + k, mask=kmask, other=0.0)
+        u = tl.load(a_row + half + k, mask=kmask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            g += tl.load(a_row + s * split_stride + k, mask=kmask, other=0.0)
+            u += tl.load(a_row + s * split_stride + half + k, mask=kmask, other=0.0)
+        a = g / (1.0 + tl.exp(-g)) * u
+    return a
+
+
+@jit
+def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n, scale, split_stride, half, BS0, BS1,
+               x_mul, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """acc + (rows n of [n_rows, width] at ``rows``) · (activations at a_row · scale), as :func:`_accumulate` sums."""
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = _column_scales(tl.load(a_row + k, mask=k < width, other=0.0) * scale, n, k, k < width, scales, s_stride_n,
-                           BS0, BS1, FP8, ONE_ROW_TILE)
+        a = _column_scales(_act(a_row, k, k < width, split_stride, half, SPLIT) * scale, n, k, k < width, scales,
+                           s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
         w = _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE, MODE)
         acc = _accumulate(acc, w, a, x_mul, FP8, MODE)
     return acc
@@ -216,9 +244,9 @@ def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n,
 
 @jit
 def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we,
-          stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, x_mul, out_mul,
-          SHARED: tl.constexpr, FP8: tl.constexpr, SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr,
-          MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, split_stride, half, x_mul,
+          out_mul, SHARED: tl.constexpr, FP8: tl.constexpr, SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr,
+          MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)  # MODE > 0 only when the shared expert, if any, is FP8 too: one kind of accumulator
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
@@ -227,10 +255,11 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
         e = tl.load(ids_ptr + p).to(tl.int64)
         if (e >= 0) & (e < E):
             acc = _down_rows(acc, act_ptr + p * act_stride, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e,
-                             s_stride_n, H, I, n, tl.load(wt_ptr + p), BS0, BS1, x_mul, FP8, ONE_ROW_TILE, MODE, BLOCK_K)
+                             s_stride_n, H, I, n, tl.load(wt_ptr + p), split_stride, half, BS0, BS1, x_mul, FP8,
+                             ONE_ROW_TILE, MODE, SPLIT, BLOCK_K)
     if SHARED:
         acc = _down_rows(acc, act_ptr + (pairs + t) * act_stride, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, H, I_s, n,
-                         1.0, BS0, BS1, x_mul, SHARED_FP8, ONE_ROW_TILE, MODE, BLOCK_K)
+                         1.0, split_stride, half, BS0, BS1, x_mul, SHARED_FP8, ONE_ROW_TILE, MODE, SPLIT, BLOCK_K)
     y = tl.sum(acc, axis=1)
     if FP8 or SHARED_FP8:
         y *= out_mul
@@ -294,12 +323,17 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         ids = local.to(torch.int32).contiguous()
         BS0, BS1 = fp8_block or (1, 1)
         width = max(I, I_s)
-        act = torch.empty(T * (top_k + shared), width, dtype=torch.float32, device=x.device)
+        (gu_n, gu_k, gu_warps, gu_stages, *gu_more), (dn_n, dn_k, dn_warps, dn_stages, *dn_mode) = gate_up_config, down_config
+        # gate/up's H columns in `split` shares: partial gate and up sums [split, pairs, 2, width], added by down
+        steps = triton.cdiv(H, gu_k)
+        per = triton.cdiv(steps, max(1, min(gu_more[1] if len(gu_more) > 1 else 1, steps))) * gu_k
+        split = triton.cdiv(H, per)
+        act = torch.empty(split, T * (top_k + shared), (1 if split == 1 else 2) * width, dtype=torch.float32,
+                          device=x.device)
         out = torch.empty_like(x)
-        (gu_n, gu_k, gu_warps, gu_stages, *gu_mode), (dn_n, dn_k, dn_warps, dn_stages, *dn_mode) = gate_up_config, down_config
         # each gate/up program's gate rows lie in one tile row, and so do its up rows; each down program's rows
         gu_one, dn_one = BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0, BS0 % dn_n == 0
-        gu_mode = mode_for(gu_mode, gu_one, s13, ss13, shared, gu_n, gu_k, "gate_up")
+        gu_mode = mode_for(gu_more[:1], gu_one, s13, ss13, shared, gu_n, gu_k, "gate_up")
         dn_mode = mode_for(dn_mode, dn_one, s2, ss2, shared, dn_n, dn_k, "down")
 
         def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
@@ -307,17 +341,18 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
             return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
 
         (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
-        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
+        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n), split)](
             x, ids, weight_view(w13, gu_mode), weight_view(ws13, gu_mode), p13, ps13, act, H, I, I_s, E, top_k,
-            T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1, width, *FACTORS[gu_mode],
-            FP8=s13 is not None, SHARED_FP8=ss13 is not None, ONE_ROW_TILE=gu_one, MODE=gu_mode,
-            BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
+            T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1, act.stride(1), act.stride(0),
+            width, per, *FACTORS[gu_mode], FP8=s13 is not None, SHARED_FP8=ss13 is not None, ONE_ROW_TILE=gu_one,
+            MODE=gu_mode, SPLIT=split, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
         (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
         _down[(T, triton.cdiv(H, dn_n))](
             act, ids, weights.to(torch.float32).contiguous(), weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2,
             ps2, out, H, I, I_s, E, top_k, T * top_k, w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1,
-            width, *FACTORS[dn_mode], SHARED=shared, FP8=s2 is not None, SHARED_FP8=ss2 is not None, ONE_ROW_TILE=dn_one,
-            MODE=dn_mode, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, num_stages=dn_stages)
+            act.stride(1), act.stride(0), width, *FACTORS[dn_mode], SHARED=shared, FP8=s2 is not None,
+            SHARED_FP8=ss2 is not None, ONE_ROW_TILE=dn_one, MODE=dn_mode, SPLIT=split, BLOCK_N=dn_n, BLOCK_K=dn_k,
+            num_warps=dn_warps, num_stages=dn_stages)
         return out
 
 
@@ -352,7 +387,8 @@ def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w
     (w13, w2, shared_w13, shared_w2; None for a float weight) of ``fp8_block`` (rows, cols) elements — read as
     FP8 and scaled in registers, never dequantised to memory. Returns [T, H] dtype d:
     Σ_slots weight · w2[e] (silu(gate) · up) (+ the shared expert's), accumulated in float32. The configs
-    (BLOCK_N, BLOCK_K, num_warps, num_stages[, FP8 mode]) override the defaults (for sweeps): float routed experts
+    (BLOCK_N, BLOCK_K, num_warps, num_stages[, FP8 mode[, gate/up's split of H]]) override the defaults (for sweeps;
+    a split sums the parts in a fixed order: deterministic, batch-invariant for one config): float routed experts
     :data:`GATE_UP_CONFIG` (:data:`GATE_UP_CONFIG_ONE_TOKEN` when T = 1) and :data:`DOWN_CONFIG`; FP8 ones the
     ``FP8_*`` configs. The dot modes round the scaled activations to f16 (:mod:`splitspec.models.fp8_tiles`).
     """
