@@ -43,7 +43,7 @@ def print_moe(res: dict) -> None:
               f"{r.get('bf16_over_fp8', 0):>8.2f} {r.get('fp8_GBps', 0):>6.0f} {r['bound_ms']:>8.4f} "
               f"{r.get('fp8_over_bound', 0):>6.2f} {_ms(r['chosen_err_vs_dequant']):>8}")
     cols = sorted({k for r in res["sweep"] for k in r if k.startswith("ms_")})
-    print("\nsweep (config = BLOCK_N, BLOCK_K, warps, stages, mode):", " ".join(cols))
+    print("\nsweep (config = BLOCK_N, BLOCK_K, warps, stages, mode[, split]):", " ".join(cols))
     for r in res["sweep"]:
         print(f"  {r['kernel']:<8} {str(tuple(r['config'])):<26}", " ".join(f"{_ms(r[c]):>8}" for c in cols))
     print("\nchosen:", res["chosen"], "\npaste into models/fused_moe.py:\n  " + "\n  ".join(res["paste"]))
@@ -63,6 +63,14 @@ def print_linear(res: dict) -> None:
     worst = max(((v, r["shape"], r["tokens"], m) for r in res["rows"] for m, v in r["err"].items() if isinstance(v, float)),
                 default=None)
     print("largest error vs the dequantised weights (max |Δ| / max |ref|):", worst)
+    wins = {}
+    for r in res["rows"]:
+        sm, bt = r["ms"].get("scaled_mm"), r["ms"].get(r.get("best_triton"))
+        if isinstance(sm, float) and isinstance(bt, float):
+            w = wins.setdefault(r["tokens"], [0, 0])
+            w[0], w[1] = w[0] + (sm < bt), w[1] + 1
+    print("shapes where scaled_mm beats the best Triton config, by tokens (set SCALED_MM_MIN_TOKENS from it):",
+          {t: f"{a}/{b}" for t, (a, b) in sorted(wins.items())})
     print("\nchosen Triton configs by tokens:", res["chosen"], "\npaste into models/fp8_linear.py:\n  " + res["paste"])
 
 
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         bw = 1.0
         kw = {"dims": TINY, "device": "cpu", "timer": fk.wall_ms}
-        moe_kw = {"tokens": (1,), "rotate": 1, "sweep": {"gate_up": {3: [(32, 128, 1, 1)]}, "down": {1: [(32, 128, 1, 1)]}}}
+        moe_kw = {"tokens": (1,), "rotate": 1, "sweep": {"gate_up": {3: [(32, 64, 1, 1, 2)]}, "down": {1: [(32, 128, 1, 1)]}}}
         lin_kw = {"tokens": (1, 20), "cold_bytes": 1, "names": ("fused_qkv_a", "q_b", "mlp_w2"),
                   "sweep": {1: [(1, 1, 32, 128, 0, 1, 1), (3, 16, 32, 64, 2, 1, 1)], 20: [(2, 32, 64, 128, 0, 1, 1)]}}
         moe_tps, linear_tps = moe_tps[:1], linear_tps[:1]

@@ -27,10 +27,13 @@ BLOCK = (128, 128)
 KIMI = {"hidden": 7168, "experts": 384, "top_k": 8, "moe_i": 2048, "q_lora": 1536, "kv_a": 576, "heads": 64,
         "qk_head": 192, "v_head": 128, "dense_i": 18432}
 F32_MODES, DOT_MODES = (MODE_F32, MODE_F32_BITS), (MODE_DOT, MODE_DOT_BITS)
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) swept per FP8 mode, for each MoE kernel
-MOE_SWEEP = {"gate_up": {**{m: [(8, 1024, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 3)] for m in F32_MODES},
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages[, gate/up's split of H]) swept per FP8 mode, for each MoE kernel
+MOE_SWEEP = {"gate_up": {**{m: [(8, 1024, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 3), (8, 512, 4, 4, 2)]
+                            for m in F32_MODES},
                          **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3),
-                                (32, 512, 8, 3)] for m in DOT_MODES}},
+                                (32, 512, 8, 3), (16, 256, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 4),
+                                (64, 256, 4, 3, 4)]
+                            for m in DOT_MODES}},
              "down": {**{m: [(16, 256, 8, 4), (16, 512, 8, 4), (8, 512, 4, 4), (32, 256, 8, 3)] for m in F32_MODES},
                       **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 8, 3)]
                          for m in DOT_MODES}}}
@@ -131,19 +134,19 @@ def moe(bw_GBps: float, tps: list[int], tokens=(1, 4, 16), rotate: int = 8, dims
     weights = {tp: _experts(tp, dims, g, device) for tp in tps}
     problems = {T: _routings(T, rotate, dims, g, device) for T in sorted({1, 4, *tokens})}
     cls = {1: "one", 4: "many"}
-    for kernel, modes in sweep.items():
-        for mode, cfgs in modes.items():
-            for cfg in cfgs:
-                if deadline and time.time() > deadline:
-                    out.setdefault("skipped", []).append((kernel, (*cfg, mode)))
-                    continue
-                row = {"kernel": kernel, "config": (*cfg, mode)}
-                for T, tp in ((T, tp) for T in (1, 4) for tp in tps):
-                    kw = {"gate_up_config" if kernel == "gate_up" else "down_config": (*cfg, mode)}
-                    calls = [_moe_call(weights[tp][0], x, i, w, T == 1, **kw) for x, i, w in problems[T]]
-                    row[f"ms_tp{tp}_T{T}"] = attempt(lambda: timer(calls))
-                out["sweep"].append(row)
-                print("moe sweep", row, flush=True)
+    # round-robin over (kernel, mode): a sweep cut short by the deadline has still tried every mode in both kernels
+    lists = [[(kernel, (*cfg[:4], mode, *cfg[4:])) for cfg in cfgs] for kernel, modes in sweep.items() for mode, cfgs in modes.items()]
+    for kernel, full in (lst[i] for i in range(max(map(len, lists))) for lst in lists if i < len(lst)):
+        if deadline and time.time() > deadline:
+            out.setdefault("skipped", []).append((kernel, full))
+            continue
+        row = {"kernel": kernel, "config": full}
+        for T, tp in ((T, tp) for T in (1, 4) for tp in tps):
+            kw = {"gate_up_config" if kernel == "gate_up" else "down_config": full}
+            calls = [_moe_call(weights[tp][0], x, i, w, T == 1, **kw) for x, i, w in problems[T]]
+            row[f"ms_tp{tp}_T{T}"] = attempt(lambda: timer(calls))
+        out["sweep"].append(row)
+        print("moe sweep", row, flush=True)
 
     def fastest(kernel: str, T: int):
         rows = [r for r in out["sweep"] if r["kernel"] == kernel and
