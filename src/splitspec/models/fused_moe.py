@@ -26,9 +26,8 @@ when another pair of the batch has the same expert, so past a few tokens per exp
 whose weights every token uses) is best left to one GEMM over all tokens once there are two or more.
 
 FP8 block-scaled weights are read as FP8 and turned into arithmetic in one of the modes of
-:mod:`splitspec.models.fp8_tiles` (the ``FP8_*`` configs' fifth entry): float32 multiply-adds, or f16 dots on the
-tensor cores with the token padded to 16 columns; where a program's rows share a tile row (always, for Kimi's
-128 × 128 tiles) the tile scales multiply the activations, not the weights.
+:mod:`splitspec.models.fp8_tiles` (float32 multiply-adds, or f16 dots on the tensor cores, the token padded to 16
+columns); where a program's rows share a tile row (Kimi's 128 × 128 tiles) the scales multiply the activations.
 
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter, read
 when Triton is imported; the tests use it to check the arithmetic without a GPU).
@@ -57,8 +56,8 @@ DOWN_CONFIG = (16, 256, 8, 4)
 
 #: The same for FP8 routed experts, with a fifth entry: the FP8 mode (:mod:`splitspec.models.fp8_tiles`; modes
 #: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs), and
-#: for gate/up an optional sixth: split H over that many programs (more programs for few rows: the TP8 shard's 256).
-#: Paste the winners of ``bench/fp8_bench.py`` (section ``moe``) here.
+#: for gate/up an optional sixth: split H over that many programs (for few rows: the TP8 shard's 256). Paste the
+#: winners of ``bench/fp8_bench.py`` (section ``moe``) here.
 FP8_GATE_UP_CONFIG = (16, 512, 4, 4, 0)
 FP8_GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3, 0)
 FP8_DOWN_CONFIG = (16, 256, 8, 4, 0)
