@@ -1,5 +1,5 @@
-"""Quantised weight formats of published Kimi-K2-class checkpoints: parsing, dequantisation, and an
-FP8 block-scaled linear for engines built with ``--dtype fp8``.
+"""Quantised weight formats of published Kimi-K2-class checkpoints: parsing, dequantisation, and the
+dequantising FP8 block-scaled linear (the reference; GPUs run :mod:`splitspec.models.fp8_linear`).
 
 Formats (docs/formats.md, "Target checkpoints"):
 
@@ -213,19 +213,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
 
     Float weights go straight to ``F.linear``. FP8 weights are dequantised tile by tile to x's dtype
     (through float32) for this call, then multiplied: the stored weights stay FP8 (half the memory of
-    bf16), the arithmetic is x's dtype, identical to an engine whose build dequantised to that dtype.
+    bf16), the arithmetic is x's dtype, identical to an engine whose build dequantised to that dtype. The
+    reference and the CPU path; on GPUs :func:`splitspec.models.fp8_linear.linear` computes in FP8.
     """
     if scale_inv is None:
         return F.linear(x, weight)
     return F.linear(x, dequantize_fp8(weight, scale_inv, block, x.dtype))
-
-
-def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None = None,
-              s2: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """SwiGLU MLP w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) with fused gate/up ``w13`` [2·I, H] (gate rows first) and ``w2`` [H, I],
-    either float or FP8 with per-tile scales (see :func:`linear`). x: [T, H] → [T, H]."""
-    gate, up = linear(x, w13, s13, block).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w2, s2, block)
 
 
 FP8_BLOCK_KEY = "fp8.weight_block_size"  # runtime-layout tensor int64 [2] present in engines that keep FP8 weights

@@ -27,7 +27,7 @@ from splitspec import quant
 
 from splitspec.testing import fixtures
 
-from splitspec.models import fused_moe
+from splitspec.models import fp8_linear, fused_moe
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.drafter_config import DrafterConfig
@@ -282,6 +282,26 @@ def test_fp8_engine_through_the_fused_kernels(built, prompt, tp, tokens):
             patch.object(fused_moe, "fused_experts", serial(fused_moe.fused_experts)):
         got, _ = engine_logits(eng, prompt[:tokens])
     print(f"fp8 TP{tp}, {tokens} tokens: fused vs grouped logits max |Δ| {(got - ref).abs().max():.3g}, mean {(got - ref).abs().mean():.3g}")
+    _assert_bf16_close(got, ref)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not fp8_linear.available(),
+                    reason="runs the CPU engine through Triton's interpreter")
+@pytest.mark.parametrize("tokens", [4])
+def test_fp8_engine_linears_through_the_triton_kernel(built, prompt, tokens):
+    """The FP8 engine's attention and dense linears (kept FP8 in 128 × 128 tiles, some ragged) through
+    fp8_linear's Triton kernel — forced on for CPU tensors, at the ≤ 16-token configuration (a dot mode) — against
+    the dequantising path they replace."""
+    eng = built("fp8", dtype="fp8")
+    ref, _ = engine_logits(eng, prompt[:tokens])
+    calls = []
+    op = fp8_linear._linear_op
+    with patch.object(fp8_linear, "use_kernels", lambda x: True), \
+            patch.object(fp8_linear, "_linear_op", lambda *a: calls.append(tuple(a[-1])) or op(*a)):
+        got, _ = engine_logits(eng, prompt[:tokens])
+    print(f"fp8 linears, {tokens} tokens: Triton vs dequantised logits max |Δ| {(got - ref).abs().max():.3g}, "
+          f"mean {(got - ref).abs().mean():.3g}; configs {sorted(set(calls))}")
+    assert len(calls) >= 3 * 4 and set(calls) == {fp8_linear.plan(tokens, 2048, 2048, (128, 128), False)[1]}
     _assert_bf16_close(got, ref)
 
 

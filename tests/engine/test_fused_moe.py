@@ -167,6 +167,35 @@ def test_fp8_with_the_shipped_configs():
         assert (out.double() - loop_reference(x[t], local[t], weights[t], *dense)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("mode,shared_fp8,split", [(1, True, 2), (3, True, 1), (3, False, 3)])  # mode 2: test_fp8_linear
+def test_fp8_modes_match_the_dequantised_loop(monkeypatch, mode, shared_fp8, split):
+    """The FP8 modes of splitspec.models.fp8_tiles in both kernels (16 × 16 tiles, 16-row program blocks: each
+    program's rows in one tile row; I and I_s whole tiles, H = 40 ragged), FP8 shared expert included, against the
+    loop over the dequantised weights; gate/up's H in ``split`` parts (16, 16 and 8 columns of H = 40 for 3).
+    Mode 1 (float32 from the byte's bits) is exact up to the order of float32 sums; the dot modes round
+    x · scale · 2⁸ to f16 once per kernel (relative 2⁻¹¹), stated as 2⁻⁸ of the largest output. With a float shared
+    expert the kernels fall back to mode 0 (one kind of accumulator per kernel)."""
+    g = torch.Generator().manual_seed(7)
+    i, i_s, block = 32, 16, (16, 16)
+    x, local, weights = randn(T, H, g=g), problem(torch.float32)[1], torch.rand(T, TOP_K, generator=g).to(DEVICE)
+    tensors = [randn(E, 2 * i, H, g=g) / H ** 0.5, randn(E, H, i, g=g) / i ** 0.5, randn(2 * i_s, H, g=g) / H ** 0.5,
+               randn(H, i_s, g=g) / i_s ** 0.5]
+    scales = [None] * 4
+    for j in (0, 1, 2, 3) if shared_fp8 else (0, 1):
+        tensors[j], scales[j] = quant.quantize_fp8(tensors[j], block)
+    modes = []
+    pick = fused_moe.mode_for
+    monkeypatch.setattr(fused_moe, "mode_for", lambda *a: modes.append(pick(*a)) or modes[-1])
+    config = (16, 16, 1, 1, mode)
+    out = fused_moe.fused_experts(x, local, weights, *tensors, scales=scales, fp8_block=block,
+                                  gate_up_config=(*config, split), down_config=config)
+    assert modes == ([mode, mode] if shared_fp8 else [0, 0])
+    dense = [t if s is None else quant.dequantize_fp8(t, s, block) for t, s in zip(tensors, scales)]
+    ref = loop_reference(x, local, weights, *dense)
+    tol = 1e-5 if mode == 1 or not shared_fp8 else 2 ** -8 * ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() < tol
+
+
 def router(n_experts=20, top_k=4, normalize=True, scaling=2.5, seed=3):
     g = torch.Generator().manual_seed(seed)
     x, gate, bias = randn(5, 64, g=g), randn(n_experts, 64, g=g) / 8, randn(n_experts, g=g) * 0.1

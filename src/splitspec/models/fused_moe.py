@@ -25,6 +25,10 @@ when another pair of the batch has the same expert, so past a few tokens per exp
 :func:`use_fused` draws that line (:data:`MAX_TOKENS`). For the same reason the shared expert (and a dense MLP,
 whose weights every token uses) is best left to one GEMM over all tokens once there are two or more.
 
+FP8 block-scaled weights are read as FP8 and turned into arithmetic in one of the modes of
+:mod:`splitspec.models.fp8_tiles` (float32 multiply-adds, or f16 dots on the tensor cores, the token padded to 16
+columns); where a program's rows share a tile row (Kimi's 128 × 128 tiles) the scales multiply the activations.
+
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter, read
 when Triton is imported; the tests use it to check the arithmetic without a GPU).
 """
@@ -35,14 +39,7 @@ import contextlib
 
 import torch
 
-try:  # comes with CUDA builds of PyTorch; CPU-only installs may lack it
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:
-    triton = tl = None
-    jit = staticmethod  # the kernels below are then never called
+from splitspec.models.fp8_tiles import FACTORS, check_mode, column16, fp8_tile, jit, tl, triton, weight_view
 
 #: Fused kernels serve batches of at most this many tokens: T · top_k pairs each read a whole expert, so with
 #: 8 of 384 experts 16 tokens read ~1.15× the distinct experts' bytes and 32 tokens ~1.4×, where the grouped
@@ -56,6 +53,15 @@ MAX_TOKENS = 16
 GATE_UP_CONFIG = (16, 512, 4, 4)
 GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3)
 DOWN_CONFIG = (16, 256, 8, 4)
+
+#: The same for FP8 routed experts, with a fifth entry: the FP8 mode (:mod:`splitspec.models.fp8_tiles`; modes
+#: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs), and
+#: for gate/up an optional sixth: split H over that many programs (for few rows: the TP8 shard's 256). Paste the
+#: winners of ``bench/fp8_bench.py`` (section ``moe``) here.
+FP8_GATE_UP_CONFIG = (16, 512, 4, 4, 0)
+FP8_GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3, 0)
+FP8_DOWN_CONFIG = (16, 256, 8, 4, 0)
+FP8_DOWN_CONFIG_ONE_TOKEN = (16, 256, 8, 4, 0)
 
 
 def available() -> bool:
@@ -104,15 +110,20 @@ def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.con
 
 @jit
 def _weights(base, r, k, rmask, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8: tl.constexpr,
-             ONE_ROW_TILE: tl.constexpr):
-    """float32 tile [len(r), len(k)]: rows r, columns k of the weight at ``base`` (row stride ``stride_n``); FP8
-    weights times their tile's scale_inv ``scales[r // BS0, k // BS1]`` (block-scaled FP8, as
-    :func:`splitspec.quant.dequantize_fp8`) — except with ONE_ROW_TILE (all rows r in one tile row), where the
-    caller multiplies the activations by :func:`_column_scales` instead: one product per column, not per element."""
+             ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr):
+    """Tile [len(r), len(k)]: rows r, columns k of the weight at ``base`` (row stride ``stride_n``), float32; FP8
+    weights as ``fp8_tile`` makes them in MODE, times their tile's scale_inv ``scales[r // BS0, k // BS1]``
+    (block-scaled FP8, as :func:`splitspec.quant.dequantize_fp8`) — except with ONE_ROW_TILE (all rows r in one tile
+    row), where the caller multiplies the activations by :func:`_column_scales` instead: one product per column,
+    not per element (MODE 0 only without it)."""
     mask = rmask[:, None] & kmask[None, :]
-    w = tl.load(base + r[:, None].to(tl.int64) * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    if FP8 and not ONE_ROW_TILE:
-        w *= tl.load(scales + (r // BS0)[:, None] * s_stride_n + (k // BS1)[None, :], mask=mask, other=0.0)
+    w = tl.load(base + r[:, None].to(tl.int64) * stride_n + k[None, :], mask=mask, other=0.0)
+    if FP8:
+        w = fp8_tile(w, MODE)
+        if not ONE_ROW_TILE:
+            w *= tl.load(scales + (r // BS0)[:, None] * s_stride_n + (k // BS1)[None, :], mask=mask, other=0.0)
+    else:
+        w = w.to(tl.float32)
     return w
 
 
@@ -126,71 +137,132 @@ def _column_scales(v, r, k, kmask, scales, s_stride_n, BS0, BS1, FP8: tl.constex
 
 
 @jit
-def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, H, n, out_row, BS0, BS1, FP8: tl.constexpr,
-                 ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """silu(gate rows n) · (up rows n) of one expert ([2·n_rows, H] at ``rows``) against one token, to out_row[n]."""
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+def _accumulate(acc, w, v, x_mul, FP8: tl.constexpr, MODE: tl.constexpr):
+    """acc + w · v: w [BLOCK_N, BLOCK_K] from :func:`_weights`, v [BLOCK_K] float32 (FP8: times the mode's factor);
+    acc [BLOCK_N, 16] on the tensor cores (FP8 dot modes, v in column 0), else [BLOCK_N, BLOCK_K] before its row sum."""
+    if FP8 and MODE >= 2:
+        acc = tl.dot(w, column16(v * x_mul), acc)
+    elif FP8:
+        acc += w * (v * x_mul)[None, :]
+    else:
+        acc += w * v[None, :]
+    return acc
+
+
+@jit
+def _new_acc(FP8: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if FP8 and MODE >= 2:
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@jit
+def _swiglu_rows(x_row, rows, stride_n, scales, s_stride_n, n_rows, k_lo, k_hi, n, out_row, half, BS0, BS1, x_mul,
+                 out_mul, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """silu(gate rows n) · (up rows n) of one expert ([2·n_rows, H] at ``rows``) against one token, to out_row[n]; with
+    SPLIT > 1 the gate and up sums over columns [k_lo, k_hi) only, to out_row[n] and out_row[half + n] (the down
+    kernel adds the splits and applies the SiLU, :func:`_act`)."""
+    acc_g = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
+    acc_u = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-        xg = _column_scales(xv, n, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
-        xu = _column_scales(xv, n + n_rows, k, k < H, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
-        acc_g += _weights(rows, n, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
-                          ONE_ROW_TILE) * xg[None, :]
-        acc_u += _weights(rows, n + n_rows, k, n < n_rows, k < H, stride_n, scales, s_stride_n, BS0, BS1, FP8,
-                          ONE_ROW_TILE) * xu[None, :]
+        kmask = k < k_hi
+        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+        xg = _column_scales(xv, n, k, kmask, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        xu = _column_scales(xv, n + n_rows, k, kmask, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        acc_g = _accumulate(acc_g, _weights(rows, n, k, n < n_rows, kmask, stride_n, scales, s_stride_n, BS0, BS1, FP8,
+                                            ONE_ROW_TILE, MODE), xg, x_mul, FP8, MODE)
+        acc_u = _accumulate(acc_u, _weights(rows, n + n_rows, k, n < n_rows, kmask, stride_n, scales, s_stride_n, BS0,
+                                            BS1, FP8, ONE_ROW_TILE, MODE), xu, x_mul, FP8, MODE)
     g = tl.sum(acc_g, axis=1)
-    tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < n_rows)
+    u = tl.sum(acc_u, axis=1)
+    if FP8:
+        g *= out_mul
+        u *= out_mul
+    if SPLIT == 1:
+        tl.store(out_row + n, g / (1.0 + tl.exp(-g)) * u, mask=n < n_rows)
+    else:
+        tl.store(out_row + n, g, mask=n < n_rows)
+        tl.store(out_row + half + n, u, mask=n < n_rows)
 
 
 @jit
 def _gate_up(x_ptr, ids_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, act_ptr, H, I, I_s, E, top_k, pairs, stride_we, stride_wn,
-             stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, FP8: tl.constexpr,
-             SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, split_stride, half, k_per_split,
+             x_mul, out_mul, FP8: tl.constexpr, SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr,
+             SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)  # a (token, slot) pair, or past the pairs a token's shared expert
     n0 = tl.program_id(1) * BLOCK_N  # the grid covers max(I, I_s) rows: blocks past this expert's rows do nothing
     n = n0 + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(2) * k_per_split  # this program's share of the H columns (SPLIT > 1)
+    k_hi = tl.minimum(k_lo + k_per_split, H)
+    out_row = act_ptr + tl.program_id(2) * split_stride + p * act_stride
     if p < pairs:
         e = tl.load(ids_ptr + p).to(tl.int64)
         if (e >= 0) & (e < E) & (n0 < I):
             _swiglu_rows(x_ptr + (p // top_k) * H, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e, s_stride_n,
-                         I, H, n, act_ptr + p * act_stride, BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
+                         I, k_lo, k_hi, n, out_row, half, BS0, BS1, x_mul, out_mul, FP8, ONE_ROW_TILE, MODE, SPLIT,
+                         BLOCK_N, BLOCK_K)
     elif n0 < I_s:
-        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, H, n,
-                     act_ptr + p * act_stride, BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_N, BLOCK_K)
+        _swiglu_rows(x_ptr + (p - pairs) * H, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, I_s, k_lo, k_hi, n, out_row, half,
+                     BS0, BS1, x_mul, out_mul, SHARED_FP8, ONE_ROW_TILE, MODE, SPLIT, BLOCK_N, BLOCK_K)
 
 
 @jit
-def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n, scale, BS0, BS1, FP8: tl.constexpr,
-               ONE_ROW_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + (rows n of [n_rows, width] at ``rows``) · (a_row · scale), elementwise before the final row sum."""
+def _act(a_row, k, kmask, split_stride, half, SPLIT: tl.constexpr):
+    """A pair's activations at columns k: as gate/up stored them, or with SPLIT > 1 silu(Σ gate) · Σ up over the
+    splits, added in split order."""
+    if SPLIT == 1:
+        a = tl.load(a_row + k, mask=kmask, other=0.0)
+    else:
+        g = tl.load(a_row + k, mask=kmask, other=0.0)
+        u = tl.load(a_row + half + k, mask=kmask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            g += tl.load(a_row + s * split_stride + k, mask=kmask, other=0.0)
+            u += tl.load(a_row + s * split_stride + half + k, mask=kmask, other=0.0)
+        a = g / (1.0 + tl.exp(-g)) * u
+    return a
+
+
+@jit
+def _down_rows(acc, a_row, rows, stride_n, scales, s_stride_n, n_rows, width, n, scale, split_stride, half, BS0, BS1,
+               x_mul, FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """acc + (rows n of [n_rows, width] at ``rows``) · (activations at a_row · scale), as :func:`_accumulate` sums."""
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = _column_scales(tl.load(a_row + k, mask=k < width, other=0.0) * scale, n, k, k < width, scales, s_stride_n,
-                           BS0, BS1, FP8, ONE_ROW_TILE)
-        w = _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
-        acc += w * a[None, :]
+        a = _column_scales(_act(a_row, k, k < width, split_stride, half, SPLIT) * scale, n, k, k < width, scales,
+                           s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE)
+        w = _weights(rows, n, k, n < n_rows, k < width, stride_n, scales, s_stride_n, BS0, BS1, FP8, ONE_ROW_TILE, MODE)
+        acc = _accumulate(acc, w, a, x_mul, FP8, MODE)
     return acc
 
 
 @jit
 def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we,
-          stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, SHARED: tl.constexpr, FP8: tl.constexpr,
-          SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
+          stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, split_stride, half, x_mul,
+          out_mul, SHARED: tl.constexpr, FP8: tl.constexpr, SHARED_FP8: tl.constexpr, ONE_ROW_TILE: tl.constexpr,
+          MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)  # MODE > 0 only when the shared expert, if any, is FP8 too: one kind of accumulator
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _new_acc(FP8, MODE, BLOCK_N, BLOCK_K)
     for j in range(0, top_k):
         p = t * top_k + j
         e = tl.load(ids_ptr + p).to(tl.int64)
         if (e >= 0) & (e < E):
             acc = _down_rows(acc, act_ptr + p * act_stride, w_ptr + e * stride_we, stride_wn, s_ptr + e * s_stride_e,
-                             s_stride_n, H, I, n, tl.load(wt_ptr + p), BS0, BS1, FP8, ONE_ROW_TILE, BLOCK_K)
+                             s_stride_n, H, I, n, tl.load(wt_ptr + p), split_stride, half, BS0, BS1, x_mul, FP8,
+                             ONE_ROW_TILE, MODE, SPLIT, BLOCK_K)
     if SHARED:
         acc = _down_rows(acc, act_ptr + (pairs + t) * act_stride, ws_ptr, stride_wsn, ss_ptr, ss_stride_n, H, I_s, n,
-                         1.0, BS0, BS1, SHARED_FP8, ONE_ROW_TILE, BLOCK_K)
-    tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
+                         1.0, split_stride, half, BS0, BS1, x_mul, SHARED_FP8, ONE_ROW_TILE, MODE, SPLIT, BLOCK_K)
+    y = tl.sum(acc, axis=1)
+    if FP8 or SHARED_FP8:
+        y *= out_mul
+    tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 def on_device(x: torch.Tensor):
@@ -250,28 +322,49 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         ids = local.to(torch.int32).contiguous()
         BS0, BS1 = fp8_block or (1, 1)
         width = max(I, I_s)
-        act = torch.empty(T * (top_k + shared), width, dtype=torch.float32, device=x.device)
+        (gu_n, gu_k, gu_warps, gu_stages, *gu_more), (dn_n, dn_k, dn_warps, dn_stages, *dn_mode) = gate_up_config, down_config
+        # gate/up's H columns in `split` shares: partial gate and up sums [split, pairs, 2, width], added by down
+        steps = triton.cdiv(H, gu_k)
+        per = triton.cdiv(steps, max(1, min(gu_more[1] if len(gu_more) > 1 else 1, steps))) * gu_k
+        split = triton.cdiv(H, per)
+        act = torch.empty(split, T * (top_k + shared), (1 if split == 1 else 2) * width, dtype=torch.float32,
+                          device=x.device)
         out = torch.empty_like(x)
-        (gu_n, gu_k, gu_warps, gu_stages), (dn_n, dn_k, dn_warps, dn_stages) = gate_up_config, down_config
+        # each gate/up program's gate rows lie in one tile row, and so do its up rows; each down program's rows
+        gu_one, dn_one = BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0, BS0 % dn_n == 0
+        gu_mode = mode_for(gu_more[:1], gu_one, s13, ss13, shared, gu_n, gu_k, "gate_up")
+        dn_mode = mode_for(dn_mode, dn_one, s2, ss2, shared, dn_n, dn_k, "down")
 
         def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
             s, ss = (w if s is None else s), (ws if ss is None else ss)
             return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
 
         (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
-        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
-            x, ids, w13, ws13, p13, ps13, act, H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2),
-            ws13.stride(-2), *st13, BS0, BS1, width, FP8=s13 is not None, SHARED_FP8=ss13 is not None,
-            # each program's gate rows lie in one tile row, and so do its up rows
-            ONE_ROW_TILE=BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0,
-            BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
+        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n), split)](
+            x, ids, weight_view(w13, gu_mode), weight_view(ws13, gu_mode), p13, ps13, act, H, I, I_s, E, top_k,
+            T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1, act.stride(1), act.stride(0),
+            width, per, *FACTORS[gu_mode], FP8=s13 is not None, SHARED_FP8=ss13 is not None, ONE_ROW_TILE=gu_one,
+            MODE=gu_mode, SPLIT=split, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
         (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
         _down[(T, triton.cdiv(H, dn_n))](
-            act, ids, weights.to(torch.float32).contiguous(), w2, ws2, p2, ps2, out, H, I, I_s, E, top_k, T * top_k,
-            w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1, width, SHARED=shared, FP8=s2 is not None,
-            SHARED_FP8=ss2 is not None, ONE_ROW_TILE=BS0 % dn_n == 0, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps,
-            num_stages=dn_stages)
+            act, ids, weights.to(torch.float32).contiguous(), weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2,
+            ps2, out, H, I, I_s, E, top_k, T * top_k, w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1,
+            act.stride(1), act.stride(0), width, *FACTORS[dn_mode], SHARED=shared, FP8=s2 is not None,
+            SHARED_FP8=ss2 is not None, ONE_ROW_TILE=dn_one, MODE=dn_mode, SPLIT=split, BLOCK_N=dn_n, BLOCK_K=dn_k,
+            num_warps=dn_warps, num_stages=dn_stages)
         return out
+
+
+def mode_for(asked: list[int], one_row_tile: bool, s: torch.Tensor | None, ss: torch.Tensor | None, shared: bool,
+             block_n: int, block_k: int, kernel: str) -> int:
+    """The FP8 mode a kernel runs: the config's (``asked``, [] → 0) when its routed weights are FP8, so is the shared
+    expert's (if any), and each program's rows lie in one tile row; else 0. Raises ValueError for a mode the
+    blocks cannot run (:func:`splitspec.models.fp8_tiles.check_mode`)."""
+    mode = asked[0] if asked else 0
+    if s is None or (shared and ss is None) or not one_row_tile:
+        return 0
+    check_mode(mode, block_n, block_k, f"fused_experts {kernel} config")
+    return mode
 
 
 @_experts_op.register_fake
@@ -282,8 +375,7 @@ def _(x, local, weights, w13, w2, shared_w13, shared_w2, scales, fp8_block, gate
 def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                   scales: tuple[torch.Tensor | None, ...] = (None,) * 4, fp8_block: tuple[int, int] | None = None,
-                  gate_up_config: tuple[int, int, int, int] | None = None,
-                  down_config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  gate_up_config: tuple[int, ...] | None = None, down_config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Routed experts of this rank, plus the shared expert if given, for a few tokens, in two kernels.
 
     Same contract as :func:`splitspec.models.grouped_moe.grouped_experts`: x [T, H] (float dtype d); local [T, top_k]
@@ -294,9 +386,15 @@ def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w
     (w13, w2, shared_w13, shared_w2; None for a float weight) of ``fp8_block`` (rows, cols) elements — read as
     FP8 and scaled in registers, never dequantised to memory. Returns [T, H] dtype d:
     Σ_slots weight · w2[e] (silu(gate) · up) (+ the shared expert's), accumulated in float32. The configs
-    (BLOCK_N, BLOCK_K, num_warps, num_stages) override :data:`GATE_UP_CONFIG` (:data:`GATE_UP_CONFIG_ONE_TOKEN`
-    when T = 1) / :data:`DOWN_CONFIG` (for sweeps).
+    (BLOCK_N, BLOCK_K, num_warps, num_stages[, FP8 mode[, gate/up's split of H]]) override the defaults (for sweeps;
+    a split sums the parts in a fixed order: deterministic, batch-invariant for one config): float routed experts
+    :data:`GATE_UP_CONFIG` (:data:`GATE_UP_CONFIG_ONE_TOKEN` when T = 1) and :data:`DOWN_CONFIG`; FP8 ones the
+    ``FP8_*`` configs. The dot modes round the scaled activations to f16 (:mod:`splitspec.models.fp8_tiles`).
     """
-    gate_up_config = gate_up_config or (GATE_UP_CONFIG_ONE_TOKEN if x.shape[0] == 1 else GATE_UP_CONFIG)
+    one = x.shape[0] == 1
+    if scales[0] is not None:
+        gate_up_config = gate_up_config or (FP8_GATE_UP_CONFIG_ONE_TOKEN if one else FP8_GATE_UP_CONFIG)
+        down_config = down_config or (FP8_DOWN_CONFIG_ONE_TOKEN if one else FP8_DOWN_CONFIG)
+    gate_up_config = gate_up_config or (GATE_UP_CONFIG_ONE_TOKEN if one else GATE_UP_CONFIG)
     return _experts_op(x, local, weights, w13, w2, shared_w13, shared_w2, list(scales), list(fp8_block or ()),
                        list(gate_up_config), list(down_config or DOWN_CONFIG))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fused_moe, int4_routed
+from splitspec.models import fp8_linear, fused_moe, int4_routed
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, mla_attention, rms_norm
@@ -98,6 +98,8 @@ class TargetModel:
         self.device = weights["embed_tokens"].device
         self.fp8_block = quant.block_size_of(weights)  # FP8 tile when the engine keeps FP8 linears (``build --dtype fp8``), else None
         self.int4_group = quant.group_size_of(weights)  # INT4 group when routed experts are kept packed (``--dtype int4``)
+        # FP8 linears of many tokens through torch._scaled_mm's block scaling where this GPU has it
+        self.fp8_scaled_mm = self.fp8_block is not None and fp8_linear.scaled_mm_supported(self.device)
         self.rotary = Rotary(cfg.rope, self.device)
         self.local_heads = cfg.num_attention_heads // mapping.tp_size
         self.vocab_start = rank * (cfg.vocab_size // mapping.tp_size)
@@ -139,13 +141,15 @@ class TargetModel:
         return h, self.linear(o, lw, "attn.o_proj")
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles (see :func:`splitspec.quant.linear`)."""
-        return quant.linear(x, lw[name], lw.get(name + ".scale_inv"), self.fp8_block)
+        """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles, executed in FP8 on the GPU
+        and dequantised on CPU (:func:`splitspec.models.fp8_linear.linear`)."""
+        return fp8_linear.linear(x, lw[name], lw.get(name + ".scale_inv"), self.fp8_block, self.fp8_scaled_mm)
 
     def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        """SwiGLU over ``prefix + "w13"`` / ``prefix + "w2"`` of ``lw`` (dense or shared expert), float or FP8."""
-        w13, w2 = prefix + "w13", prefix + "w2"
-        return quant.gated_mlp(x, lw[w13], lw[w2], lw.get(w13 + ".scale_inv"), lw.get(w2 + ".scale_inv"), self.fp8_block)
+        """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``prefix + "w13"`` [2·I, H] (gate rows first) / ``prefix + "w2"`` [H, I]
+        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]."""
+        gate, up = self.linear(x, lw, prefix + "w13").chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, lw, prefix + "w2")
 
     def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Routed (this rank's experts / intermediate slice) plus shared experts. x: [T, H] → [T, H] partial sum.
