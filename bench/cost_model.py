@@ -6,9 +6,13 @@ Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
     .venv/bin/python bench/cost_model.py docs/lab/2026-11-30-tuner-grouped-gemm/h200x2-2026-11-30-tune-interleaved.json   # the tuner's score
     .venv/bin/python bench/cost_model.py --png results/ docs/lab/2026-12-01-h200-tp1-cost-model-tuner/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
 
+    .venv/bin/python bench/cost_model.py results/depth-fit/depth_fit.json   # the full-depth model of a bench/depth_fit.py fit
+
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
-full-depth model (overhead + bytes / (bandwidth · efficiency), fitted at the TP8 shard shape).
+full-depth model (overhead + bytes / (bandwidth · efficiency), fitted at the TP8 shard shape). A
+``bench/depth_fit.py`` result instead calibrates it with the full-depth rank's own form fitted at short depths
+(``KimiScale.from_depth_fit``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import sys
 from pathlib import Path
 
 from splitspec.files import write_png
-from splitspec.measure.cost_model import FEATURES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model, fit_layer_costs
+from splitspec.measure.cost_model import (FEATURES, INT4_G32_BYTES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model,
+                                         fit_layer_costs)
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 
 
@@ -199,6 +204,25 @@ def kimi_report(d: dict) -> None:
           f"{step:.2f} ms per TP8 draft step (model: {pcie.draft_step_ms(1, 'tp8'):.2f} ms; TP1 step {pcie.draft_step_ms(1, 'tp1'):.2f} ms).")
 
 
+def depth_fit_report(d: dict) -> None:
+    """The full-depth model of a ``bench/depth_fit.py`` result: ``KimiScale.from_depth_fit`` (one rank's compute as
+    fitted at short depths, KimiScale's 2 × H200 collectives), no speculation and the best k of each placement by
+    batch, k among those the fit has for it."""
+    tp, L, fit, prof = d["tp"], d["target_layers"], d["fit"], KIMI_DRAFTER_PROFILE
+    m = KimiScale.from_depth_fit(fit, tp=tp, routed_expert_weight_bytes=INT4_G32_BYTES)
+    depths = sorted({x for f in fit for x in f["depths"]})
+    print(f"\n## Kimi-K2, {L} layers, TP{tp} (model: one rank fitted at {depths} layers, all-reduce α = "
+          f"{m.allreduce_alpha_us:.0f} µs)\n\n| batch | model ms/verify (k=0) | no speculation tok/s | best k, drafter TP1 | "
+          f"best k, drafter TP{tp} |\n|---|---|---|---|---|")
+    for B in sorted({f["batch"] for f in fit}):
+        k0, cells = m.tokens_per_s(B, 0, "tp1", prof, L), []
+        for p in ("tp1", f"tp{tp}"):
+            ks = sorted({f["k"] for f in fit if f["batch"] == B and (f["k"] == 0 or (f["draft_tp"] == 1) == (p == "tp1"))})
+            k, r = max(((k, m.tokens_per_s(B, k, p, prof, L)) for k in ks), key=lambda kr: kr[1])
+            cells.append(f"k={k}: {r:.0f} (×{r / k0:.2f})")
+        print(f"| {B} | {m.verify_ms(B, 0, L):.2f} | {k0:.0f} | {cells[0]} | {cells[1]} |")
+
+
 def tune_report(t: dict) -> None:
     """The tuner's choice scored against the file's exhaustive sweep and against its own second sweep."""
     c = t["choice"]
@@ -220,10 +244,14 @@ def main(paths: list[str], png: Path | None = None) -> None:
     for path in paths:
         try:
             d = json.loads(open(path, encoding="utf-8").read())
+            if "fit" in d and "depths" in d:  # a bench/depth_fit.py result
+                print(f"## {path} ({d.get('machine', {}).get('gpus')}, {d['label']})")
+                depth_fit_report(d)
+                continue
             print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
             rows = sweep_rows(d)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            sys.exit(f"{path}: not a bench/gpu_bench.py result ({type(e).__name__}: {e})")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            sys.exit(f"{path}: not a bench/gpu_bench.py or bench/depth_fit.py result ({type(e).__name__}: {e})")
         if rows:
             fit_report(path.rsplit("/", 1)[-1], rows, png)
         if "rows" in d.get("layers", {}):

@@ -42,6 +42,7 @@ from lab import NO_NVLINK_MULTICAST
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 from splitspec.files import write_atomic, write_json, write_png
 from splitspec.measure.cost_model import INT4_G32_BYTES, KimiScale, expected_acceptance_length
+from splitspec.models.fused_moe import MAX_TOKENS
 
 START = time.monotonic()
 REPO = Path(__file__).resolve().parent.parent
@@ -237,22 +238,27 @@ def elapsed() -> str:
     return f"[{time.monotonic() - START:5.0f} s]"
 
 
+def fused(B: int, k: int) -> bool:
+    """Whether a verify of B·(k + 1) tokens takes the fused decode kernels (else the grouped INT4 path)."""
+    return B * (k + 1) <= MAX_TOKENS
+
+
 def todo(a, rows: list[dict]) -> list[tuple[int, int, int | None]]:
-    """(batch, k, draft_tp) still to measure, in order: verifies of up to 16 tokens first (the fused decode kernels;
-    batch 1's rows, all there for its speed-ups), then the larger ones (a new compilation per chunk count of the
-    grouped INT4 path: the slowest rows to start), each by batch and k, k = 0 (no drafter) before each k's
+    """(batch, k, draft_tp) still to measure, in order: verifies of up to MAX_TOKENS tokens first (the fused decode
+    kernels; batch 1's rows, all there for its speed-ups), then the larger ones (a new compilation per chunk count of
+    the grouped INT4 path: the slowest rows to start), each by batch and k, k = 0 (no drafter) before each k's
     placements; those of ``rows`` (an earlier run's, ``--resume``) left out."""
     placements = (1, a.tp) if a.tp > 1 else (1,)
     done = {(r["batch"], r["k"], r["draft_tp"]) for r in rows}
-    order = sorted(((B, k) for B in a.batches for k in a.ks), key=lambda bk: (bk[0] * (bk[1] + 1) > 16, bk))
+    order = sorted(((B, k) for B in a.batches for k in a.ks), key=lambda bk: (not fused(*bk), bk))
     return [(B, k, d) for B, k in order for d in (placements if k else (None,)) if (B, k, d) not in done]
 
 
-def measure_rows(a, res: dict, save) -> None:
-    """Load the synthetic INT4 engine (rank 0 of TP ``a.tp``, fake peers, both placements) and append a row per
-    :func:`todo` entry to ``res["rows"]`` — B sequences of 16-token prompts decoding, steady cycles only
-    (``splitspec.measure.tune.steady_round``) — calling ``save`` after each; no row starts after ``a.budget_s`` s
-    of the script's time (those go to ``res["skipped"]``)."""
+def measure_rows(a, res: dict, save, only=None) -> None:
+    """Load the synthetic INT4 engine (rank 0 of TP ``a.tp``, ``a.layers`` deep, fake peers, both placements) and
+    append a row per :func:`todo` entry (those ``only`` keeps, if given) to ``res["rows"]`` — B sequences of 16-token
+    prompts decoding, steady cycles only (``splitspec.measure.tune.steady_round``) — calling ``save`` after each; no
+    row starts after ``a.budget_s`` s of the script's time (those go to ``res["skipped"]``); nothing to do: no load."""
     import torch
 
     from splitspec.build.synthetic import write_synthetic_engines
@@ -261,7 +267,7 @@ def measure_rows(a, res: dict, save) -> None:
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.settings import ServeConfig
 
-    rows_to_do = todo(a, res["rows"])
+    rows_to_do = [t for t in todo(a, res["rows"]) if only is None or only(t)]
     if not rows_to_do:
         return
     B_max, seq = max(a.batches), a.max_seq_len
@@ -300,6 +306,19 @@ def measure_rows(a, res: dict, save) -> None:
         group.close()
 
 
+def parse_grid(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """``a.ks`` ("0-5" or "0,2,4") and ``a.batches`` ("1,4,16") as lists of ints, or ``ap.error``."""
+    try:
+        lo, _, hi = a.ks.partition("-")
+        a.ks = list(range(int(lo), int(hi) + 1)) if hi else [int(x) for x in a.ks.split(",")]
+        a.batches = [int(x) for x in a.batches.split(",")]
+    except ValueError:
+        ap.error(f"--ks {a.ks!r} / --batches {a.batches!r}: expected integers, like 0-5 and 1,4,16")
+    if 0 not in a.ks or min(a.ks) < 0 or max(a.ks) > 8 or min(a.batches) < 1 or max(a.batches) > 256:
+        ap.error(f"--ks {a.ks} must hold 0 and lie in 0..8; --batches {a.batches} in 1..256")
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--layers", type=int, default=61, help="target layers (1 dense + MoE)")
@@ -316,15 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     "and measure only the missing ones (after a time-out)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script, measures nothing useful")
     ap.add_argument("--out", type=Path, default=Path("bench/results/full_depth_rank"), help="results folder")
-    a = ap.parse_args(argv)
-    try:
-        lo, _, hi = a.ks.partition("-")
-        a.ks = list(range(int(lo), int(hi) + 1)) if hi else [int(x) for x in a.ks.split(",")]
-        a.batches = [int(x) for x in a.batches.split(",")]
-    except ValueError:
-        ap.error(f"--ks {a.ks!r} / --batches {a.batches!r}: expected integers, like 0-5 and 1,4,16")
-    if 0 not in a.ks or min(a.ks) < 0 or max(a.ks) > 8 or min(a.batches) < 1 or max(a.batches) > 256:
-        ap.error(f"--ks {a.ks} must hold 0 and lie in 0..8; --batches {a.batches} in 1..256")
+    a = parse_grid(ap, ap.parse_args(argv))
     if a.layers < 2 or a.tp < 1 or a.cycles < 1:
         ap.error(f"--layers {a.layers} (≥ 2: one dense, then MoE), --tp {a.tp} (≥ 1), --cycles {a.cycles} (≥ 1)")
     if a.out.exists() and not a.out.is_dir():

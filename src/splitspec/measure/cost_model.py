@@ -12,7 +12,9 @@ E(T) = distinct routed experts activated by T tokens (at batch 1 an MoE verify o
 8(k+1) experts per layer — the model counts experts, not tokens). Tokens per second =
 B · acceptance_length(k) / t_cycle. :func:`fit_cycle_model` fits the coefficients by least squares on
 measured cycles and reports in-sample and leave-one-out errors; :class:`KimiScale` extrapolates to the
-published model's 61 layers at TP8 from bytes read per layer, HBM bandwidth and all-reduce latency.
+published model's 61 layers at TP8 from bytes read per layer, HBM bandwidth and all-reduce latency, or
+(:meth:`KimiScale.from_depth_fit`) from :func:`fit_depth`'s lines: each (batch, k, placement) of one rank measured
+at a few short depths of the same engine form (``bench/depth_fit.py``), carried to 61 layers along its depth.
 """
 
 from __future__ import annotations
@@ -90,6 +92,50 @@ def expected_acceptance_length(profile: list[float], k: int) -> float:
     return total
 
 
+#: The measured quantities :func:`fit_depth` fits, ms per cycle: the whole cycle (wall, median), its draft and verify phases.
+DEPTH_QUANTITIES = ("cycle_ms", "draft_ms", "verify_ms")
+
+
+def fit_depth(rows: list[dict]) -> list[dict]:
+    """Each (batch, k, draft_tp) row's cost against depth, from one engine form measured at two or more depths.
+
+    ``rows``: keys ``layers`` (the target's depth, ≥ 2: the first layer dense, the rest MoE, as in Kimi-K2), ``batch``,
+    ``k``, ``draft_tp`` (None at k = 0) and :data:`DEPTH_QUANTITIES` (ms). For every (batch, k, draft_tp) measured at two
+    or more distinct depths, each quantity q by least squares: q(layers) = fixed_ms + per_moe_layer_ms · (layers − 1),
+    where fixed_ms holds what a cycle pays once whatever the depth — the dense first layer (always one: not separable
+    from the rest), embedding, lm_head, the drafter, the host. Returns one dict per such row, sorted by (draft_tp,
+    batch, k): batch, k, draft_tp, depths (sorted) and per quantity {"fixed_ms", "per_moe_layer_ms", "max_residual":
+    the largest |fit − measured| / measured over its rows (0 through two depths)}. Rows at one depth only are left out.
+    Raises ValueError naming a row with a key missing, a depth below 2 or a cost that is not a positive number."""
+    groups: dict[tuple, list[dict]] = {}
+    for i, r in enumerate(rows):
+        try:
+            key, L = (int(r["batch"]), int(r["k"]), r["draft_tp"]), int(r["layers"])
+            ok = L >= 2 and all(float(r[q]) >= 0 for q in DEPTH_QUANTITIES) and float(r["cycle_ms"]) > 0
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"depth fit: row {i} ({r!r:.120}): expected layers, batch, k, draft_tp and "
+                             f"{', '.join(DEPTH_QUANTITIES)} ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise ValueError(f"depth fit: row {i} (layers {r['layers']}, batch {r['batch']}, k {r['k']}): expected ≥ 2 layers "
+                             f"and non-negative costs, a positive cycle_ms")
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (B, k, dtp), rs in sorted(groups.items(), key=lambda kv: (kv[0][2] or 0, kv[0][0], kv[0][1])):
+        depths = sorted({int(r["layers"]) for r in rs})
+        if len(depths) < 2:
+            continue
+        X = np.array([[1.0, int(r["layers"]) - 1.0] for r in rs])
+        fit = {"batch": B, "k": k, "draft_tp": dtp, "depths": depths}
+        for q in DEPTH_QUANTITIES:
+            y = np.array([float(r[q]) for r in rs])
+            (c0, c1), *_ = np.linalg.lstsq(X, y, rcond=None)
+            resid = np.abs(X @ np.array([c0, c1]) - y) / np.maximum(y, 1e-9)
+            fit[q] = {"fixed_ms": float(c0), "per_moe_layer_ms": float(c1),
+                      "max_residual": float(resid.max()) if len(depths) > 2 else 0.0}
+        out.append(fit)
+    return out
+
+
 def fit_layer_costs(rows: list[dict], hbm_GBps: float) -> tuple[float, float, float]:
     """Fit one MoE layer's measured time as overhead + weight bytes / (hbm_GBps · efficiency), least squares on
     relative residuals. rows: ``bench/gpu_bench.py`` layer rows (keys ms, weight_bytes) of one TP shard shape.
@@ -110,6 +156,10 @@ class KimiScale:
     layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
     draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded.
 
+    With ``depth_fit`` (:meth:`from_depth_fit`) one rank's compute comes from measured lines instead (:meth:`fitted_ms`),
+    the collectives from α and β as above: verify = fitted verify + (2·layers + 1) all-reduces of T rows; cycle =
+    fitted cycle (host, draft and verify together) + the verify's collectives + 3 per draft step when sharded.
+
     All inputs are explicit so each figure in docs/performance.md can be traced to a measurement.
     """
 
@@ -125,8 +175,46 @@ class KimiScale:
     draft_step_shard_ms: float = 0.17   # same, TP8 shard before communication, in a graph (docs/architecture.md)
     fixed_cycle_ms: float = 0.3         # scheduler + one host copy per cycle
     routed_expert_weight_bytes: float = 2.0  # bf16; INT4_G32_BYTES for INT4 experts with group-32 bf16 scales
+    depth_fit: tuple = ()               # fit_depth's rows (from_depth_fit); empty: the per-layer bytes model above
 
     H: int = 7168
+
+    @classmethod
+    def from_depth_fit(cls, fit: list[dict], **fields) -> "KimiScale":
+        """The model whose rank compute is ``fit`` (:func:`fit_depth` of one rank of this engine form at short depths,
+        e.g. ``bench/depth_fit.py``'s ``fit``); ``fields`` set the rest (``tp``, ``allreduce_alpha_us``, ...). Raises
+        ValueError for an empty fit (nothing measured at two depths)."""
+        if not fit:
+            raise ValueError("KimiScale.from_depth_fit: no row fitted (each needs two or more depths)")
+        return cls(depth_fit=tuple(fit), **fields)
+
+    def fitted_ms(self, quantity: str, B: int, k: int, placement: str | None, layers: int = 61) -> float:
+        """One rank's ``quantity`` (:data:`DEPTH_QUANTITIES`) ms at ``layers`` from :attr:`depth_fit`: the row of (B, k)
+        and ``placement`` ("tp1": the split drafter's, another: the sharded one's, None: either, averaged; k = 0 rows
+        serve both); a k without a row linear in k between (past the ends: along) the batch's two nearest fitted ks, a
+        batch without rows linear in B between its fitted neighbours. Raises ValueError outside the fitted batches,
+        and for a k of a batch with fewer than two fitted ks."""
+        pts = {}
+        for r in self.depth_fit:
+            if r["k"] == 0 or placement is None or (r["draft_tp"] == 1) == (placement == "tp1"):
+                line = r[quantity]
+                pts.setdefault((r["batch"], r["k"]), []).append(line["fixed_ms"] + line["per_moe_layer_ms"] * (layers - 1))
+        batches = sorted({b for b, _ in pts})
+        if B not in batches:
+            lo, hi = max((b for b in batches if b < B), default=None), min((b for b in batches if b > B), default=None)
+            if lo is None or hi is None:
+                raise ValueError(f"depth fit: batch {B} outside the fitted batches {batches}")
+            w = (B - lo) / (hi - lo)
+            return (1 - w) * self.fitted_ms(quantity, lo, k, placement, layers) + w * self.fitted_ms(quantity, hi, k, placement, layers)
+        at = {kk: float(np.mean(v)) for (b, kk), v in pts.items() if b == B}
+        if k in at:
+            return at[k]
+        ks = sorted(at)
+        if len(ks) < 2:
+            raise ValueError(f"depth fit: batch {B}, k {k}: fitted k {ks} only (two or more needed to carry it to other k)")
+        below, above = [x for x in ks if x < k], [x for x in ks if x > k]
+        a, b = (below[-1], above[0]) if below and above else (ks[-2], ks[-1]) if below else (ks[0], ks[1])
+        return at[a] + (k - a) * (at[b] - at[a]) / (b - a)
 
     def allreduce_us(self, tokens: int) -> float:
         return self.allreduce_alpha_us + tokens * self.H * 2 / (self.allreduce_GBps * 1e3)
@@ -141,6 +229,8 @@ class KimiScale:
 
     def verify_ms(self, B: int, k: int, layers: int = 61) -> float:
         T = B * (k + 1)
+        if self.depth_fit:
+            return self.fitted_ms("verify_ms", B, k, None, layers) + (2 * layers + 1) * self.allreduce_us(T) / 1e3
         bw = self.hbm_GBps * self.efficiency * 1e6  # bytes per ms
         per_layer = [self.layer_bytes(T, moe=i > 0) / bw + (self.layer_overhead_us + 2 * self.allreduce_us(T)) / 1e3
                      for i in range(layers)]
@@ -159,6 +249,10 @@ class KimiScale:
         return self.draft_step_shard_ms * (1 + 0.045 * (B - 1)) + 3 * self.allreduce_us(B) / 1e3
 
     def cycle_ms(self, B: int, k: int, placement: str, layers: int = 61) -> float:
+        if self.depth_fit:
+            draft_comm = 3 * k * self.allreduce_us(B) / 1e3 if placement != "tp1" else 0.0
+            return (self.fitted_ms("cycle_ms", B, k, placement, layers) + draft_comm
+                    + (2 * layers + 1) * self.allreduce_us(B * (k + 1)) / 1e3)
         return self.fixed_cycle_ms + k * self.draft_step_ms(B, placement) + self.verify_ms(B, k, layers)
 
     def tokens_per_s(self, B: int, k: int, placement: str, profile: list[float], layers: int = 61) -> float:
