@@ -93,7 +93,7 @@ def _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M: tl.constexpr):
 @jit
 def _gate_up_grouped(xp_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, p_ptr, s_ptr, act_ptr, H, I, top_k, stride_pe,
                      stride_pn, stride_se, stride_sn, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     """act [P, I] (bf16; float32 under the interpreter) at the permuted column (n % 4)·(I/4) + n // 4; xp [T, H]: x at column j·(H/4) + w for 4w + j."""
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,11 +105,14 @@ def _gate_up_grouped(xp_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, p_ptr,
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            vg, sg = int4_moe.weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
-            vu, su = int4_moe.weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
+            vg, sg = int4_moe.weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                          EVEN_K)
+            vu, su = int4_moe.weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                          EVEN_K)
             w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            kmask = int4_moe.k_mask(w, H, EVEN_K)
             for j in tl.static_range(4):
-                xb = tl.load(x_cols + j * (H // 4) + w[:, None], mask=(w < H // 4)[:, None] & pm[None, :], other=0.0)
+                xb = tl.load(x_cols + j * (H // 4) + w[:, None], mask=kmask[:, None] & pm[None, :], other=0.0)
                 xb = int4_moe.operand(xb, MODE)
                 acc_g = tl.dot(int4_moe.dequant(vg, sg, j, MODE), xb, acc_g)
                 acc_u = tl.dot(int4_moe.dequant(vu, su, j, MODE), xb, acc_u)
@@ -122,7 +125,7 @@ def _gate_up_grouped(xp_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, p_ptr,
 @jit
 def _down_grouped(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, stride_pe,
                   stride_pn, stride_se, stride_sn, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     """out [P, H] float32: each pair's routing weight · W2[e] act, at row t·top_k + slot."""
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,11 +135,13 @@ def _down_grouped(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, 
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            v, sc = int4_moe.weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
+            v, sc = int4_moe.weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                         EVEN_K)
             w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            kmask = int4_moe.k_mask(w, I, EVEN_K)
             for j in tl.static_range(4):
-                ab = tl.load(act_ptr + pair[None, :] * I + j * (I // 4) + w[:, None],
-                             mask=(w < I // 4)[:, None] & pm[None, :], other=0.0)
+                ab = tl.load(act_ptr + pair[None, :] * I + j * (I // 4) + w[:, None], mask=kmask[:, None] & pm[None, :],
+                             other=0.0)
                 acc = tl.dot(int4_moe.dequant(v, sc, j, MODE), int4_moe.operand(ab, MODE), acc)
         wt = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(out_ptr + pair[None, :] * H + n[:, None], acc * wt[None, :], mask=(n < H)[:, None] & pm[None, :])
@@ -157,14 +162,15 @@ def _int4_grouped_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         (gm, gn, gk, gw, gs), (dm, dn, dk, dw, ds) = gate_up_config, down_config
         act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
         blocks = expert_blocks(local, E, gm)
+        gk, dk = min(gk, triton.next_power_of_2(H)), min(dk, triton.next_power_of_2(I))
         _gate_up_grouped[(blocks[1].shape[0], triton.cdiv(I, gn))](
             xp, *blocks, q13, s13, act, H, I, top_k, q13.stride(0), q13.stride(1), s13.stride(0), s13.stride(1), G=group,
-            BLOCK_M=gm, BLOCK_N=gn, BLOCK_K=min(gk, triton.next_power_of_2(H)), MODE=mode, num_warps=gw, num_stages=gs)
+            BLOCK_M=gm, BLOCK_N=gn, BLOCK_K=gk, EVEN_K=H % gk == 0, MODE=mode, num_warps=gw, num_stages=gs)
         out = torch.zeros(P, H, dtype=torch.float32, device=x.device)  # another rank's pairs: rows of zeros
         blocks = blocks if dm == gm else expert_blocks(local, E, dm)
         _down_grouped[(blocks[1].shape[0], triton.cdiv(H, dn))](
             act, *blocks, wts, q2, s2, out, H, I, q2.stride(0), q2.stride(1), s2.stride(0), s2.stride(1), G=group,
-            BLOCK_M=dm, BLOCK_N=dn, BLOCK_K=min(dk, triton.next_power_of_2(I)), MODE=mode, num_warps=dw, num_stages=ds)
+            BLOCK_M=dm, BLOCK_N=dn, BLOCK_K=dk, EVEN_K=I % dk == 0, MODE=mode, num_warps=dw, num_stages=ds)
         return out.view(T, top_k, H).sum(1).to(x.dtype)
 
 

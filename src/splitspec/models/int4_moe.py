@@ -99,16 +99,29 @@ def operand(v, MODE: tl.constexpr):
 
 @jit
 def weight_tile(packed, scales, rows, rmask, k0, K, stride_pn, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """(int16 [BLOCK_N, BLOCK_K/4]: the packed columns k0..k0+BLOCK_K of ``rows``, read as int16 — ``packed`` points
-    to int16 — and bf16 [BLOCK_N, BLOCK_K/4]: each int16's group scale, 0 past K or outside ``rmask``)."""
+    to int16 — and bf16 [BLOCK_N, BLOCK_K/4]: each int16's group scale, 0 past K or outside ``rmask``). EVEN_K: K is
+    a multiple of BLOCK_K, no mask along K (a mask Triton cannot prove constant over 8 int16 halves the loads' width)."""
     w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    r = rows[:, None].to(tl.int64)
-    v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None] & (w < K // 4)[None, :], other=0)
     g = k0 // G + tl.arange(0, BLOCK_K // G)
-    s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None] & (g < K // G)[None, :], other=0.0)
+    r = rows[:, None].to(tl.int64)
+    if EVEN_K:
+        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None], other=0)
+        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None], other=0.0)
+    else:
+        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None] & (w < K // 4)[None, :], other=0)
+        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None] & (g < K // G)[None, :], other=0.0)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // G, G // 4]), [BLOCK_N, BLOCK_K // 4])
     return v, s
+
+
+@jit
+def k_mask(w, K, EVEN_K: tl.constexpr):
+    """Columns w (int16 index) inside K: w < K / 4, or every one when EVEN_K."""
+    if EVEN_K:
+        return w >= 0
+    return w < K // 4
 
 
 @jit
@@ -173,9 +186,9 @@ def _down_fma(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, s
 
 
 @jit
-def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, pairs, k_share, stride_pe, stride_pn,
+def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, pairs, steps, stride_pe, stride_pn,
                  stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, MODE: tl.constexpr):
+                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
     [splits, pairs, 2, I] (gate, up) for
     :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w)."""
@@ -187,12 +200,13 @@ def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, pairs, k
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
         acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for k0 in range(s * k_share, tl.minimum(s * k_share + k_share, H), BLOCK_K):
-            vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
-            vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
+        for kb in range(s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))):  # this split's K steps
+            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
+            vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+            vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
             w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
             for j in tl.static_range(4):
-                xj = operand(tl.load(x_row + 4 * w + j, mask=w < H // 4, other=0.0), MODE)
+                xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
                 b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
                 acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
                 acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
@@ -225,7 +239,7 @@ def _silu_mul(part_ptr, ids_ptr, act_ptr, pairs, I, E, splits, BLOCK: tl.constex
 @jit
 def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slot_share, stride_pe, stride_pn,
               stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ATOMIC: tl.constexpr, MODE: tl.constexpr):
+              ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     t, sp = tl.program_id(0), tl.program_id(2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -236,10 +250,10 @@ def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slo
             packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
             acc_e = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
-                v, sc = weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K)
+                v, sc = weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
                 w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
                 for jn in tl.static_range(4):
-                    a = operand(tl.load(a_ptr + p * I + jn * (I // 4) + w, mask=w < I // 4, other=0.0), MODE)
+                    a = operand(tl.load(a_ptr + p * I + jn * (I // 4) + w, mask=k_mask(w, I, EVEN_K), other=0.0), MODE)
                     acc_e = tl.dot(dequant(v, sc, jn, MODE), tl.broadcast_to(a[:, None], [BLOCK_K // 4, 16]), acc_e)
             acc += tl.load(wt_ptr + p) * acc_e
     y = column0(acc)
@@ -313,13 +327,13 @@ def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         q13, q2 = p13.view(torch.int16), p2.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
         blocks = triton.cdiv(I, gu_n)
         gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
-        share = triton.cdiv(triton.cdiv(H, gs), gu_k) * gu_k
-        gs = triton.cdiv(H, share)
+        steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
+        gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
         act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
         part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
-        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, P, share, q13.stride(0), q13.stride(1),
+        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, P, steps, q13.stride(0), q13.stride(1),
                                       s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k, PARTIAL=gs > 1,
-                                      MODE=mode, num_warps=gu_w, num_stages=gu_s)
+                                      EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
         if gs > 1:
             _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
         ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, x.device)
@@ -328,7 +342,8 @@ def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if ds > 1 else torch.empty_like(x)
         _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
                                                  q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
-                                                 BLOCK_K=dn_k, ATOMIC=ds > 1, MODE=mode, num_warps=dn_w, num_stages=dn_s)
+                                                 BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
+                                                 num_warps=dn_w, num_stages=dn_s)
         return out.to(x.dtype) if ds > 1 else out
 
 
