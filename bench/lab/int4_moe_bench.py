@@ -6,10 +6,10 @@
 2. decode kernels (:mod:`splitspec.models.int4_moe`) at T = 1, 4, 16 tokens, TP1 and TP8-shard shapes: ``fma`` (the
    first kernels), ``mma_asm`` swept over gate_up blocks, then down blocks, then K / slot splits, ``mma`` (no PTX)
    at the best blocks; the bf16 fused kernels on the same experts dequantised (their own bytes and bound);
-3. W4A16 grouped kernels (:mod:`splitspec.models.grouped_moe`) at T = 4, 16 and 64, 256, 1024: configs, the
+3. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert as the engine runs it) at TP1 and
+   the TP8 shard, T = 1, 4, 16, with the first kernels and the best decode ones;
+4. W4A16 grouped kernels (:mod:`splitspec.models.grouped_moe`) at T = 64, 256, 1024 and 4, 16: configs, the
    dequantise-per-call path and bf16 grouped GEMMs on pre-dequantised weights;
-4. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert as the engine runs it) at TP1 and
-   the TP8 shard, T = 1, 4, 16, with the first kernels and the best ones;
 5. the rows of :data:`splitspec.models.int4_routed.TABLE` for the fastest kernels found.
 
 Bound = distinct experts × INT4 bytes (packed + scales) / copy bandwidth (as in
@@ -203,29 +203,18 @@ for T, tp in dshapes:
     measure("decode", Kernel("mma", gu, dn), T, tp)
 save()
 
-# 3. grouped kernels
-gshapes = [(T, tp) for T in GROUPED_T for tp in TPS]
-gbest = best("grouped", [Kernel("grouped_asm", c, c) for c in GROUPED], gshapes)
-for T, tp in gshapes:
-    for k in (Kernel("grouped", gbest.gate_up, gbest.down), Kernel("bf16", (), ()), int4_routed.DEQUANT):
-        if in_budget():
-            measure("grouped", k, T, tp)
-for T, tp in dshapes:
-    if in_budget():
-        measure("grouped", gbest, T, tp)
-save()
 
-
-def fastest(Ts) -> Kernel:
-    """The INT4 kernels measured at every (T, tp) for T in Ts with the lowest summed ratio to the bound."""
+def fastest(Ts) -> Kernel | None:
+    """The INT4 kernels measured at every (T, tp) for T in Ts with the lowest summed ratio to the bound (None: none
+    measured at all of them, the budget ran out)."""
     shapes = [(T, tp) for T in Ts for tp in TPS]
     full = {k for k, _, _ in CACHE if k.variant != "bf16" and all((k, T, tp) in CACHE for T, tp in shapes)}
-    return min(full, key=lambda k: score([CACHE[(k, T, tp)] for T, tp in shapes]))
+    return min(full, key=lambda k: score([CACHE[(k, T, tp)] for T, tp in shapes]), default=None)
 
 
-decode_best = {T: fastest([T]) for T in DECODE_T}
+decode_best = {T: fastest([T]) for T in DECODE_T}  # decode kernels only, so far
 
-# 4. the whole INT4 MoE layer: routing kernels + routed experts + bf16 shared expert (models.target.TargetModel.moe)
+# 3. the whole INT4 MoE layer: routing kernels + routed experts + bf16 shared expert (models.target.TargetModel.moe)
 for tp, I in TPS.items():
     packed = WEIGHTS[tp][0]
     lw = dict(zip(int4_routed.NAMES, packed))
@@ -244,7 +233,7 @@ for tp, I in TPS.items():
             return int4_routed.routed_experts(x, ids, w, lw, G) + quant.gated_mlp(x, sw13, sw2)
 
         for name, kernel in (("first kernels", int4_moe.DEFAULT), ("fastest", decode_best[T])):
-            if not in_budget():
+            if not in_budget() or kernel is None:
                 break
             saved, int4_routed.TABLE = int4_routed.TABLE, ((None, kernel),)
             try:
@@ -255,6 +244,18 @@ for tp, I in TPS.items():
             row["ratio"] = row["ms"] / row["bound_ms"]
             OUT["layer"].append(row)
             print(json.dumps(row), flush=True)
+save()
+
+# 4. grouped kernels
+gshapes = [(T, tp) for T in GROUPED_T for tp in TPS]
+gbest = best("grouped", [Kernel("grouped_asm", c, c) for c in GROUPED], gshapes)
+for T, tp in gshapes:
+    for k in (Kernel("grouped", gbest.gate_up, gbest.down), Kernel("bf16", (), ()), int4_routed.DEQUANT):
+        if in_budget():
+            measure("grouped", k, T, tp)
+for T, tp in dshapes:
+    if in_budget():
+        measure("grouped", gbest, T, tp)
 save()
 
 # 5. summary and the table
@@ -273,8 +274,8 @@ for T, tp in dshapes + gshapes:
 print(f"\n{'T':>5} {'tp':>3} {'routed experts':<15} {'layer ms':>9} {'bound':>7} {'ratio':>6}")
 for r in OUT["layer"]:
     print(f"{r['tokens']:>5} {r['tp']:>3} {r['routed']:<15} {r['ms']:>9.4f} {r['bound_ms']:>7.4f} {r['ratio']:>6.2f}")
-rows = [(T, decode_best[T]) for T in DECODE_T] + [(None, fastest(GROUPED_T))]
-rows = [r for r, after in zip(rows, rows[1:] + [(0, None)]) if r[1] != after[1]]  # a row the next one covers goes
+rows = [(T, fastest([T])) for T in DECODE_T] + [(None, fastest(GROUPED_T))]  # grouped kernels now measured too
+rows = [r for r, after in zip(rows, rows[1:] + [(0, None)]) if r[1] is not None and r[1] != after[1]]  # covered: out
 OUT["table"] = "TABLE: tuple[tuple[int | None, Kernel], ...] = (\n" + "".join(f"    ({T}, {k!r}),\n" for T, k in rows) + ")"
 OUT["seconds"] = round(time.time() - T0, 1)
 print("\nsplitspec/models/int4_routed.py, the fastest kernels measured:\n" + OUT["table"])
