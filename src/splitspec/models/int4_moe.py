@@ -27,10 +27,10 @@ engine takes is :data:`splitspec.models.int4_routed.TABLE`):
   ``mma_asm`` a thread's two int16 (one packed word) become two bf16 at once: PTX shr, lop3 (mask 0x000F000F,
   OR 0x43004300) and fma.bf16x2, three instructions for two weights; ``mma`` writes the same in Triton bit
   operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
-  activations, the same values unrounded). Split-K: gate_up's programs may each take a share of H, writing partial gate and up sums
-  (float32) that ``down`` adds and puts through silu; down's programs may each take a share of the slots,
-  adding into a float32 output. The activations are rounded to bf16 for the tensor cores, as the bf16 engine's
-  grouped GEMMs round them.
+  activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
+  partial gate and up sums that ``_silu_mul`` adds and puts through silu; down's programs may each take a share of
+  the slots, adding into a float32 output with atomics. The activations are rounded to bf16 for the tensor cores,
+  as the bf16 engine's grouped GEMMs round them.
 """
 
 from __future__ import annotations
