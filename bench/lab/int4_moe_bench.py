@@ -16,7 +16,9 @@ Bound = distinct experts × INT4 bytes (packed + scales) / copy bandwidth (as in
 docs/lab/2026-12-02-h200-int4-moe-kernels); ratio = ms / bound. Each timing is a CUDA graph of one call on each of
 8 routings (T ≤ 16: different experts in turn, so the TP8 shard's 22 MB per routing do not stay in L2). Every
 kernel's output on the first routing is compared with the bf16 kernels on the dequantised experts (``err``: max
-|Δ| / max |ref|); a kernel with err > 0.03 is never chosen. Prints tables and writes ``int4_moe_bench.json``.
+|Δ| / max |ref|); a kernel with err > 0.03 is never chosen. The PTX variants' outputs are compared with those of
+the same kernels unpacking in bit operations (``mma_asm_vs_mma``, ``grouped_asm_vs_grouped``: 0 expected).
+Prints tables and writes ``int4_moe_bench.json``.
 
     export PYTHONPATH=$PWD/src
     python3 bench/lab/int4_moe_bench.py --out results/int4mma
@@ -140,7 +142,8 @@ def measure(section: str, kernel: Kernel, T: int, tp: int) -> dict:
     row = {"section": section, "variant": kernel.variant, "gate_up": kernel.gate_up, "down": kernel.down, "tokens": T,
            "tp": tp, "bound_ms": sum(i.unique().numel() for _, i, _ in probs) / len(probs) * per_expert / BW}
     try:
-        row["err"] = err(fns[0](), reference(T, tp))
+        FIRST[key] = fns[0]()
+        row["err"] = err(FIRST[key], reference(T, tp))
         row["ms"] = timed(fns)
         row["ratio"] = row["ms"] / row["bound_ms"]
     except Exception as e:  # a variant that fails to compile or run is reported, not fatal
@@ -179,6 +182,7 @@ WEIGHTS = {tp: experts(I, gen) for tp, I in TPS.items()}
 PROBLEMS = {T: [routing(T, gen) for _ in range(ROUTINGS if T <= 16 else 1)] for T in DECODE_T + GROUPED_T}
 REFS: dict = {}
 CACHE: dict = {}
+FIRST: dict = {}  # (kernel, T, tp) → its output on the first routing
 
 
 def reference(T: int, tp: int) -> torch.Tensor:
@@ -207,6 +211,20 @@ for gs, ds in SPLITS:
             measure("decode", with_split(top, gs, ds), T, tp)
 for T, tp in dshapes:
     measure("decode", Kernel("mma", gu, dn), T, tp)
+
+
+def same_bits(a: Kernel, b: Kernel, shapes) -> dict:
+    """max |Δ| between two kernels' outputs on the first routing of each shape: 0 when the PTX unpacking does what the
+    bit operations do (the same products, summed in the same order; atomics of 2 partials commute)."""
+    out = {}
+    for T, tp in shapes:
+        if (a, T, tp) in FIRST and (b, T, tp) in FIRST:
+            out[f"T{T}_tp{tp}"] = (FIRST[(a, T, tp)].float() - FIRST[(b, T, tp)].float()).abs().max().item()
+    print(f"{a.variant} vs {b.variant}, max |difference|: {out}", flush=True)
+    return out
+
+
+OUT["mma_asm_vs_mma"] = same_bits(Kernel("mma_asm", gu, dn), Kernel("mma", gu, dn), dshapes)
 save()
 
 
@@ -262,6 +280,7 @@ for T, tp in gshapes:
 for T, tp in dshapes:
     if in_budget():
         measure("grouped", gbest, T, tp)
+OUT["grouped_asm_vs_grouped"] = same_bits(gbest, Kernel("grouped", gbest.gate_up, gbest.down), gshapes)
 save()
 
 # 5. summary and the table

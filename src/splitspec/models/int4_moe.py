@@ -52,7 +52,8 @@ class Kernel:
     ``grouped`` / ``grouped_asm`` / ``dequant``) and each kernel's block configuration. Decode variants:
     (BLOCK_N, BLOCK_K, num_warps, num_stages, split) — split: gate_up's share of H, down's of the slots, in programs
     (0: enough for :data:`FILL` programs per multiprocessor; ``fma`` takes 1). BLOCK_K is a multiple of the
-    group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma)."""
+    group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma).
+    Grouped variants: (BLOCK_M pairs, BLOCK_N, BLOCK_K, num_warps, num_stages); ``dequant``: no config, ()."""
     variant: str
     gate_up: tuple[int, ...]
     down: tuple[int, ...]
@@ -186,7 +187,7 @@ def _down_fma(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, s
 
 
 @jit
-def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, pairs, steps, stride_pe, stride_pn,
+def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, stride_pe, stride_pn,
                  stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
@@ -215,7 +216,7 @@ def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, pairs, s
         if not PARTIAL:
             tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
         else:
-            base = out_ptr + (s * pairs + p).to(tl.int64) * (2 * I)
+            base = out_ptr + (s * tl.num_programs(0) + p).to(tl.int64) * (2 * I)  # the grid has a program per pair
             tl.store(base + col, g, mask=n < I)
             tl.store(base + I + col, u, mask=n < I)
 
@@ -331,7 +332,7 @@ def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
         act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
         part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
-        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, P, steps, q13.stride(0), q13.stride(1),
+        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0), q13.stride(1),
                                       s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k, PARTIAL=gs > 1,
                                       EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
         if gs > 1:
