@@ -241,11 +241,12 @@ def moe_fp8(bw_GBps: float) -> dict:
 
 def moe_int4(bw_GBps: float, tps: list[int]) -> dict:
     """Routed experts (Kimi-K2.5 shapes: 384 experts, 8 per token, hidden 7168, intermediate 2048 / TP) kept INT4
-    as published (packed int32 + bf16 group-32 scales) and read by splitspec.models.int4_moe, against their bound:
-    distinct experts × (packed + scale bytes) / the measured copy bandwidth. First a sweep of block sizes at 1 and
-    4 tokens over the TP shapes (the best sum serves the rest); then 1, 2, 4, 8, 16 tokens at each shape, beside
-    the bf16 fused kernels on the same experts dequantised (their own bytes and bound), and the INT4 result's
-    difference from those (kernel error only: the weights are the same numbers)."""
+    as published (packed int32 + bf16 group-32 scales) and read by splitspec.models.int4_moe's ``fma`` kernels, against
+    their bound: distinct experts × (packed + scale bytes) / the measured copy bandwidth. First a sweep of block sizes
+    at 1 and 4 tokens over the TP shapes (the best sum serves the rest); then 1, 2, 4, 8, 16 tokens at each shape,
+    beside the bf16 fused kernels on the same experts dequantised (their own bytes and bound), and the INT4 result's
+    difference from those (kernel error only: the weights are the same numbers). Every variant and the grouped
+    kernels: bench/lab/int4_moe_bench.py."""
     from splitspec.models import fused_moe, int4_moe
 
     bw = bw_GBps * 1e6  # bytes per ms
@@ -266,7 +267,9 @@ def moe_int4(bw_GBps: float, tps: list[int]) -> dict:
     for which in ("gate_up", "down"):
         for cfg in blocks:
             row = {"kernel": which, "config": cfg}
-            kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
+            d = int4_moe.DEFAULT
+            kw = {"kernel": int4_moe.Kernel("fma", cfg + (1,), d.down) if which == "gate_up" else
+                  int4_moe.Kernel("fma", d.gate_up, cfg + (1,))}
             for (T, (x, ids, wts)), tp in itertools.product(problems.items(), tps):
                 row[f"ms_tp{tp}_T{T}"] = timed_graph(lambda: int4_moe.int4_experts(x, ids, wts, *weights[tp], **kw))
             out["sweep"].append(row)
@@ -274,7 +277,7 @@ def moe_int4(bw_GBps: float, tps: list[int]) -> dict:
     for which in ("gate_up", "down"):
         best = min((r for r in out["sweep"] if r["kernel"] == which), key=lambda r: sum(v for n, v in r.items() if n.startswith("ms_")))
         out.setdefault("chosen", {})[which] = best["config"]
-    int4_moe.GATE_UP_CONFIG, int4_moe.DOWN_CONFIG = tuple(out["chosen"]["gate_up"]), tuple(out["chosen"]["down"])
+    chosen = int4_moe.Kernel("fma", tuple(out["chosen"]["gate_up"]) + (1,), tuple(out["chosen"]["down"]) + (1,))
     print("chosen", out["chosen"], flush=True)
     for tp in tps:
         p13, s13, p2, s2 = weights[tp]
@@ -284,12 +287,12 @@ def moe_int4(bw_GBps: float, tps: list[int]) -> dict:
             used, local = ids.unique(return_inverse=True)  # dequantise only the chosen experts for the bf16 comparison
             w13 = torch.stack([quant_dequant(p13[e], s13[e]) for e in used.tolist()])
             w2 = torch.stack([quant_dequant(p2[e], s2[e]) for e in used.tolist()])
-            got = int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2).float()
+            got = int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2, kernel=chosen).float()
             ref = fused_moe.fused_experts(x, local, wts, w13, w2).float()
             distinct = used.numel()
             nbytes = distinct * expert_bytes
             row = {"tp": tp, "tokens": T, "distinct_experts": distinct, "int4_bytes": nbytes, "bound_ms": nbytes / bw,
-                   "int4_ms": timed_graph(lambda: int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2)),
+                   "int4_ms": timed_graph(lambda: int4_moe.int4_experts(x, ids, wts, p13, s13, p2, s2, kernel=chosen)),
                    "bf16_ms": timed_graph(lambda: fused_moe.fused_experts(x, local, wts, w13, w2)),
                    "bf16_bound_ms": distinct * (w13[0].nbytes + w2[0].nbytes) / bw,
                    "int4_vs_bf16_max_rel": ((got - ref).abs().max() / ref.abs().max()).item()}

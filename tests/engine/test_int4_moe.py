@@ -1,6 +1,8 @@
-"""The W4A16 MoE kernels (splitspec.models.int4_moe) against the experts computed in float64 from weights dequantised
-by hand here, and against the float fused kernels on quant.dequantize_int4's weights; on CPU through Triton's
-interpreter, on CUDA where there is one."""
+"""The W4A16 MoE kernels (splitspec.models.int4_moe's decode variants, splitspec.models.grouped_moe's grouped ones)
+against the experts computed in float64 from weights dequantised by hand here, and against the float fused kernels
+on quant.dequantize_int4's weights; on CPU through Triton's interpreter, on CUDA where there is one. The PTX and
+bitcast unpacking of the tensor-core variants cannot run in the interpreter (it runs them in float32): their
+arithmetic is checked here in torch, bit for bit, and on the GPU by bench/lab/int4_moe_bench.py."""
 
 from __future__ import annotations
 
@@ -15,13 +17,20 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
 from splitspec import quant
-from splitspec.models import fused_moe, int4_moe
+from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed
+from splitspec.models.int4_moe import Kernel
 
-# H and I multiples of the group (as the format requires) but not of the row blocks; several K steps; pairs of
-# another rank (-1 and E).
+# H and I multiples of the group (as the format requires) but not of every row block or K step; pairs of another
+# rank (-1 and E).
 T, H, I, E, TOP_K, G = 3, 96, 64, 5, 3, 32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = (16, 32, 1, 1)  # (BLOCK_N, BLOCK_K, warps, stages): 3 K steps over H, 2 over I; 2 row blocks of I, 6 of H
+KERNELS = {  # each: several row blocks, a partial K step (H = 96 in steps of 64 or 32), rows past H or I masked
+    "fma": Kernel("fma", (32, 64, 1, 1, 1), (64, 32, 2, 1, 1)),
+    "mma": Kernel("mma", (32, 64, 2, 1, 1), (64, 64, 4, 1, 1)),
+    # gate_up's K split in two (partial sums, then _silu_mul), down's three slots in three programs (atomic adds)
+    "mma_asm-split": Kernel("mma_asm", (16, 64, 1, 1, 2), (32, 64, 2, 1, 3)),
+    "grouped": Kernel("grouped", (16, 32, 64, 2, 1), (16, 64, 64, 4, 1)),
+}
 
 
 def by_hand(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -38,6 +47,7 @@ def by_hand(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def problem(seed: int = 0):
+    """A fresh problem: x [T, H] bf16, ids, routing weights, and INT4 experts with bf16 scales (as published)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     local = torch.tensor([[0, 4, 2], [-1, 1, 4], [3, 5, 0]])
@@ -47,7 +57,7 @@ def problem(seed: int = 0):
     q13 = [quant.quantize_int4(w13[e], G) for e in range(E)]
     q2 = [quant.quantize_int4(w2[e], G) for e in range(E)]
     stack = lambda qs, i: torch.stack([q[i] for q in qs])  # noqa: E731
-    return x, local, weights, stack(q13, 0), stack(q13, 1), stack(q2, 0), stack(q2, 1)
+    return x, local, weights, stack(q13, 0), stack(q13, 1).bfloat16(), stack(q2, 0), stack(q2, 1).bfloat16()
 
 
 def reference(x, local, weights, w13, w2) -> torch.Tensor:
@@ -62,40 +72,87 @@ def reference(x, local, weights, w13, w2) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("config", [SMALL, None], ids=["small-blocks", "default-blocks"])
-def test_int4_experts_match_hand_dequantised_float64(config):
-    x, local, weights, p13, s13, p2, s2 = problem()
+def run(kernel: Kernel, *args) -> torch.Tensor:
+    args = [t.to(DEVICE) for t in args]
+    if kernel.variant in grouped_moe.GROUPED_VARIANTS:
+        return grouped_moe.int4_grouped_experts(*args, group=G, kernel=kernel).cpu()
+    return int4_moe.int4_experts(*args, group=G, kernel=kernel).cpu()
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernels_match_hand_dequantised_float64(name):
+    """Exact weights, bf16 x: what is left is the float32 sums and the bf16 output's rounding (on the GPU the tensor
+    cores also round the weights and activations to bf16: bench/lab/int4_moe_bench.py checks those)."""
+    x, local, weights, p13, s13, p2, s2 = problem(seed=sorted(KERNELS).index(name))
     ref = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2))
-    dev = [t.to(DEVICE) for t in (x, local, weights, p13, s13, p2, s2)]
-    out = int4_moe.int4_experts(*dev, group=G, gate_up_config=config, down_config=config).cpu()
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)  # bf16 output rounding
+    out = run(KERNELS[name], x, local, weights, p13, s13, p2, s2)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    tol = (2 ** -7 if DEVICE == "cpu" else 3e-2) * ref.abs() + 1e-4 * ref.abs().max()  # one bf16 ulp (the interpreter truncates)
+    assert ((out.double() - ref).abs() <= tol).all(), ((out.double() - ref).abs() / tol).max()
     assert out[1].abs().sum() > 0 and (ref[1] != 0).any()  # the token with another rank's pair still has its own
 
 
-def test_int4_experts_equal_the_float_kernels_on_dequantised_weights():
-    x, local, weights, p13, s13, p2, s2 = problem(seed=1)
+def test_fma_equals_the_float_kernels_on_dequantised_weights():
+    x, local, weights, p13, s13, p2, s2 = problem(seed=7)
     x = x.float()
     w13 = torch.stack([quant.dequantize_int4(p13[e], s13[e], H, G, torch.float32) for e in range(E)])
     w2 = torch.stack([quant.dequantize_int4(p2[e], s2[e], I, G, torch.float32) for e in range(E)])
-    dev = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
-    want = fused_moe.fused_experts(*dev(x, local, weights, w13, w2)).cpu()
-    got = int4_moe.int4_experts(*dev(x, local, weights, p13, s13, p2, s2), group=G, gate_up_config=SMALL,
-                                down_config=SMALL).cpu()
+    want = fused_moe.fused_experts(*[t.to(DEVICE) for t in (x, local, weights, w13, w2)]).cpu()
+    got = run(KERNELS["fma"], x, local, weights, p13, s13, p2, s2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 both: only the order of the sums differs
 
 
-def test_nibble_order_known_value():
-    """Word 0x76543210 holds nibbles 0..7 for columns 0..7 (low bits first): values −8..−1, in the hand reference
-    the kernel tests compare with and in the library's unpacking."""
-    word = 0x76543210
-    packed = torch.full((1, 2, 1), word, dtype=torch.int32)
-    vals = by_hand(packed[0], torch.ones(2, 1))[0, :8]
-    assert vals.tolist() == [-8, -7, -6, -5, -4, -3, -2, -1]
-    assert (quant.unpack_int4(packed[0], 8)[0].tolist()) == [-8, -7, -6, -5, -4, -3, -2, -1]
+@pytest.mark.parametrize("j", range(4))
+def test_unpacking_constants_bit_for_bit(j):
+    """The GPU unpacking, in torch on every 16-bit pattern: nibble j of an int16 OR 0x4300 is the bf16 128 + nibble,
+    and 136 less is nibble − 8 (``mma``, dequant MODE 1); in ``mma_asm``'s PTX a 32-bit register holding two int16
+    (one packed word) is shifted by 4j, masked with 0x000F000F and OR-ed with 0x43004300 (lop3's table 0xEA is
+    (a & b) | c), giving both halves' nibble j as a bf16 pair, minus 136 by fma.bf16x2 with 1.0 = 0x3F80 and
+    −136 = 0xC308. The int16 halves of word w are 2w (columns 8w..8w+3) and 2w + 1 (8w+4..8w+7), so the int16 tiles'
+    nibble j at int16 index v stands for column 4v + j, where the kernels read x."""
+    v = torch.arange(-2**15, 2**15, dtype=torch.int32)
+    want = ((v >> (4 * j)) & 0xF) - 8
+    magic = (((v >> (4 * j)) & 0xF) | 0x4300).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(magic.float() - 136, want.float())
+    words = (v[0::2] & 0xFFFF) | (v[1::2] << 16)  # two int16 per 32-bit register, the first in the low half
+    lut = 0xEA
+    assert lut == (0xF0 & 0xCC) | 0xAA
+    pairs = (((words >> (4 * j)) & 0x000F000F) | 0x43004300).view(torch.bfloat16)
+    assert torch.equal(pairs.float() * torch.tensor(0x3F80, dtype=torch.int16).view(torch.bfloat16).float()
+                       + torch.tensor(0xC308 - 0x10000, dtype=torch.int16).view(torch.bfloat16).float(), want.float())
+    assert f"shr.b32 t, $1, {4 * j};" in int4_moe._asm(j) if j else "mov.b32 t, $1;" in int4_moe._asm(j)
+    assert all(c in int4_moe._asm(j) for c in ("0x000F000F", "0x43004300", "0xEA", "0x3F803F80", "0xC308C308"))
+    packed = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
+    cols = quant.unpack_int4(packed, 32)
+    nib = ((packed.view(torch.int16).int() >> (4 * j)) & 0xF) - 8
+    assert torch.equal(nib, cols[:, j::4])
 
 
-def test_bad_shapes_name_the_tensor():
+def test_expert_blocks_cover_this_ranks_pairs_once():
+    local = torch.tensor([[0, 4, 2], [-1, 1, 4], [3, 5, 0], [4, 4, 4]])
+    order, expert, first, count = grouped_moe.expert_blocks(local, E, 2)
+    assert expert.shape[0] == -(-12 // 2) + E
+    seen = []
+    for b in range(expert.shape[0]):
+        if expert[b] >= 0:
+            assert 1 <= count[b] <= 2
+            pairs = order[first[b]:first[b] + count[b]].tolist()
+            assert all(local.flatten()[p] == expert[b] for p in pairs)
+            seen += pairs
+    assert sorted(seen) == [p for p, e in enumerate(local.flatten().tolist()) if 0 <= e < E]
+
+
+def test_table_lookup_and_dtype_fallback(monkeypatch):
+    a = Kernel("mma_asm", (32, 256, 2, 3, 0), (32, 256, 2, 3, 0))
+    b = Kernel("mma", (16, 256, 1, 3, 0), (16, 256, 1, 3, 0))
+    c = Kernel("grouped_asm", (16, 32, 256, 2, 3), (16, 32, 256, 2, 3))
+    monkeypatch.setattr(int4_routed, "TABLE", ((1, a), (16, b), (None, c)))
+    assert [int4_routed.kernel_for(t, torch.bfloat16) for t in (1, 2, 16, 17, 4096)] == [a, b, b, c, c]
+    assert int4_routed.kernel_for(1, torch.float32) == int4_moe.DEFAULT  # the tensor cores take bf16 only
+    assert int4_routed.kernel_for(17, torch.float32) == int4_routed.DEQUANT
+
+
+def test_bad_shapes_and_configs_name_the_field():
     _, _, _, p13, s13, p2, s2 = problem()
     assert int4_moe.check_int4_experts(p13, s13, p2, s2, H, G) == (E, I)
     with pytest.raises(ValueError, match=r"w2_scale has shape \[5, 96, 1\], expected \[5, 96, 2\]"):
@@ -105,5 +162,12 @@ def test_bad_shapes_name_the_tensor():
     with pytest.raises(ValueError, match="packed weights must be int32"):
         int4_moe.check_int4_experts(p13.float(), s13, p2, s2, H, G)
     x, local, weights = problem()[:3]
-    with pytest.raises(ValueError, match="BLOCK_K 48 must be a multiple of the group size 32"):
-        int4_moe.int4_experts(x, local, weights, p13, s13, p2, s2, group=G, gate_up_config=(16, 48, 1, 1))
+    args = (x, local, weights, p13, s13, p2, s2)
+    for kernel, match in ((Kernel("fma", (16, 48, 1, 1, 1), (16, 64, 1, 1, 1)), "gate_up BLOCK_K 48 must be a multiple"),
+                          (Kernel("mma", (16, 64, 1, 1), (16, 64, 1, 1, 1)), r"gate_up config \(16, 64, 1, 1\) must be"),
+                          (Kernel("mma", (16, 64, 1, 1, 1), (8, 64, 1, 1, 1)), "need BLOCK_N ≥ 16"),
+                          (Kernel("wmma", (16, 64, 1, 1, 1), (16, 64, 1, 1, 1)), "variant 'wmma' is not one of")):
+        with pytest.raises(ValueError, match=match):
+            int4_moe.int4_experts(*args, group=G, kernel=kernel)
+    with pytest.raises(ValueError, match=r"down config \(8, 64, 64, 1, 1\) must be \(BLOCK_M ≥ 16"):
+        grouped_moe.int4_grouped_experts(*args, group=G, kernel=Kernel("grouped", (16, 16, 64, 1, 1), (8, 64, 64, 1, 1)))

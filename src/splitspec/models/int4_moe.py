@@ -7,38 +7,134 @@ in Kimi's checkpoints): weight[n, k] = (nibble − 8) · scale[n, k // G]. Here 
 w13 packed [E, 2·I, H/8] (gate rows, then up rows) with scales [E, 2·I, H/G]; w2 packed [E, H, I/8] with scales
 [E, H, I/G].
 
-Two kernels, as :mod:`splitspec.models.fused_moe`'s float/FP8 path, reading only 4 bits per weight:
+Two kernels, as :mod:`splitspec.models.fused_moe`'s float/FP8 path, reading only 4 bits per weight: ``gate_up``, one
+program per ((token, slot) pair, block of intermediate rows[, K split]): the expert's gate and up rows against the
+token, ``silu(gate) · up``; ``down``, one program per (token, block of hidden rows[, group of slots]): the token's
+slots' down rows times their activation and routing weight, summed. Pairs routed to another rank (ids outside
+[0, E_local)) read nothing. Without K or slot splits each token's result depends on that token only. The
+kernels run on CUDA tensors, and on CPU under ``TRITON_INTERPRET=1``. Variants (:class:`Kernel`; which one the
+engine takes is :data:`splitspec.models.int4_routed.TABLE`):
 
-1. ``gate_up``: one program per ((token, slot) pair, block of intermediate rows): the expert's gate and up rows
-   against the token, ``silu(gate) · up`` in float32. Each K step reads BLOCK_K/8 words per row and their
-   scales, and unpacks the nibbles in registers (see ``_int4_dot``).
-2. ``down``: one program per (token, block of hidden rows): the token's slots' down rows times their activation and
-   routing weight, summed in float32.
-
-Pairs routed to another rank (ids outside [0, E_local)) read nothing. No sort, no atomics: each token's result
-depends on that token only. The kernels run on CUDA tensors, and on CPU under ``TRITON_INTERPRET=1``.
+- ``fma``: CUDA cores, float32. Per packed word one load of the word and its scale, then per nibble a shift, a
+  mask, an OR of the exponent of 2^23 (the nibble becomes a float's mantissa, no int-to-float conversion), a
+  subtraction and a multiply-add; the offset of 8 is taken out once per word (``_int4_dot``). Any float x.
+- ``mma``, ``mma_asm``: tensor cores, bf16 x. The packed words are read as int16, four nibbles each; nibble position
+  j of a tile [BLOCK_N rows, BLOCK_K/4 int16] is its own bf16 tile and its own ``tl.dot`` against the activations at
+  columns 4w + j (a sum over k may take k in any order). The weights are the left operand (rows in M), the
+  token the right one, repeated over its 16 columns (the least Triton multiplies), so Triton moves the *packed*
+  tile into the MMA's register layout and unpacks it there: (v >> 4j) & 0xF | 0x4300 is the bf16 128 + nibble,
+  − 136 gives nibble − 8 exactly, × the group scale rounds as :func:`splitspec.quant.dequantize_int4` does. In
+  ``mma_asm`` a thread's two int16 (one packed word) become two bf16 at once: PTX shr, lop3 (mask 0x000F000F,
+  OR 0x43004300) and fma.bf16x2, three instructions for two weights; ``mma`` writes the same in Triton bit
+  operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
+  activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
+  partial gate and up sums that ``_silu_mul`` adds and puts through silu; down's programs may each take a share of
+  the slots, adding into a float32 output with atomics. The activations are rounded to bf16 for the tensor cores,
+  as the bf16 engine's grouped GEMMs round them.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel; BLOCK_K is a multiple of the group size.
-GATE_UP_CONFIG = (16, 256, 4, 4)
-DOWN_CONFIG = (16, 256, 4, 4)
+VARIANTS = ("fma", "mma", "mma_asm")
+FILL = 2  # a split of 0 ("auto") splits until the grid has this many programs per multiprocessor
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How INT4 experts are computed: ``variant`` (:data:`VARIANTS`, or :data:`splitspec.models.grouped_moe`'s
+    ``grouped`` / ``grouped_asm`` / ``dequant``) and each kernel's block configuration. Decode variants:
+    (BLOCK_N, BLOCK_K, num_warps, num_stages, split) — split: gate_up's share of H, down's of the slots, in programs
+    (0: enough for :data:`FILL` programs per multiprocessor; ``fma`` takes 1). BLOCK_K is a multiple of the
+    group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma).
+    Grouped variants: (BLOCK_M pairs, BLOCK_N, BLOCK_K, num_warps, num_stages); ``dequant``: no config, ()."""
+    variant: str
+    gate_up: tuple[int, ...]
+    down: tuple[int, ...]
+
+
+def _asm(j: int) -> str:
+    """PTX: the 32-bit register $1 holds two int16; $0 gets their nibbles j as bf16 pair, minus 8 (exact)."""
+    shift = f"shr.b32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
+    return ("{ .reg .b32 t, one, off; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+            "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; fma.rn.bf16x2 $0, t, one, off; }")
+
+
+if available():
+    _ASM0, _ASM1, _ASM2, _ASM3 = (tl.constexpr(_asm(j)) for j in range(4))
+
+
+@jit
+def dequant(v, s, J: tl.constexpr, MODE: tl.constexpr):
+    """bf16 tile: (nibble J (bits 4J..4J+3) of each int16 of v − 8) · s, rounded once (as
+    :func:`splitspec.quant.dequantize_int4`). MODE 2: PTX (``mma_asm``); 1: bit operations and a bitcast; 0: a
+    float32 tile, not rounded (the interpreter's: it cannot run PTX, and keeps bf16 as raw 16-bit integers, which
+    its bitcasts, arithmetic and tl.dot take for numbers)."""
+    if MODE == 2:
+        if J == 0:
+            q = tl.inline_asm_elementwise(_ASM0, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif J == 1:
+            q = tl.inline_asm_elementwise(_ASM1, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif J == 2:
+            q = tl.inline_asm_elementwise(_ASM2, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            q = tl.inline_asm_elementwise(_ASM3, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
+        return q * s
+    elif MODE == 1:
+        return ((((v >> (4 * J)) & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0) * s
+    else:
+        return (((v >> (4 * J)) & 0xF) - 8).to(tl.float32) * s.to(tl.float32)
+
+
+@jit
+def operand(v, MODE: tl.constexpr):
+    """v as the right operand of :func:`dequant`'s tiles: bf16, or float32 under the interpreter (MODE 0)."""
+    return v.to(tl.float32) if MODE == 0 else v.to(tl.bfloat16)
+
+
+@jit
+def weight_tile(packed, scales, rows, rmask, k0, K, stride_pn, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """(int16 [BLOCK_N, BLOCK_K/4]: the packed columns k0..k0+BLOCK_K of ``rows``, read as int16 — ``packed`` points
+    to int16 — and bf16 [BLOCK_N, BLOCK_K/4]: each int16's group scale, 0 past K or outside ``rmask``). EVEN_K: K is
+    a multiple of BLOCK_K, no mask along K (a mask Triton cannot prove constant over 8 int16 halves the loads' width)."""
+    w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    g = k0 // G + tl.arange(0, BLOCK_K // G)
+    r = rows[:, None].to(tl.int64)
+    if EVEN_K:
+        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None], other=0)
+        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None], other=0.0)
+    else:
+        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None] & (w < K // 4)[None, :], other=0)
+        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None] & (g < K // G)[None, :], other=0.0)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // G, G // 4]), [BLOCK_N, BLOCK_K // 4])
+    return v, s
+
+
+@jit
+def k_mask(w, K, EVEN_K: tl.constexpr):
+    """Columns w (int16 index) inside K: w < K / 4, or every one when EVEN_K."""
+    if EVEN_K:
+        return w >= 0
+    return w < K // 4
+
+
+@jit
+def column0(acc):
+    """Column 0 of a [rows, 16] tile, as [rows]."""
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
 
 
 @jit
 def _int4_dot(x_row, packed, scales, r, rmask, K, k0, stride_pn, stride_sn, G: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[len(r), BLOCK_K // 8] float32: rows r of the INT4 linear, columns k0..k0+BLOCK_K, times x there, summed
-    over each word's 8 columns and scaled by the word's group scale (the caller sums over words at the end).
-
-    A word w holds columns 8w..8w+7, low nibble first; all 8 share the scale of group 8w // G. Per word: one load
-    of the word and one of its scale (the G/8 words of a group hit the same cache line), then for each of the 8
-    nibble positions a shift, a mask, an add and a multiply-add against x's column; the offset of 8 is taken
-    out once per word as 8 · Σ x over its columns, which is the same for every row."""
+    """``fma``: [len(r), BLOCK_K // 8] float32, rows r of the INT4 linear times x over columns k0..k0+BLOCK_K, one
+    entry per packed word (summed by the caller)."""
     w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     wmask = w < K // 8
     mask = rmask[:, None] & wmask[None, :]
@@ -48,8 +144,6 @@ def _int4_dot(x_row, packed, scales, r, rmask, K, k0, stride_pn, stride_sn, G: t
     xsum = tl.zeros(w.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         xj = tl.load(x_row + w * 8 + j, mask=wmask, other=0.0).to(tl.float32)
-        # nibble → float without an int-to-float conversion (a quarter-rate instruction): 2^23 + nibble has the
-        # nibble as its mantissa bits, so OR-ing the exponent of 2^23 in and subtracting 2^23 gives it exactly
         nib = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         acc += nib * xj[None, :]
         xsum += xj
@@ -58,8 +152,8 @@ def _int4_dot(x_row, packed, scales, r, rmask, K, k0, stride_pn, stride_sn, G: t
 
 
 @jit
-def _gate_up(x_ptr, ids_ptr, p_ptr, s_ptr, act_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se, stride_sn, act_stride,
-             G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_fma(x_ptr, ids_ptr, p_ptr, s_ptr, act_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se, stride_sn,
+                 G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)  # a (token, slot) pair
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -72,12 +166,12 @@ def _gate_up(x_ptr, ids_ptr, p_ptr, s_ptr, act_ptr, H, I, E, top_k, stride_pe, s
             acc_g += _int4_dot(x_row, packed, scales, n, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
             acc_u += _int4_dot(x_row, packed, scales, n + I, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
         g = tl.sum(acc_g, axis=1)
-        tl.store(act_ptr + p * act_stride + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < I)
+        tl.store(act_ptr + p * I + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < I)
 
 
 @jit
-def _down(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se, stride_sn,
-          act_stride, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_fma(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se,
+              stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
@@ -87,9 +181,87 @@ def _down(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, strid
         if (e >= 0) & (e < E):
             wt = tl.load(wt_ptr + p)
             for k0 in range(0, I, BLOCK_K):
-                acc += wt * _int4_dot(act_ptr + p * act_stride, p_ptr + e * stride_pe, s_ptr + e * stride_se, n, n < H, I,
-                                      k0, stride_pn, stride_sn, G, BLOCK_K)
+                acc += wt * _int4_dot(act_ptr + p * I, p_ptr + e * stride_pe, s_ptr + e * stride_se, n, n < H, I, k0,
+                                      stride_pn, stride_sn, G, BLOCK_K)
     tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+@jit
+def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, stride_pe, stride_pn,
+                 stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
+    """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
+    [splits, pairs, 2, I] (gate, up) for
+    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w)."""
+    p, s = tl.program_id(0), tl.program_id(2)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if (e >= 0) & (e < E):
+        x_row = x_ptr + (p // top_k) * H
+        packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
+        acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for kb in range(s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))):  # this split's K steps
+            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
+            vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+            vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+            w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            for j in tl.static_range(4):
+                xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
+                b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
+                acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
+                acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
+        g, u = column0(acc_g), column0(acc_u)
+        col = (n % 4) * (I // 4) + n // 4
+        if not PARTIAL:
+            tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
+        else:
+            base = out_ptr + (s * tl.num_programs(0) + p).to(tl.int64) * (2 * I)  # the grid has a program per pair
+            tl.store(base + col, g, mask=n < I)
+            tl.store(base + I + col, u, mask=n < I)
+
+
+@jit
+def _silu_mul(part_ptr, ids_ptr, act_ptr, pairs, I, E, splits, BLOCK: tl.constexpr):
+    """act [pairs, I] = silu(Σ gate) · Σ up over the partial sums [splits, pairs, 2, I] of ``_gate_up_mma`` (the
+    pairs of this rank's experts: the others' partial sums were never written)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + i // I, mask=i < pairs * I, other=-1)
+    mask = (i < pairs * I) & (e >= 0) & (e < E)
+    base = part_ptr + (i // I) * (2 * I) + i % I
+    g = tl.zeros([BLOCK], dtype=tl.float32)
+    u = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, splits):
+        g += tl.load(base + s * pairs * 2 * I, mask=mask, other=0.0)
+        u += tl.load(base + s * pairs * 2 * I + I, mask=mask, other=0.0)
+    tl.store(act_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slot_share, stride_pe, stride_pn,
+              stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
+    t, sp = tl.program_id(0), tl.program_id(2)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for j in range(sp * slot_share, tl.minimum(sp * slot_share + slot_share, top_k)):
+        p = t * top_k + j
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if (e >= 0) & (e < E):
+            packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
+            acc_e = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                v, sc = weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+                w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                for jn in tl.static_range(4):
+                    a = operand(tl.load(a_ptr + p * I + jn * (I // 4) + w, mask=k_mask(w, I, EVEN_K), other=0.0), MODE)
+                    acc_e = tl.dot(dequant(v, sc, jn, MODE), tl.broadcast_to(a[:, None], [BLOCK_K // 4, 16]), acc_e)
+            acc += tl.load(wt_ptr + p) * acc_e
+    y = column0(acc)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + t * H + n, y, mask=n < H)
+    else:
+        tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
@@ -115,52 +287,105 @@ def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_pac
     return E, I
 
 
+def unpack_mode(variant: str, x: torch.Tensor) -> int:
+    """:func:`dequant`'s MODE for a tensor-core variant on x's device (CPU tensors: the interpreter's)."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return 2 if variant.endswith("_asm") else 1
+
+
+def split_count(split: int, programs: int, most: int, device: torch.device) -> int:
+    """A config's split (0: automatic) for a grid of ``programs`` programs before splitting, at most ``most``."""
+    if split <= 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        split = -(-FILL * sms // max(programs, 1))
+    return max(1, min(split, most))
+
+
 @torch.library.custom_op("splitspec::int4_experts", mutates_args=())
 def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13_packed: torch.Tensor,
-                     w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, group: int,
+                     w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, group: int, variant: str,
                      gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
     with on_device(x):
         T, H = x.shape
-        top_k = local.shape[1]
+        top_k, P = local.shape[1], local.numel()
         E, I = w13_packed.shape[0], w13_packed.shape[1] // 2
-        x, ids = x.contiguous(), local.to(torch.int32).contiguous()
+        x, ids, wts = x.contiguous(), local.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
         p13, s13, p2, s2 = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-        act = torch.empty(T * top_k, I, dtype=torch.float32, device=x.device)
-        out = torch.empty_like(x)
-        (gu_n, gu_k, gu_w, gu_s), (dn_n, dn_k, dn_w, dn_s) = gate_up_config, down_config
-        _gate_up[(T * top_k, triton.cdiv(I, gu_n))](
-            x, ids, p13, s13, act, H, I, E, top_k, p13.stride(0), p13.stride(1), s13.stride(0), s13.stride(1), I,
-            G=group, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), num_warps=gu_w, num_stages=gu_s)
-        _down[(T, triton.cdiv(H, dn_n))](
-            act, ids, weights.to(torch.float32).contiguous(), p2, s2, out, H, I, E, top_k, p2.stride(0), p2.stride(1),
-            s2.stride(0), s2.stride(1), I, G=group, BLOCK_N=dn_n, BLOCK_K=min(dn_k, triton.next_power_of_2(I)),
-            num_warps=dn_w, num_stages=dn_s)
-        return out
+        (gu_n, gu_k, gu_w, gu_s, gu_split), (dn_n, dn_k, dn_w, dn_s, dn_split) = gate_up_config, down_config
+        gu_k, dn_k = min(gu_k, triton.next_power_of_2(H)), min(dn_k, triton.next_power_of_2(I))
+        if variant == "fma":
+            act, out = torch.empty(P, I, dtype=torch.float32, device=x.device), torch.empty_like(x)
+            _gate_up_fma[(P, triton.cdiv(I, gu_n))](x, ids, p13, s13, act, H, I, E, top_k, p13.stride(0), p13.stride(1),
+                                                    s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
+                                                    num_warps=gu_w, num_stages=gu_s)
+            _down_fma[(T, triton.cdiv(H, dn_n))](act, ids, wts, p2, s2, out, H, I, E, top_k, p2.stride(0), p2.stride(1),
+                                                 s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
+                                                 num_warps=dn_w, num_stages=dn_s)
+            return out
+        mode = unpack_mode(variant, x)
+        xb = x.to(torch.bfloat16)
+        q13, q2 = p13.view(torch.int16), p2.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
+        blocks = triton.cdiv(I, gu_n)
+        gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
+        steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
+        gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
+        act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
+        part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
+        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0), q13.stride(1),
+                                      s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k, PARTIAL=gs > 1,
+                                      EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
+        if gs > 1:
+            _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
+        ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, x.device)
+        slots = triton.cdiv(top_k, ds)
+        ds = triton.cdiv(top_k, slots)
+        out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if ds > 1 else torch.empty_like(x)
+        _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
+                                                 q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
+                                                 BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
+                                                 num_warps=dn_w, num_stages=dn_s)
+        return out.to(x.dtype) if ds > 1 else out
 
 
 @_int4_experts_op.register_fake
-def _(x, local, weights, w13_packed, w13_scale, w2_packed, w2_scale, group, gate_up_config, down_config):
+def _(x, local, weights, w13_packed, w13_scale, w2_packed, w2_scale, group, variant, gate_up_config, down_config):
     return torch.empty_like(x)
+
+
+#: ``fma`` with the blocks of the H200 sweep in docs/lab/2026-12-02-h200-int4-moe-kernels (0.163 ms at TP1, one token)
+DEFAULT = Kernel("fma", (8, 1024, 4, 4, 1), (8, 1024, 4, 3, 1))
+
+
+def check_kernel(kernel: Kernel, group: int) -> None:
+    """Raises ValueError naming the field of ``kernel`` that the kernels cannot take."""
+    if kernel.variant not in VARIANTS:
+        raise ValueError(f"INT4 experts: variant {kernel.variant!r} is not one of {', '.join(VARIANTS)}")
+    for name, cfg in (("gate_up", kernel.gate_up), ("down", kernel.down)):
+        if len(cfg) != 5:
+            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split)")
+        if cfg[1] % group:
+            raise ValueError(f"INT4 experts: {name} BLOCK_K {cfg[1]} must be a multiple of the group size {group}")
+        if kernel.variant != "fma" and (cfg[0] < 16 or cfg[1] < 64):
+            raise ValueError(f"INT4 experts: {name} config {cfg}: tensor-core variants need BLOCK_N ≥ 16, BLOCK_K ≥ 64")
 
 
 def int4_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13_packed: torch.Tensor,
                  w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, group: int = 32,
-                 gate_up_config: tuple[int, int, int, int] | None = None,
-                 down_config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                 kernel: Kernel | None = None) -> torch.Tensor:
     """This rank's routed experts for a few tokens, their weights INT4 (see the module docstring), in two kernels.
 
-    x [T, H] float (bf16 in the engine); local [T, top_k] integer expert ids relative to this rank's first expert
-    (outside [0, E_local): another rank's, skipped); weights [T, top_k] float32 routing weights. Returns [T, H]
-    in x's dtype: Σ_slots weight · W2[e] (silu(W_gate[e] x) ⊙ W_up[e] x), with W = (nibble − 8) · scale, summed in
-    float32 — the same as :func:`splitspec.models.fused_moe.fused_experts` on the dequantised weights
-    (:func:`splitspec.quant.dequantize_int4`) up to the order of the float32 sums. BLOCK_K of each config must be
-    a multiple of ``group``.
+    x [T, H] float (bf16 in the engine; the tensor-core variants round it to bf16); local [T, top_k] integer expert
+    ids relative to this rank's first expert (outside [0, E_local): another rank's, skipped); weights [T, top_k]
+    float32 routing weights. Returns [T, H] in x's dtype: Σ_slots weight · W2[e] (silu(W_gate[e] x) ⊙ W_up[e] x),
+    with W = (nibble − 8) · scale, summed in float32 — the same as :func:`splitspec.models.fused_moe.fused_experts`
+    on the dequantised weights (:func:`splitspec.quant.dequantize_int4`) up to the order of the float32 sums (and,
+    for the tensor-core variants, x and the activations rounded to bf16). ``kernel``: variant and blocks
+    (default :data:`DEFAULT`).
     """
     if not available():
         raise RuntimeError("INT4 experts need Triton (it comes with CUDA builds of PyTorch)")
-    gate_up_config, down_config = gate_up_config or GATE_UP_CONFIG, down_config or DOWN_CONFIG
-    for name, cfg in (("gate_up_config", gate_up_config), ("down_config", down_config)):
-        if cfg[1] % group:
-            raise ValueError(f"INT4 experts: {name} BLOCK_K {cfg[1]} must be a multiple of the group size {group}")
-    return _int4_experts_op(x, local, weights, w13_packed, w13_scale, w2_packed, w2_scale, int(group),
-                            list(gate_up_config), list(down_config))
+    kernel = kernel or DEFAULT
+    check_kernel(kernel, group)
+    return _int4_experts_op(x, local, weights, w13_packed, w13_scale, w2_packed, w2_scale, int(group), kernel.variant,
+                            list(kernel.gate_up), list(kernel.down))

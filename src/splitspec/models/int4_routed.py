@@ -5,18 +5,23 @@ int32 [E_local, 2·I, H/8] with scales [E_local, 2·I, H/G], w2 packed int32 [E_
 [E_local, H, I/G]; weight = (nibble − 8) · scale, compressed-tensors ``pack-quantized`` as Kimi-K2-Thinking / K2.5
 publish it.
 
-- **Fused** (:func:`splitspec.models.int4_moe.int4_experts`, W4A16): where :func:`splitspec.models.fused_moe.use_fused`
-  says so — CUDA tensors, at most :data:`splitspec.models.fused_moe.MAX_TOKENS` tokens. Each (token, slot) pair
-  reads its expert's 4-bit weights once. (Triton's interpreter runs it on CPU tensors, slowly: tests only.)
-- **Grouped** (everything else: more tokens, and CPU engines): the experts the batch chose are dequantised for this
-  call (:func:`splitspec.quant.dequantize_int4`, to the activations' dtype) and go through
-  :func:`splitspec.models.grouped_moe.grouped_experts`, :data:`CHUNK` experts at a time, the chunks' outputs summed:
-  the transient is one chunk's dequantised weights (Kimi-K2.5 at TP8: 16 experts' slices, 0.26 GB in bf16), not the
-  chosen experts' (all 384 of them for a 512-token prefill chunk: 4.2 GB per layer call). Without a host
-  synchronisation (CUDA-graph safe): the chosen experts are gathered into a fixed number of slots,
-  min(E_local, T·top_k) — every chosen expert, then unchosen ones as padding — so a call reads at most T·top_k
-  experts' packed weights, never the whole stack. A GPU serving large batches would rather have a W4A16 grouped
-  GEMM (as vLLM's and SGLang's INT4 MoE kernels have); this path is exact and portable.
+On CUDA tensors :data:`TABLE` picks by token count (:func:`kernel_for`):
+
+- **Decode kernels** (:func:`splitspec.models.int4_moe.int4_experts`, W4A16; variants ``fma``, ``mma``,
+  ``mma_asm``): each (token, slot) pair reads its expert's 4-bit weights once.
+- **W4A16 grouped kernels** (:func:`splitspec.models.grouped_moe.int4_grouped_experts`; ``grouped``,
+  ``grouped_asm``): the pairs sorted by expert, each chosen expert's 4-bit weights read once per block of its pairs.
+- **Dequantised** (``dequant``, and every CPU engine: Triton's interpreter runs the kernels on CPU tensors, slowly,
+  for tests only): the experts the batch chose are dequantised for this call (:func:`splitspec.quant.dequantize_int4`,
+  to the activations' dtype) and go through :func:`splitspec.models.grouped_moe.grouped_experts`, :data:`CHUNK`
+  experts at a time, the chunks' outputs summed: the transient is one chunk's dequantised weights (Kimi-K2.5 at TP8:
+  16 experts' slices, 0.26 GB in bf16), not the chosen experts' (all 384 of them for a 512-token prefill chunk:
+  4.2 GB per layer call). Without a host synchronisation (CUDA-graph safe): the chosen experts are gathered into a
+  fixed number of slots, min(E_local, T·top_k) — every chosen expert, then unchosen ones as padding — so a call
+  reads at most T·top_k experts' packed weights, never the whole stack. Exact and portable.
+
+The tensor-core variants (``mma*``, ``grouped*``) compute in bf16: activations of another dtype (the float32 demo
+engines) take ``fma`` up to :data:`splitspec.models.fused_moe.MAX_TOKENS` tokens and ``dequant`` past it.
 """
 
 from __future__ import annotations
@@ -24,11 +29,32 @@ from __future__ import annotations
 import torch
 
 from splitspec import quant
-from splitspec.models import fused_moe, int4_moe
+from splitspec.models import fused_moe, grouped_moe, int4_moe
 from splitspec.models.grouped_moe import grouped_experts
+from splitspec.models.int4_moe import Kernel
 
 NAMES = ("mlp.experts.w13", "mlp.experts.w13.scale", "mlp.experts.w2", "mlp.experts.w2.scale")
-CHUNK = 16  # experts dequantised at once by the grouped path
+CHUNK = 16  # experts dequantised at once by the dequantised path
+DEQUANT = Kernel("dequant", (), ())
+
+#: The engine's kernels for INT4 experts on a GPU, by token count T: the first row whose bound is ≥ T (None: any
+#: T). Set from ``bench/lab/int4_moe_bench.py``, whose output ends with this table for the kernels it measured
+#: fastest. Configs as :class:`splitspec.models.int4_moe.Kernel` says (decode: BLOCK_N, BLOCK_K, warps, stages,
+#: split; grouped: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Until an H200 run of that bench, the kernels measured
+#: in docs/lab/2026-12-02-h200-int4-moe-kernels: ``fma`` for the decode batches (the blocks of that sweep), the
+#: dequantised path beyond.
+TABLE: tuple[tuple[int | None, Kernel], ...] = (
+    (fused_moe.MAX_TOKENS, int4_moe.DEFAULT),
+    (None, DEQUANT),
+)
+
+
+def kernel_for(tokens: int, dtype: torch.dtype) -> Kernel:
+    """:data:`TABLE`'s kernels for ``tokens`` tokens of activations in ``dtype`` (see the module docstring)."""
+    kernel = next((k for bound, k in TABLE if bound is None or tokens <= bound), DEQUANT)
+    if dtype != torch.bfloat16 and kernel.variant not in ("fma", "dequant"):
+        return int4_moe.DEFAULT if tokens <= fused_moe.MAX_TOKENS else DEQUANT
+    return kernel
 
 
 def chosen_experts(local: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,14 +72,11 @@ def chosen_experts(local: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return slots, torch.where(mine, where[local.clamp(0, E - 1).long()], -1)
 
 
-def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lw: dict[str, torch.Tensor],
-                   group: int) -> torch.Tensor:
-    """Σ over this rank's chosen experts of weight · W2[e] (silu(W_gate[e] x) ⊙ W_up[e] x), INT4 weights from ``lw``
-    (:data:`NAMES`). x [T, H] float; local [T, top_k] ids relative to this rank's first expert; weights [T, top_k]
-    float32. Returns [T, H] in x's dtype."""
+def dequantised_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lw: dict[str, torch.Tensor],
+                        group: int) -> torch.Tensor:
+    """The dequantised path (module docstring): the chosen experts dequantised, :data:`CHUNK` at a time, as grouped
+    GEMMs. Same arguments and result as :func:`routed_experts`."""
     p13, s13, p2, s2 = (lw[n] for n in NAMES)
-    if fused_moe.use_fused(x):
-        return int4_moe.int4_experts(x, local, weights, p13, s13, p2, s2, group=group)
     slots, sub = chosen_experts(local, p13.shape[0])
     H, I = p13.shape[-1] * 8, p2.shape[-1] * 8
     y = None
@@ -64,3 +87,17 @@ def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, 
         part = grouped_experts(x, sub - i, weights, w13, w2)
         y = part if y is None else y + part
     return y
+
+
+def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lw: dict[str, torch.Tensor],
+                   group: int) -> torch.Tensor:
+    """Σ over this rank's chosen experts of weight · W2[e] (silu(W_gate[e] x) ⊙ W_up[e] x), INT4 weights from ``lw``
+    (:data:`NAMES`). x [T, H] float; local [T, top_k] ids relative to this rank's first expert; weights [T, top_k]
+    float32. Returns [T, H] in x's dtype."""
+    if x.is_cuda and fused_moe.available():
+        kernel = kernel_for(x.shape[0], x.dtype)
+        if kernel.variant in grouped_moe.GROUPED_VARIANTS:
+            return grouped_moe.int4_grouped_experts(x, local, weights, *(lw[n] for n in NAMES), group=group, kernel=kernel)
+        if kernel.variant != "dequant":
+            return int4_moe.int4_experts(x, local, weights, *(lw[n] for n in NAMES), group=group, kernel=kernel)
+    return dequantised_experts(x, local, weights, lw, group)

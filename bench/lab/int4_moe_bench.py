@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""W4A16 MoE kernels on one GPU at Kimi-K2.5 shapes (384 INT4 experts, 8 per token, hidden 7168, intermediate
+2048 / TP, group-32 bf16 scales), every variant and block configuration in one run of a few minutes:
+
+1. copy bandwidth (the bounds' denominator);
+2. decode kernels (:mod:`splitspec.models.int4_moe`) at T = 1, 4, 16 tokens, TP1 and TP8-shard shapes: ``fma`` (the
+   first kernels), ``mma_asm`` swept over gate_up blocks, then down blocks, then K / slot splits, ``mma`` (no PTX)
+   at the best blocks; the bf16 fused kernels on the same experts dequantised (their own bytes and bound);
+3. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert as the engine runs it) at TP1 and
+   the TP8 shard, T = 1, 4, 16, with the first kernels and the best decode ones;
+4. W4A16 grouped kernels (:mod:`splitspec.models.grouped_moe`) at T = 64, 256, 1024 and 4, 16: configs, the
+   dequantise-per-call path and bf16 grouped GEMMs on pre-dequantised weights;
+5. the rows of :data:`splitspec.models.int4_routed.TABLE` for the fastest kernels found.
+
+Bound = distinct experts × INT4 bytes (packed + scales) / copy bandwidth (as in
+docs/lab/2026-12-02-h200-int4-moe-kernels); ratio = ms / bound. Each timing is a CUDA graph of one call on each of
+8 routings (T ≤ 16: different experts in turn, so the TP8 shard's 22 MB per routing do not stay in L2). Every
+kernel's output on the first routing is compared with the bf16 kernels on the dequantised experts (``err``: max
+|Δ| / max |ref|); a kernel with err > 0.03 is never chosen. The PTX variants' outputs are compared with those of
+the same kernels unpacking in bit operations (``mma_asm_vs_mma``, ``grouped_asm_vs_grouped``: 0 expected).
+Prints tables and writes ``int4_moe_bench.json``.
+
+    export PYTHONPATH=$PWD/src
+    python3 bench/lab/int4_moe_bench.py --out results/int4mma
+
+``--dry-run``: CPU, Triton's interpreter, small shapes and sweeps: checks the script, measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--out", default="results/int4mma", help="folder for int4_moe_bench.json")
+ap.add_argument("--budget-s", type=float, default=230, help="start no new sweep step after this many seconds")
+ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
+A = ap.parse_args()
+if A.dry_run:
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for lab.gpu_kernels
+
+import torch  # noqa: E402
+
+from lab.gpu_kernels import bandwidth, timed_graph  # noqa: E402
+from splitspec import quant  # noqa: E402
+from splitspec.measure.machine import git_commit  # noqa: E402
+from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed  # noqa: E402
+from splitspec.models.int4_moe import Kernel  # noqa: E402
+
+T0 = time.time()
+DRY = A.dry_run
+DEV = "cpu" if DRY else "cuda"
+H, E, TOP_K, G = (128, 8, 2, 32) if DRY else (7168, 384, 8, 32)
+TPS = {1: 128, 8: 64} if DRY else {1: 2048, 8: 256}  # TP size → intermediate width of a shard
+DECODE_T, GROUPED_T = ((1, 2), (16,)) if DRY else ((1, 4, 16), (64, 256, 1024))
+ROUTINGS = 1 if DRY else 8
+OK = 0.03
+GU = [(32, 256, 2, 3, 0)] if DRY else [
+    (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 512, 2, 3, 0), (32, 256, 2, 4, 0), (64, 256, 4, 3, 0), (128, 256, 8, 3, 0)]
+DN = [(32, 128, 2, 3, 0)] if DRY else [
+    (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 128, 2, 4, 0), (16, 512, 1, 3, 0), (64, 256, 4, 3, 0)]
+SPLITS = [(2, 2)] if DRY else [(g, d) for g in (1, 2, 4, 8) for d in (1, 2, 4)]
+GROUPED = [(16, 64, 128, 4, 3)] if DRY else [
+    (16, 32, 256, 2, 3), (16, 64, 256, 4, 3), (32, 64, 256, 4, 3), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3)]
+OUT = {"machine": {"gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": __import__("triton").__version__, "git": git_commit(), "argv": sys.argv[1:]},
+       "rows": [], "layer": []}
+
+
+def save() -> None:
+    out = Path(A.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "int4_moe_bench.json").write_text(json.dumps(OUT, indent=1))
+
+
+def in_budget() -> bool:
+    return time.time() - T0 < A.budget_s
+
+
+def timed(fns) -> float:
+    """ms per call of each of ``fns`` (calls on different routings)."""
+    if DRY:
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e3 / len(fns)
+    return timed_graph(lambda: [f() for f in fns], reps=2, replays=10) / len(fns)
+
+
+def experts(I: int, g: torch.Generator):
+    """Random INT4 experts (packed, scales ~ an N(0, 1) weight's group absmax / 7) and their bf16 dequantisation."""
+    p13 = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, device=DEV, generator=g)
+    p2 = torch.randint(-2**31, 2**31 - 1, (E, H, I // 8), dtype=torch.int32, device=DEV, generator=g)
+    s13 = (torch.rand(E, 2 * I, H // G, device=DEV, generator=g) * 0.4 * H ** -0.5).to(torch.bfloat16)
+    s2 = (torch.rand(E, H, I // G, device=DEV, generator=g) * 0.4 * I ** -0.5).to(torch.bfloat16)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=DEV)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=DEV)
+    for i in range(0, E, 32):  # 32 experts at a time: dequantize_int4 works in float32
+        w13[i:i + 32] = quant.dequantize_int4(p13[i:i + 32], s13[i:i + 32], H, G)
+        w2[i:i + 32] = quant.dequantize_int4(p2[i:i + 32], s2[i:i + 32], I, G)
+    return (p13, s13, p2, s2), (w13, w2)
+
+
+def routing(T: int, g: torch.Generator):
+    """T tokens [T, H] bf16, TOP_K distinct experts each [T, TOP_K] int32, routing weights [T, TOP_K] float32."""
+    ids = torch.rand(T, E, device=DEV, generator=g).argsort(dim=1)[:, :TOP_K].int()
+    return (torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16), ids,
+            torch.rand(T, TOP_K, device=DEV, generator=g))
+
+
+def err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def run(kernel: Kernel, x, ids, wts, packed):
+    if kernel.variant in grouped_moe.GROUPED_VARIANTS:
+        return grouped_moe.int4_grouped_experts(x, ids, wts, *packed, group=G, kernel=kernel)
+    if kernel.variant == "dequant":
+        return int4_routed.dequantised_experts(x, ids, wts, dict(zip(int4_routed.NAMES, packed)), G)
+    return int4_moe.int4_experts(x, ids, wts, *packed, group=G, kernel=kernel)
+
+
+def measure(section: str, kernel: Kernel, T: int, tp: int) -> dict:
+    """One row: ``kernel`` (an INT4 Kernel, or Kernel('bf16', ...): the bf16 kernels on the dequantised experts) at T
+    tokens on the TP-``tp`` shard, over the routings of T; cached."""
+    key = (kernel, T, tp)
+    if key in CACHE:
+        return CACHE[key]
+    packed, (w13, w2) = WEIGHTS[tp]
+    probs = PROBLEMS[T]
+    per_expert = sum(t[0].nbytes for t in packed) if kernel.variant != "bf16" else w13[0].nbytes + w2[0].nbytes
+    if kernel.variant == "bf16":
+        fns = [(lambda x=x, i=i, w=w: fused_moe.fused_experts(x, i, w, w13, w2)) if T <= fused_moe.MAX_TOKENS else
+               (lambda x=x, i=i, w=w: grouped_moe.grouped_experts(x, i, w, w13, w2)) for x, i, w in probs]
+    else:
+        fns = [lambda x=x, i=i, w=w: run(kernel, x, i, w, packed) for x, i, w in probs]
+    row = {"section": section, "variant": kernel.variant, "gate_up": kernel.gate_up, "down": kernel.down, "tokens": T,
+           "tp": tp, "bound_ms": sum(i.unique().numel() for _, i, _ in probs) / len(probs) * per_expert / BW}
+    try:
+        FIRST[key] = fns[0]()
+        row["err"] = err(FIRST[key], reference(T, tp))
+        row["ms"] = timed(fns)
+        row["ratio"] = row["ms"] / row["bound_ms"]
+    except Exception as e:  # a variant that fails to compile or run is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    row["ok"] = "ms" in row and row["err"] <= OK
+    CACHE[key] = row
+    OUT["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    save()
+    return row
+
+
+def score(rows: list[dict]) -> float:
+    """Sum of ratios to the bound (inf when a row failed): how the sweeps pick."""
+    return sum(r["ratio"] if r["ok"] else float("inf") for r in rows)
+
+
+def best(section: str, candidates: list[Kernel], shapes) -> Kernel:
+    """The candidate with the lowest :func:`score` over ``shapes`` ((T, tp) pairs), measuring while in budget."""
+    scored = []
+    for k in candidates:
+        if not in_budget() and scored:
+            break
+        scored.append((score([measure(section, k, T, tp) for T, tp in shapes]), k))
+    return min(scored, key=lambda s: s[0])[1]
+
+
+def with_split(k: Kernel, gs: int, ds: int) -> Kernel:
+    return Kernel(k.variant, k.gate_up[:4] + (gs,), k.down[:4] + (ds,))
+
+
+BW = 1.0 if DRY else bandwidth()["copy_GBps_read_plus_write"] * 1e6  # bytes per ms
+OUT["bandwidth_GBps"] = BW / 1e6
+gen = torch.Generator(device=DEV).manual_seed(0)
+WEIGHTS = {tp: experts(I, gen) for tp, I in TPS.items()}
+PROBLEMS = {T: [routing(T, gen) for _ in range(ROUTINGS if T <= 16 else 1)] for T in DECODE_T + GROUPED_T}
+REFS: dict = {}
+CACHE: dict = {}
+FIRST: dict = {}  # (kernel, T, tp) → its output on the first routing
+
+
+def reference(T: int, tp: int) -> torch.Tensor:
+    """The bf16 kernels on the dequantised experts, first routing of T (fused decode kernels up to MAX_TOKENS)."""
+    if (T, tp) not in REFS:
+        (x, ids, wts), (w13, w2) = PROBLEMS[T][0], WEIGHTS[tp][1]
+        REFS[(T, tp)] = (fused_moe.fused_experts(x, ids, wts, w13, w2) if T <= fused_moe.MAX_TOKENS
+                         else grouped_moe.grouped_experts(x, ids, wts, w13, w2))
+    return REFS[(T, tp)]
+
+
+print(f"setup {time.time() - T0:.0f} s, bandwidth {BW / 1e6:.0f} GB/s", flush=True)
+save()
+
+# 2. decode kernels
+dshapes = [(T, tp) for T in DECODE_T for tp in TPS]
+for T, tp in dshapes:
+    measure("decode", int4_moe.DEFAULT, T, tp)
+    measure("decode", Kernel("bf16", (), ()), T, tp)
+gu = best("decode", [Kernel("mma_asm", c, DN[0]) for c in GU], dshapes).gate_up
+dn = best("decode", [Kernel("mma_asm", gu, c) for c in DN], dshapes).down
+top = Kernel("mma_asm", gu, dn)
+for gs, ds in SPLITS:
+    if in_budget():
+        for T, tp in dshapes:
+            measure("decode", with_split(top, gs, ds), T, tp)
+for T, tp in dshapes:
+    measure("decode", Kernel("mma", gu, dn), T, tp)
+
+
+def same_bits(a: Kernel, b: Kernel, shapes) -> dict:
+    """max |Δ| between two kernels' outputs on the first routing of each shape: 0 when the PTX unpacking does what the
+    bit operations do (the same products, summed in the same order; atomics of 2 partials commute)."""
+    out = {}
+    for T, tp in shapes:
+        if (a, T, tp) in FIRST and (b, T, tp) in FIRST:
+            out[f"T{T}_tp{tp}"] = (FIRST[(a, T, tp)].float() - FIRST[(b, T, tp)].float()).abs().max().item()
+    print(f"{a.variant} vs {b.variant}, max |difference|: {out}", flush=True)
+    return out
+
+
+OUT["mma_asm_vs_mma"] = same_bits(Kernel("mma_asm", gu, dn), Kernel("mma", gu, dn), dshapes)
+save()
+
+
+def fastest(Ts) -> Kernel | None:
+    """The INT4 kernels measured, and correct, at every (T, tp) for T in Ts with the lowest summed ratio to the bound
+    (None: none was, or the budget ran out first)."""
+    shapes = [(T, tp) for T in Ts for tp in TPS]
+    full = {k for k, _, _ in CACHE if k.variant != "bf16" and all(CACHE.get((k, T, tp), {}).get("ok") for T, tp in shapes)}
+    return min(full, key=lambda k: score([CACHE[(k, T, tp)] for T, tp in shapes]), default=None)
+
+
+decode_best = {T: fastest([T]) for T in DECODE_T}  # decode kernels only, so far
+
+# 3. the whole INT4 MoE layer: routing kernels + routed experts + bf16 shared expert (models.target.TargetModel.moe)
+for tp, I in TPS.items():
+    packed = WEIGHTS[tp][0]
+    lw = dict(zip(int4_routed.NAMES, packed))
+    gate = (torch.randn(E, H, device=DEV, generator=gen) * H ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, device=DEV, generator=gen) * 0.01
+    sw13 = (torch.randn(2 * I, H, device=DEV, generator=gen) * H ** -0.5).to(torch.bfloat16)
+    sw2 = (torch.randn(H, I, device=DEV, generator=gen) * I ** -0.5).to(torch.bfloat16)
+    for T in DECODE_T:
+        probs = PROBLEMS[T]
+        chosen = [fused_moe.route(x, gate, bias, TOP_K, 2.827, True)[1] for x, _, _ in probs]
+        nbytes = (sum(c.unique().numel() for c in chosen) / len(chosen) * sum(t[0].nbytes for t in packed)
+                  + sw13.nbytes + sw2.nbytes + gate.nbytes + bias.nbytes)
+
+        def layer(x):
+            w, ids = fused_moe.route(x, gate, bias, TOP_K, 2.827, True)
+            return int4_routed.routed_experts(x, ids, w, lw, G) + quant.gated_mlp(x, sw13, sw2)
+
+        for name, kernel in (("first kernels", int4_moe.DEFAULT), ("fastest", decode_best[T])):
+            if not in_budget() or kernel is None:
+                break
+            saved, int4_routed.TABLE = int4_routed.TABLE, ((None, kernel),)
+            try:
+                row = {"tp": tp, "tokens": T, "routed": name, "kernel": str(kernel), "bound_ms": nbytes / BW,
+                       "ms": timed([lambda x=x: layer(x) for x, _, _ in probs])}
+            finally:
+                int4_routed.TABLE = saved
+            row["ratio"] = row["ms"] / row["bound_ms"]
+            OUT["layer"].append(row)
+            print(json.dumps(row), flush=True)
+save()
+
+# 4. grouped kernels
+gshapes = [(T, tp) for T in GROUPED_T for tp in TPS]
+gbest = best("grouped", [Kernel("grouped_asm", c, c) for c in GROUPED], gshapes)
+for T, tp in gshapes:
+    for k in (Kernel("grouped", gbest.gate_up, gbest.down), Kernel("bf16", (), ()), int4_routed.DEQUANT):
+        if in_budget():
+            measure("grouped", k, T, tp)
+for T, tp in dshapes:
+    if in_budget():
+        measure("grouped", gbest, T, tp)
+OUT["grouped_asm_vs_grouped"] = same_bits(gbest, Kernel("grouped", gbest.gate_up, gbest.down), gshapes)
+save()
+
+# 5. summary and the table
+print(f"\n{'T':>5} {'tp':>3} {'variant':<12} {'gate_up':<22} {'down':<22} {'ms':>8} {'bound':>7} {'ratio':>6} {'bf16 ms':>8} "
+      f"{'err':>8}")
+for T, tp in dshapes + gshapes:
+    b16 = CACHE.get((Kernel("bf16", (), ()), T, tp), {}).get("ms", float("nan"))
+    rows = sorted((r for r in OUT["rows"] if r["tokens"] == T and r["tp"] == tp and "ms" in r and r["variant"] != "bf16"),
+                  key=lambda r: r["ms"])
+    firsts = {}
+    for r in rows:
+        firsts.setdefault(r["variant"], r)  # the fastest row of each variant
+    for r in firsts.values():
+        print(f"{T:>5} {tp:>3} {r['variant']:<12} {str(r['gate_up']):<22} {str(r['down']):<22} {r['ms']:>8.4f} "
+              f"{r['bound_ms']:>7.4f} {r['ratio']:>6.2f} {b16:>8.4f} {r['err']:>8.1e}{'' if r['ok'] else '  FAILED'}")
+print(f"\n{'T':>5} {'tp':>3} {'routed experts':<15} {'layer ms':>9} {'bound':>7} {'ratio':>6}")
+for r in OUT["layer"]:
+    print(f"{r['tokens']:>5} {r['tp']:>3} {r['routed']:<15} {r['ms']:>9.4f} {r['bound_ms']:>7.4f} {r['ratio']:>6.2f}")
+rows = [(T, fastest([T])) for T in DECODE_T] + [(None, fastest(GROUPED_T))]  # grouped kernels now measured too
+rows = [r for r, after in zip(rows, rows[1:] + [(0, None)]) if r[1] is not None and r[1] != after[1]]  # covered: out
+OUT["table"] = "TABLE: tuple[tuple[int | None, Kernel], ...] = (\n" + "".join(f"    ({T}, {k!r}),\n" for T, k in rows) + ")"
+OUT["seconds"] = round(time.time() - T0, 1)
+print("\nsplitspec/models/int4_routed.py, the fastest kernels measured:\n" + OUT["table"])
+print(f"done in {OUT['seconds']} s", flush=True)
+save()
