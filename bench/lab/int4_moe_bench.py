@@ -38,6 +38,8 @@ from pathlib import Path
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--out", default="results/int4mma", help="folder for int4_moe_bench.json")
 ap.add_argument("--budget-s", type=float, default=230, help="start no new sweep step after this many seconds")
+ap.add_argument("--decode", default=None, metavar="GU/DN",
+                help="skip the decode sweeps: time mma_asm with these configs only, e.g. 32,512,2,3,0/16,512,1,3,0")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
 if A.dry_run:
@@ -51,6 +53,7 @@ from splitspec import quant  # noqa: E402
 from splitspec.measure.machine import git_commit  # noqa: E402
 from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed  # noqa: E402
 from splitspec.models.int4_moe import Kernel  # noqa: E402
+from splitspec.models.layers import gated_mlp  # noqa: E402
 
 T0 = time.time()
 DRY = A.dry_run
@@ -202,13 +205,18 @@ dshapes = [(T, tp) for T in DECODE_T for tp in TPS]
 for T, tp in dshapes:
     measure("decode", int4_moe.DEFAULT, T, tp)
     measure("decode", Kernel("bf16", (), ()), T, tp)
-gu = best("decode", [Kernel("mma_asm", c, DN[0]) for c in GU], dshapes).gate_up
-dn = best("decode", [Kernel("mma_asm", gu, c) for c in DN], dshapes).down
-top = Kernel("mma_asm", gu, dn)
-for gs, ds in SPLITS:
-    if in_budget():
-        for T, tp in dshapes:
-            measure("decode", with_split(top, gs, ds), T, tp)
+if A.decode:  # a configuration chosen from an earlier run: no sweep
+    gu, dn = (tuple(int(v) for v in part.split(",")) for part in A.decode.split("/"))
+    for T, tp in dshapes:
+        measure("decode", Kernel("mma_asm", gu, dn), T, tp)
+else:
+    gu = best("decode", [Kernel("mma_asm", c, DN[0]) for c in GU], dshapes).gate_up
+    dn = best("decode", [Kernel("mma_asm", gu, c) for c in DN], dshapes).down
+    top = Kernel("mma_asm", gu, dn)
+    for gs, ds in SPLITS:
+        if in_budget():
+            for T, tp in dshapes:
+                measure("decode", with_split(top, gs, ds), T, tp)
 for T, tp in dshapes:
     measure("decode", Kernel("mma", gu, dn), T, tp)
 
@@ -254,7 +262,7 @@ for tp, I in TPS.items():
 
         def layer(x):
             w, ids = fused_moe.route(x, gate, bias, TOP_K, 2.827, True)
-            return int4_routed.routed_experts(x, ids, w, lw, G) + quant.gated_mlp(x, sw13, sw2)
+            return int4_routed.routed_experts(x, ids, w, lw, G) + gated_mlp(x, sw13, sw2)
 
         for name, kernel in (("first kernels", int4_moe.DEFAULT), ("fastest", decode_best[T])):
             if not in_budget() or kernel is None:

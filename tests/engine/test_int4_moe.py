@@ -87,8 +87,13 @@ def test_kernels_match_hand_dequantised_float64(name):
     ref = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2))
     out = run(KERNELS[name], x, local, weights, p13, s13, p2, s2)
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
-    tol = (2 ** -7 if DEVICE == "cpu" else 3e-2) * ref.abs() + 1e-4 * ref.abs().max()  # one bf16 ulp (the interpreter truncates)
-    assert ((out.double() - ref).abs() <= tol).all(), ((out.double() - ref).abs() / tol).max()
+    err = (out.double() - ref).abs()
+    if DEVICE == "cpu":  # one bf16 ulp per element (the interpreter truncates)
+        tol = 2 ** -7 * ref.abs() + 1e-4 * ref.abs().max()
+        assert (err <= tol).all(), (err / tol).max()
+    else:  # tensor cores round the activations between the projections to bf16: bf16-operand error, not one ulp
+        rel = (err.norm() / ref.norm()).item()
+        assert rel < 1e-2 and err.max() < 2e-2 * ref.abs().max(), (rel, (err.max() / ref.abs().max()).item())
     assert out[1].abs().sum() > 0 and (ref[1] != 0).any()  # the token with another rank's pair still has its own
 
 

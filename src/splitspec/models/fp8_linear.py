@@ -36,11 +36,13 @@ from splitspec.models.fused_moe import on_device
 #: with the smallest key ≥ T (the largest key above that). SPLIT_K 0: split K until the programs fill the GPU twice
 #: over (at most 8 ways). MODE_F32 runs one token per program (BLOCK_T must be 1); the dot modes need BLOCK_T ≥ 16.
 #: Paste the winners of ``bench/fp8_bench.py`` (section ``linear``) here.
+#: Set from an H200 run (docs/lab/2026-12-02-h200-int4-fp8-full-depth): the configuration best summed over the ten
+#: Kimi-K2 attention / dense-MLP shapes at TP1 and the TP8 shard for each token bucket.
 LINEAR_CONFIGS = {
     1: (MODE_F32, 1, 16, 512, 0, 4, 3),
-    4: (MODE_DOT, 16, 32, 256, 0, 4, 3),
-    16: (MODE_DOT, 16, 32, 256, 0, 4, 3),
-    1 << 20: (MODE_DOT, 64, 64, 128, 1, 4, 3),
+    4: (MODE_DOT, 16, 64, 128, 0, 4, 3),
+    16: (MODE_DOT, 16, 64, 128, 0, 4, 3),
+    1 << 20: (MODE_DOT, 32, 64, 128, 0, 4, 3),
 }
 SCALED_MM_MIN_TOKENS = 17  #: from this many tokens ``torch._scaled_mm`` serves the shapes it fits; below, Triton
 ACT_GROUP = 128  # activation quantisation group of the cuBLAS path (its 1 × 128 scaling)

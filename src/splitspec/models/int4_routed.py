@@ -40,11 +40,11 @@ DEQUANT = Kernel("dequant", (), ())
 #: The engine's kernels for INT4 experts on a GPU, by token count T: the first row whose bound is ≥ T (None: any
 #: T). Set from ``bench/lab/int4_moe_bench.py``, whose output ends with this table for the kernels it measured
 #: fastest. Configs as :class:`splitspec.models.int4_moe.Kernel` says (decode: BLOCK_N, BLOCK_K, warps, stages,
-#: split; grouped: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Until an H200 run of that bench, the kernels measured
-#: in docs/lab/2026-12-02-h200-int4-moe-kernels: ``fma`` for the decode batches (the blocks of that sweep), the
-#: dequantised path beyond.
+#: split; grouped: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode batches: ``mma_asm`` with the configuration
+#: that was best over TP1 and the TP8 shard together on an H200 (docs/lab/2026-12-02-h200-int4-mma-kernels: 1.76 /
+#: 1.34 / 1.43× the INT4 bound at 1 / 4 / 16 tokens at TP1); beyond, the dequantised path.
 TABLE: tuple[tuple[int | None, Kernel], ...] = (
-    (fused_moe.MAX_TOKENS, int4_moe.DEFAULT),
+    (fused_moe.MAX_TOKENS, Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0))),
     (None, DEQUANT),
 )
 
