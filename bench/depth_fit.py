@@ -251,6 +251,7 @@ def load(path: Path, what: str, keys: tuple, row_keys: tuple = ()) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    fdr.START = time.monotonic()  # --budget-s counts from here (a caller's process may be old)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--fit-layers", default="2,4", help="comma list of the short depths measured (≥ 2 of them, each ≥ 2)")
     ap.add_argument("--layers", type=int, default=61, help="depth predicted (without --measured; with it, the file's)")

@@ -320,6 +320,8 @@ def parse_grid(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
+    global START
+    START = time.monotonic()  # --budget-s counts from here (a caller's process may be old)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--layers", type=int, default=61, help="target layers (1 dense + MoE)")
     ap.add_argument("--tp", type=int, default=8, help="the target's TP size; rank 0 runs here")

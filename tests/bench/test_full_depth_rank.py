@@ -76,6 +76,7 @@ def test_dry_run_writes_rows_report_and_plot(tmp_path, capsys):
     the lab's all-reduce file added, the model compared; --resume keeps those rows, and past --budget-s no row starts."""
     out = tmp_path / "fd"
     args = ["--dry-run", "--layers", "2", "--batches", "1", "--cycles", "2", "--allreduce", "lab", "--out", str(out)]
+    fdr.START -= 1e4  # an old process (a test worker): --budget-s counts from main(), not from the import
     assert fdr.main(args + ["--ks", "0-1"]) == 0
     res = json.loads((out / "full_depth_rank.json").read_text())
     assert [(r["draft_tp"], r["k"]) for r in res["rows"]] == [(None, 0), (1, 1), (8, 1)]
