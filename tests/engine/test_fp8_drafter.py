@@ -1,7 +1,8 @@
 """FP8 drafters (``splitspec build --drafter-dtype fp8``): quantised at build from the demo drafter, its linears are
 FP8 within e4m3's rounding of the float weights and its forward equals the float drafter over the dequantised weights;
 greedy speculation with it stays target-only greedy at k = 1…5, eagerly and in the static-shape form; an FP8 drafter
-checkpoint converts and builds with its tiles kept bit for bit (or dequantised for a float drafter); the memory plan
+checkpoint (Llama or MLA attention) converts and builds with its tiles kept bit for bit (or dequantised for a float
+drafter); the memory plan
 counts the built bytes; bad FP8 drafters get one line naming the file and tensor, and nothing is written."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from splitspec.models.drafters import FP8_WEIGHTS, drafter_cache, drafter_linear
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
+from splitspec.testing.fixtures import write_mla_drafter
 from splitspec.testing.fp8_drafter import write_fp8_drafter
 
 PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
@@ -118,6 +120,34 @@ def test_fp8_drafter_checkpoint_keeps_its_tiles(demo_models, tmp_path):
     assert "qkv_proj.scale_inv" not in wf and torch.equal(wf["qkv_proj"], dequantised(w["qkv_proj"], w["qkv_proj.scale_inv"]))
     with pytest.raises(ConfigError, match="drafter_dtype 'int8'"):
         build_engines(tmp_path / "ckpt", tmp_path / "bad", drafter_dtype="int8", progress=False)
+
+
+def test_mla_fp8_drafter_checkpoint(demo_models, tmp_path):
+    """An MLA drafter (EAGLE-3.1 form: d2t, fc_norm, norm_output) stored FP8: its fused q_a + kv_a_with_mqa rows (64 +
+    48) cut a tile, so build requantises that fusion and keeps every other checkpoint tile; w_uk / w_uv stay float;
+    the forward is the float MLA drafter's over the dequantised weights."""
+    write_mla_drafter(tmp_path / "mla", demo_models / "target", "mla31")
+    write_fp8_drafter(tmp_path / "mla", tmp_path / "mla8")
+    quiet(convert_pair, demo_models / "target", tmp_path / "mla8", tmp_path / "ckpt", tp_size=1, progress=False)
+    eng = quiet(build_engines, tmp_path / "ckpt", tmp_path / "eng", max_seq_len=256, progress=False, drafter_dtype="fp8")
+    meta = read_json(eng / "drafter" / "engine.json")
+    cfg = DrafterConfig.from_dict(meta["config"])
+    assert cfg.is_mla and meta["quantization"]["quantised_at_build"] == ["attn.fused_qkv_a"]
+    w = load_file(str(eng / "drafter" / "rank0.safetensors"))
+    deq = {n: t for n, t in w.items() if not n.endswith(".scale_inv") and n != quant.FP8_BLOCK_KEY}
+    for n in drafter_linears(cfg):
+        assert w[n].dtype == quant.FP8_DTYPE
+        deq[n] = dequantised(w[n], w[n + ".scale_inv"])
+    assert w["attn.w_uk"].dtype == w["attn.w_uv"].dtype == w["lm_head"].dtype == torch.float32
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(6, 3 * cfg.target_hidden_size, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist()
+    out = []
+    for weights in (w, deq):
+        m = drafter_model(cfg, weights)
+        out.append(m.forward(ForwardBatch.build([(single_blocks(0, 256), 0, tokens)], "all"), m.fuse(aux),
+                             drafter_cache(cfg, 256, m.dtype, "cpu")))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_fp8_drafters_are_one_line_errors(demo_models, tmp_path):
