@@ -28,7 +28,7 @@ from splitspec.models.drafters import FP8_WEIGHTS, drafter_cache, drafter_linear
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
-from splitspec.testing.fixtures import write_mla_drafter
+from splitspec.testing.mla_drafter_fixture import write_mla_drafter
 from splitspec.testing.fp8_drafter import write_fp8_drafter
 
 PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
