@@ -18,6 +18,7 @@ from splitspec import quant
 from splitspec.build.engines import build_engines
 from splitspec.build.memory_plan import Deployment, plan_memory
 from splitspec.build.weight_bytes import Storage, WeightFormat, drafter_bytes
+from splitspec.cli import main as cli_main
 from splitspec.config import TargetConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.drafter_config import DrafterConfig
@@ -109,7 +110,9 @@ def test_fp8_drafter_checkpoint_keeps_its_tiles(demo_models, tmp_path):
     for f in (tmp_path / "d8").glob("*.safetensors"):
         src |= load_file(str(f))
     a = next(n for n in src if n.endswith("self_attn.q_proj.weight")).removesuffix("q_proj.weight")
-    kept = quiet(build_engines, tmp_path / "ckpt", tmp_path / "e8", max_seq_len=256, progress=False, drafter_dtype="fp8")
+    assert quiet(cli_main, ["build", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "e8"), "--max-seq-len", "256",
+                            "--drafter-dtype", "fp8"]) == 0
+    kept = tmp_path / "e8"
     w = load_file(str(kept / "drafter" / "rank0.safetensors"))
     assert read_json(kept / "drafter" / "engine.json")["quantization"]["quantised_at_build"] == []
     qkv = torch.cat([src[a + f"{x}_proj.weight"] for x in "qkv"])
