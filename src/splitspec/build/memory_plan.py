@@ -20,15 +20,15 @@ Per GPU g (target rank g):
   element of the stacked w13; with INT4-kept experts the per-call dequantisation of the chosen ones, up to
   min(E_local, T·top_k) experts, 16 at a time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H and the gathered logits 2·T·V float32.
   Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S (an FP8
-  drafter's forward also holds its largest linear dequantised by :func:`splitspec.quant.linear`, 12 bytes per element).
+  drafter's linears run in FP8 there, :mod:`splitspec.models.fp8_linear`: no dequantised copy).
   Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp and window (powers of two
   from 256 up to S), one k per bucket (``tuning.json`` chooses one).
 - **activations** (estimate; eager forwards, memory the caching allocator keeps): the larger of a prefill forward
   (max_prefill_tokens chunk + max_batch_size·n decode tokens: per-sequence attention over max_seq_len keys with
   float32 scores, :func:`splitspec.models.layers.attend`, and the MoE buffers as above) and the drafter's first
   extend after a prefill, which runs over the whole prompt at once: scores heads/draft_tp × L × L float32, twice
-  (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`; an FP8 drafter: plus its largest linear's
-  dequantisation), plus the aux states kept for it:
+  (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`; an FP8 drafter in a CPU engine: plus its largest
+  linear dequantised per call), plus the aux states kept for it:
   (2·L + max_batch_size·n) · 3H on each GPU that drafts.
 - **headroom**: CUDA context, cuBLAS and NCCL workspaces (``headroom_bytes``, default 2 GiB) plus 5 % of the rest
   for the caching allocator's fragmentation.
@@ -56,7 +56,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # splitspec.engine.graphs.BA
 FUSED_MOE_MAX_TOKENS = 16  # splitspec.models.fused_moe.MAX_TOKENS, likewise
 INT4_CHUNK = 16  # splitspec.models.int4_routed.CHUNK, likewise
 FRAGMENTATION = 0.05
-FP8_DEQUANT_BYTES = 12  # per element of an FP8 linear while quant.linear dequantises it (float32 weight, scales, product)
+FP8_DEQUANT_BYTES = 12  # per element of an FP8 linear while quant.linear dequantises it (float32 weight, scales, product): CPU engines
 GROUPS = ("weights", "drafter", "kv", "graphs", "activations", "headroom")
 
 
@@ -161,7 +161,7 @@ def _target_forward(cfg: TargetConfig, mapping: Mapping, fmt: WeightFormat, toke
     return layer + 6 * tokens * H * act + 2 * logit_rows * cfg.vocab_size * 4
 
 
-def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, dequant: int = 0) -> int:
+def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> int:
     act, H, lat = _act_bytes(fmt), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     bp, n = _bucket(dep.max_batch_size), dep.max_draft_len + 1
     S = -(-dep.max_seq_len // BLOCK_SIZE) * BLOCK_SIZE
@@ -174,7 +174,7 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, deq
         d = dep.draft_tp
         kv, nq = dcfg.num_key_value_heads // d, dcfg.num_attention_heads // d
         draft = 2 * bp * S * kv * dcfg.head_dim * act + bp * nq * n * S * (8 + act) + 2 * T * dcfg.draft_vocab_size * 4
-        peak = max(peak, draft + dequant)
+        peak = max(peak, draft)
     return peak + outputs
 
 
@@ -236,8 +236,9 @@ class MemoryPlan:
 def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: DrafterConfig | None, dep: Deployment,
                 source: str = "config.json", on_gpu: bool = True, drafter_block: tuple[int, int] | None = None) -> MemoryPlan:
     """The plan of ``dep`` for target ``cfg`` with weights in ``fmt`` (stored as ``storage`` says) and drafter ``dcfg``
-    (None: no drafter), an FP8 drafter in ``drafter_block`` tiles when given (``build --drafter-dtype fp8``; its
-    largest linear's per-call dequantisation, :data:`FP8_DEQUANT_BYTES` per element, counted in its forward's peak).
+    (None: no drafter), an FP8 drafter in ``drafter_block`` tiles when given (``build --drafter-dtype fp8``; off the
+    GPU its largest linear's per-call dequantisation, :data:`FP8_DEQUANT_BYTES` per element, counts in its forward's
+    peak; GPUs run its linears in FP8).
     ``on_gpu`` False models a CPU engine (no CUDA graphs, no fused MoE kernels, no headroom).
 
     Raises:
@@ -249,7 +250,7 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp
     dweights = drafter_bytes(dcfg, fmt.float_bytes, dep.draft_tp, drafter_block) if dcfg is not None else Counter()
     dequant = 0
-    if dcfg is not None and drafter_block is not None:
+    if dcfg is not None and drafter_block is not None and not on_gpu:
         fp8 = [t.numel() for t in drafter_rank_weights(dcfg, fmt.float_bytes, dep.draft_tp, drafter_block).values()
                if t.dtype == quant.FP8_DTYPE]
         dequant = FP8_DEQUANT_BYTES * max(fp8, default=0)
@@ -270,7 +271,7 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
         p.add("kv", "KV cache, target (MLA latent)", target_kv)
         p.add("kv", f"KV cache, drafter ({'TP1' if dep.draft_tp == 1 else 'shard'})", dkv if draft_here[g] else 0)
         if on_gpu and dep.cuda_graphs:
-            p.add("graphs", "CUDA-graph pool", _graph_pool(cfg, dcfg, mapping, fmt, dep, draft_here[g], dequant))
+            p.add("graphs", "CUDA-graph pool", _graph_pool(cfg, dcfg, mapping, fmt, dep, draft_here[g]))
         peak, aux = _eager(cfg, dcfg, mapping, fmt, dep, draft_here[g], on_gpu, dequant)
         p.add("activations", "activations (eager peak)", peak)
         p.add("activations", "aux states for the drafter", aux)

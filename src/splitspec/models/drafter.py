@@ -19,17 +19,20 @@ and ``shard_dim`` (the dimension a draft_tp shard splits, or None when every ran
 
 FP8 drafters (``splitspec build --drafter-dtype fp8``): every linear of :func:`splitspec.models.drafters.drafter_linears`
 is float8_e4m3fn with a float32 ``<name>.scale_inv`` per tile beside it and ``fp8.weight_block_size`` in the weights;
-each goes through :func:`splitspec.quant.linear`. Embedding, lm_head, norms (and an MLA drafter's ``w_uk`` / ``w_uv``)
-stay in the activation dtype.
+each goes through :func:`splitspec.models.fp8_linear.linear` as the target's do (computed in FP8 on a GPU,
+dequantised by :func:`splitspec.quant.linear` on the CPU). Embedding, lm_head, norms (and an MLA drafter's ``w_uk`` /
+``w_uv``) stay in the activation dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from splitspec import quant
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
+from splitspec.models import fp8_linear
 from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
 
@@ -126,12 +129,19 @@ class Eagle3Drafter:
         self.device = weights["fc"].device
         self.dtype = weights["embed_tokens"].dtype
         self.block = quant.block_size_of(weights)
+        # FP8 linears of many tokens through torch._scaled_mm's block scaling where this GPU has it (as the target's)
+        self.fp8_scaled_mm = self.block is not None and fp8_linear.scaled_mm_supported(self.device)
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x [T, in] · weight ``name``ᵀ, float or FP8 with its ``scale_inv`` (:func:`splitspec.quant.linear`)."""
-        return quant.linear(x, self.w[name], self.w.get(name + ".scale_inv"), self.block)
+        """x [T, in] · weight ``name``ᵀ, float or FP8 with its ``scale_inv`` (:func:`splitspec.models.fp8_linear.linear`)."""
+        return fp8_linear.linear(x, self.w[name], self.w.get(name + ".scale_inv"), self.block, self.fp8_scaled_mm)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``mlp.w13`` [2·I, H] (gate rows first) and ``mlp.w2``: [T, H] → [T, H]."""
+        gate, up = self._linear(x, "mlp.w13").chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, "mlp.w2")
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3·target_hidden] (target states at the capture points) → [T, H].
@@ -165,8 +175,7 @@ class Eagle3Drafter:
         emb = w["embed_tokens"][batch.input_ids]
         a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
         h = hidden + self.comm.all_reduce(self.attention(a, batch, cache))
-        h = h + self.comm.all_reduce(quant.gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"],
-                                                     w["mlp.w2"], w.get("mlp.w13.scale_inv"), w.get("mlp.w2.scale_inv"), self.block))
+        h = h + self.comm.all_reduce(self._mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps)))
         if c.norm_output:
             h = rms_norm(h, w["norm"], c.rms_norm_eps)
             last = h[batch.logits_rows]
