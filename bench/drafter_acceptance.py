@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = [encode_prompt(tok, p) for p in prompts]
     torch.set_num_threads(os.cpu_count() or 1)
     info = models / "training.json"
-    result = {"models": str(models.resolve()), "training_key": json.loads(info.read_text()).get("key") if info.is_file() else None,
+    git = lambda *args: subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    result = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "src", "bench")),
+              "models": str(models.resolve()), "training_key": json.loads(info.read_text()).get("key") if info.is_file() else None,
               "prompts": [p.id for p in prompts], "ks": ks, "max_tokens": a.max_tokens, "temperature": a.temperature,
               "seeds": list(range(a.seeds)), "torch": torch.__version__, "threads": torch.get_num_threads(), "variants": {}}
     t0 = time.time()
