@@ -55,7 +55,8 @@ def _cmd_build(a: argparse.Namespace) -> None:
     from splitspec.build.engines import build_engines
 
     build_engines(Path(a.checkpoints), Path(a.out), dtype=a.dtype, float_dtype=a.float_dtype, max_batch_size=a.max_batch_size,
-                  max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len, gpu_memory_gib=a.gpu_memory_gib)
+                  max_seq_len=a.max_seq_len, max_draft_len=a.max_draft_len, gpu_memory_gib=a.gpu_memory_gib,
+                  drafter_dtype=a.drafter_dtype)
 
 
 def _cmd_plan(a: argparse.Namespace) -> None:
@@ -65,7 +66,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     dep = Deployment(tp=a.tp, ep=a.ep, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len,
                      max_draft_len=a.max_draft_len, kv_tokens=a.kv_tokens, budget_bytes=int(a.gpu_memory_gib * GIB),
                      headroom_bytes=int(a.headroom_gib * GIB))
-    plan_main(Path(a.target), Path(a.drafter) if a.drafter else None, dep, dtype=a.dtype, json_out=Path(a.json) if a.json else None)
+    plan_main(Path(a.target), Path(a.drafter) if a.drafter else None, dep, dtype=a.dtype, json_out=Path(a.json) if a.json else None,
+              drafter_dtype=a.drafter_dtype)
 
 
 def _cmd_generate(a: argparse.Namespace) -> None:

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--float-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="with --dtype fp8 or int4: dtype of every weight not kept quantised and of the activations "
                         "(default bfloat16; float32 as CPU engines run)")
+    s.add_argument("--drafter-dtype", default="float", choices=["float", "fp8"],
+                   help="float: the drafter in the engine's float dtype (an FP8 drafter checkpoint dequantised); fp8: its "
+                        "fc, attention and MLP linears in FP8 with 128x128 tile scales (an FP8 checkpoint's tiles kept, float "
+                        "weights quantised here), embedding and lm_head in the float dtype")
     s.add_argument("--max-batch-size", type=int, default=8)
     s.add_argument("--max-seq-len", type=int, default=1024)
     s.add_argument("--max-draft-len", type=int, default=8)
@@ -150,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default max-batch-size × max-seq-len)")
     s.add_argument("--dtype", default=None,
                    help="int4, fp8, bfloat16, float16 or float32 (default: as published; int4/fp8 keep published quantised weights)")
+    s.add_argument("--drafter-dtype", default="float", choices=["float", "fp8"],
+                   help="the drafter as splitspec build --drafter-dtype makes it (fp8: its linears FP8 in 128x128 tiles)")
     s.add_argument("--headroom-gib", type=finite(above=False), default=2.0, help="CUDA context, cuBLAS and NCCL workspaces per GPU")
     s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
 

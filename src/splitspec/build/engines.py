@@ -20,6 +20,12 @@ activations and every other weight are bfloat16 (or ``float_dtype``), the drafte
 operands, not linears) are dequantised, as in other engines' absorbed-MLA FP8 paths. With a float ``dtype`` an FP8
 checkpoint is dequantised here (tile × scale in float32, then cast).
 
+FP8 drafters (``drafter_dtype="fp8"``, any target dtype): the drafter's ``fc``, attention linears and ``mlp.w13`` /
+``mlp.w2`` are float8_e4m3fn with ``<name>.scale_inv`` and ``fp8.weight_block_size``, as above — an FP8 drafter
+checkpoint's tiles kept, float weights quantised here (:func:`splitspec.quant.quantize_fp8`, 128×128 tiles); its
+embedding, lm_head and norms stay in the engine's float dtype. The drafter's ``engine.json`` says which
+(``quantization``).
+
 INT4 engines (``dtype="int4"``, the default for a converted INT4 compressed-tensors checkpoint): the routed experts
 stay as the checkpoint publishes them, stacked: ``mlp.experts.w13`` int32 [E_local, 2·I_e, H/8] (gate rows, then
 up rows; 8 values per word along the input, low nibble first, value = nibble − 8) with ``mlp.experts.w13.scale``
@@ -53,10 +59,12 @@ from splitspec.convert.pair import FORMAT, convert_pair, tokenizer_files
 from splitspec.errors import CheckpointError, ConfigError
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.files import atomic_dir, read_json, write_json
+from splitspec.models.drafters import FP8_BLOCK, FP8_WEIGHTS, drafter_linears, quantize_drafter
 
 ENGINE_FORMAT = "splitspec-engine-v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILD_DTYPES = (*DTYPES, "fp8", "int4")
+DRAFTER_DTYPES = ("float", "fp8")  # the drafter in the engine's float dtype, or its linears FP8
 QUANT_FLOAT_DTYPE = "bfloat16"  # default dtype of what fp8 / int4 engines do not keep quantised, and of their activations
 INT4_LAYOUT = {"w13": "int32 [E_local, 2*I_e, H/8] (gate rows, then up) + w13.scale [E_local, 2*I_e, H/G]",
                "w2": "int32 [E_local, H, I_e/8] + w2.scale [E_local, H, I_e/G]",
@@ -215,22 +223,37 @@ def target_runtime_layout(src: CheckpointReader, cfg: TargetConfig, mapping: Map
     return dict(iter_target_runtime_layout(src, cfg, mapping, rank, dtype, block, keep_fp8, **int4))
 
 
-def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype, cfg: DrafterConfig | None = None) -> dict[str, torch.Tensor]:
-    """Runtime-layout tensors of the TP1 drafter from its converted checkpoint (``cfg``: needed for an MLA drafter)."""
+def drafter_runtime_layout(src: CheckpointReader, dtype: torch.dtype, cfg: DrafterConfig, block: tuple[int, int] | None = None,
+                           keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Runtime-layout tensors of the TP1 drafter from its converted checkpoint.
+
+    Args:
+        dtype: the activations' dtype, and that of every weight not kept FP8.
+        block: the converted checkpoint's FP8 tile (None: a float checkpoint).
+        keep_fp8: FP8 linears keep their tiles where these survive the fusion (as the target's), with
+            ``<name>.scale_inv``; False: they are dequantised to ``dtype``. An FP8 drafter then has the rest of
+            :func:`splitspec.models.drafters.drafter_linears` quantised (:func:`splitspec.models.drafters.quantize_drafter`).
+    """
     cast = lambda name: src.get(name).to(dtype)  # noqa: E731
+    keep = keep_fp8 and block is not None
     a, m = "midlayer.self_attn.", "midlayer.mlp."
-    if cfg is not None and cfg.is_mla:
-        attn = dict(iter_mla_runtime_layout(src, a, "", cfg, cfg.num_attention_heads, dtype))
+
+    def lin(name: str, *modules: str) -> dict[str, torch.Tensor]:
+        return dict(_emit(name, _fuse_rows([_linear(src, x) for x in modules], block, dtype, keep)))
+
+    if cfg.is_mla:
+        attn = dict(iter_mla_runtime_layout(src, a, "", cfg, cfg.num_attention_heads, dtype, block, keep))
     else:
-        attn = {"qkv_proj": torch.cat([cast(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]), "o_proj": cast(a + "o_proj.weight")}
-    return {
-        "embed_tokens": cast("embed_tokens.weight"), "fc": cast("fc.weight"),
+        attn = lin("qkv_proj", a + "q_proj", a + "k_proj", a + "v_proj") | lin("o_proj", a + "o_proj")
+    out = {
+        "embed_tokens": cast("embed_tokens.weight"), **lin("fc", "fc"),
         "input_layernorm": cast("midlayer.input_layernorm.weight"), "hidden_norm": cast("midlayer.hidden_norm.weight"),
         "post_attention_layernorm": cast("midlayer.post_attention_layernorm.weight"), **attn,
-        "mlp.w13": torch.cat((cast(m + "gate_proj.weight"), cast(m + "up_proj.weight"))), "mlp.w2": cast(m + "down_proj.weight"),
+        **lin("mlp.w13", m + "gate_proj", m + "up_proj"), **lin("mlp.w2", m + "down_proj"),
         "norm": cast("norm.weight"), "lm_head": cast("lm_head.weight"), "draft_to_target": src.get("draft_to_target"),
     } | ({"fc_input_norm": cast("input_norm.weight")} if "input_norm.weight" in src else {}) \
       | ({"fc_norm": torch.stack([cast(f"fc_norm.{i}.weight") for i in range(3)])} if "fc_norm.0.weight" in src else {})
+    return out
 
 
 def _read_checkpoint_config(folder: Path, kind: str) -> dict:
@@ -243,7 +266,7 @@ def _read_checkpoint_config(folder: Path, kind: str) -> dict:
 
 def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_batch_size: int = 8,
                   max_seq_len: int = 1024, max_draft_len: int = 8, progress: bool = True,
-                  gpu_memory_gib: float | None = None, float_dtype: str | None = None) -> Path:
+                  gpu_memory_gib: float | None = None, float_dtype: str | None = None, drafter_dtype: str | None = None) -> Path:
     """Build ``out/target`` and ``out/drafter`` engines from ``checkpoints`` (output of :func:`convert_pair`).
 
     Args:
@@ -253,6 +276,10 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
             group scales (:mod:`splitspec.models.int4_routed`). None: "int4" for an INT4 checkpoint, else "float32".
             The router and its correction bias stay float32.
         float_dtype: with "fp8" / "int4", the dtype of everything else and of the activations (default bfloat16).
+        drafter_dtype: None or "float": the drafter in the engine's float dtype (an FP8 drafter checkpoint dequantised);
+            "fp8": its linears (:func:`splitspec.models.drafters.drafter_linears`) in FP8 — an FP8 drafter checkpoint's
+            tiles kept where they survive the fusion, every other one quantised here in 128×128 tiles (the
+            checkpoint's tile when it has one) — and the rest in the engine's float dtype (:data:`DRAFTER_DTYPES`).
         max_batch_size: sequences the KV caches hold at once (slots).
         max_seq_len: tokens per sequence (prompt + generated + draft), bounds the KV caches.
         max_draft_len: largest number of draft tokens per cycle a request may ask for.
@@ -270,6 +297,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
         dtype = "int4" if qm.get("method") == "int4" else "float32"
     if dtype not in BUILD_DTYPES:
         raise ConfigError(f"dtype '{dtype}' is not supported (expected one of {', '.join(BUILD_DTYPES)})")
+    if drafter_dtype not in (None, *DRAFTER_DTYPES):
+        raise ConfigError(f"drafter_dtype '{drafter_dtype}' is not supported (expected one of {', '.join(DRAFTER_DTYPES)})")
     for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("max_draft_len", max_draft_len)):
         if v < 1:
             raise ConfigError(f"{name} = {v}, expected a positive integer")
@@ -294,10 +323,15 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
     fname = (float_dtype or QUANT_FLOAT_DTYPE) if quantised else dtype
     tdt = DTYPES[fname]
     weight_format = (int4_quantization(group, fname, qmeta.get("source")) if keep_int4 else
-                     {"weights": "fp8_e4m3_block_scaled" if keep_fp8 else fname, "weight_block_size": list(block) if keep_fp8 else None,
+                     {"weights": FP8_WEIGHTS if keep_fp8 else fname, "weight_block_size": list(block) if keep_fp8 else None,
                       "activation_dtype": fname, "source": qmeta.get("source")})
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len}
-    print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib, float_bytes=tdt.itemsize, group=group))
+    dq = dmeta.get("quantization") or {"method": "none"}
+    dsrc_block = tuple(dq["weight_block_size"]) if dq.get("method") == "fp8" else None
+    dfp8 = drafter_dtype == "fp8"
+    dblock = (dsrc_block or FP8_BLOCK) if dfp8 else None
+    print(check_build(tcfg, mapping, dcfg, dtype, block, limits, gpu_memory_gib, float_bytes=tdt.itemsize, group=group,
+                      drafter_block=dblock))
     with atomic_dir(out, keep=(checkpoints,)) as tmp:
         (tmp / "target").mkdir()
         (tmp / "drafter").mkdir()
@@ -314,11 +348,19 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
         write_json({"format": ENGINE_FORMAT, "kind": "target", "architecture": "DeepseekV3ForCausalLM", "dtype": dtype,
                     "quantization": weight_format, "config": tcfg.to_dict(), "mapping": mapping.to_dict(), "limits": limits},
                    tmp / "target" / "engine.json")
-        dlayout = drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt, dcfg)
+        dlayout = drafter_runtime_layout(CheckpointReader.single(checkpoints / "drafter" / "rank0.safetensors"), tdt, dcfg,
+                                         dsrc_block, dfp8)
+        quantised = [n for n in drafter_linears(dcfg) if n + ".scale_inv" not in dlayout] if dfp8 else []
+        if dfp8:
+            dlayout = quantize_drafter(dlayout, dcfg, dblock)
         write_tensors(dlayout.items(), tmp / "drafter" / "rank0.safetensors")
         del dlayout
+        dformat = {"weights": FP8_WEIGHTS if dfp8 else fname, "weight_block_size": list(dblock) if dfp8 else None,
+                   "activation_dtype": fname, "fp8_linears": list(drafter_linears(dcfg)) if dfp8 else [],
+                   "quantised_at_build": quantised, "source": dq.get("source"),
+                   "not_fp8": "embed_tokens, lm_head, norms" + (", attn.w_uk, attn.w_uv" if dcfg.is_mla else "") if dfp8 else None}
         write_json({"format": ENGINE_FORMAT, "kind": "drafter", "architecture": dcfg.architecture,
-                    "dtype": fname,
+                    "dtype": fname, "quantization": dformat,
                     "config": dcfg.to_dict(), "mapping": {"tp_size": 1}, "limits": limits,
                     "aux_layer_ids": list(dcfg.aux_layer_ids), "aux_convention": dcfg.aux_convention,
                     "aux_convention_source": dcfg.aux_convention_source, "capture_points": list(dcfg.capture_points()),
@@ -328,12 +370,14 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
     print(f"built engines → {out}/target (TP{mapping.tp_size}, {dtype}"
           + (f": FP8 weights in {block[0]}×{block[1]} tiles, {fname} activations" if keep_fp8 else "")
           + (f": INT4 routed experts in groups of {group}, everything else {fname}" if keep_int4 else "")
-          + f") and {out}/drafter (TP1, {str(tdt).removeprefix('torch.')}); limits {limits}")
+          + f") and {out}/drafter (TP1, {str(tdt).removeprefix('torch.')}"
+          + (f": FP8 linears in {dblock[0]}×{dblock[1]} tiles" + (f", {len(quantised)} quantised here" if quantised else "")
+             if dfp8 else "") + f"); limits {limits}")
     return out
 
 
 def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int = 1, max_batch_size: int = 1,
-               max_seq_len: int = 1024, quiet: bool = False) -> Path:
+               max_seq_len: int = 1024, quiet: bool = False, drafter_dtype: str | None = None) -> Path:
     """Convert and build ``models_dir/{target,drafter}`` (Hugging Face checkpoints) into ``out_dir``: the
     converted checkpoint in ``out_dir/ckpt``, engines in ``out_dir/engines`` (returned): float32, or for an INT4
     target its routed experts INT4 and the rest float32.
@@ -341,6 +385,7 @@ def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int =
     Args:
         tp_size, ep_size: the target's mapping (:func:`splitspec.convert.pair.convert_pair`).
         max_batch_size, max_seq_len: engine limits (:func:`build_engines`).
+        drafter_dtype: None (float32) or "fp8" (:func:`build_engines`).
         quiet: swallow what convert and build print (progress bars, notices).
     """
     models_dir, out_dir = Path(models_dir), Path(out_dir)
@@ -350,4 +395,4 @@ def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int =
             stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
         convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size, ep_size=ep_size)
         return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             float_dtype="float32")
+                             float_dtype="float32", drafter_dtype=drafter_dtype)

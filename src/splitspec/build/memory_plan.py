@@ -19,14 +19,16 @@ Per GPU g (target rank g):
   is above the fused kernels' 16 tokens (with FP8-kept experts also their per-call dequantisation, 12 bytes per
   element of the stacked w13; with INT4-kept experts the per-call dequantisation of the chosen ones, up to
   min(E_local, T·top_k) experts, 16 at a time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H and the gathered logits 2·T·V float32.
-  Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S.
+  Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S (an FP8
+  drafter's linears run in FP8 there, :mod:`splitspec.models.fp8_linear`: no dequantised copy).
   Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp and window (powers of two
   from 256 up to S), one k per bucket (``tuning.json`` chooses one).
 - **activations** (estimate; eager forwards, memory the caching allocator keeps): the larger of a prefill forward
   (max_prefill_tokens chunk + max_batch_size·n decode tokens: per-sequence attention over max_seq_len keys with
   float32 scores, :func:`splitspec.models.layers.attend`, and the MoE buffers as above) and the drafter's first
   extend after a prefill, which runs over the whole prompt at once: scores heads/draft_tp × L × L float32, twice
-  (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`), plus the aux states kept for it:
+  (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`; an FP8 drafter in a CPU engine: plus its largest
+  linear dequantised per call), plus the aux states kept for it:
   (2·L + max_batch_size·n) · 3H on each GPU that drafts.
 - **headroom**: CUDA context, cuBLAS and NCCL workspaces (``headroom_bytes``, default 2 GiB) plus 5 % of the rest
   for the caching allocator's fragmentation.
@@ -45,7 +47,8 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
 from splitspec.models.drafters import drafter_cache
-from splitspec.build.weight_bytes import DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes, target_rank_bytes
+from splitspec.build.weight_bytes import (DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes,
+                                          drafter_rank_weights, target_rank_bytes)
 
 GIB = 2 ** 30
 BLOCK_SIZE = 16  # splitspec.models.kv.BLOCK_SIZE, checked equal in the tests
@@ -53,6 +56,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # splitspec.engine.graphs.BA
 FUSED_MOE_MAX_TOKENS = 16  # splitspec.models.fused_moe.MAX_TOKENS, likewise
 INT4_CHUNK = 16  # splitspec.models.int4_routed.CHUNK, likewise
 FRAGMENTATION = 0.05
+FP8_DEQUANT_BYTES = 12  # per element of an FP8 linear while quant.linear dequantises it (float32 weight, scales, product): CPU engines
 GROUPS = ("weights", "drafter", "kv", "graphs", "activations", "headroom")
 
 
@@ -174,7 +178,7 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> 
     return peak + outputs
 
 
-def _eager(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, on_gpu: bool) -> tuple[int, int]:
+def _eager(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, on_gpu: bool, dequant: int = 0) -> tuple[int, int]:
     """(eager forward peak, aux states kept for the drafter) on one GPU."""
     act, H, L = _act_bytes(fmt), cfg.hidden_size, dep.max_seq_len
     n, heads, c = dep.max_draft_len + 1, cfg.num_attention_heads // mapping.tp_size, min(dep.max_prefill_tokens, L)
@@ -187,7 +191,7 @@ def _eager(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, on_gpu: 
         d = dep.draft_tp
         nq = dcfg.num_attention_heads // d
         extend = 2 * nq * L * L * 4 + 2 * L * nq * dcfg.head_dim * (act + 4) + L * 3 * dcfg.target_hidden_size * 4
-        peak = max(peak, extend)
+        peak = max(peak, extend + dequant)
         aux = (2 * L + dep.max_batch_size * n) * 3 * H * act
     return peak, aux
 
@@ -203,6 +207,7 @@ class MemoryPlan:
     kv_tokens: int
     kv_bytes_per_token: dict[int, int]  # GPU -> KV bytes per token (target + drafter there)
     drafter_name: str | None = None
+    drafter_block: tuple[int, int] | None = None  # an FP8 drafter's tile
 
     def over(self) -> list[GpuPlan]:
         b = self.deployment.budget_bytes
@@ -229,9 +234,12 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: DrafterConfig | None, dep: Deployment,
-                source: str = "config.json", on_gpu: bool = True) -> MemoryPlan:
+                source: str = "config.json", on_gpu: bool = True, drafter_block: tuple[int, int] | None = None) -> MemoryPlan:
     """The plan of ``dep`` for target ``cfg`` with weights in ``fmt`` (stored as ``storage`` says) and drafter ``dcfg``
-    (None: no drafter). ``on_gpu`` False models a CPU engine (no CUDA graphs, no fused MoE kernels, no headroom).
+    (None: no drafter), an FP8 drafter in ``drafter_block`` tiles when given (``build --drafter-dtype fp8``; off the
+    GPU its largest linear's per-call dequantisation, :data:`FP8_DEQUANT_BYTES` per element, counts in its forward's
+    peak; GPUs run its linears in FP8).
+    ``on_gpu`` False models a CPU engine (no CUDA graphs, no fused MoE kernels, no headroom).
 
     Raises:
         ConfigError: a bad deployment field, or a TP/EP size that does not divide the config.
@@ -240,7 +248,12 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     act, rows = _act_bytes(fmt), dep.kv_rows
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp
-    dweights = drafter_bytes(dcfg, fmt.float_bytes, dep.draft_tp) if dcfg is not None else Counter()
+    dweights = drafter_bytes(dcfg, fmt.float_bytes, dep.draft_tp, drafter_block) if dcfg is not None else Counter()
+    dequant = 0
+    if dcfg is not None and drafter_block is not None and not on_gpu:
+        fp8 = [t.numel() for t in drafter_rank_weights(dcfg, fmt.float_bytes, dep.draft_tp, drafter_block).values()
+               if t.dtype == quant.FP8_DTYPE]
+        dequant = FP8_DEQUANT_BYTES * max(fp8, default=0)
     # the engine's own cache class on the meta device: K and V per head (Llama attention) or the latent row (MLA)
     dkv = (drafter_cache(dcfg, rows, {2: torch.bfloat16, 4: torch.float32}[act], "meta", dep.draft_tp).nbytes
            if dcfg is not None else 0)
@@ -259,14 +272,15 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
         p.add("kv", f"KV cache, drafter ({'TP1' if dep.draft_tp == 1 else 'shard'})", dkv if draft_here[g] else 0)
         if on_gpu and dep.cuda_graphs:
             p.add("graphs", "CUDA-graph pool", _graph_pool(cfg, dcfg, mapping, fmt, dep, draft_here[g]))
-        peak, aux = _eager(cfg, dcfg, mapping, fmt, dep, draft_here[g], on_gpu)
+        peak, aux = _eager(cfg, dcfg, mapping, fmt, dep, draft_here[g], on_gpu, dequant)
         p.add("activations", "activations (eager peak)", peak)
         p.add("activations", "aux states for the drafter", aux)
         if on_gpu:
             p.add("headroom", "headroom (context, NCCL, fragmentation)", dep.headroom_bytes + math.ceil(p.total * FRAGMENTATION))
         per_token[g] = (target_kv + (dkv if draft_here[g] else 0)) // rows
         gpus.append(p)
-    return MemoryPlan(dep, fmt, gpus, source, dep.kv_tokens or dep.max_batch_size * dep.max_seq_len, per_token)
+    return MemoryPlan(dep, fmt, gpus, source, dep.kv_tokens or dep.max_batch_size * dep.max_seq_len, per_token,
+                      drafter_block=drafter_block if dcfg is not None else None)
 
 
 def device_budget(gpu_memory_gib: float | None) -> tuple[int | None, str]:
@@ -283,12 +297,13 @@ def device_budget(gpu_memory_gib: float | None) -> tuple[int | None, str]:
 
 
 def check_build(cfg: TargetConfig, mapping: Mapping, dcfg: DrafterConfig, dtype: str, block: tuple[int, int] | None,
-                limits: dict, gpu_memory_gib: float | None, float_bytes: int | None = None, group: int | None = None) -> str:
+                limits: dict, gpu_memory_gib: float | None, float_bytes: int | None = None, group: int | None = None,
+                drafter_block: tuple[int, int] | None = None) -> str:
     """The plan of engines ``splitspec build`` is about to write (drafter TP1 on GPU 0, the heavier placement; KV
     budget max_batch_size × max_seq_len), checked against :func:`device_budget`. Returns a one-line summary.
 
     ``float_bytes``: element size of what is not kept quantised (default: bf16 beside fp8 / int4); ``group``: the INT4
-    group of a converted checkpoint, whose routed experts alone are INT4.
+    group of a converted checkpoint, whose routed experts alone are INT4; ``drafter_block``: an FP8 drafter's tile.
 
     Raises:
         MemoryPlanError: the engines would not fit (nothing has been written yet).
@@ -302,7 +317,7 @@ def check_build(cfg: TargetConfig, mapping: Mapping, dcfg: DrafterConfig, dtype:
     budget, source = device_budget(gpu_memory_gib)
     dep = Deployment(tp=mapping.tp_size, ep=mapping.ep_size, max_batch_size=limits["max_batch_size"],
                      max_seq_len=limits["max_seq_len"], max_draft_len=limits["max_draft_len"], budget_bytes=budget)
-    plan = plan_memory(cfg, fmt, Storage(scheme), dcfg, dep, "converted checkpoint")
+    plan = plan_memory(cfg, fmt, Storage(scheme), dcfg, dep, "converted checkpoint", drafter_block=drafter_block)
     g = max(plan.gpus, key=lambda p: p.total)
     if budget is None:
         return f"memory plan: GPU {g.gpu} needs {g.total / GIB:.2f} GiB (not checked: {source})"

@@ -12,9 +12,11 @@ from splitspec.build.memory_plan import GIB, GROUPS, Deployment, MemoryPlan, pla
 from splitspec.build.weight_bytes import Storage, WeightFormat
 from splitspec.config import TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.convert.drafter import drafter_scheme
 from splitspec.convert.safetensors import INDEX_NAME, CheckpointReader
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json, write_json
+from splitspec.models.drafters import FP8_BLOCK
 
 FORMAT_NOTES = {"int4": "INT4 routed experts as published (packed int32 + bf16 group scales + weight_shape), bf16 elsewhere",
                 "fp8": "FP8 block-scaled linears as published (float32 scale_inv per tile), bf16 elsewhere",
@@ -48,20 +50,27 @@ def open_target(folder: Path, dtype: str | None) -> tuple[TargetConfig, WeightFo
             f"{where} and the safetensors headers of {n} shard{'s' * (n > 1)} (shapes and storage checked per tensor)")
 
 
-def open_drafter(folder: Path) -> DrafterConfig:
-    """The EAGLE-3 drafter config of a published drafter folder."""
+def open_drafter(folder: Path, drafter_dtype: str = "float") -> tuple[DrafterConfig, tuple[int, int] | None]:
+    """The EAGLE-3 drafter config of a published drafter folder, and the FP8 tile of the drafter ``splitspec build
+    --drafter-dtype`` makes from it (fp8: the checkpoint's tile when it is FP8, else 128×128; float: None)."""
     folder = Path(folder)
-    return DrafterConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
+    raw = read_json(folder / "config.json")
+    cfg = DrafterConfig.from_hf(raw, str(folder / "config.json"))
+    if drafter_dtype != "fp8":
+        return cfg, None
+    scheme = drafter_scheme(raw, str(folder / "config.json"))
+    return cfg, scheme.block or FP8_BLOCK
 
 
-def plan_checkpoints(target: Path, drafter: Path | None, dep: Deployment, dtype: str | None = None) -> MemoryPlan:
-    """The memory plan of ``dep`` for the published ``target`` (and ``drafter``) folders."""
+def plan_checkpoints(target: Path, drafter: Path | None, dep: Deployment, dtype: str | None = None,
+                     drafter_dtype: str = "float") -> MemoryPlan:
+    """The memory plan of ``dep`` for the published ``target`` (and ``drafter``, as ``drafter_dtype``) folders."""
     cfg, fmt, storage, source = open_target(Path(target), dtype)
-    dcfg = open_drafter(Path(drafter)) if drafter else None
+    dcfg, dblock = open_drafter(Path(drafter), drafter_dtype) if drafter else (None, None)
     if dcfg is not None and dcfg.target_hidden_size != cfg.hidden_size:
         raise CheckpointError(f"{Path(drafter) / 'config.json'}: target_hidden_size = {dcfg.target_hidden_size}, but the "
                               f"target's hidden_size is {cfg.hidden_size}")
-    plan = plan_memory(cfg, fmt, storage, dcfg, dep, source)
+    plan = plan_memory(cfg, fmt, storage, dcfg, dep, source, drafter_block=dblock)
     plan.drafter_name = str(drafter) if drafter else None
     return plan
 
@@ -87,6 +96,8 @@ def render(plan: MemoryPlan) -> list[str]:
     d, f = plan.deployment, plan.fmt
     drafter = ("no drafter" if plan.drafter_name is None else
                "drafter TP1 on GPU 0" if d.draft_tp == 1 else f"drafter sharded over the {d.tp} GPUs")
+    if plan.drafter_block is not None:
+        drafter += f" (FP8 linears, {plan.drafter_block[0]}×{plan.drafter_block[1]} tiles)"
     lines = [f"memory plan: {f.name} weights ({FORMAT_NOTES[f.name]}), TP{d.tp} EP{d.ep}, {drafter}",
              f"  from: {plan.source}",
              f"  limits: max_batch_size {d.max_batch_size}, max_seq_len {d.max_seq_len}, max_draft_len {d.max_draft_len}, "
@@ -131,9 +142,10 @@ def to_json(plan: MemoryPlan) -> dict:
                      for g in plan.gpus]}
 
 
-def main(target: Path, drafter: Path | None, dep: Deployment, dtype: str | None = None, json_out: Path | None = None) -> None:
+def main(target: Path, drafter: Path | None, dep: Deployment, dtype: str | None = None, json_out: Path | None = None,
+         drafter_dtype: str = "float") -> None:
     """Print the plan; write it as JSON to ``json_out``; raise MemoryPlanError (one line) when it does not fit."""
-    plan = plan_checkpoints(target, drafter, dep, dtype)
+    plan = plan_checkpoints(target, drafter, dep, dtype, drafter_dtype)
     print("\n".join(render(plan)))
     if json_out is not None:
         write_json(to_json(plan), Path(json_out))

@@ -17,6 +17,9 @@ weights):
   one unless it is the last), and a fused pair only when the first part ends on a tile; otherwise bf16
   (convert's and build's rule: :func:`splitspec.quant.blocked_slice`, :func:`splitspec.quant.cat_blocked`,
   applied here to meta tensors). ``w_uk`` / ``w_uv`` are always bf16.
+- FP8 drafter (``build --drafter-dtype fp8``, whatever the target's format): its ``fc``, attention linears and MLP
+  1 byte per weight + a float32 ``scale_inv`` per 128×128 tile (:func:`drafter_bytes`); embedding, lm_head and norms
+  in the float dtype.
 - ``int4`` (Kimi-K2-Thinking, K2.5, as published; compressed-tensors ``pack-quantized``; ``build --dtype int4``): a
   routed expert stored INT4 keeps ``weight_packed`` int32 [out, ceil(in/8)] and ``weight_scale`` [out, ceil(in/32)]
   (bf16 as published), stacked per layer; the engine records the group once (``int4.group_size`` int64 [1]); a
@@ -235,17 +238,20 @@ def _layer_bytes(cfg: TargetConfig, mapping: Mapping, rank: int, fmt: WeightForm
     return out
 
 
-def drafter_bytes(cfg: DrafterConfig, float_bytes: int, tp: int = 1) -> Counter:
-    """Bytes of one rank of the drafter (``tp`` 1: the whole TP1 drafter) by kind (:data:`DRAFTER_KINDS`).
-
-    The engine's own runtime layout, on the meta device (no memory): :func:`splitspec.models.shapes.drafter_shapes`
-    (Llama attention or MLA), sliced by :func:`splitspec.models.drafters.shard_drafter_weights` for rank 0 of
-    ``tp``; every tensor ``float_bytes`` per element but ``draft_to_target`` (int64).
+def drafter_rank_weights(cfg: DrafterConfig, float_bytes: int, tp: int = 1,
+                         fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """One rank's drafter weights (``tp`` 1: the whole TP1 drafter) as meta tensors (no memory) in the engine's own
+    runtime layout: :func:`splitspec.models.shapes.drafter_shapes` (Llama attention or MLA), float tensors of
+    ``float_bytes`` per element and ``draft_to_target`` int64; with ``fp8_block`` the FP8 drafter of
+    ``splitspec build --drafter-dtype fp8`` (:func:`splitspec.models.drafters.quantize_drafter`: its linears
+    float8_e4m3fn + float32 ``scale_inv`` per tile, and the tile itself, int64 [2]); sliced by
+    :func:`splitspec.models.drafters.shard_drafter_weights` for rank 0 of ``tp`` (an FP8 slice that cuts tiles
+    falls back to the float dtype there, as in the engine).
 
     Raises:
         ConfigError: ``tp`` does not divide the drafter's heads, intermediate size or draft vocabulary.
     """
-    from splitspec.models.drafters import shard_drafter_weights
+    from splitspec.models.drafters import quantize_drafter, shard_drafter_weights
     from splitspec.models.shapes import drafter_shapes
 
     sizes = (("num_attention_heads", cfg.num_attention_heads), ("intermediate_size", cfg.intermediate_size),
@@ -253,11 +259,20 @@ def drafter_bytes(cfg: DrafterConfig, float_bytes: int, tp: int = 1) -> Counter:
     for name, v in sizes:
         if v % tp:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {tp}")
-    meta = {n: torch.empty(shape, dtype=torch.int64 if n == "draft_to_target" else torch.bfloat16, device="meta")
+    dtype = torch.float32 if float_bytes == 4 else torch.bfloat16
+    meta = {n: torch.empty(shape, dtype=torch.int64 if n == "draft_to_target" else dtype, device="meta")
             for n, shape in drafter_shapes(cfg).items()}
+    if fp8_block is not None:
+        meta = quantize_drafter(meta, cfg, fp8_block)
+    return shard_drafter_weights(meta, cfg, 0, tp) if tp > 1 else meta
+
+
+def drafter_bytes(cfg: DrafterConfig, float_bytes: int, tp: int = 1, fp8_block: tuple[int, int] | None = None) -> Counter:
+    """Bytes of one rank of the drafter (``tp`` 1: the whole TP1 drafter) by kind (:data:`DRAFTER_KINDS`): the
+    tensors of :func:`drafter_rank_weights` (an FP8 drafter with ``fp8_block``), each its element size."""
     out = Counter()
-    for n, t in (shard_drafter_weights(meta, cfg, 0, tp) if tp > 1 else meta).items():
+    for n, t in drafter_rank_weights(cfg, float_bytes, tp, fp8_block).items():
         kind = ("drafter_embeddings" if n == "embed_tokens" else "drafter_lm_head" if n in ("lm_head", "draft_to_target")
                 else "drafter_layer")
-        out[kind] += t.numel() * (8 if n == "draft_to_target" else float_bytes)
+        out[kind] += t.numel() * t.element_size()
     return out

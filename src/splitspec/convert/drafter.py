@@ -8,16 +8,59 @@ DeepSeek-V3 MLA (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with
 ``kv_b_proj``, ``o_proj``; the two down-projections read the 2·H input). ``d2t`` holds offsets (target id =
 draft id + d2t[draft id]) and is written as absolute ids, ``draft_to_target``. A drafter without ``lm_head`` over
 the full vocabulary takes the target's (what ModelOpt's export does: modelopt/torch/export/plugins/hf_spec_export.py).
+
+An FP8 drafter checkpoint (``quantization_config`` as Kimi-K2-Instruct's: block-scaled float8_e4m3fn ``X.weight`` with a
+float32 ``X.weight_scale_inv`` per tile) has its layer's linears and ``fc`` read and written as they are, weight and
+scales; an FP8 ``lm_head`` is dequantised to bfloat16 (the engine keeps lm_head in the activation dtype). Which linears
+are FP8 is read from the headers; ``splitspec build --drafter-dtype fp8`` keeps them, a float build dequantises them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from splitspec import quant
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.safetensors import CheckpointReader
 from splitspec.convert.target import FLOAT_DTYPES, TargetSource
 from splitspec.errors import CheckpointError, ConfigError
+
+def drafter_scheme(raw: dict, where: str) -> quant.QuantScheme:
+    """The quantisation of a drafter checkpoint from its config.json ``raw``: none or FP8 block-scaled.
+    Raises CheckpointError naming ``where`` for a malformed ``quantization_config`` or an INT4 one."""
+    scheme = quant.parse_quantization_config(raw.get("quantization_config"), where)
+    if scheme.method == "int4":
+        raise CheckpointError(f"{where}: quantization_config is INT4 compressed-tensors; a drafter is read in float or FP8 "
+                              "block-scaled (weight_scale_inv) form only")
+    return scheme
+
+
+def _fp8_allowed(name: str) -> bool:
+    """Converted names an FP8 drafter checkpoint may store as float8_e4m3fn: the layer's linears, fc and lm_head."""
+    return name.endswith("_proj.weight") or name in ("fc.weight", "lm_head.weight")
+
+
+def _check_tensor(reader: CheckpointReader, name: str, stored: str, shape: tuple[int, ...], scheme: quant.QuantScheme) -> bool:
+    """Check one drafter tensor from the headers; True when it is FP8 (then its ``weight_scale_inv`` is checked too).
+    Raises CheckpointError naming the file and tensor."""
+    scale = stored.removesuffix("weight") + "weight_scale_inv"
+    if stored in reader and reader.info(stored).dtype == quant.FP8_DTYPE:
+        if not _fp8_allowed(name):
+            raise CheckpointError(f"{reader.file_of(stored)}: tensor '{stored}' is float8_e4m3fn; only the drafter layer's "
+                                  "linears, fc and lm_head are read in FP8")
+        if scheme.method != "fp8":
+            raise CheckpointError(f"{reader.file_of(stored)}: tensor '{stored}' is float8_e4m3fn but the drafter's config.json has "
+                                  "no FP8 quantization_config (quant_method 'fp8', weight_block_size)")
+        reader.check(stored, shape)
+        if scale not in reader:
+            raise CheckpointError(f"{reader.folder}: tensor '{stored}' is float8_e4m3fn but '{scale}' is missing")
+        reader.check(scale, quant.fp8_scale_shape(shape, scheme.block), (torch.float32, torch.bfloat16))
+        return True
+    if _fp8_allowed(name) and scale in reader:
+        raise CheckpointError(f"{reader.folder}: tensor '{scale}' is present but '{stored}' is not float8_e4m3fn")
+    reader.check(stored, shape, FLOAT_DTYPES)
+    return False
+
 
 def read_draft_vocab(reader: CheckpointReader, cfg: DrafterConfig) -> torch.Tensor:
     """Read d2t (offsets: target id = draft id + d2t[draft id]; all zeros = identity) and check it against t2d.
@@ -96,25 +139,29 @@ def drafter_specs(reader: CheckpointReader, cfg: DrafterConfig, target_hidden: i
     return specs | {name: (name, shape) for name, shape in top.items()}
 
 
-def check_drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target_hidden: int) -> None:
-    """Check from the headers alone that every drafter tensor is there with its shape and a float dtype (before
-    anything is converted). Raises CheckpointError naming the file and tensor (``fc`` narrower or wider than
-    3 × target hidden first, in those words)."""
+def check_drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target_hidden: int,
+                          scheme: quant.QuantScheme | None = None) -> None:
+    """Check from the headers alone that every drafter tensor is there with its shape and a float dtype, or FP8 with
+    its tile scales under an FP8 ``scheme`` (before anything is converted). Raises CheckpointError naming the file and
+    tensor (``fc`` narrower or wider than 3 × target hidden first, in those words)."""
     TH = cfg.target_hidden_size
     if "fc.weight" in reader:
         fc = reader.info("fc.weight")
         if len(fc.shape) == 2 and fc.shape[1] != 3 * TH:
             raise CheckpointError(f"{reader.file_of('fc.weight')}: tensor 'fc.weight' has {fc.shape[1]} input columns, "
                                   f"expected 3 × target hidden size = 3 × {TH} = {3 * TH}")
-    for stored, shape in drafter_specs(reader, cfg, target_hidden).values():
-        reader.check(stored, shape, FLOAT_DTYPES)
+    for name, (stored, shape) in drafter_specs(reader, cfg, target_hidden).items():
+        _check_tensor(reader, name, stored, shape, scheme or quant.QuantScheme())
 
 
 def drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target: TargetSource,
-                    embedding: str | None = None, tied: bool = False) -> tuple[dict, dict]:
+                    embedding: str | None = None, tied: bool = False,
+                    scheme: quant.QuantScheme | None = None) -> tuple[dict, dict]:
     """Read and check every drafter tensor.
 
     Args:
+        scheme: the drafter checkpoint's quantisation (:func:`drafter_scheme`; None: float). Under FP8 a linear stored
+            float8_e4m3fn comes with ``<module>.weight_scale_inv`` (float32); an FP8 ``lm_head`` is dequantised.
         embedding: None (decide: the target's when the drafter has none or an equal one, the drafter's
             own when it differs), "target" or "own" (forced by the caller).
         tied: the drafter's config declares its embedding is the target's (``eagle_config.share_target_embedding``).
@@ -127,9 +174,18 @@ def drafter_tensors(reader: CheckpointReader, cfg: DrafterConfig, target: Target
         CheckpointError: naming the tensor (wrong shape/dtype, ``fc`` width not 3 × target hidden, ...).
     """
     H, TH = cfg.hidden_size, cfg.target_hidden_size
-    check_drafter_tensors(reader, cfg, target.cfg.hidden_size)
+    scheme = scheme or quant.QuantScheme()
+    check_drafter_tensors(reader, cfg, target.cfg.hidden_size, scheme)
     specs = drafter_specs(reader, cfg, target.cfg.hidden_size)
-    out = {name: reader.get(stored, shape, FLOAT_DTYPES) for name, (stored, shape) in specs.items()}
+    out = {}
+    for name, (stored, shape) in specs.items():
+        out[name] = reader.get(stored, shape)  # dtypes checked above
+        if out[name].dtype == quant.FP8_DTYPE:
+            s = reader.get(stored.removesuffix("weight") + "weight_scale_inv").float()
+            if name == "lm_head.weight":
+                out[name] = quant.dequantize_fp8(out[name], s, scheme.block, torch.bfloat16)
+            else:
+                out[name.removesuffix("weight") + "weight_scale_inv"] = s
     if "lm_head.weight" not in out:  # full vocabulary, same width: the target's head (ModelOpt's export convention)
         out["lm_head.weight"] = target.tensor("lm_head.weight", (cfg.vocab_size, H))
     out["draft_to_target"] = read_draft_vocab(reader, cfg)

@@ -12,8 +12,9 @@ Output layout (``checkpoints/<name>/``)::
                                   routed experts as published: ``X.weight_packed`` / ``X.weight_scale`` slices
                                   + the slice's ``X.weight_shape``
     target/tokenizer files        copied from the target checkpoint
-    drafter/config.json           {"format", "kind": "drafter", "config", "capture_points", "embedding", ...}
-    drafter/rank0.safetensors     drafter tensors, ``draft_to_target`` and the chosen ``embed_tokens.weight``
+    drafter/config.json           {"format", "kind": "drafter", "config", "capture_points", "embedding", "quantization", ...}
+    drafter/rank0.safetensors     drafter tensors, ``draft_to_target`` and the chosen ``embed_tokens.weight``; an FP8
+                                  drafter's linears as ``X.weight`` (float8_e4m3fn) + ``X.weight_scale_inv``
 
 Streaming: tensors are read one at a time with positioned reads (:class:`splitspec.convert.safetensors.CheckpointReader`)
 and written one at a time (:class:`splitspec.convert.safetensors.StreamingSafetensorsWriter`), so resident memory is the
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
-from splitspec.convert.drafter import check_drafter_tensors, drafter_tensors
+from splitspec.convert.drafter import check_drafter_tensors, drafter_scheme, drafter_tensors
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
 from splitspec.convert.target import TargetSource, rank_tensor_count, target_rank_tensors
 from splitspec.errors import CheckpointError, ConfigError
@@ -132,6 +133,7 @@ def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 
     tcfg = src.cfg
     draw = read_json(drafter_dir / "config.json")
     dcfg = DrafterConfig.from_hf(draw, str(drafter_dir / "config.json"), aux_convention)
+    dscheme = drafter_scheme(draw, str(drafter_dir / "config.json"))
     tied = bool((draw.get("eagle_config") or {}).get("share_target_embedding", draw.get("share_target_embedding", False)))
     mapping = Mapping(tp_size=tp_size, ep_size=ep_size)
     mapping.check(tcfg, where=f"target {target_dir} at tp_size={tp_size}")
@@ -145,15 +147,15 @@ def convert_pair(target_dir: Path, drafter_dir: Path, out: Path, tp_size: int = 
         raise ConfigError(f"int4_reference given, but {target_dir} holds {src.scheme.describe()}")
     dreader = CheckpointReader(drafter_dir)
     try:
-        check_drafter_tensors(dreader, dcfg, tcfg.hidden_size)  # from the headers: a bad drafter fails before the target converts
-        return _convert(src, dreader, dcfg, mapping, target_dir, drafter_dir, out, drafter_embedding, tied, progress)
+        check_drafter_tensors(dreader, dcfg, tcfg.hidden_size, dscheme)  # from the headers: a bad drafter fails before the target converts
+        return _convert(src, dreader, dcfg, mapping, target_dir, drafter_dir, out, drafter_embedding, tied, progress, dscheme)
     finally:
         src.reader.close()
         dreader.close()
 
 
 def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, mapping: Mapping, target_dir: Path,
-             drafter_dir: Path, out: Path, drafter_embedding: str | None, tied: bool, progress: bool) -> Path:
+             drafter_dir: Path, out: Path, drafter_embedding: str | None, tied: bool, progress: bool, dscheme) -> Path:
     tcfg, tp_size, ep_size = src.cfg, mapping.tp_size, mapping.ep_size
     total = rank_tensor_count(tcfg, mapping)
     written = []
@@ -182,10 +184,13 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
                     "quantization": qmeta, "source": str(target_dir.resolve())}, tmp / "target" / "config.json")
         for f in tokenizer_files(target_dir):
             shutil.copy2(target_dir / f, tmp / "target" / f)
-        dtensors, emb = drafter_tensors(dreader, dcfg, src, drafter_embedding, tied)
+        dtensors, emb = drafter_tensors(dreader, dcfg, src, drafter_embedding, tied, dscheme)
+        fp8 = sorted(n.removesuffix("_scale_inv") for n in dtensors if n.endswith(".weight_scale_inv"))
         write_tensors(dtensors.items(), tmp / "drafter" / "rank0.safetensors")
         capture = dcfg.describe_capture(tcfg.num_hidden_layers)
-        write_json({"format": FORMAT, "kind": "drafter", "config": dcfg.to_dict(), "embedding": emb["note"],
+        dq = {"method": "fp8" if fp8 else "none", "weight_block_size": list(dscheme.block) if fp8 else None,
+              "fp8_tensors": fp8, "source": dscheme.describe(), "source_config": dscheme.source}
+        write_json({"format": FORMAT, "kind": "drafter", "config": dcfg.to_dict(), "quantization": dq, "embedding": emb["note"],
                     "embedding_source": emb["source"], "capture_points": list(dcfg.capture_points()), "capture": capture,
                     "aux_convention_source": dcfg.aux_convention_source, "source": str(drafter_dir.resolve())},
                    tmp / "drafter" / "config.json")
@@ -206,7 +211,7 @@ def _convert(src: TargetSource, dreader: CheckpointReader, dcfg: DrafterConfig, 
               f"through their {src.scheme.block[0]}×{src.scheme.block[1]} tiles: {', '.join(src.dequantized[:6])}"
               + (" …" if len(src.dequantized) > 6 else ""))
     print(f"converted drafter {drafter_dir} ({dcfg.architecture}: {dcfg.describe_attention()}; draft vocab "
-          f"{dcfg.draft_vocab_size}/{dcfg.vocab_size}) → {out}/drafter at TP1")
+          f"{dcfg.draft_vocab_size}/{dcfg.vocab_size}; weights: {dscheme.describe()}) → {out}/drafter at TP1")
     print(f"  target states feeding the drafter ({dcfg.aux_convention} convention, {dcfg.aux_convention_source}): {capture}")
     extra = [x for x, on in (("RMSNorm over the concatenated aux states before fc (norm_before_fc)", dcfg.norm_before_fc),
                              ("one RMSNorm per aux state before fc (fc_norm)", dcfg.fc_norm)) if on]

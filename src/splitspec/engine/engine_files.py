@@ -13,6 +13,7 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json
+from splitspec.models.drafters import FP8_WEIGHTS, quantize_drafter
 from splitspec.models.shapes import int4_expert_shapes, random_weights
 
 
@@ -43,7 +44,9 @@ def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = 
     """Runtime-layout weights of one rank: ``rank{i}.safetensors``, or, for a synthetic engine
     (``engine.json`` ``weights.synthetic``), seeded random tensors of ``shapes`` made on ``device`` — for an
     ``int4`` target its routed experts INT4 in the layout ``build --dtype int4`` writes
-    (:func:`splitspec.models.shapes.int4_expert_shapes`), the rest in ``quantization.activation_dtype``."""
+    (:func:`splitspec.models.shapes.int4_expert_shapes`), the rest in ``quantization.activation_dtype``; a drafter whose
+    ``quantization.weights`` is ``fp8_e4m3_block_scaled`` with its linears then quantised
+    (:func:`splitspec.models.drafters.quantize_drafter`, ``quantization.weight_block_size`` tiles)."""
     synthetic = (meta or {}).get("weights", {}).get("synthetic")
     if synthetic is not None:
         group = meta["quantization"]["group_size"] if meta["dtype"] == "int4" else None
@@ -51,7 +54,11 @@ def load_rank_weights(folder: Path, rank: int, device: str, meta: dict | None = 
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[fname]
         if group:
             shapes = int4_expert_shapes(shapes, group)
-        return random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank, int4_group=group)
+        w = random_weights(shapes, dtype, device, int(synthetic.get("seed", 0)) * 1000 + rank, int4_group=group)
+        q = meta.get("quantization") or {}
+        if meta.get("kind") == "drafter" and q.get("weights") == FP8_WEIGHTS:
+            w = quantize_drafter(w, DrafterConfig.from_dict(meta["config"]), tuple(q["weight_block_size"]))
+        return w
     path = Path(folder) / f"rank{rank}.safetensors"
     if not path.exists():
         raise CheckpointError(f"{path}: engine weights missing")

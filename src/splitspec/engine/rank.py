@@ -124,7 +124,7 @@ class RankRunner:
             dw = shard_drafter_weights(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
             graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
             self.slots[draft_tp] = (drafter_model(dcfg, dw, comm if draft_tp > 1 else TPComm()),
-                                    drafter_cache(dcfg, rows, dw["fc"].dtype, ddev, draft_tp), graphs)
+                                    drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:

@@ -14,8 +14,14 @@ Row j of a drafter forward pairs the target's state at position j with token j+1
 its rotary position is j.
 
 The interface the engine uses (:mod:`splitspec.models.drafters` picks the class): a model with ``fuse``,
-``forward``, ``propose``, ``device`` and ``cfg``; a KV cache with ``parts()`` (name → tensor, rows first) and
-``shard_dim`` (the dimension a draft_tp shard splits, or None when every rank holds all of it); a shard function.
+``forward``, ``propose``, ``device``, ``dtype`` and ``cfg``; a KV cache with ``parts()`` (name → tensor, rows first)
+and ``shard_dim`` (the dimension a draft_tp shard splits, or None when every rank holds all of it); a shard function.
+
+FP8 drafters (``splitspec build --drafter-dtype fp8``): every linear of :func:`splitspec.models.drafters.drafter_linears`
+is float8_e4m3fn with a float32 ``<name>.scale_inv`` per tile beside it and ``fp8.weight_block_size`` in the weights;
+each goes through :func:`splitspec.models.fp8_linear.linear` as the target's do (computed in FP8 on a GPU,
+dequantised by :func:`splitspec.quant.linear` on the CPU). Embedding, lm_head, norms (and an MLA drafter's ``w_uk`` /
+``w_uv``) stay in the activation dtype.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitspec import quant
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
-from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, gated_mlp, rms_norm
+from splitspec.models import fp8_linear
+from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -48,19 +56,48 @@ class DrafterKVCache:
         return self.k.nbytes + self.v.nbytes
 
 
+def spans(offset: int, size: int, parts: int, index: int) -> tuple[int, int]:
+    """Piece ``index`` of ``parts`` equal pieces of the ``size`` rows or columns starting at ``offset``: (lo, hi)."""
+    step = size // parts
+    return offset + index * step, offset + (index + 1) * step
+
+
+def take(out: dict[str, torch.Tensor], w: dict[str, torch.Tensor], name: str, dim: int, pieces: list[tuple[int, int]]) -> None:
+    """Set ``out[name]`` to weight ``name`` of ``w`` restricted to ``pieces`` [(lo, hi), …] along ``dim`` (0 rows, 1
+    columns), concatenated in that order. An FP8 weight (``<name>.scale_inv`` in ``w``) keeps its tiles when every
+    piece starts on a tile boundary and every piece but the last ends on one (the last may end at the weight's
+    edge); otherwise the slice is dequantised to the drafter's activation dtype (that of ``embed_tokens``) and
+    ``<name>.scale_inv`` is dropped from ``out``."""
+    t, s = w[name], w.get(name + ".scale_inv")
+    if s is None:
+        out[name] = torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in pieces], dim)
+        return
+    b = quant.block_size_of(w)[dim]
+    size = t.shape[dim]
+    tiled = all(lo % b == 0 and (hi % b == 0 or (i == len(pieces) - 1 and hi == size)) for i, (lo, hi) in enumerate(pieces))
+    if tiled:
+        out[name] = torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in pieces], dim)
+        out[name + ".scale_inv"] = torch.cat([s.narrow(dim, lo // b, -(-hi // b) - lo // b) for lo, hi in pieces], dim)
+        return
+    full = quant.dequantize_fp8(t, s, quant.block_size_of(w), w["embed_tokens"].dtype)
+    out[name] = torch.cat([full.narrow(dim, lo, hi - lo) for lo, hi in pieces], dim)
+    out.pop(name + ".scale_inv", None)
+
+
 def shard_common(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int,
                  divisible: tuple[tuple[str, int], ...] = ()) -> dict[str, torch.Tensor]:
     """The slicing every drafter shares (Megatron-style): gate/up rows and down columns by intermediate, lm_head
-    rows by draft vocabulary (logits all-gathered); fc, norms, embedding and the vocabulary map replicated.
+    rows by draft vocabulary (logits all-gathered); fc, norms, embedding and the vocabulary map replicated. FP8
+    weights are sliced with their tiles (:func:`take`).
     Raises ConfigError if ``size`` does not divide the intermediate size, the draft vocabulary or a ``divisible`` field."""
     for name, v in divisible + (("intermediate_size", cfg.intermediate_size), ("draft_vocab_size", cfg.draft_vocab_size)):
         if v % size:
             raise ConfigError(f"drafter {name} = {v} is not divisible by draft_tp = {size}")
-    gate, up = w["mlp.w13"].chunk(2)
+    I = cfg.intermediate_size
     out = dict(w)
-    out["mlp.w13"] = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
-    out["mlp.w2"] = w["mlp.w2"].chunk(size, 1)[rank]
-    out["lm_head"] = w["lm_head"].chunk(size)[rank]
+    take(out, w, "mlp.w13", 0, [spans(0, I, size, rank), spans(I, I, size, rank)])
+    take(out, w, "mlp.w2", 1, [spans(0, I, size, rank)])
+    take(out, w, "lm_head", 0, [spans(0, cfg.draft_vocab_size, size, rank)])
     return out
 
 
@@ -72,9 +109,8 @@ def shard_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, siz
     out = shard_common(w, cfg, rank, size, (("num_attention_heads", cfg.num_attention_heads),
                                             ("num_key_value_heads", cfg.num_key_value_heads)))
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    q, k, v = w["qkv_proj"].split([nq, nkv, nkv])
-    out["qkv_proj"] = torch.cat([q.chunk(size)[rank], k.chunk(size)[rank], v.chunk(size)[rank]])
-    out["o_proj"] = w["o_proj"].chunk(size, 1)[rank]
+    take(out, w, "qkv_proj", 0, [spans(0, nq, size, rank), spans(nq, nkv, size, rank), spans(nq + nkv, nkv, size, rank)])
+    take(out, w, "o_proj", 1, [spans(0, nq, size, rank)])
     return {n: t.contiguous() for n, t in out.items()}
 
 
@@ -83,15 +119,29 @@ class Eagle3Drafter:
     final norm, the draft-vocabulary head and its map to target ids. One rank of it when ``comm.size`` > 1.
     A subclass supplies :meth:`attention` (the layer's attention, through ``o_proj``, before the all-reduce).
 
-    ``draft_to_target`` [draft_vocab] int64 maps draft ids to target ids (from d2t offsets).
+    ``draft_to_target`` [draft_vocab] int64 maps draft ids to target ids (from d2t offsets). ``dtype``: the
+    activations' (that of ``embed_tokens``; an FP8 drafter's linears are float8_e4m3fn, ``block`` their tile).
     """
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         self.cfg, self.w = cfg, weights
         self.comm = comm or TPComm()
         self.device = weights["fc"].device
+        self.dtype = weights["embed_tokens"].dtype
+        self.block = quant.block_size_of(weights)
+        # FP8 linears of many tokens through torch._scaled_mm's block scaling where this GPU has it (as the target's)
+        self.fp8_scaled_mm = self.block is not None and fp8_linear.scaled_mm_supported(self.device)
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x [T, in] · weight ``name``ᵀ, float or FP8 with its ``scale_inv`` (:func:`splitspec.models.fp8_linear.linear`)."""
+        return fp8_linear.linear(x, self.w[name], self.w.get(name + ".scale_inv"), self.block, self.fp8_scaled_mm)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``mlp.w13`` [2·I, H] (gate rows first) and ``mlp.w2``: [T, H] → [T, H]."""
+        gate, up = self._linear(x, "mlp.w13").chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, "mlp.w2")
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3·target_hidden] (target states at the capture points) → [T, H].
@@ -105,7 +155,7 @@ class Eagle3Drafter:
             aux = rms_norm(aux, w["fc_input_norm"], c.rms_norm_eps)
         if c.fc_norm:
             aux = torch.cat([rms_norm(part, w["fc_norm"][i], c.rms_norm_eps) for i, part in enumerate(aux.chunk(3, -1))], -1)
-        return F.linear(aux.to(w["fc"].dtype), w["fc"])
+        return self._linear(aux.to(self.dtype), "fc")
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """a: [T, 2·H] attention input → [T, H], this rank's part of o_proj's output (summed over ranks after)."""
@@ -125,13 +175,13 @@ class Eagle3Drafter:
         emb = w["embed_tokens"][batch.input_ids]
         a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
         h = hidden + self.comm.all_reduce(self.attention(a, batch, cache))
-        h = h + self.comm.all_reduce(gated_mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps), w["mlp.w13"], w["mlp.w2"]))
+        h = h + self.comm.all_reduce(self._mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps)))
         if c.norm_output:
             h = rms_norm(h, w["norm"], c.rms_norm_eps)
             last = h[batch.logits_rows]
         else:
             last = rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps)
-        return self.comm.all_gather_last(F.linear(last, w["lm_head"]).float()), h
+        return self.comm.all_gather_last(self._linear(last, "lm_head").float()), h
 
     def propose(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""
@@ -149,7 +199,7 @@ class DrafterModel(Eagle3Drafter):
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
         nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim
-        q, k, v = F.linear(a, self.w["qkv_proj"]).split([nq * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = self._linear(a, "qkv_proj").split([nq * hd, nkv * hd, nkv * hd], -1)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q = self.rotary.apply(q.view(-1, nq, hd), cos, sin)
         k = self.rotary.apply(k.view(-1, nkv, hd), cos, sin)
@@ -162,7 +212,7 @@ class DrafterModel(Eagle3Drafter):
                                 hd ** -0.5).reshape(q.shape)
         else:
             out = self._attend_segments(q, k, v, batch, cache)
-        return F.linear(out.reshape(out.shape[0], -1), self.w["o_proj"])
+        return self._linear(out.reshape(out.shape[0], -1), "o_proj")
 
     def _attend_segments(self, q, k, v, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
         nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim

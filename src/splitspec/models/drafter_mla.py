@@ -17,9 +17,8 @@ import torch
 
 from splitspec.drafter_config import DrafterConfig
 from splitspec.models.batch import ForwardBatch
-from splitspec.models.drafter import Eagle3Drafter, shard_common
+from splitspec.models.drafter import Eagle3Drafter, shard_common, spans, take
 from splitspec.models.layers import TPComm, mla_attention
-from splitspec import quant
 
 
 class MLADrafterKVCache:
@@ -44,13 +43,16 @@ class MLADrafterKVCache:
 def shard_mla_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
     """Slice TP1 runtime-layout MLA-drafter weights for rank ``rank`` of ``size``: ``attn.q_b_proj`` rows,
     ``attn.w_uk`` / ``attn.w_uv`` and ``attn.o_proj`` columns by head (the target's split); the down-projection
-    ``attn.fused_qkv_a`` and the norms replicated; the rest as :func:`splitspec.models.drafter.shard_common`.
+    ``attn.fused_qkv_a`` and the norms replicated; the rest as :func:`splitspec.models.drafter.shard_common`; FP8 linears
+    with their tiles (:func:`splitspec.models.drafter.take`).
     Raises ConfigError if ``size`` does not divide the heads, intermediate size or draft vocabulary."""
     if size == 1:
         return w
     out = shard_common(w, cfg, rank, size, (("num_attention_heads", cfg.num_attention_heads),))
-    for name, dim in (("attn.q_b_proj", 0), ("attn.w_uk", 0), ("attn.w_uv", 0), ("attn.o_proj", 1)):
-        out[name] = w[name].chunk(size, dim)[rank]
+    for name in ("attn.w_uk", "attn.w_uv"):  # float einsum operands [heads, ·, kv_lora]
+        out[name] = w[name].chunk(size, 0)[rank]
+    take(out, w, "attn.q_b_proj", 0, [spans(0, cfg.num_attention_heads * cfg.qk_head_dim, size, rank)])
+    take(out, w, "attn.o_proj", 1, [spans(0, cfg.num_attention_heads * cfg.v_head_dim, size, rank)])
     return {n: t.contiguous() for n, t in out.items()}
 
 
@@ -61,9 +63,6 @@ class MLADrafterModel(Eagle3Drafter):
     def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         super().__init__(cfg, weights, comm)
         self.heads = cfg.num_attention_heads // self.comm.size
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return quant.linear(x, self.w[name])
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: MLADrafterKVCache) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(batch.positions)

@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Per-kernel profile of the steady draft phase on one GPU: where a draft phase's time goes, kernel by kernel, against
+the time reading the drafter's weights alone would take.
+
+A synthetic Kimi-K2-width engine (:func:`splitspec.build.synthetic.write_synthetic_engines`: the published Kimi-K2
+EAGLE-3 drafter's size, hidden 7168, 64 heads × 128, intermediate 18432, draft vocabulary 32000, random weights; the
+target is one dense layer and is never run) is loaded in a :class:`splitspec.engine.rank.RankRunner`, once per drafter
+dtype (``float``: bfloat16; ``fp8``: the drafter's linears quantised to block-scaled FP8 at load,
+:func:`splitspec.models.drafters.quantize_drafter`). For each batch B and k it runs the engine's steady draft phase,
+:meth:`RankRunner.draft_padded` (extend over k + 1 rows per sequence, then k − 1 single-token steps; one CUDA graph per
+(batch bucket, k, window)), every sequence at position ``--position`` with full acceptance (k + 1 extend rows), and
+reports per (B, k):
+
+- ``wall_ms``: one draft phase as the engine calls it (host preparation, input copy, graph replay), synchronised,
+  median; ``event_ms``: between CUDA events recorded around the call on the idle stream (the GPU's span, which includes
+  waiting for the host's input copy);
+- ``gpu_ms``: the sum of the device time of every kernel (and memcpy/memset) of one phase under torch.profiler (CUDA
+  activity), ``kernels``: their number per phase, ``top``: the 15 names with the most device time (ms and launches
+  per phase, share of ``gpu_ms``);
+- ``bound_ms``: the drafter weight-bytes bound, the bytes a phase must read once per forward — ``fc`` once (the extend),
+  then k × (the layer's weights + ``lm_head``) — over the measured HBM bandwidth (a device-to-device copy,
+  read + write bytes per second); ``kv_bytes`` (the K/V window each forward gathers) and ``bound_with_kv_ms`` beside it.
+
+Also the bare drafter step (one single-token forward + the greedy proposal over B sequences, a CUDA graph of its own)
+with its profile and bound (layer + lm_head bytes). JSON to ``--out``. On one H200 the defaults (B = 1, 4, 16;
+k = 1…5; both dtypes) take about two minutes::
+
+    export PYTHONPATH=$PWD/src; python3 bench/lab/draft_profile.py --out draft_profile.json
+
+``--small`` runs the same logic at the demo pair's widths (float32), on the CPU when there is no GPU (the profile is
+then of CPU operators, self time): ``python3 bench/lab/draft_profile.py --small --out /tmp/p.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOP = 15
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def bandwidth(device: str, nbytes: int) -> float:
+    """Bytes per ms a device-to-device copy of ``nbytes`` moves (read + write), best of 10."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for i in range(13):
+        sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        if i >= 3:
+            best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / (best * 1e3)
+
+
+def profile(fn, device: str, iters: int, eager=None) -> dict:
+    """Run ``fn`` ``iters`` times under torch.profiler: device time (ms per call), kernel launches per call and the
+    :data:`TOP` kernel names by device time. On the CPU: CPU operators by self time instead. Should the profiler see
+    no kernel of a CUDA graph's replay, ``eager`` (the same work without the graph) is profiled instead, and
+    ``profiled`` says so."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    cuda = device.startswith("cuda")
+    fn()
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != DeviceType.CUDA:
+            continue  # runtime API calls on the host
+        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, us / 1e3 / iters, e.count / iters))
+    if cuda and not rows and eager is not None:
+        return profile(eager, device, iters) | {"profiled": "eager (no kernel of the graph replay was traced)"}
+    total = sum(ms for _, ms, _ in rows)
+    rows.sort(key=lambda r: -r[1])
+    return {"profiled": "CUDA graph replay" if cuda and eager is not None else "as called", "gpu_ms": total, "kernels": sum(n for _, _, n in rows), "distinct_kernels": len(rows),
+            "top": [{"name": name, "ms": ms, "count": n, "share": ms / total if total else 0.0} for name, ms, n in rows[:TOP]],
+            "activity": "cuda" if cuda else "cpu (operators, self time)"}
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, float | None]:
+    """(median wall ms of one synchronised call, median ms between CUDA events around it — None on the CPU)."""
+    walls, events = [], []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            events.append(a.elapsed_time(b))
+        else:
+            fn()
+        walls.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(walls), statistics.median(events) if events else None
+
+
+def graphed(fn, device: str):
+    """``fn`` (no arguments, static tensors) captured once as a CUDA graph and returned as its replay; on the CPU ``fn``."""
+    if not device.startswith("cuda"):
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def weight_bytes(w: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Bytes of the drafter's weights read per forward, by part: ``fc`` (with its scales; the extend only), the layer
+    (attention, MLP, norms; FP8 scales included) and ``lm_head``; ``embed_tokens`` (rows gathered, not counted)."""
+    parts = {"fc": 0, "layer": 0, "lm_head": 0, "embed_tokens": 0}
+    for name, t in w.items():
+        base = name.removesuffix(".scale_inv")
+        if base in ("draft_to_target", "fp8.weight_block_size"):
+            continue
+        parts[base if base in parts else "layer"] += t.nbytes
+    return parts
+
+
+def write_engines(out: Path, dtype: str, small: bool, max_batch: int) -> Path:
+    """Synthetic engines (one target layer) whose drafter is ``dtype`` ("float" or "fp8": its linears quantised at load)."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.files import read_json, write_json
+    from splitspec.models.drafters import FP8_BLOCK, FP8_WEIGHTS
+
+    eng = write_synthetic_engines(out, num_layers=1, tp_size=1, max_batch_size=max_batch, max_seq_len=1024, max_draft_len=8,
+                                  tiny=small)
+    if dtype == "fp8":
+        meta = read_json(eng / "drafter" / "engine.json")
+        meta["quantization"] = {"weights": FP8_WEIGHTS, "weight_block_size": list(FP8_BLOCK)}
+        write_json(meta, eng / "drafter" / "engine.json")
+    return eng
+
+
+def steady_plan(B: int, k: int, position: int, per_seq_blocks: int):
+    """A steady decode cycle: B sequences at ``position``, each extending over k + 1 accepted rows, drafting k."""
+    from splitspec.engine.plan import CyclePlan, SeqWork
+
+    work = [SeqWork(sid=b, blocks=list(range(b * per_seq_blocks, (b + 1) * per_seq_blocks)), kind="decode", start=position,
+                    tokens=[1 + b], k=k, extend_start=position - k - 1, extend_tokens=[1 + b] * (k + 1), keep_aux=k + 1)
+            for b in range(B)]
+    return CyclePlan(work, padded_k=k)
+
+
+def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], position: int, bw: float, reps: int,
+                    iters: int) -> dict:
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.batch import padded
+    from splitspec.models.kv import BLOCK_SIZE
+    from splitspec.models.layers import TPComm
+
+    rank = RankRunner(eng, 0, 1, TPComm(), device, placements=(1,), compile=False)
+    m, cache = rank.drafter, rank.dcache
+    parts = weight_bytes(m.w)
+    cfg = m.cfg
+    per_seq = rank.limits["max_seq_len"] // BLOCK_SIZE
+    rows, steps = [], []
+    for B in batches:
+        for k in ks:
+            plan = steady_plan(B, k, position, per_seq)
+            for w in plan.work:
+                rank.aux[w.sid] = torch.randn(k + 1, 3 * cfg.target_hidden_size, dtype=m.dtype, device=device)
+            phase = lambda: rank.draft_padded(plan)  # noqa: E731
+            phase()
+            phase()  # captured, then replayed
+            wall, event = timed(phase, device, reps)
+            prof = profile(phase, device, iters, eager=lambda: eager_phase(rank, plan))
+            S = rank.window_for(plan)
+            kv = B * S * cfg.num_key_value_heads * cfg.head_dim * 2 * m.dtype.itemsize
+            read = parts["fc"] + k * (parts["layer"] + parts["lm_head"])
+            rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, **prof,
+                         "weight_bytes": read, "bound_ms": read / bw, "kv_bytes": k * kv,
+                         "bound_with_kv_ms": (read + k * kv) / bw, "gpu_over_bound": prof["gpu_ms"] / (read / bw)})
+            print(f"B={B:<3} k={k}  wall {wall:7.3f} ms  event {_ms(event)}  gpu {prof['gpu_ms']:7.3f} ms in "
+                  f"{prof['kernels']:.0f} kernels  bound {read / bw:6.3f} ms (+KV {(read + k * kv) / bw:6.3f})", flush=True)
+            for t in prof["top"]:
+                print(f"      {t['ms']:8.4f} ms {t['count']:5.1f}×  {t['share']:5.1%}  {t['name'][:100]}", flush=True)
+        window = min(rank.window, max(256, 1 << position.bit_length()))  # as RankRunner.window_for
+        batch = padded([(list(range(b * per_seq, (b + 1) * per_seq)), position, [1]) for b in range(B)], window, device,
+                       scratch_row=rank.scratch_row)
+        hidden = torch.randn(B, cfg.hidden_size, dtype=m.dtype, device=device)
+        bare = lambda: m.propose(m.forward(batch, hidden, cache)[0])  # noqa: E731
+        step = graphed(bare, device)
+        wall, event = timed(step, device, reps)
+        prof = profile(step, device, iters, eager=bare)
+        read = parts["layer"] + parts["lm_head"]
+        steps.append({"batch": B, "wall_ms": wall, "event_ms": event, **prof, "weight_bytes": read, "bound_ms": read / bw,
+                      "gpu_over_bound": prof["gpu_ms"] / (read / bw)})
+        print(f"B={B:<3} bare step  wall {wall:7.3f} ms  event {_ms(event)}  gpu {prof['gpu_ms']:7.3f} ms in {prof['kernels']:.0f} kernels  "
+              f"bound {read / bw:6.3f} ms", flush=True)
+    return {"weight_bytes_by_part": parts, "config": cfg.to_dict(), "rows": rows, "steps": steps}
+
+
+def eager_phase(rank, plan) -> None:
+    """The draft phase with the rank's CUDA graphs off (the kernels a graph replays, launched one by one)."""
+    on, rank.draft_graphs.on = rank.draft_graphs.on, False
+    try:
+        rank.draft_padded(plan)
+    finally:
+        rank.draft_graphs.on = on
+
+
+def _ms(v: float | None) -> str:
+    return "     —   " if v is None else f"{v:7.3f} ms"
+
+
+def levels(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive integers") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive integers")
+    return out
+
+
+def dtypes(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in ("float", "fp8") for x in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of float, fp8")
+    return out
+
+
+def summary(result: dict) -> None:
+    """One line per (B, k): GPU time of the phase against its weight-bytes bound, for each drafter dtype."""
+    names = list(result["drafters"])
+    print("\nsteady draft phase, GPU ms (profiler) / weight-bytes bound ms:")
+    print(f"{'B':>3} {'k':>2}" + "".join(f"{n + ' gpu':>12}{'bound':>8}{'×':>6}" for n in names))
+    base = result["drafters"][names[0]]["rows"]
+    for i, r in enumerate(base):
+        line = f"{r['batch']:>3} {r['k']:>2}"
+        for n in names:
+            x = result["drafters"][n]["rows"][i]
+            line += f"{x['gpu_ms']:12.3f}{x['bound_ms']:8.3f}{x['gpu_over_bound']:6.1f}"
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--batches", type=levels, default=[1, 4, 16])
+    ap.add_argument("--ks", type=levels, default=[1, 2, 3, 4, 5], help="draft lengths (at most 8)")
+    ap.add_argument("--drafter-dtype", type=dtypes, default=["float", "fp8"],
+                    help="comma list of float (the engine's bfloat16; float32 with --small) and fp8 (linears block-scaled FP8)")
+    ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per configuration")
+    ap.add_argument("--iters", type=int, default=5, help="profiled calls per configuration")
+    ap.add_argument("--small", action="store_true", help="the demo pair's widths, float32 (on the CPU without a GPU)")
+    ap.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0, else cpu with --small)")
+    a = ap.parse_args(argv)
+    device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda") and not a.small:
+        ap.error("no GPU here: pass --small to check the logic on the CPU")
+    if max(a.ks) > 8 or max(a.batches) > 16 or not 9 <= a.position <= 1024 - 9:
+        ap.error("--ks at most 8, --batches at most 16, --position in 9..1015 (the engines' limits)")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    t0 = time.time()
+    bw = bandwidth(device, (64 if a.small else 2048) * 2 ** 20)
+    print(f"device copy: {bw / 1e6:.0f} GB/s (read + write)", flush=True)
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    result = {"meta": {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
+                       "torch": torch.__version__, "triton": triton and triton.__version__, "python": platform.python_version(),
+                       "commit": commit, "argv": sys.argv[1:] if argv is None else argv, "small": a.small,
+                       "synthetic": "random weights at Kimi-K2 drafter width; outputs meaningless" if not a.small else "demo widths",
+                       "copy_GBps_read_plus_write": bw / 1e6},
+              "drafters": {}}
+    with tempfile.TemporaryDirectory(prefix="draft-profile-") as tmp:
+        for dtype in a.drafter_dtype:
+            print(f"== drafter {dtype}", flush=True)
+            eng = write_engines(Path(tmp) / dtype, dtype, a.small, max(a.batches))
+            result["drafters"][dtype] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+            gc.collect()  # the rank and its graphs
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    summary(result)
+    result["meta"]["seconds"] = time.time() - t0
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out} in {result['meta']['seconds']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

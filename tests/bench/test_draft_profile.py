@@ -1,0 +1,45 @@
+"""bench/lab/draft_profile.py at the demo widths on the CPU: the engine's steady draft phase per (B, k) and the bare
+drafter step, each with its profile (top names, count, total) and its weight-bytes bound, for a float and an FP8
+drafter; refusals name the option."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab import draft_profile
+
+
+def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert draft_profile.main(["--small", "--device", "cpu", "--batches", "2", "--ks", "1,3", "--reps", "1", "--iters", "1",
+                               "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["meta"]["small"] and r["meta"]["copy_GBps_read_plus_write"] > 0
+    parts = {}
+    for dtype in ("float", "fp8"):
+        d = r["drafters"][dtype]
+        p = parts[dtype] = d["weight_bytes_by_part"]
+        assert [(x["batch"], x["k"]) for x in d["rows"]] == [(2, 1), (2, 3)] and [x["batch"] for x in d["steps"]] == [2]
+        for x in d["rows"] + d["steps"]:
+            assert x["gpu_ms"] > 0 and x["kernels"] >= x["distinct_kernels"] >= len(x["top"]) and 0 < len(x["top"]) <= 15
+            assert sum(t["ms"] for t in x["top"]) <= x["gpu_ms"] * (1 + 1e-9)
+            assert [t["ms"] for t in x["top"]] == sorted((t["ms"] for t in x["top"]), reverse=True)
+            assert x["bound_ms"] == pytest.approx(x["weight_bytes"] / (r["meta"]["copy_GBps_read_plus_write"] * 1e6))
+        for x in d["rows"]:  # fc once, then k forwards of the layer and lm_head
+            assert x["weight_bytes"] == p["fc"] + x["k"] * (p["layer"] + p["lm_head"]) and x["window"] == 256
+            assert x["kv_bytes"] == x["k"] * 2 * 256 * 8 * 32 * 2 * 4  # B · window · kv heads · head_dim · K,V · float32
+        assert d["steps"][0]["weight_bytes"] == p["layer"] + p["lm_head"]
+    # FP8 linears: a quarter of float32's bytes plus a scale per 128×128 tile; lm_head stays float
+    assert parts["fp8"]["lm_head"] == parts["float"]["lm_head"]
+    assert 0.25 < parts["fp8"]["fc"] / parts["float"]["fc"] < 0.251 and parts["fp8"]["layer"] < 0.26 * parts["float"]["layer"]
+    assert "steady draft phase, GPU ms (profiler) / weight-bytes bound ms" in capsys.readouterr().out
+
+
+def test_refusals_name_the_option(tmp_path, capsys):
+    for bad, says in ((["--ks", "9"], "--ks at most 8"), (["--batches", "0"], "--batches"),
+                      (["--drafter-dtype", "int4"], "float, fp8"), (["--device", "cpu"], "--small")):
+        with pytest.raises(SystemExit) as e:
+            draft_profile.main(["--out", str(tmp_path / "p.json")] + (["--small"] if "--small" not in says else []) + bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err
