@@ -136,7 +136,7 @@ def _serve(sup: Supervisor, ask: str | None, max_tokens: int, openai_port: int |
                 while not sup.failed:
                     time.sleep(0.5)
             except KeyboardInterrupt:
-                print("\nstopping tritonserver ...", flush=True)
+                print("\nstopping: draining requests in flight, then tritonserver ...", flush=True)
                 return
             gave_up = ("the pipeline failed and the restart limit is 0" if not sup.max_restarts
                        else "the pipeline kept failing; gave up after restarts")
