@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # for lab.gpu_kernels, as int4_moe_bench does
+from lab.gpu_kernels import capture_graph  # noqa: E402
 TOP = 15
 
 
@@ -124,15 +126,7 @@ def graphed(fn, device: str):
     """``fn`` (no arguments, static tensors) captured once as a CUDA graph and returned as its replay; on the CPU ``fn``."""
     if not device.startswith("cuda"):
         return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    return capture_graph(fn).replay
 
 
 def weight_bytes(w: dict[str, torch.Tensor]) -> dict[str, int]:

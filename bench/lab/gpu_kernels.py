@@ -104,8 +104,9 @@ def distinct_experts() -> dict:
     return out
 
 
-def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
-    """Median ms of one call of ``fn`` (no arguments, static tensors), from replays of a CUDA graph of ``reps`` calls."""
+def capture_graph(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` calls of ``fn`` (no arguments, static tensors), after one warm-up call on a side
+    stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -115,6 +116,12 @@ def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
+    return g
+
+
+def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
+    """Median ms of one call of ``fn`` (no arguments, static tensors), from replays of a CUDA graph of ``reps`` calls."""
+    g = capture_graph(fn, reps)
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
