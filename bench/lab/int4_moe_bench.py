@@ -40,6 +40,7 @@ ap.add_argument("--out", default="results/int4mma", help="folder for int4_moe_be
 ap.add_argument("--budget-s", type=float, default=230, help="start no new sweep step after this many seconds")
 ap.add_argument("--decode", default=None, metavar="GU/DN",
                 help="skip the decode sweeps: time mma_asm with these configs only, e.g. 32,512,2,3,0/16,512,1,3,0")
+ap.add_argument("--no-layer", action="store_true", help="skip section 3 (the whole MoE layer)")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
 if A.dry_run:
@@ -247,7 +248,7 @@ def fastest(Ts) -> Kernel | None:
 decode_best = {T: fastest([T]) for T in DECODE_T}  # decode kernels only, so far
 
 # 3. the whole INT4 MoE layer: routing kernels + routed experts + bf16 shared expert (models.target.TargetModel.moe)
-for tp, I in TPS.items():
+for tp, I in ({} if A.no_layer else TPS).items():
     packed = WEIGHTS[tp][0]
     lw = dict(zip(int4_routed.NAMES, packed))
     gate = (torch.randn(E, H, device=DEV, generator=gen) * H ** -0.5).to(torch.bfloat16)

@@ -76,6 +76,8 @@ def test_float32_matches_loop_and_grouped_path():
     assert (out.double() - ref).abs().max().item() < 1e-5
     assert (out - grouped_experts(*args)).abs().max().item() < 1e-5
     assert out[1].abs().sum() > 0  # a token with one foreign slot still gets its own experts
+    x, local, *rest = args  # int32 expert ids (routing kernels' dtype) give the same result
+    assert (out - grouped_experts(x, local.int(), *rest)).abs().max().item() < 1e-5
 
 
 def test_bfloat16_accumulates_in_float32():

@@ -25,11 +25,11 @@ def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
     mine = (local >= 0) & (local < E)
     if x.is_cuda and x.dtype == torch.float32:  # CUDA grouped GEMM is bf16-only: every expert over every token, masked
         gate_w = torch.zeros(T, E + 1, dtype=x.dtype, device=x.device).scatter_add_(
-            1, torch.where(mine, local, E), torch.where(mine, weights, 0.0).to(x.dtype))[:, :E]
+            1, torch.where(mine, local, E).long(), torch.where(mine, weights, 0.0).to(x.dtype))[:, :E]
         h = torch.einsum("th,eih->eti", x, w13)
         gate, up = h.chunk(2, dim=-1)
         return torch.einsum("eti,ehi,te->th", F.silu(gate) * up, w2, gate_w)
-    flat = torch.where(mine, local, E).flatten()  # another rank's pairs sort last, past every group
+    flat = torch.where(mine, local, E).flatten().long()  # another rank's pairs sort last, past every group
     order = flat.argsort(stable=True)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts[:E].cumsum(0).to(torch.int32)  # (bincount would synchronise with the host on CUDA)
