@@ -17,8 +17,10 @@ Per GPU g (target rank g):
   rounded to blocks. Target verify: window gather Bp·S·(kv_lora + rope), scores Bp·(heads/N)·n·S in float32
   (twice) and in the activation dtype, the MoE's grouped GEMM buffers T·top_k·(2H + 3·I_e/moe_tp) when T = Bp·n
   is above the fused kernels' 16 tokens (with FP8-kept experts also their per-call dequantisation, 12 bytes per
-  element of the stacked w13; with INT4-kept experts the per-call dequantisation of the chosen ones, up to
-  min(E_local, T·top_k) experts, 16 at a time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H and the gathered logits 2·T·V float32.
+  element of the stacked w13; INT4-kept experts instead the W4A16 grouped kernels' T·top_k·(2·I_e/moe_tp + 4H) +
+  8·T·H, on a CPU the per-call dequantisation of the chosen ones, up to min(E_local, T·top_k) experts, 16 at a
+  time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H
+  and the gathered logits 2·T·V float32.
   Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S (an FP8
   drafter's linears run in FP8 there, :mod:`splitspec.models.fp8_linear`: no dequantised copy).
   Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp and window (powers of two
@@ -146,8 +148,12 @@ def _moe_buffers(cfg: TargetConfig, mapping: Mapping, fmt: WeightFormat, tokens:
     buffers = tokens * cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * ie) * act
     if fmt.name == "fp8":  # quant.dequantize_fp8 of the stacked w13: float32 weight, expanded scales, product
         buffers += 12 * (cfg.n_routed_experts // mapping.ep_size) * 2 * ie * cfg.hidden_size
-    if fmt.name == "int4":  # models.int4_routed: one chunk of the chosen experts' w13 and w2 in the activation dtype,
-        # plus the int32 nibbles, float32 values and scales of its w13 while it is dequantised
+    if fmt.name == "int4" and on_gpu:  # models.grouped_moe.int4_grouped_experts: bf16 activations [P, I_e], float32
+        # per-pair outputs [P, H], x permuted [T, H] bf16, their sum [T, H] float32 and bf16 (P = T·top_k)
+        pairs = tokens * cfg.num_experts_per_tok
+        return pairs * (2 * ie + 4 * cfg.hidden_size) + 8 * tokens * cfg.hidden_size
+    if fmt.name == "int4":  # models.int4_routed's dequantised path (CPU engines): one chunk of the chosen experts'
+        # w13 and w2 in the activation dtype, plus the int32 nibbles, float32 values and scales of its w13
         chunk = min(cfg.n_routed_experts // mapping.ep_size, tokens * cfg.num_experts_per_tok, INT4_CHUNK)
         buffers += chunk * 3 * ie * cfg.hidden_size * act + chunk * 2 * ie * cfg.hidden_size * 12
     return buffers

@@ -10,7 +10,8 @@ On CUDA tensors :data:`TABLE` picks by token count (:func:`kernel_for`):
 - **Decode kernels** (:func:`splitspec.models.int4_moe.int4_experts`, W4A16; variants ``fma``, ``mma``,
   ``mma_asm``): each (token, slot) pair reads its expert's 4-bit weights once.
 - **W4A16 grouped kernels** (:func:`splitspec.models.grouped_moe.int4_grouped_experts`; ``grouped``,
-  ``grouped_asm``): the pairs sorted by expert, each chosen expert's 4-bit weights read once per block of its pairs.
+  ``grouped_asm``): the pairs sorted by expert, each chosen expert's 4-bit weights read once per block of its pairs
+  (batches past the decode kernels: prefill chunks, verifies of more than 16 tokens).
 - **Dequantised** (``dequant``, and every CPU engine: Triton's interpreter runs the kernels on CPU tensors, slowly,
   for tests only): the experts the batch chose are dequantised for this call (:func:`splitspec.quant.dequantize_int4`,
   to the activations' dtype) and go through :func:`splitspec.models.grouped_moe.grouped_experts`, :data:`CHUNK`
@@ -42,10 +43,14 @@ DEQUANT = Kernel("dequant", (), ())
 #: fastest. Configs as :class:`splitspec.models.int4_moe.Kernel` says (decode: BLOCK_N, BLOCK_K, warps, stages,
 #: split; grouped: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode batches: ``mma_asm`` with the configuration
 #: that was best over TP1 and the TP8 shard together on an H200 (docs/lab/2026-12-02-h200-int4-mma-kernels: 1.76 /
-#: 1.34 / 1.43× the INT4 bound at 1 / 4 / 16 tokens at TP1); beyond, the dequantised path.
+#: 1.34 / 1.43× the INT4 bound at 1 / 4 / 16 tokens at TP1); beyond, ``grouped_asm`` with the configurations
+#: fastest at 64–256 and at 1024 tokens (docs/lab/2026-12-02-h200-int4-grouped-full-depth: 1.52× the bound at
+#: 64 and 256 tokens at TP1, 120–190× faster than the dequantised path). The dequantised path stays for CPUs and
+#: float32 activations.
 TABLE: tuple[tuple[int | None, Kernel], ...] = (
     (fused_moe.MAX_TOKENS, Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0))),
-    (None, DEQUANT),
+    (256, Kernel("grouped_asm", (16, 32, 256, 2, 3), (16, 32, 256, 2, 3))),
+    (None, Kernel("grouped_asm", (32, 64, 256, 4, 3), (32, 64, 256, 4, 3))),
 )
 
 
