@@ -1,6 +1,6 @@
-"""OpenAI request checking and response shaping (serving/openai_schema.py), without a server: every served field
-reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming it, and answers, chunks
-and errors have the shapes of OpenAI's API reference."""
+"""OpenAI request checking and response shaping (serving/openai_schema.py, openai_errors.py), without a server: every
+served field reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming it, and
+answers, chunks and errors have the shapes of OpenAI's API reference."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from splitspec.serving import openai_errors as errors
 from splitspec.serving import openai_schema as s
 from splitspec.serving.client import INPUTS
 
@@ -82,7 +83,7 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize("body,param", BAD_CHAT)
 def test_bad_chat_fields_are_refused_naming_the_field(body, param):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_chat(body)
     err = e.value.body()["error"]
     assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
@@ -95,14 +96,14 @@ def test_bad_chat_fields_are_refused_naming_the_field(body, param):
                                         ({**COMP, "logprobs": 2}, "logprobs"), ({**COMP, "suffix": "x"}, "suffix"),
                                         ({**COMP, "messages": []}, "messages")])
 def test_bad_completion_fields_are_refused(body, param):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_completion(body)
     assert (e.value.status, e.value.param) == (400, param)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null"])
 def test_body_must_be_a_json_object(raw):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_json(raw)
     assert e.value.status == 400 and "JSON" in e.value.message
 
@@ -118,7 +119,7 @@ def test_body_must_be_a_json_object(raw):
     ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
 ])
 def test_ensemble_errors_map_to_statuses(message, status, code):
-    e = s.ensemble_error(message)
+    e = errors.ensemble_error(message)
     assert (e.status, e.code, e.message) == (status, code, message)
 
 
@@ -155,5 +156,5 @@ def test_answer_chunks_and_usage_shapes():
 
 
 def test_unknown_model_is_404_in_error_shape():
-    e = s.unknown_model("gpt-4", "demo")
+    e = errors.unknown_model("gpt-4", "demo")
     assert e.status == 404 and e.body()["error"]["code"] == "model_not_found" and "gpt-4" in e.message

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import read_json
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
 from splitspec.serving.openai_http import Gate, error_response, read_body
@@ -99,7 +100,7 @@ class ServedModel:
         try:
             return self.tokenizer.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True)
         except ConfigError as e:
-            raise schema.invalid("messages", f"messages: {e}") from None
+            raise api_errors.invalid("messages", f"messages: {e}") from None
 
     def max_tokens(self, req: schema.GenerationRequest, text: str) -> int:
         """The request's max_tokens, or (none given) what fits beside the prompt."""
@@ -107,8 +108,8 @@ class ServedModel:
             return req.max_tokens
         size = len(text.encode("utf-8"))
         if size > self.max_prompt_bytes:  # as preprocessing would: never tokenise what cannot fit
-            raise schema.invalid("messages" if req.messages is not None else "prompt",
-                                 f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
+            raise api_errors.invalid("messages" if req.messages is not None else "prompt",
+                                     f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
         return schema.default_max_tokens(len(self.tokenizer.encode(text)), self.max_seq_len, self.max_draft_len,
                                          self.max_tokens_limit)
 
@@ -129,7 +130,7 @@ class EnsembleStream:
         the final one. Closing or cancelling the generator early cancels the gRPC stream, hence the request.
 
         Raises:
-            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_schema.ensemble_error`),
+            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_errors.ensemble_error`),
                 or the server cannot be reached (503).
         """
         import grpc
@@ -152,7 +153,7 @@ class EnsembleStream:
             async for result, error in call:
                 if error is not None:
                     finished = True
-                    raise schema.ensemble_error(error.message() if hasattr(error, "message") else str(error))
+                    raise api_errors.ensemble_error(error.message() if hasattr(error, "message") else str(error))
                 ev, final = result_dict(result), is_final(result)
                 if ev:
                     yield ev
@@ -160,14 +161,14 @@ class EnsembleStream:
                     finished = True
                     return
             finished = True
-            raise schema.unavailable("the gRPC stream ended before the final response")
+            raise api_errors.unavailable("the gRPC stream ended before the final response")
         except grpc.RpcError as e:
             finished = True
             details = e.details() if hasattr(e, "details") else str(e)
-            raise schema.unavailable(f"grpc {self.address}: {details}") from None
+            raise api_errors.unavailable(f"grpc {self.address}: {details}") from None
         except InferenceServerException as e:
             finished = True
-            raise schema.unavailable(f"grpc {self.address}: {e.message()}") from None
+            raise api_errors.unavailable(f"grpc {self.address}: {e.message()}") from None
         finally:
             sent.set()
             if not finished:
@@ -203,7 +204,7 @@ async def _sse(req: schema.GenerationRequest, rid: str, created: int, events: As
                 yield schema.sse(schema.chunk(req, rid, created, text, reason))
         if req.include_usage:
             yield schema.sse(schema.usage_chunk(req, rid, created, schema.usage(merge(seen))))
-    except schema.APIError as e:
+    except api_errors.APIError as e:
         yield schema.sse(e.body())
     yield schema.SSE_DONE
 
@@ -240,8 +241,8 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # unknown paths and methods, in OpenAI's error shape
-        return error_response(schema.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                              "invalid_request_error", None, None))
+        return error_response(api_errors.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                                  "invalid_request_error", None, None))
 
     @app.get("/v1/models")
     async def models():
@@ -250,7 +251,7 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
         if model_id != model.name:
-            return error_response(schema.unknown_model(model_id, model.name))
+            return error_response(api_errors.unknown_model(model_id, model.name))
         return schema.models_list(model.name, model.created)["data"][0]
 
     async def generate(request: Request, parse: Callable[[dict], schema.GenerationRequest]):
@@ -258,7 +259,7 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
             body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes)
             req = parse(schema.parse_json(body))
             if req.model != model.name:
-                raise schema.unknown_model(req.model, model.name)
+                raise api_errors.unknown_model(req.model, model.name)
             text = model.prompt_text(req)
             events = backend.stream(text, model.max_tokens(req, text), req.ensemble_params())
             first = await _first(events)  # a refused request fails here, before any byte is sent
@@ -275,12 +276,12 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
                 return Response(status_code=499)
             ans = merge(seen)
             return schema.answer(req, rid, created, ans["text_output"], ans.get("finish_reason"), schema.usage(ans))
-        except schema.APIError as e:
+        except api_errors.APIError as e:
             return error_response(e)
         except Exception as e:  # never let a request take the front end down
             log.exception("openai front end: internal error")
-            return error_response(schema.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
-                                                  None, "internal_error"))
+            return error_response(api_errors.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                                                      None, "internal_error"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

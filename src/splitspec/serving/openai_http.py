@@ -18,7 +18,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from splitspec.serving.openai_schema import APIError
+from splitspec.serving.openai_errors import APIError
 
 #: Headers of an answer after which the connection is closed (the request's body may be left unread).
 CLOSE = {"Connection": "close"}

@@ -17,7 +17,7 @@ Fields:
   supplied") and as the ensemble's HTTP generate endpoint does: a field silently ignored would change what the
   client thinks it asked for.
 
-Errors are :class:`APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message", "type", "param",
+Errors are :class:`~splitspec.serving.openai_errors.APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message", "type", "param",
 "code"}}``. ``usage`` carries ``prompt_tokens`` and ``completion_tokens`` as the engine counted them (the ensemble's
 ``num_input_tokens`` / ``num_output_tokens``) and, as an extension, the request's ``acceptance_length`` (tokens per
 target forward) and ``accepted_per_position``.
@@ -30,7 +30,8 @@ import json
 import math
 import uuid
 
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.errors import ConfigError
+from splitspec.serving.openai_errors import invalid
 from splitspec.serving.requests import check_stop
 
 #: Known OpenAI fields this server does not implement → the values that mean "not used" (accepted).
@@ -52,24 +53,6 @@ COMPLETION_FIELDS = frozenset(COMMON + ("prompt",))
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_DONE = "data: [DONE]\n\n"
-
-
-class APIError(SplitspecError):
-    """An error answered to the client: HTTP ``status`` and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        """``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error`` about field ``param``."""
-    return APIError(400, message, "invalid_request_error", param, code)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,37 +265,6 @@ def default_max_tokens(prompt_tokens: int, max_seq_len: int, max_draft_len: int,
     cycle's draft tokens (the engine's rule: prompt + max_tokens + k + 1 ≤ max_seq_len), at most ``limit``, at least 1
     (a prompt too long then gets the engine's own error)."""
     return max(1, min(limit, max_seq_len - prompt_tokens - max_draft_len - 1))
-
-
-# -------------------------------------------------------------------------------------------------
-# Ensemble errors → API errors
-# -------------------------------------------------------------------------------------------------
-
-
-def ensemble_error(message: str) -> APIError:
-    """The API error for an error response of the ensemble (a gRPC stream carries its text only): the models'
-    internal errors → 500 ``server_error``; a failed or unloaded engine (``generation failed``, a model not ready or
-    unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; anything else is a bad request → 400 (``context_length_exceeded`` when
-    the prompt and max_tokens do not fit the engine's max_seq_len)."""
-    low = message.lower()
-    if "internal error" in low:
-        return APIError(500, message, "server_error", None, "internal_error")
-    if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped",
-                              "server busy")):
-        return APIError(503, message, "service_unavailable", None, "service_unavailable")
-    return invalid(None, message, "context_length_exceeded" if "max_seq_len" in message else None)
-
-
-def unavailable(message: str) -> APIError:
-    """503: the Triton server cannot be reached."""
-    return APIError(503, f"the inference server is unavailable: {message}", "service_unavailable", None,
-                    "service_unavailable")
-
-
-def unknown_model(name: str, served: str) -> APIError:
-    """404 for a model this server does not serve."""
-    return APIError(404, f"the model {name!r} does not exist (served: {served!r})", "invalid_request_error", "model",
-                    "model_not_found")
 
 
 # -------------------------------------------------------------------------------------------------
