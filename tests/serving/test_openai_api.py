@@ -113,6 +113,14 @@ BAD = [
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x" * 20000}]}, 400, "messages",
      "bytes, at most 8192"),  # refused by the front end: without max_tokens it would tokenise the prompt
     ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, None, "at most 8192"),  # models
+    # lone surrogates (were 500), nesting past 64 (50,000 deep was a 500), two max_tokens (the second was ignored)
+    ("/chat/completions", '{"model": "NAME", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     "messages[0].content", "messages[0].content: a lone UTF-16 surrogate at character 1"),
+    ("/completions", '{"model": "NAME", "prompt": "x", "stop": ["\\udfff"]}', 400, "stop[0]", "lone UTF-16 surrogate"),
+    ("/completions", '{"model": "NAME", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400, None,
+     "nests arrays and objects 50001 levels deep, at most 64"),
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                           "max_completion_tokens": 5}, 400, "max_tokens", "two different limits"),
     ("/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
     ("/nowhere", {}, 404, None, "Not Found"),
 ]

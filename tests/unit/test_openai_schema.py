@@ -1,6 +1,6 @@
-"""OpenAI request checking and response shaping (serving/openai_schema.py, openai_errors.py), without a server: every
-served field reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming it, and
-answers, chunks and errors have the shapes of OpenAI's API reference."""
+"""OpenAI request checking and response shaping (serving/openai_schema.py, openai_errors.py, json_body.py), without a
+server: every served field reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming
+it, and answers, chunks and errors have the shapes of OpenAI's API reference."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from splitspec.serving import openai_errors as errors
 from splitspec.serving import openai_schema as s
 from splitspec.serving.client import INPUTS
+from splitspec.serving.json_body import lone_surrogate, nesting_depth
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "demo", "prompt": "def f(x):"}
@@ -61,6 +62,7 @@ BAD_CHAT = [
     ({**CHAT, "seed": -1}, "seed"),
     ({**CHAT, "max_tokens": 10**23}, "max_tokens"),  # past the ensemble's INT32: refused, not a 500
     ({**CHAT, "max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),  # which one? OpenAI does not say
     ({**CHAT, "top_k": 2**40}, "top_k"),
     ({**CHAT, "seed": 1.5}, "seed"),
     ({**CHAT, "stop": 5}, "stop"),
@@ -101,11 +103,61 @@ def test_bad_completion_fields_are_refused(body, param):
     assert (e.value.status, e.value.param) == (400, param)
 
 
+def test_max_tokens_and_max_completion_tokens_agree_or_are_refused():
+    assert s.parse_chat({**CHAT, "max_tokens": 6, "max_completion_tokens": 6}).max_tokens == 6
+    with pytest.raises(errors.APIError) as e:
+        s.parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 6})
+    assert e.value.message.startswith("max_tokens = 5 and max_completion_tokens = 6: two different limits")
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null"])
 def test_body_must_be_a_json_object(raw):
     with pytest.raises(errors.APIError) as e:
         s.parse_json(raw)
     assert e.value.status == 400 and "JSON" in e.value.message
+
+
+@pytest.mark.parametrize("raw,depth", [(b"1", 0), (b"{}", 1), (b'{"a": [1, {"b": []}]}', 4), (b'["]]]", "[[[\\\\"]', 1),
+                                       (b'{"a": "\\"[{"}', 1), (b"[" * 50_000 + b"]" * 50_000, 50_000)])
+def test_nesting_depth_skips_strings(raw, depth):
+    assert nesting_depth(raw) == depth
+
+
+def test_deep_nesting_is_refused_before_parsing():
+    """50,000 levels made json.loads raise RecursionError (a 500); the limit is checked on the bytes first."""
+    chat = json.dumps(CHAT).encode()
+    assert s.parse_json(chat) == CHAT
+    deep = b'{"model": "m", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    at_limit = b"[" * (s.MAX_JSON_DEPTH - 1) + b"{}" + b"]" * (s.MAX_JSON_DEPTH - 1)
+    with pytest.raises(errors.APIError) as e:
+        s.parse_json(deep)
+    assert e.value.status == 400 and e.value.message == ("request body nests arrays and objects 50001 levels deep, at "
+                                                         f"most {s.MAX_JSON_DEPTH}")
+    with pytest.raises(errors.APIError, match="must be a JSON object, got list"):  # parsed: within the limit
+        s.parse_json(at_limit)
+    with pytest.raises(errors.APIError, match="65 levels deep"):
+        s.parse_json(b"[" + at_limit + b"]")
+
+
+@pytest.mark.parametrize("raw,param,at", [
+    (rb'{"model": "m", "prompt": "ab\ud800"}', "prompt", 2),
+    (rb'{"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}', "messages[0].content", 0),
+    (rb'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}',
+     "messages[0].content[0].text", 1),
+    (rb'{"model": "m", "stop": ["ok", "\ud800"]}', "stop[1]", 0),
+    (b'{"model": "m", "prompt": "\xed\xa0\x80"}', "prompt", 0),  # the surrogate's UTF-8-style bytes, not an escape
+    (rb'{"model": "m", "x\ud800": 1}', r"x\ud800", 1),  # a key: named with the surrogate escaped
+])
+def test_lone_surrogates_are_refused_naming_the_field(raw, param, at):
+    with pytest.raises(errors.APIError) as e:
+        s.parse_json(raw)
+    err = e.value.body()["error"]
+    assert (e.value.status, err["param"], err["type"]) == (400, param, "invalid_request_error")
+    assert err["message"].startswith(f"{param}: a lone UTF-16 surrogate at character {at} ")
+    json.dumps(err, ensure_ascii=False).encode("utf-8")  # the answer itself encodes: the 500 came from such encodes
+    # a surrogate pair is one character (U+1F600), and stays accepted
+    assert s.parse_json(rb'{"prompt": "\ud83d\ude00"}') == {"prompt": "\U0001F600"}
+    assert lone_surrogate({"a": ["\U0001F600", {"b": "é"}]}) is None
 
 
 @pytest.mark.parametrize("message,status,code", [

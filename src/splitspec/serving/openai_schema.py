@@ -6,7 +6,9 @@ errors as OpenAI's API reference describes them (platform.openai.com/docs/api-re
 Fields:
 
 * served: ``model``, ``messages`` (chat) / ``prompt`` (completions: a string, or a list of one string),
-  ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0..2; 0 = greedy, also when absent: the
+  ``max_tokens`` / ``max_completion_tokens`` (chat: both given, the same value; OpenAI's reference calls
+  ``max_tokens`` deprecated in favour of ``max_completion_tokens`` and says nothing of both, so two different values
+  are refused), ``temperature`` (0..2; 0 = greedy, also when absent: the
   ensemble's default, where OpenAI's is 1), ``top_p`` (0 < p ≤ 1), ``seed``
   (0..2^64−1), ``stop`` (a string or a list of up to :data:`~splitspec.serving.requests.MAX_STOP_STRINGS`),
   ``stream``, ``stream_options.include_usage``, ``user`` (accepted, unused); extensions as in vLLM's server:
@@ -17,8 +19,10 @@ Fields:
   supplied") and as the ensemble's HTTP generate endpoint does: a field silently ignored would change what the
   client thinks it asked for.
 
-Errors are :class:`~splitspec.serving.openai_errors.APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message", "type", "param",
-"code"}}``. ``usage`` carries ``prompt_tokens`` and ``completion_tokens`` as the engine counted them (the ensemble's
+A body is parsed only when it nests at most :data:`MAX_JSON_DEPTH` deep, and every string in it, key or value, must
+be Unicode text (no lone surrogate, :mod:`splitspec.serving.json_body`). Errors are
+:class:`~splitspec.serving.openai_errors.APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message",
+"type", "param", "code"}}``. ``usage`` carries ``prompt_tokens`` and ``completion_tokens`` as the engine counted them (the ensemble's
 ``num_input_tokens`` / ``num_output_tokens``) and, as an extension, the request's ``acceptance_length`` (tokens per
 target forward) and ``accepted_per_position``.
 """
@@ -31,6 +35,7 @@ import math
 import uuid
 
 from splitspec.errors import ConfigError
+from splitspec.serving.json_body import lone_surrogate, nesting_depth
 from splitspec.serving.openai_errors import invalid
 from splitspec.serving.requests import check_stop
 
@@ -53,6 +58,8 @@ COMPLETION_FIELDS = frozenset(COMMON + ("prompt",))
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_DONE = "data: [DONE]\n\n"
+#: Deepest nesting of arrays and objects a request body may have (a served body needs 5: a chat message's text part).
+MAX_JSON_DEPTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +97,27 @@ class GenerationRequest:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object. Raises APIError (400) on anything else."""
+    """The request body as a JSON object whose strings are all Unicode text.
+
+    Raises:
+        APIError: 400 for a body that is not JSON, nests arrays and objects deeper than :data:`MAX_JSON_DEPTH`
+            (checked before parsing: :func:`~splitspec.serving.json_body.nesting_depth`), is not an object, or holds
+            a lone surrogate (``"\\ud800"``), naming the field (:func:`~splitspec.serving.json_body.lone_surrogate`).
+    """
+    depth = nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise invalid(None, f"request body nests arrays and objects {depth} levels deep, at most {MAX_JSON_DEPTH}")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid(None, f"request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise invalid(None, f"request body must be a JSON object, got {type(body).__name__}")
+    found = lone_surrogate(body)
+    if found is not None:
+        where, i = found
+        raise invalid(where, f"{where}: a lone UTF-16 surrogate at character {i} (a \\ud800-\\udfff escape without "
+                      "its pair): not Unicode text")
     return body
 
 
@@ -235,6 +256,10 @@ def parse_chat(body: dict) -> GenerationRequest:
         out.append({"role": role, "content": _content(i, m.get("content"))})
     mct = _int(body, "max_completion_tokens", 1)
     if mct is not None:
+        if fields["max_tokens"] not in (None, mct):  # OpenAI's reference defines no precedence: refuse, as for seed
+            raise invalid("max_tokens", f"max_tokens = {fields['max_tokens']} and max_completion_tokens = "
+                          f"{mct}: two different limits (max_tokens is the deprecated name of max_completion_tokens: "
+                          "give one)")
         fields["max_tokens"] = mct
     return GenerationRequest(messages=tuple(out), **fields)
 
