@@ -230,6 +230,28 @@ def test_an_oversized_body_is_refused_before_it_is_read(served, client):
     assert client.completions.create(model=api.model.name, prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_stalled_body_is_answered_408_and_a_malformed_one_400(served, caplog):
+    """A client that sends its headers and then stalls (a Content-Length never filled, a chunked body never ended)
+    gets 408 ``request_timeout`` once ``body_timeout_s`` has passed, and the connection is closed; before, each held
+    its request open for good. A malformed chunk is refused by uvicorn's h11 parser at once (400)."""
+    srv, _ = served
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with OpenAIServer(srv.repo, f"127.0.0.1:{free_ports(1)[0]}", port=0, host="127.0.0.1", body_timeout_s=1) as api:
+        for extra, part, received in (("Content-Length: 100\r\n\r\n", b'{"model": "x"', 13),
+                                      ("Transfer-Encoding: chunked\r\n\r\n", b'5\r\n{"a":\r\n', 5)):
+            answer, took = _raw_request(api, head + extra, [part])
+            status, _, body = answer.partition(b"\r\n\r\n")
+            print(f"\nstalled body ({extra.split(':')[0]}) answered after {took:.2f} s")
+            assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower(), answer[:300]
+            err = json.loads(body)["error"]
+            assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+            assert err["message"].startswith(f"request body incomplete after 1 s ({received} bytes received)")
+            assert 0.9 < took < 3
+        answer, took = _raw_request(api, head + "Transfer-Encoding: chunked\r\n\r\n", [b"zz\r\n"])
+        assert answer.startswith(b"HTTP/1.1 400") and took < 1, answer[:300]
+    assert "internal error" not in caplog.text
+
+
 def test_draining_refuses_new_requests_and_lets_open_streams_finish(served, monkeypatch):
     """The front end's part in a graceful stop, against a stand-in ensemble that streams for ~1 s: after drain() a
     new request gets 503 in OpenAI's error shape at once, the open stream still gets its last chunk and [DONE], and

@@ -15,8 +15,8 @@ awaited first, so a request the engine refuses gets a proper HTTP error status a
 disconnects cancels its gRPC stream, and Triton cancels the request in the engine (its slot and KV blocks are freed
 within a cycle or two, as for any cancelled gRPC stream).
 
-A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON, and the app runs behind a gate
-that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON and within ``body_timeout_s``,
+and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
 
 :class:`OpenAIServer` runs the app under uvicorn on a thread of the calling process (``splitspec serve
 --openai-port``, the tests, ``bench/openai_overhead.py``).
@@ -44,7 +44,7 @@ from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
-from splitspec.serving.openai_http import Gate, error_response, read_body
+from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.server_limits import request_body_limit
 from splitspec.settings import PROMPT_BYTES_PER_TOKEN
@@ -228,8 +228,9 @@ async def _unless_disconnected(request, work):
     return task.result()
 
 
-def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"):
-    """The FastAPI app serving ``model`` through the ensemble at ``grpc_address`` (``host:port``)."""
+def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble", body_timeout_s: float = BODY_TIMEOUT_S):
+    """The FastAPI app serving ``model`` through the ensemble at ``grpc_address`` (``host:port``); a request body
+    must arrive within ``body_timeout_s`` seconds (:func:`~splitspec.serving.openai_http.read_body`)."""
     backend = EnsembleStream(grpc_address, ensemble)
 
     @contextlib.asynccontextmanager
@@ -256,7 +257,7 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
 
     async def generate(request: Request, parse: Callable[[dict], schema.GenerationRequest]):
         try:
-            body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes)
+            body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes, body_timeout_s)
             req = parse(schema.parse_json(body))
             if req.model != model.name:
                 raise api_errors.unknown_model(req.model, model.name)
@@ -303,15 +304,19 @@ class OpenAIServer:
         port: port to listen on (0: any free one; :attr:`port` tells which).
         host: address to bind (default 127.0.0.1 only, as tritonserver; ``"0.0.0.0"``: every interface).
         name: the served model name (default: the engines folder's name).
+        body_timeout_s: seconds a request's body may take to arrive before a 408 (> 0).
     """
 
-    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None):
+    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         if not 0 <= port <= 65535:
             raise ConfigError(f"--openai-port {port}: expected 0..65535")
+        if not body_timeout_s > 0:
+            raise ConfigError(f"body_timeout_s = {body_timeout_s}: expected seconds > 0")
         self.model = ServedModel.from_repo(Path(repo), name)
         self.grpc_address, self.host, self.port = grpc_address, host, port
         self._server = self._thread = None
-        self.gate = Gate(create_app(self.model, grpc_address))
+        self.gate = Gate(create_app(self.model, grpc_address, body_timeout_s=body_timeout_s))
 
     @property
     def url(self) -> str:
@@ -335,7 +340,8 @@ class OpenAIServer:
             sock.close()
             raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.gate, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        # h11 named, not "auto" (httptools where installed): its 16 KiB bound on the request line and headers holds
+        config = uvicorn.Config(self.gate, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)
