@@ -107,12 +107,18 @@ BAD = [
      "logprobs", "not supported"),
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "foo": 1}, 400, "foo",
      "unrecognized"),
-    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x " * 400}]}, 400, None,
+    # refused by the pipeline: param names the field the model's message is about
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x " * 400}]}, 400, "messages",
      "max_seq_len"),
-    ("/completions", {"model": "NAME", "prompt": "x " * 400, "max_tokens": 4, "stream": True}, 400, None, "max_seq_len"),
+    ("/completions", {"model": "NAME", "prompt": "x " * 400, "max_tokens": 4, "stream": True}, 400, "prompt",
+     "max_seq_len"),
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x" * 20000}]}, 400, "messages",
      "bytes, at most 8192"),  # refused by the front end: without max_tokens it would tokenise the prompt
-    ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, None, "at most 8192"),  # models
+    ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, "prompt", "at most 8192"),  # models
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
+     400, "max_completion_tokens", "max_tokens = 5000: expected 1.."),
+    ("/completions", {"model": "NAME", "prompt": "x", "max_tokens": 2, "temperature": 0.0005}, 400, "temperature",
+     "temperature = 0.0005"),
     # lone surrogates (were 500), nesting past 64 (50,000 deep was a 500), two max_tokens (the second was ignored)
     ("/chat/completions", '{"model": "NAME", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
      "messages[0].content", "messages[0].content: a lone UTF-16 surrogate at character 1"),

@@ -104,7 +104,8 @@ def test_bad_completion_fields_are_refused(body, param):
 
 
 def test_max_tokens_and_max_completion_tokens_agree_or_are_refused():
-    assert s.parse_chat({**CHAT, "max_tokens": 6, "max_completion_tokens": 6}).max_tokens == 6
+    req = s.parse_chat({**CHAT, "max_tokens": 6, "max_completion_tokens": 6})
+    assert (req.max_tokens, req.max_tokens_param) == (6, "max_completion_tokens")
     with pytest.raises(errors.APIError) as e:
         s.parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 6})
     assert e.value.message.startswith("max_tokens = 5 and max_completion_tokens = 6: two different limits")
@@ -173,6 +174,26 @@ def test_lone_surrogates_are_refused_naming_the_field(raw, param, at):
 def test_ensemble_errors_map_to_statuses(message, status, code):
     e = errors.ensemble_error(message)
     assert (e.status, e.code, e.message) == (status, code, message)
+
+
+@pytest.mark.parametrize("body,message,param", [
+    (CHAT, "in ensemble 'ensemble', spec_decode: max_tokens = 100000: expected 1..4096", "max_tokens"),
+    ({**CHAT, "max_completion_tokens": 9}, "spec_decode: max_tokens = 9: expected 1..4", "max_completion_tokens"),
+    (CHAT, "spec_decode: temperature = 0.001, expected 0 (greedy) or 0.01..100", "temperature"),
+    (CHAT, "spec_decode: seed = 18446744073709551615, expected an integer in [0, 2^63)", "seed"),
+    (CHAT, "spec_decode: num_draft_tokens = 9, expected 0..4 (engine max_draft_len)", "num_draft_tokens"),
+    (CHAT, "spec_decode: stop and stop_words: 17 strings, at most 16", "stop"),
+    (CHAT, "spec_decode: prompt (300 tokens) + max_tokens (8) + draft length (4) + 1 = 313 exceeds the engine's "
+           "max_seq_len = 256", "messages"),
+    (COMP, "preprocessing: text_input: the prompt encodes to no tokens", "prompt"),
+    (COMP, "spec_decode: request needs 900 KV tokens but the whole KV budget is 512 tokens: it can never fit", None),
+    (COMP, "spec_decode: generation failed: worker 1 died (max_tokens = 3)", None),  # a 503: no field to blame
+])
+def test_pipeline_errors_name_the_request_field(body, message, param):
+    """A refusal passed through from the pipeline names the OpenAI field its message is about (it named none)."""
+    req = s.parse_chat(body) if "messages" in body else s.parse_completion(body)
+    e = errors.with_param(errors.ensemble_error(message), req)
+    assert e.param == param and e.message == message
 
 
 def test_default_max_tokens_fits_the_engine_rule():

@@ -17,6 +17,8 @@ within a cycle or two, as for any cancelled gRPC stream).
 
 A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON and within ``body_timeout_s``,
 and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+A refusal from the pipeline is answered with ``param`` naming the field its message is about
+(:func:`~splitspec.serving.openai_errors.with_param`).
 
 :class:`OpenAIServer` runs the app under uvicorn on a thread of the calling process (``splitspec serve
 --openai-port``, the tests, ``bench/openai_overhead.py``).
@@ -263,7 +265,10 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
                 raise api_errors.unknown_model(req.model, model.name)
             text = model.prompt_text(req)
             events = backend.stream(text, model.max_tokens(req, text), req.ensemble_params())
-            first = await _first(events)  # a refused request fails here, before any byte is sent
+            try:
+                first = await _first(events)  # a refused request fails here, before any byte is sent
+            except api_errors.APIError as e:
+                raise api_errors.with_param(e, req) from None
             rid, created = schema.response_id(req.kind), int(time.time())
             if req.stream:
                 return StreamingResponse(_sse(req, rid, created, _chain(first, events)), media_type="text/event-stream",

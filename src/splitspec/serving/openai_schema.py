@@ -80,6 +80,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     num_draft_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (chat: or max_completion_tokens)
 
     def ensemble_params(self) -> dict:
         """The ensemble's request inputs besides ``text_input`` and ``max_tokens`` (for
@@ -260,7 +261,7 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise invalid("max_tokens", f"max_tokens = {fields['max_tokens']} and max_completion_tokens = "
                           f"{mct}: two different limits (max_tokens is the deprecated name of max_completion_tokens: "
                           "give one)")
-        fields["max_tokens"] = mct
+        fields["max_tokens"], fields["max_tokens_param"] = mct, "max_completion_tokens"
     return GenerationRequest(messages=tuple(out), **fields)
 
 
