@@ -107,12 +107,26 @@ BAD = [
      "logprobs", "not supported"),
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "foo": 1}, 400, "foo",
      "unrecognized"),
-    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x " * 400}]}, 400, None,
+    # refused by the pipeline: param names the field the model's message is about
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x " * 400}]}, 400, "messages",
      "max_seq_len"),
-    ("/completions", {"model": "NAME", "prompt": "x " * 400, "max_tokens": 4, "stream": True}, 400, None, "max_seq_len"),
+    ("/completions", {"model": "NAME", "prompt": "x " * 400, "max_tokens": 4, "stream": True}, 400, "prompt",
+     "max_seq_len"),
     ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x" * 20000}]}, 400, "messages",
      "bytes, at most 8192"),  # refused by the front end: without max_tokens it would tokenise the prompt
-    ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, None, "at most 8192"),  # models
+    ("/completions", {"model": "NAME", "prompt": "x" * 20000, "max_tokens": 4}, 400, "prompt", "at most 8192"),  # models
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
+     400, "max_completion_tokens", "max_tokens = 5000: expected 1.."),
+    ("/completions", {"model": "NAME", "prompt": "x", "max_tokens": 2, "temperature": 0.0005}, 400, "temperature",
+     "temperature = 0.0005"),
+    # lone surrogates (were 500), nesting past 64 (50,000 deep was a 500), two max_tokens (the second was ignored)
+    ("/chat/completions", '{"model": "NAME", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     "messages[0].content", "messages[0].content: a lone UTF-16 surrogate at character 1"),
+    ("/completions", '{"model": "NAME", "prompt": "x", "stop": ["\\udfff"]}', 400, "stop[0]", "lone UTF-16 surrogate"),
+    ("/completions", '{"model": "NAME", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400, None,
+     "nests arrays and objects 50001 levels deep, at most 64"),
+    ("/chat/completions", {"model": "NAME", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                           "max_completion_tokens": 5}, 400, "max_tokens", "two different limits"),
     ("/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
     ("/nowhere", {}, 404, None, "Not Found"),
 ]
@@ -220,6 +234,28 @@ def test_an_oversized_body_is_refused_before_it_is_read(served, client):
     r = _post(api, "/completions", b'{"model": "x", "prompt": "' + b" " * (limit - 40) + b'"}')
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text[:300]
     assert client.completions.create(model=api.model.name, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_stalled_body_is_answered_408_and_a_malformed_one_400(served, caplog):
+    """A client that sends its headers and then stalls (a Content-Length never filled, a chunked body never ended)
+    gets 408 ``request_timeout`` once ``body_timeout_s`` has passed, and the connection is closed; before, each held
+    its request open for good. A malformed chunk is refused by uvicorn's h11 parser at once (400)."""
+    srv, _ = served
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with OpenAIServer(srv.repo, f"127.0.0.1:{free_ports(1)[0]}", port=0, host="127.0.0.1", body_timeout_s=1) as api:
+        for extra, part, received in (("Content-Length: 100\r\n\r\n", b'{"model": "x"', 13),
+                                      ("Transfer-Encoding: chunked\r\n\r\n", b'5\r\n{"a":\r\n', 5)):
+            answer, took = _raw_request(api, head + extra, [part])
+            status, _, body = answer.partition(b"\r\n\r\n")
+            print(f"\nstalled body ({extra.split(':')[0]}) answered after {took:.2f} s")
+            assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower(), answer[:300]
+            err = json.loads(body)["error"]
+            assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+            assert err["message"].startswith(f"request body incomplete after 1 s ({received} bytes received)")
+            assert 0.9 < took < 3
+        answer, took = _raw_request(api, head + "Transfer-Encoding: chunked\r\n\r\n", [b"zz\r\n"])
+        assert answer.startswith(b"HTTP/1.1 400") and took < 1, answer[:300]
+    assert "internal error" not in caplog.text
 
 
 def test_draining_refuses_new_requests_and_lets_open_streams_finish(served, monkeypatch):

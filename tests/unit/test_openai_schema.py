@@ -1,6 +1,6 @@
-"""OpenAI request checking and response shaping (serving/openai_schema.py), without a server: every served field
-reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming it, and answers, chunks
-and errors have the shapes of OpenAI's API reference."""
+"""OpenAI request checking and response shaping (serving/openai_schema.py, openai_errors.py, json_body.py), without a
+server: every served field reaches the ensemble's inputs, every bad or unsupported field is refused with a 400 naming
+it, and answers, chunks and errors have the shapes of OpenAI's API reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 
 import pytest
 
+from splitspec.serving import openai_errors as errors
 from splitspec.serving import openai_schema as s
 from splitspec.serving.client import INPUTS
+from splitspec.serving.json_body import lone_surrogate, nesting_depth
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "demo", "prompt": "def f(x):"}
@@ -60,6 +62,7 @@ BAD_CHAT = [
     ({**CHAT, "seed": -1}, "seed"),
     ({**CHAT, "max_tokens": 10**23}, "max_tokens"),  # past the ensemble's INT32: refused, not a 500
     ({**CHAT, "max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),  # which one? OpenAI does not say
     ({**CHAT, "top_k": 2**40}, "top_k"),
     ({**CHAT, "seed": 1.5}, "seed"),
     ({**CHAT, "stop": 5}, "stop"),
@@ -82,7 +85,7 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize("body,param", BAD_CHAT)
 def test_bad_chat_fields_are_refused_naming_the_field(body, param):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_chat(body)
     err = e.value.body()["error"]
     assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
@@ -95,16 +98,67 @@ def test_bad_chat_fields_are_refused_naming_the_field(body, param):
                                         ({**COMP, "logprobs": 2}, "logprobs"), ({**COMP, "suffix": "x"}, "suffix"),
                                         ({**COMP, "messages": []}, "messages")])
 def test_bad_completion_fields_are_refused(body, param):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_completion(body)
     assert (e.value.status, e.value.param) == (400, param)
 
 
+def test_max_tokens_and_max_completion_tokens_agree_or_are_refused():
+    req = s.parse_chat({**CHAT, "max_tokens": 6, "max_completion_tokens": 6})
+    assert (req.max_tokens, req.max_tokens_param) == (6, "max_completion_tokens")
+    with pytest.raises(errors.APIError) as e:
+        s.parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 6})
+    assert e.value.message.startswith("max_tokens = 5 and max_completion_tokens = 6: two different limits")
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null"])
 def test_body_must_be_a_json_object(raw):
-    with pytest.raises(s.APIError) as e:
+    with pytest.raises(errors.APIError) as e:
         s.parse_json(raw)
     assert e.value.status == 400 and "JSON" in e.value.message
+
+
+@pytest.mark.parametrize("raw,depth", [(b"1", 0), (b"{}", 1), (b'{"a": [1, {"b": []}]}', 4), (b'["]]]", "[[[\\\\"]', 1),
+                                       (b'{"a": "\\"[{"}', 1), (b"[" * 50_000 + b"]" * 50_000, 50_000)])
+def test_nesting_depth_skips_strings(raw, depth):
+    assert nesting_depth(raw) == depth
+
+
+def test_deep_nesting_is_refused_before_parsing():
+    """50,000 levels made json.loads raise RecursionError (a 500); the limit is checked on the bytes first."""
+    chat = json.dumps(CHAT).encode()
+    assert s.parse_json(chat) == CHAT
+    deep = b'{"model": "m", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    at_limit = b"[" * (s.MAX_JSON_DEPTH - 1) + b"{}" + b"]" * (s.MAX_JSON_DEPTH - 1)
+    with pytest.raises(errors.APIError) as e:
+        s.parse_json(deep)
+    assert e.value.status == 400 and e.value.message == ("request body nests arrays and objects 50001 levels deep, at "
+                                                         f"most {s.MAX_JSON_DEPTH}")
+    with pytest.raises(errors.APIError, match="must be a JSON object, got list"):  # parsed: within the limit
+        s.parse_json(at_limit)
+    with pytest.raises(errors.APIError, match="65 levels deep"):
+        s.parse_json(b"[" + at_limit + b"]")
+
+
+@pytest.mark.parametrize("raw,param,at", [
+    (rb'{"model": "m", "prompt": "ab\ud800"}', "prompt", 2),
+    (rb'{"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}', "messages[0].content", 0),
+    (rb'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}',
+     "messages[0].content[0].text", 1),
+    (rb'{"model": "m", "stop": ["ok", "\ud800"]}', "stop[1]", 0),
+    (b'{"model": "m", "prompt": "\xed\xa0\x80"}', "prompt", 0),  # the surrogate's UTF-8-style bytes, not an escape
+    (rb'{"model": "m", "x\ud800": 1}', r"x\ud800", 1),  # a key: named with the surrogate escaped
+])
+def test_lone_surrogates_are_refused_naming_the_field(raw, param, at):
+    with pytest.raises(errors.APIError) as e:
+        s.parse_json(raw)
+    err = e.value.body()["error"]
+    assert (e.value.status, err["param"], err["type"]) == (400, param, "invalid_request_error")
+    assert err["message"].startswith(f"{param}: a lone UTF-16 surrogate at character {at} ")
+    json.dumps(err, ensure_ascii=False).encode("utf-8")  # the answer itself encodes: the 500 came from such encodes
+    # a surrogate pair is one character (U+1F600), and stays accepted
+    assert s.parse_json(rb'{"prompt": "\ud83d\ude00"}') == {"prompt": "\U0001F600"}
+    assert lone_surrogate({"a": ["\U0001F600", {"b": "é"}]}) is None
 
 
 @pytest.mark.parametrize("message,status,code", [
@@ -118,8 +172,28 @@ def test_body_must_be_a_json_object(raw):
     ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
 ])
 def test_ensemble_errors_map_to_statuses(message, status, code):
-    e = s.ensemble_error(message)
+    e = errors.ensemble_error(message)
     assert (e.status, e.code, e.message) == (status, code, message)
+
+
+@pytest.mark.parametrize("body,message,param", [
+    (CHAT, "in ensemble 'ensemble', spec_decode: max_tokens = 100000: expected 1..4096", "max_tokens"),
+    ({**CHAT, "max_completion_tokens": 9}, "spec_decode: max_tokens = 9: expected 1..4", "max_completion_tokens"),
+    (CHAT, "spec_decode: temperature = 0.001, expected 0 (greedy) or 0.01..100", "temperature"),
+    (CHAT, "spec_decode: seed = 18446744073709551615, expected an integer in [0, 2^63)", "seed"),
+    (CHAT, "spec_decode: num_draft_tokens = 9, expected 0..4 (engine max_draft_len)", "num_draft_tokens"),
+    (CHAT, "spec_decode: stop and stop_words: 17 strings, at most 16", "stop"),
+    (CHAT, "spec_decode: prompt (300 tokens) + max_tokens (8) + draft length (4) + 1 = 313 exceeds the engine's "
+           "max_seq_len = 256", "messages"),
+    (COMP, "preprocessing: text_input: the prompt encodes to no tokens", "prompt"),
+    (COMP, "spec_decode: request needs 900 KV tokens but the whole KV budget is 512 tokens: it can never fit", None),
+    (COMP, "spec_decode: generation failed: worker 1 died (max_tokens = 3)", None),  # a 503: no field to blame
+])
+def test_pipeline_errors_name_the_request_field(body, message, param):
+    """A refusal passed through from the pipeline names the OpenAI field its message is about (it named none)."""
+    req = s.parse_chat(body) if "messages" in body else s.parse_completion(body)
+    e = errors.with_param(errors.ensemble_error(message), req)
+    assert e.param == param and e.message == message
 
 
 def test_default_max_tokens_fits_the_engine_rule():
@@ -155,5 +229,5 @@ def test_answer_chunks_and_usage_shapes():
 
 
 def test_unknown_model_is_404_in_error_shape():
-    e = s.unknown_model("gpt-4", "demo")
+    e = errors.unknown_model("gpt-4", "demo")
     assert e.status == 404 and e.body()["error"]["code"] == "model_not_found" and "gpt-4" in e.message

@@ -15,8 +15,10 @@ awaited first, so a request the engine refuses gets a proper HTTP error status a
 disconnects cancels its gRPC stream, and Triton cancels the request in the engine (its slot and KV blocks are freed
 within a cycle or two, as for any cancelled gRPC stream).
 
-A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON, and the app runs behind a gate
-that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON and within ``body_timeout_s``,
+and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+A refusal from the pipeline is answered with ``param`` naming the field its message is about
+(:func:`~splitspec.serving.openai_errors.with_param`).
 
 :class:`OpenAIServer` runs the app under uvicorn on a thread of the calling process (``splitspec serve
 --openai-port``, the tests, ``bench/openai_overhead.py``).
@@ -41,9 +43,10 @@ from starlette.exceptions import HTTPException
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.files import read_json
 from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
-from splitspec.serving.openai_http import Gate, error_response, read_body
+from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.server_limits import request_body_limit
 from splitspec.settings import PROMPT_BYTES_PER_TOKEN
@@ -99,7 +102,7 @@ class ServedModel:
         try:
             return self.tokenizer.apply_chat_template([dict(m) for m in req.messages], add_generation_prompt=True)
         except ConfigError as e:
-            raise schema.invalid("messages", f"messages: {e}") from None
+            raise api_errors.invalid("messages", f"messages: {e}") from None
 
     def max_tokens(self, req: schema.GenerationRequest, text: str) -> int:
         """The request's max_tokens, or (none given) what fits beside the prompt."""
@@ -107,8 +110,8 @@ class ServedModel:
             return req.max_tokens
         size = len(text.encode("utf-8"))
         if size > self.max_prompt_bytes:  # as preprocessing would: never tokenise what cannot fit
-            raise schema.invalid("messages" if req.messages is not None else "prompt",
-                                 f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
+            raise api_errors.invalid("messages" if req.messages is not None else "prompt",
+                                     f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
         return schema.default_max_tokens(len(self.tokenizer.encode(text)), self.max_seq_len, self.max_draft_len,
                                          self.max_tokens_limit)
 
@@ -129,7 +132,7 @@ class EnsembleStream:
         the final one. Closing or cancelling the generator early cancels the gRPC stream, hence the request.
 
         Raises:
-            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_schema.ensemble_error`),
+            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_errors.ensemble_error`),
                 or the server cannot be reached (503).
         """
         import grpc
@@ -152,7 +155,7 @@ class EnsembleStream:
             async for result, error in call:
                 if error is not None:
                     finished = True
-                    raise schema.ensemble_error(error.message() if hasattr(error, "message") else str(error))
+                    raise api_errors.ensemble_error(error.message() if hasattr(error, "message") else str(error))
                 ev, final = result_dict(result), is_final(result)
                 if ev:
                     yield ev
@@ -160,14 +163,14 @@ class EnsembleStream:
                     finished = True
                     return
             finished = True
-            raise schema.unavailable("the gRPC stream ended before the final response")
+            raise api_errors.unavailable("the gRPC stream ended before the final response")
         except grpc.RpcError as e:
             finished = True
             details = e.details() if hasattr(e, "details") else str(e)
-            raise schema.unavailable(f"grpc {self.address}: {details}") from None
+            raise api_errors.unavailable(f"grpc {self.address}: {details}") from None
         except InferenceServerException as e:
             finished = True
-            raise schema.unavailable(f"grpc {self.address}: {e.message()}") from None
+            raise api_errors.unavailable(f"grpc {self.address}: {e.message()}") from None
         finally:
             sent.set()
             if not finished:
@@ -203,7 +206,7 @@ async def _sse(req: schema.GenerationRequest, rid: str, created: int, events: As
                 yield schema.sse(schema.chunk(req, rid, created, text, reason))
         if req.include_usage:
             yield schema.sse(schema.usage_chunk(req, rid, created, schema.usage(merge(seen))))
-    except schema.APIError as e:
+    except api_errors.APIError as e:
         yield schema.sse(e.body())
     yield schema.SSE_DONE
 
@@ -227,8 +230,9 @@ async def _unless_disconnected(request, work):
     return task.result()
 
 
-def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"):
-    """The FastAPI app serving ``model`` through the ensemble at ``grpc_address`` (``host:port``)."""
+def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble", body_timeout_s: float = BODY_TIMEOUT_S):
+    """The FastAPI app serving ``model`` through the ensemble at ``grpc_address`` (``host:port``); a request body
+    must arrive within ``body_timeout_s`` seconds (:func:`~splitspec.serving.openai_http.read_body`)."""
     backend = EnsembleStream(grpc_address, ensemble)
 
     @contextlib.asynccontextmanager
@@ -240,8 +244,8 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # unknown paths and methods, in OpenAI's error shape
-        return error_response(schema.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                              "invalid_request_error", None, None))
+        return error_response(api_errors.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                                  "invalid_request_error", None, None))
 
     @app.get("/v1/models")
     async def models():
@@ -250,18 +254,21 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
         if model_id != model.name:
-            return error_response(schema.unknown_model(model_id, model.name))
+            return error_response(api_errors.unknown_model(model_id, model.name))
         return schema.models_list(model.name, model.created)["data"][0]
 
     async def generate(request: Request, parse: Callable[[dict], schema.GenerationRequest]):
         try:
-            body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes)
+            body = await read_body(request, model.max_body_bytes, model.max_prompt_bytes, body_timeout_s)
             req = parse(schema.parse_json(body))
             if req.model != model.name:
-                raise schema.unknown_model(req.model, model.name)
+                raise api_errors.unknown_model(req.model, model.name)
             text = model.prompt_text(req)
             events = backend.stream(text, model.max_tokens(req, text), req.ensemble_params())
-            first = await _first(events)  # a refused request fails here, before any byte is sent
+            try:
+                first = await _first(events)  # a refused request fails here, before any byte is sent
+            except api_errors.APIError as e:
+                raise api_errors.with_param(e, req) from None
             rid, created = schema.response_id(req.kind), int(time.time())
             if req.stream:
                 return StreamingResponse(_sse(req, rid, created, _chain(first, events)), media_type="text/event-stream",
@@ -275,12 +282,12 @@ def create_app(model: ServedModel, grpc_address: str, ensemble: str = "ensemble"
                 return Response(status_code=499)
             ans = merge(seen)
             return schema.answer(req, rid, created, ans["text_output"], ans.get("finish_reason"), schema.usage(ans))
-        except schema.APIError as e:
+        except api_errors.APIError as e:
             return error_response(e)
         except Exception as e:  # never let a request take the front end down
             log.exception("openai front end: internal error")
-            return error_response(schema.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
-                                                  None, "internal_error"))
+            return error_response(api_errors.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                                                      None, "internal_error"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -302,15 +309,19 @@ class OpenAIServer:
         port: port to listen on (0: any free one; :attr:`port` tells which).
         host: address to bind (default 127.0.0.1 only, as tritonserver; ``"0.0.0.0"``: every interface).
         name: the served model name (default: the engines folder's name).
+        body_timeout_s: seconds a request's body may take to arrive before a 408 (> 0).
     """
 
-    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None):
+    def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         if not 0 <= port <= 65535:
             raise ConfigError(f"--openai-port {port}: expected 0..65535")
+        if not body_timeout_s > 0:
+            raise ConfigError(f"body_timeout_s = {body_timeout_s}: expected seconds > 0")
         self.model = ServedModel.from_repo(Path(repo), name)
         self.grpc_address, self.host, self.port = grpc_address, host, port
         self._server = self._thread = None
-        self.gate = Gate(create_app(self.model, grpc_address))
+        self.gate = Gate(create_app(self.model, grpc_address, body_timeout_s=body_timeout_s))
 
     @property
     def url(self) -> str:
@@ -334,7 +345,8 @@ class OpenAIServer:
             sock.close()
             raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.gate, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        # h11 named, not "auto" (httptools where installed): its 16 KiB bound on the request line and headers holds
+        config = uvicorn.Config(self.gate, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)

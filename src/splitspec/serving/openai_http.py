@@ -7,6 +7,13 @@ it: by its ``Content-Length`` at once, a chunked body as soon as the bytes read 
 it, uvicorn holds at most 64 KiB of a body (its flow control stops reading the socket). The refusal carries
 ``Connection: close``: the rest of the body is never read, the connection is closed instead.
 
+**Body time.** uvicorn bounds neither how long a body takes to arrive nor the gaps between its chunks: a client that
+sent its headers and then stalled (a ``Content-Length`` never filled, a chunked body never ended or cut mid-chunk)
+held its request open for good. :func:`read_body` gives the whole body :data:`BODY_TIMEOUT_S` (``OpenAIServer``'s
+``body_timeout_s``) and answers a slower one 408 ``request_timeout``, closing the connection. The request line and
+headers are bounded by uvicorn's h11 parser: at most 16 KiB (``h11_max_incomplete_event_size``) before a 400. A
+malformed chunk is refused by h11 itself (400, connection closed); the route then sees the connection gone.
+
 **Gate.** :class:`Gate` wraps the app (ASGI): it counts the HTTP requests in flight, each until its response is
 complete (a stream until its ``[DONE]``) or its client left, and after :meth:`Gate.drain` answers every new request
 503 ``service_unavailable`` at once. ``splitspec serve`` drains it when it starts stopping and waits for
@@ -15,13 +22,18 @@ complete (a stream until its ``[DONE]``) or its client left, and after :meth:`Ga
 
 from __future__ import annotations
 
-from starlette.requests import Request
+import asyncio
+
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from splitspec.serving.openai_schema import APIError
+from splitspec.serving.openai_errors import APIError
 
 #: Headers of an answer after which the connection is closed (the request's body may be left unread).
 CLOSE = {"Connection": "close"}
+#: Seconds a request's whole body may take to arrive (default of ``OpenAIServer(body_timeout_s=...)``): a prompt of
+#: the largest body (a few hundred KiB) takes well under a second on any working link.
+BODY_TIMEOUT_S = 30.0
 
 
 def too_large(size: int | None, limit: int, max_prompt_bytes: int) -> APIError:
@@ -37,12 +49,20 @@ def shutting_down() -> APIError:
                     "service_unavailable")
 
 
-async def read_body(request: Request, limit: int, max_prompt_bytes: int) -> bytes:
-    """The request's body, at most ``limit`` bytes.
+def timed_out(timeout_s: float, size: int) -> APIError:
+    """408 for a body not complete ``timeout_s`` seconds after the route started reading it (``size`` bytes read)."""
+    return APIError(408, f"request body incomplete after {timeout_s:g} s ({size} bytes received): send the whole body "
+                    "at once", "invalid_request_error", None, "request_timeout")
+
+
+async def read_body(request: Request, limit: int, max_prompt_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """The request's body, at most ``limit`` bytes, all of it within ``timeout_s`` seconds.
 
     Raises:
         APIError: 413 (:func:`too_large`) when ``Content-Length`` exceeds ``limit`` (nothing of the body is read) or,
-            without one, once the chunks read pass it; 400 for a ``Content-Length`` that is not a number.
+            without one, once the chunks read pass it; 400 for a ``Content-Length`` that is not a number; 408
+            (:func:`timed_out`) when the body is not complete within ``timeout_s``; 400 when the connection closed
+            before the body ended (an answer nobody reads, but no internal error).
     """
     length = request.headers.get("content-length")
     if length is not None:
@@ -51,17 +71,24 @@ async def read_body(request: Request, limit: int, max_prompt_bytes: int) -> byte
         if int(length) > limit:
             raise too_large(int(length), limit, max_prompt_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(None, limit, max_prompt_bytes)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(None, limit, max_prompt_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise timed_out(timeout_s, size) from None
+    except ClientDisconnect:  # the client left, or h11 refused a malformed chunk (400) and closed the connection
+        raise APIError(400, f"request body cut off after {size} bytes: the connection closed", "invalid_request_error",
+                       None, None) from None
     return b"".join(chunks)
 
 
 def error_response(e: APIError) -> JSONResponse:
-    """``e`` as a JSON answer in OpenAI's error shape; a 413 closes the connection (its body stays unread)."""
-    return JSONResponse(e.body(), status_code=e.status, headers=CLOSE if e.status == 413 else None)
+    """``e`` as a JSON answer in OpenAI's error shape; a 413 or 408 closes the connection (its body stays unread)."""
+    return JSONResponse(e.body(), status_code=e.status, headers=CLOSE if e.status in (408, 413) else None)
 
 
 class Gate:

@@ -6,7 +6,9 @@ errors as OpenAI's API reference describes them (platform.openai.com/docs/api-re
 Fields:
 
 * served: ``model``, ``messages`` (chat) / ``prompt`` (completions: a string, or a list of one string),
-  ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0..2; 0 = greedy, also when absent: the
+  ``max_tokens`` / ``max_completion_tokens`` (chat: both given, the same value; OpenAI's reference calls
+  ``max_tokens`` deprecated in favour of ``max_completion_tokens`` and says nothing of both, so two different values
+  are refused), ``temperature`` (0..2; 0 = greedy, also when absent: the
   ensemble's default, where OpenAI's is 1), ``top_p`` (0 < p ≤ 1), ``seed``
   (0..2^64−1), ``stop`` (a string or a list of up to :data:`~splitspec.serving.requests.MAX_STOP_STRINGS`),
   ``stream``, ``stream_options.include_usage``, ``user`` (accepted, unused); extensions as in vLLM's server:
@@ -17,8 +19,10 @@ Fields:
   supplied") and as the ensemble's HTTP generate endpoint does: a field silently ignored would change what the
   client thinks it asked for.
 
-Errors are :class:`APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message", "type", "param",
-"code"}}``. ``usage`` carries ``prompt_tokens`` and ``completion_tokens`` as the engine counted them (the ensemble's
+A body is parsed only when it nests at most :data:`MAX_JSON_DEPTH` deep, and every string in it, key or value, must
+be Unicode text (no lone surrogate, :mod:`splitspec.serving.json_body`). Errors are
+:class:`~splitspec.serving.openai_errors.APIError`: an HTTP status plus OpenAI's error object ``{"error": {"message",
+"type", "param", "code"}}``. ``usage`` carries ``prompt_tokens`` and ``completion_tokens`` as the engine counted them (the ensemble's
 ``num_input_tokens`` / ``num_output_tokens``) and, as an extension, the request's ``acceptance_length`` (tokens per
 target forward) and ``accepted_per_position``.
 """
@@ -30,7 +34,9 @@ import json
 import math
 import uuid
 
-from splitspec.errors import ConfigError, SplitspecError
+from splitspec.errors import ConfigError
+from splitspec.serving.json_body import lone_surrogate, nesting_depth
+from splitspec.serving.openai_errors import invalid
 from splitspec.serving.requests import check_stop
 
 #: Known OpenAI fields this server does not implement → the values that mean "not used" (accepted).
@@ -52,24 +58,8 @@ COMPLETION_FIELDS = frozenset(COMMON + ("prompt",))
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_DONE = "data: [DONE]\n\n"
-
-
-class APIError(SplitspecError):
-    """An error answered to the client: HTTP ``status`` and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        """``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error`` about field ``param``."""
-    return APIError(400, message, "invalid_request_error", param, code)
+#: Deepest nesting of arrays and objects a request body may have (a served body needs 5: a chat message's text part).
+MAX_JSON_DEPTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +80,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     num_draft_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (chat: or max_completion_tokens)
 
     def ensemble_params(self) -> dict:
         """The ensemble's request inputs besides ``text_input`` and ``max_tokens`` (for
@@ -107,13 +98,27 @@ class GenerationRequest:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object. Raises APIError (400) on anything else."""
+    """The request body as a JSON object whose strings are all Unicode text.
+
+    Raises:
+        APIError: 400 for a body that is not JSON, nests arrays and objects deeper than :data:`MAX_JSON_DEPTH`
+            (checked before parsing: :func:`~splitspec.serving.json_body.nesting_depth`), is not an object, or holds
+            a lone surrogate (``"\\ud800"``), naming the field (:func:`~splitspec.serving.json_body.lone_surrogate`).
+    """
+    depth = nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise invalid(None, f"request body nests arrays and objects {depth} levels deep, at most {MAX_JSON_DEPTH}")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid(None, f"request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise invalid(None, f"request body must be a JSON object, got {type(body).__name__}")
+    found = lone_surrogate(body)
+    if found is not None:
+        where, i = found
+        raise invalid(where, f"{where}: a lone UTF-16 surrogate at character {i} (a \\ud800-\\udfff escape without "
+                      "its pair): not Unicode text")
     return body
 
 
@@ -252,7 +257,11 @@ def parse_chat(body: dict) -> GenerationRequest:
         out.append({"role": role, "content": _content(i, m.get("content"))})
     mct = _int(body, "max_completion_tokens", 1)
     if mct is not None:
-        fields["max_tokens"] = mct
+        if fields["max_tokens"] not in (None, mct):  # OpenAI's reference defines no precedence: refuse, as for seed
+            raise invalid("max_tokens", f"max_tokens = {fields['max_tokens']} and max_completion_tokens = "
+                          f"{mct}: two different limits (max_tokens is the deprecated name of max_completion_tokens: "
+                          "give one)")
+        fields["max_tokens"], fields["max_tokens_param"] = mct, "max_completion_tokens"
     return GenerationRequest(messages=tuple(out), **fields)
 
 
@@ -282,37 +291,6 @@ def default_max_tokens(prompt_tokens: int, max_seq_len: int, max_draft_len: int,
     cycle's draft tokens (the engine's rule: prompt + max_tokens + k + 1 ≤ max_seq_len), at most ``limit``, at least 1
     (a prompt too long then gets the engine's own error)."""
     return max(1, min(limit, max_seq_len - prompt_tokens - max_draft_len - 1))
-
-
-# -------------------------------------------------------------------------------------------------
-# Ensemble errors → API errors
-# -------------------------------------------------------------------------------------------------
-
-
-def ensemble_error(message: str) -> APIError:
-    """The API error for an error response of the ensemble (a gRPC stream carries its text only): the models'
-    internal errors → 500 ``server_error``; a failed or unloaded engine (``generation failed``, a model not ready or
-    unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; anything else is a bad request → 400 (``context_length_exceeded`` when
-    the prompt and max_tokens do not fit the engine's max_seq_len)."""
-    low = message.lower()
-    if "internal error" in low:
-        return APIError(500, message, "server_error", None, "internal_error")
-    if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped",
-                              "server busy")):
-        return APIError(503, message, "service_unavailable", None, "service_unavailable")
-    return invalid(None, message, "context_length_exceeded" if "max_seq_len" in message else None)
-
-
-def unavailable(message: str) -> APIError:
-    """503: the Triton server cannot be reached."""
-    return APIError(503, f"the inference server is unavailable: {message}", "service_unavailable", None,
-                    "service_unavailable")
-
-
-def unknown_model(name: str, served: str) -> APIError:
-    """404 for a model this server does not serve."""
-    return APIError(404, f"the model {name!r} does not exist (served: {served!r})", "invalid_request_error", "model",
-                    "model_not_found")
 
 
 # -------------------------------------------------------------------------------------------------
