@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from splitspec import quant
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
-from splitspec.models import fp8_linear
+from splitspec.models import fp8_linear, paged_attention
 from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
 from splitspec.models.batch import ForwardBatch
 
@@ -191,11 +191,16 @@ class Eagle3Drafter:
 class DrafterModel(Eagle3Drafter):
     """An EAGLE-3 drafter with Llama attention (``LlamaForCausalLMEagle3``): GQA with half-split rotary over the 2·H
     input; weights in the runtime layout written by ``splitspec.build.engines`` (``qkv_proj`` fused, ``o_proj``),
-    a rank's from :func:`shard_drafter`."""
+    a rank's from :func:`shard_drafter`. Padded batches attend through
+    :func:`splitspec.models.paged_attention.attend_paged` (K/V rows read through the row table) where
+    :attr:`paged_kernel` is set (bf16/fp16 on a GPU), else through :func:`splitspec.models.layers.attend_padded` over
+    the gathered windows."""
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         super().__init__(cfg, weights, comm)
         self.nq, self.nkv = cfg.num_attention_heads // self.comm.size, cfg.num_key_value_heads // self.comm.size
+        # padded batches attend straight from the cache rows (no window gather): bf16/fp16 on a GPU with Triton
+        self.paged_kernel = paged_attention.serves(self.device, self.dtype)
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: DrafterKVCache) -> torch.Tensor:
         nq, nkv, hd = self.nq, self.nkv, self.cfg.head_dim
@@ -208,8 +213,11 @@ class DrafterModel(Eagle3Drafter):
             cache.k[batch.write_rows] = k
             cache.v[batch.write_rows] = v
             B = batch.table.shape[0]
-            out = attend_padded(q.view(B, -1, nq, hd), cache.k[batch.table], cache.v[batch.table], batch.positions.view(B, -1),
-                                hd ** -0.5).reshape(q.shape)
+            qb, pos = q.view(B, -1, nq, hd), batch.positions.view(B, -1)
+            if self.paged_kernel:
+                out = paged_attention.attend_paged(qb, cache.k, cache.v, batch.table, pos, hd ** -0.5).reshape(q.shape)
+            else:
+                out = attend_padded(qb, cache.k[batch.table], cache.v[batch.table], pos, hd ** -0.5).reshape(q.shape)
         else:
             out = self._attend_segments(q, k, v, batch, cache)
         return self._linear(out.reshape(out.shape[0], -1), "o_proj")

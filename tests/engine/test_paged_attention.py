@@ -1,0 +1,142 @@
+"""The paged attention kernel (splitspec.models.paged_attention) against a float64 loop over each query's visible keys
+and against attend_padded over gathered windows, with and without split keys, for grouped-query and one-head caches,
+single and several queries, positions at 0 and masked tails; cache rows past the last query never count, whatever they
+hold; and the Llama drafter's padded forward is the same through the kernel as through attend_padded. On CPU through
+Triton's interpreter, on CUDA where there is one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
+
+from splitspec.build.synthetic import kimi_k2_drafter
+from splitspec.models import paged_attention
+from splitspec.models.batch import padded, single_blocks
+from splitspec.models.drafter import DrafterKVCache, DrafterModel
+from splitspec.models.layers import attend_padded
+from splitspec.models.shapes import drafter_shapes, random_weights
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_N = 16  # several key blocks per share at these windows
+
+
+def problem(B, n, hq, hk, S, D, dtype, seed=0, starts=None):
+    """q [B, n, hq, D], K/V caches of B·S + 7 rows (tables a random permutation of them), positions [B, n] from
+    ``starts`` (default random, the first sequence at 0)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = B * S + 7
+    kc, vc = (torch.randn(rows, hk, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(rows, generator=g)[: B * S].view(B, S)
+    if starts is None:
+        starts = torch.randint(0, S - n + 1, (B,), generator=g)
+        starts[0] = 0
+    pos = torch.as_tensor(starts)[:, None] + torch.arange(n)
+    q = torch.randn(B, n, hq, D, generator=g).to(dtype)
+    return [t.to(DEVICE) for t in (q, kc, vc, table, pos)]
+
+
+def loop_reference(q, kc, vc, table, pos, scale) -> torch.Tensor:
+    """softmax(scale · q · K[:p+1]ᵀ) · V[:p+1] per (sequence, query, head) in float64, K/V rows from the table."""
+    B, n, hq, D = q.shape
+    g = hq // kc.shape[1]
+    out = torch.empty(B, n, hq, D, dtype=torch.float64)
+    q, kc, vc, table, pos = (t.cpu() for t in (q.double(), kc.double(), vc.double(), table, pos))
+    for b in range(B):
+        for i in range(n):
+            rows = table[b, : int(pos[b, i]) + 1]
+            for h in range(hq):
+                w = torch.softmax(kc[rows, h // g] @ q[b, i, h] * scale, 0)
+                out[b, i, h] = w @ vc[rows, h // g]
+    return out
+
+
+# (B, n, hq, hk, S, D, dtype, splits): g = 1, GQA g = 4 and g = 8 with g·n > MAX_BLOCK_M (two query blocks), one
+# cache head (hk = 1), n = 1, D not a power of two, split keys (3; automatic), float32 and bf16
+CASES = [(2, 3, 4, 4, 40, 32, torch.float32, 1), (3, 2, 8, 2, 64, 16, torch.bfloat16, 1),
+         (2, 1, 4, 1, 50, 32, torch.float32, 3), (1, 9, 8, 1, 30, 24, torch.float32, 0),
+         (2, 6, 4, 4, 48, 16, torch.bfloat16, 2), (3, 1, 2, 2, 33, 16, torch.bfloat16, 0)]
+
+
+@pytest.mark.parametrize("B, n, hq, hk, S, D, dtype, splits", CASES)
+def test_kernel_equals_loop_and_attend_padded(B, n, hq, hk, S, D, dtype, splits):
+    q, kc, vc, table, pos = problem(B, n, hq, hk, S, D, dtype)
+    out = paged_attention.attend_paged(q, kc, vc, table, pos, D ** -0.5, splits=splits, block_n=BLOCK_N)
+    assert out.shape == q.shape and out.dtype == dtype
+    exact = loop_reference(q, kc, vc, table, pos, D ** -0.5)
+    # bf16: the output's rounding (2⁻⁸ relative) and the probabilities rounded to bf16 before the value product
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.cpu().double() - exact).abs().max() < tol
+    gathered = attend_padded(q, kc[table], vc[table], pos, D ** -0.5)  # its scores are rounded to q's dtype too
+    assert (out.float() - gathered.float()).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_rows_past_the_last_query_are_never_read():
+    """NaN in every cache row no query can see (the tails of the windows, the unused rows) changes nothing, also with
+    shares of the keys that start past every query (positions near 0 in a long window)."""
+    B, n, hq, hk, S, D = 3, 2, 4, 2, 64, 16
+    q, kc, vc, table, pos = problem(B, n, hq, hk, S, D, torch.float32, starts=[0, 1, 20])
+    visible = torch.zeros(kc.shape[0], dtype=torch.bool, device=DEVICE)
+    for b in range(B):
+        visible[table[b, : int(pos[b, -1]) + 1]] = True
+    clean = paged_attention.attend_paged(q, kc, vc, table, pos, D ** -0.5, splits=4, block_n=BLOCK_N)
+    kc[~visible], vc[~visible] = float("nan"), float("nan")
+    for splits in (1, 4):
+        out = paged_attention.attend_paged(q, kc, vc, table, pos, D ** -0.5, splits=splits, block_n=BLOCK_N)
+        assert torch.isfinite(out).all()
+        assert (out.cpu().double() - loop_reference(q, kc, vc, table, pos, D ** -0.5)).abs().max() < 1e-5
+        assert (out - clean).abs().max() < 1e-5
+
+
+def test_bad_inputs_are_refused():
+    q, kc, vc, table, pos = problem(2, 2, 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="K/V caches"):
+        paged_attention.attend_paged(q, kc[:, :, :8], vc[:, :, :8], table, pos, 0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        paged_attention.attend_paged(q, kc.half(), vc.half(), table, pos, 0.25)
+    with pytest.raises(ValueError, match="positions"):
+        paged_attention.attend_paged(q, kc, vc, table, pos[:, :1], 0.25)
+
+
+def tiny_drafter(dtype: torch.dtype) -> tuple[DrafterModel, DrafterKVCache]:
+    """A random Llama drafter with grouped-query attention (8 query heads over 2 K/V heads of 16), on DEVICE, and its
+    cache filled with random rows (the earlier tokens' K/V)."""
+    base = kimi_k2_drafter(2)
+    cfg = dataclasses.replace(base, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=16, vocab_size=256, draft_vocab_size=64, target_hidden_size=64,
+                              rope=dataclasses.replace(base.rope, dim=16))
+    m = DrafterModel(cfg, random_weights(drafter_shapes(cfg), dtype, DEVICE, seed=1))
+    cache = DrafterKVCache(cfg, 4 * 64, dtype, DEVICE)
+    g = torch.Generator().manual_seed(2)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return m, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_padded_forward_through_the_kernel(dtype):
+    """An extend (3 rows per sequence, one of them a padding sequence at position 0) and a single-token step give the
+    same logits and states through the kernel as through the gathered windows."""
+    m, cache = tiny_drafter(dtype)
+    assert m.paged_kernel == (DEVICE == "cuda" and dtype == torch.bfloat16)  # CPU engines and float32 keep attend_padded
+    blocks = [single_blocks(s, 64) for s in range(3)]
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(4 * 3, 64, generator=g).to(dtype).to(DEVICE)
+    batches = [padded([(b, start, [5, 6, 7]) for b, start in zip(blocks, (0, 17, 40))], 64, DEVICE, scratch_row=255, pad_to=4),
+               padded([(b, start, [9]) for b, start in zip(blocks, (3, 20, 43))], 64, DEVICE, scratch_row=255, pad_to=4)]
+    results = {}
+    for kernel in (False, True):
+        m.paged_kernel = kernel
+        k0, v0 = cache.k.clone(), cache.v.clone()
+        results[kernel] = [m.forward(batch, hidden[: batch.input_ids.numel()], cache) for batch in batches]
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+    tol = 1e-4 if dtype == torch.float32 else 0.06  # bf16: attend_padded rounds the scores to bf16, the kernel does not
+    for (lg, hg), (lk, hk) in zip(results[False], results[True]):
+        assert (lk - lg).abs().max() < tol and (hk.float() - hg.float()).abs().max() < tol
