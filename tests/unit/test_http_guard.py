@@ -103,8 +103,11 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
     assert r.status_code == 413 and r.headers["Connection"] == "close"
     assert r.json() == {"error": f"request body of {LIMIT + 1} bytes exceeds the limit of {LIMIT} bytes (the largest "
                                  "JSON a prompt of max_prompt_bytes = 1000 can take)"}
-    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=(b"y" * 10_000 for _ in range(11)))  # chunked
+    sent = []
+    chunks = (sent.append(1) or b"y" * 100_000 for _ in range(200))  # chunked: 20 MB if all were read
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=chunks)
     assert r.status_code == 413 and r.json()["error"].startswith("chunked request body exceeds the limit of 100000")
+    assert len(sent) < 200, "the rest of the refused body was read: the connection should have closed"
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"[" * 40_000 + b"]" * 40_000)
     assert r.status_code == 400 and "nests 40000 levels deep, at most 32" in r.json()["error"]
     assert len(upstream.seen) == before

@@ -188,7 +188,8 @@ class HttpGuard:
             connector=connector, auto_decompress=False,  # a compressed answer passes on compressed
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
             skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
-        self._server = web.Server(self._handle, handler_cancellation=True)  # a client gone cancels its request
+        # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes
+        self._server = web.Server(self._handle, handler_cancellation=True, lingering_time=0)
         self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
