@@ -5,6 +5,7 @@ tritonserver down or breaking off, and a stop that idle keep-alive clients do no
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -116,6 +117,23 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
     assert r.status_code == 201 and upstream.seen[-1]["headers"]["Content-Type"] == form["Content-Type"]
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"z" * (LIMIT + 1), headers=form)
     assert r.status_code == 413
+
+
+def test_compressed_bodies_are_bounded_decompressed(guard, upstream):
+    """A gzip body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB body that
+    decompresses to a million levels (or past the limit) is refused; an encoding tritonserver does not take is 415."""
+    gz = {"Content-Encoding": "gzip"}
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b'{"text_input": "hi"}'), headers=gz)
+    assert r.status_code == 201 and upstream.seen[-1]["body"] == b'{"text_input": "hi"}'
+    assert "Content-Encoding" not in upstream.seen[-1]["headers"]
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b"[" * 50_000 + b"]" * 50_000), headers=gz)
+    assert r.status_code == 400 and "nests 50000 levels" in r.json()["error"]
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b" " * 10_000_000), headers=gz)
+    assert r.status_code == 413 and r.json()["error"].startswith("decompressed request body exceeds the limit")
+    r = requests.post(f"{guard.url}/x", data=b"not gzip", headers=gz)
+    assert r.status_code == 400 and r.json()["error"].startswith("request body: ")
+    r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": "br"})
+    assert r.status_code == 415 and r.json()["error"] == "Content-Encoding: 'br': expected one of identity, gzip, deflate"
 
 
 def test_a_stream_passes_event_by_event_and_a_disconnect_reaches_upstream(guard, upstream):

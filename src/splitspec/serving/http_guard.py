@@ -15,7 +15,8 @@ forwarding a request it:
 - refuses a body over :func:`~splitspec.serving.server_limits.repo_body_limit` (the largest JSON a prompt of the
   repository's ``max_prompt_bytes`` can take; the stack tritonserver runs with is sized for twice that) with 413: by
   its ``Content-Length`` before reading it, a chunked (or compressed: it is decompressed here, and forwarded
-  decompressed) body as soon as what was read passes the limit; the connection is then closed;
+  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. An
+  encoding tritonserver does not take (other than gzip and deflate) gets 415, one that does not decompress 400;
 - forwards a form-typed body (``curl -d``'s default: the curl examples use it, and tritonserver reads the body as
   JSON whatever its type) under that same limit, which keeps it far below what crashes tritonserver;
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
@@ -58,6 +59,8 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
 #: Response headers set anew for the client (the length is set again when tritonserver gave one).
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
+#: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
+ENCODINGS = ("identity", "gzip", "deflate")
 #: Bodies at least this long are scanned on a worker thread, off the event loop (the scan's numpy loops release
 #: the GIL).
 SCAN_OFF_LOOP_BYTES = 1 << 20
@@ -239,17 +242,21 @@ class HttpGuard:
         check_length(request.content_length, self.body_limit, self.max_prompt_bytes)
         if not request.body_exists:
             return b"" if request.content_length == 0 else None
+        encoding = request.headers.get("Content-Encoding", "identity")
+        if encoding.strip().lower() not in ENCODINGS:
+            raise Refusal(415, f"Content-Encoding: {encoding[:40]!r}: expected one of {', '.join(ENCODINGS)}")
         if request.headers.get("Expect", "").lower() == "100-continue":  # as aiohttp's own routes answer it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        what = "decompressed request body" if "Content-Encoding" in request.headers else "chunked request body"
+        what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
         chunks, size = [], 0
         try:
             async for chunk in request.content.iter_any():
                 size += len(chunk)
                 check_read(size, self.body_limit, self.max_prompt_bytes, what)
                 chunks.append(chunk)
-        except aiohttp.web.HTTPException as e:  # a body aiohttp could not decode (compression)
-            raise Refusal(e.status, f"request body: {e.reason}") from None
+        except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
+            why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
+            raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
         return b"".join(chunks)
 
     async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
