@@ -13,8 +13,9 @@ So the stack size of tritonserver's threads is the limit that decides whether a 
 :func:`server_stack_bytes` sizes it so that every request carrying a prompt the models accept
 (``max_prompt_bytes``, :class:`~splitspec.settings.ServeConfig`) is parsed safely, and never below
 :data:`SERVER_STACK_MIN_BYTES`. A larger body is refused by preprocessing before tokenising (``text_input``: N bytes,
-at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51: only a release with
-a body limit (or a proxy in front) closes that. Reserving the stack costs address space, not memory: only the
+at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51 on its own port, and
+so does JSON nested a million deep (its parser recurses per level): its HTTP port is therefore private, behind the
+HTTP guard (below). Reserving the stack costs address space, not memory: only the
 pages a thread touches are backed.
 
 The HTTP guard in front of tritonserver's HTTP port (:mod:`splitspec.serving.http_guard`) and the OpenAI-compatible
