@@ -16,7 +16,7 @@ requests hanging and the server and models "ready"; a dead engine process or wor
 On a fault it turns not-ready at once (its own endpoint, :mod:`splitspec.serving.health_endpoint`: the health metric
 drops to 0 and stays exported), logs what died or stalled, kills the server's whole process group and every process
 it watched (SIGKILL: a stopped process needs no SIGCONT for it; clients' connections drop:
-gRPC UNAVAILABLE, HTTP a closed connection; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
+gRPC UNAVAILABLE, HTTP a cut stream or the guard's 502; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
 to answer its requests with UNAVAILABLE itself), and starts it again on the same ports, the old log kept
 (:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
 that fails, or a pipeline that fails again within ``stable_s`` of ready, counts as a failure in a row, each retried
