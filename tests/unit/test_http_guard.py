@@ -176,6 +176,19 @@ def test_stop_is_not_held_by_an_idle_keep_alive_client(upstream):
     g.stop()  # twice: nothing
 
 
+def test_a_stalled_body_is_answered_408_and_its_connection_closed(upstream):
+    with HttpGuard(0, upstream.port, LIMIT, body_timeout_s=0.3) as g, socket.create_connection(("127.0.0.1", g.port)) as s:
+        s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"{" * 10)
+        s.settimeout(5)
+        answer = b""
+        while chunk := s.recv(4096):  # to the end: the guard closes the connection
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head, answer
+    assert json.loads(body) == {"error": "request body incomplete after 0.3 s (10 bytes received): send the whole body "
+                                         "at once"}
+
+
 def test_a_taken_port_is_a_config_error(upstream):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

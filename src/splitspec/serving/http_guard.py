@@ -17,6 +17,8 @@ forwarding a request it:
   its ``Content-Length`` before reading it, a chunked (or compressed: it is decompressed here, and forwarded
   decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. An
   encoding tritonserver does not take (other than gzip and deflate) gets 415, one that does not decompress 400;
+- answers 408 to a body not complete within ``body_timeout_s`` (30 s: a client that sent its headers and stalls
+  would hold its request open for good), closing the connection;
 - forwards a form-typed body (``curl -d``'s default: the curl examples use it, and tritonserver reads the body as
   JSON whatever its type) under that same limit, which keeps it far below what crashes tritonserver;
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
@@ -64,6 +66,9 @@ NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 #: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
 ENCODINGS = ("identity", "gzip", "deflate")
+#: Seconds a request's whole body may take to arrive (the largest body, a few hundred KiB to some MiB, takes well
+#: under a second on any working link).
+BODY_TIMEOUT_S = 30.0
 #: Answers with a Content-Length up to this are read whole and sent on in one write (headers and body together);
 #: longer ones, and those without a length (server-sent events), are passed on as they arrive.
 BUFFERED_ANSWER_BYTES = 1 << 20
@@ -99,13 +104,15 @@ class HttpGuard:
         max_prompt_bytes: what ``body_limit`` was derived from (named in the 413's message; None: not known).
         max_depth: the deepest JSON nesting forwarded.
         connect_timeout_s: how long to try to reach tritonserver before answering 503.
+        body_timeout_s: how long a request's body may take to arrive before it is answered 408.
     """
 
     def __init__(self, port: int, upstream_port: int, body_limit: int, max_prompt_bytes: int | None = None,
-                 host: str = "127.0.0.1", max_depth: int = MAX_JSON_DEPTH, connect_timeout_s: float = 5.0):
+                 host: str = "127.0.0.1", max_depth: int = MAX_JSON_DEPTH, connect_timeout_s: float = 5.0,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         self.host, self.port, self.upstream_port = host, port, upstream_port
         self.body_limit, self.max_prompt_bytes, self.max_depth = body_limit, max_prompt_bytes, max_depth
-        self.connect_timeout_s = connect_timeout_s
+        self.connect_timeout_s, self.body_timeout_s = connect_timeout_s, body_timeout_s
         self.upstream = f"http://{host}:{upstream_port}"
         #: requests in flight (read on other threads: an int)
         self.active = 0
@@ -241,7 +248,7 @@ class HttpGuard:
                     check_depth(*args)
             return await self._forward(request, body)
         except Refusal as e:
-            return error_response(e.status, e.message, close=e.status == 413)
+            return error_response(e.status, e.message, close=e.status in (408, 413))
         finally:
             self.active -= 1
 
@@ -258,10 +265,14 @@ class HttpGuard:
         what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
         chunks, size = [], 0
         try:
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                check_read(size, self.body_limit, self.max_prompt_bytes, what)
-                chunks.append(chunk)
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    size += len(chunk)
+                    check_read(size, self.body_limit, self.max_prompt_bytes, what)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise Refusal(408, f"request body incomplete after {self.body_timeout_s:g} s ({size} bytes received): "
+                               "send the whole body at once") from None
         except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
             why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
             raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
