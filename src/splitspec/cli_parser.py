@@ -231,8 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
     s.add_argument("--repo", default="triton_repo")
     s.add_argument("--http-port", type=port, default=8000,
-                   help="tritonserver's HTTP port (default 8000). Every port flag: 0 = a free port picked at start, "
-                        "shown in the endpoints printed once ready (and kept across restarts)")
+                   help="the HTTP port (default 8000): a guard in front of tritonserver's HTTP, which listens on a "
+                        "private loopback port. It refuses a body larger than the largest JSON a prompt of "
+                        "max_prompt_bytes can take (413) and JSON nested deeper than 32 (400; either crashes "
+                        "tritonserver 2.51), answers 503 while tritonserver restarts, and passes the rest on unchanged. "
+                        "Every port flag: 0 = a free port picked at start, shown in the endpoints printed once ready "
+                        "(and kept across restarts)")
     s.add_argument("--grpc-port", type=port, default=8001)
     s.add_argument("--metrics-port", type=port, default=8002)
     s.add_argument("--health-port", type=port, default=8003,

@@ -1,11 +1,13 @@
-"""Admission faults through a real tritonserver: oversize bodies and prompts, missing required inputs, JSON integers
-beyond INT32, and a saturated wait queue.
+"""Admission faults through a real tritonserver: oversize bodies and prompts, deeply nested JSON, missing required
+inputs, JSON integers beyond INT32, and a saturated wait queue.
 
 Each test is one failure of the served pipeline's fault review (issue 30): an ~8 MB form-typed HTTP body killed
 tritonserver (0); a 16 MB prompt was tokenised for tens of seconds and nothing bounded the queue (4); a request
-lacking text_input or max_tokens ran without it (8); max_tokens 2^32 + 8 ran 8 tokens (9). The session's shared
-server serves the first three groups; the queue tests start one small server of their own (max_batch_size 1, one
-request waiting at most, a short max_queue_s).
+lacking text_input or max_tokens ran without it (8); max_tokens 2^32 + 8 ran 8 tokens (9); and one found later: a
+~2 MB JSON body nesting arrays a million deep killed tritonserver in 0.28 s. HTTP clients now reach tritonserver
+through the HTTP guard (serving/http_guard.py), which refuses the first and the last by size and depth; tritonserver's
+own port (private) is still tested for the first two. The session's shared server serves the first groups; the
+queue tests start one small server of their own (max_batch_size 1, one request waiting at most, a short max_queue_s).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import numpy as np
 import pytest
 import requests
 
-from splitspec.serving.client import grpc_inputs
+from splitspec.serving.client import grpc_inputs, merge, stream_http
+from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.metrics import metric_value, parse_prometheus
+from splitspec.serving.server_limits import request_body_limit
 from splitspec.settings import PROMPT_BYTES_PER_TOKEN
 
 CLOSE = {"Connection": "close"}
@@ -28,6 +32,8 @@ JSON = {"Content-Type": "application/json", **CLOSE}
 FORM = {"Content-Type": "application/x-www-form-urlencoded", **CLOSE}  # curl -d's default
 MAX_SEQ_LEN = 256  # tests/conftest.py's engines
 MAX_PROMPT_BYTES = MAX_SEQ_LEN * PROMPT_BYTES_PER_TOKEN
+BODY_LIMIT = request_body_limit(MAX_PROMPT_BYTES)  # the HTTP guard's
+GENERATE = "/v2/models/ensemble/generate"
 VOCAB_SIZE = 4096  # the demo models' (splitspec.demo.checkpoints.VOCAB_SIZE)
 #: An end_id that keeps a request generating to max_tokens: [PAD], the vocabulary's last token, which greedy decoding
 #: of these prompts never produces (an id outside the vocabulary is refused).
@@ -78,12 +84,15 @@ def _grpc(srv, inputs, timeout: float = 60.0) -> list:
 @pytest.mark.parametrize("megabytes", [8, 22])
 def test_large_form_body_does_not_kill_the_server(shared_server, megabytes):
     """Failure 0: an ~8 MB (and 22 MB) body sent as application/x-www-form-urlencoded crashed tritonserver 2.51
-    (SIGSEGV in its HTTP library, which copies such a body onto a thread's stack); now it is refused naming
-    text_input and the limit, and the server keeps serving."""
+    (SIGSEGV in its HTTP library, which copies such a body onto a thread's stack). The HTTP guard refuses it by its
+    Content-Length (413); sent to tritonserver's own port, its larger stack holds and preprocessing refuses it naming
+    text_input and the limit; the server keeps serving."""
     srv = shared_server.get()
     body = json.dumps({"text_input": "hello world " * (megabytes * 1_000_000 // 12), "max_tokens": 4}).encode()
+    r = _post(srv.generate_url, body, headers=FORM)
+    assert r.status_code == 413 and f"request body of {len(body)} bytes exceeds the limit of {BODY_LIMIT}" in r.json()["error"]
     try:
-        r = _post(srv.generate_url, body, headers=FORM)
+        r = _post(srv.triton_http_url + GENERATE, body, headers=FORM)
         answer = (r.status_code, r.text[:300])
     except requests.RequestException as e:
         answer = ("no response", type(e).__name__)
@@ -93,16 +102,22 @@ def test_large_form_body_does_not_kill_the_server(shared_server, megabytes):
 
 def test_oversize_prompt_is_refused_before_tokenising(shared_server):
     """Failure 4: a 16 MB prompt kept preprocessing busy tokenising (tens of seconds, GiBs); now it is refused by
-    size first, through HTTP and gRPC, while a small request is served meanwhile."""
+    size first: its body by the HTTP guard, the prompt by preprocessing over tritonserver's own HTTP and gRPC (and
+    through the guard, a prompt just over the limit in a body under it)."""
     srv = shared_server.get()
     big = "def fibonacci(n): " * (16_000_000 // 18)
     t0 = time.monotonic()
     r = _post(srv.generate_url, {"text_input": big, "max_tokens": 4})
+    assert r.status_code == 413 and time.monotonic() - t0 < 2.0, r.text[:300]
+    t0 = time.monotonic()
+    r = _post(srv.triton_http_url + GENERATE, {"text_input": big, "max_tokens": 4})
     http_s = time.monotonic() - t0
     assert r.status_code == 400, r.text[:300]
     msg = r.json()["error"]
     assert f"text_input: {len(big.encode())} bytes, at most {MAX_PROMPT_BYTES}" in msg, msg
     assert http_s < 8.0, f"a 16 MB prompt took {http_s:.1f} s to refuse"
+    r = _post(srv.generate_url, {"text_input": "x" * (MAX_PROMPT_BYTES + 1), "max_tokens": 4})
+    assert r.status_code == 400 and f"at most {MAX_PROMPT_BYTES}" in r.json()["error"], r.text[:300]
     t0 = time.monotonic()
     got = _grpc(srv, grpc_inputs(big[:2_000_000], 4, stream=True))
     assert got[-1][1] is not None and f"at most {MAX_PROMPT_BYTES}" in got[-1][1], got
@@ -110,6 +125,61 @@ def test_oversize_prompt_is_refused_before_tokenising(shared_server):
     # at the limit exactly: tokenised (and then refused by the engine for its length, not by size)
     r = _post(srv.generate_url, {"text_input": "x" * MAX_PROMPT_BYTES, "max_tokens": 4})
     assert r.status_code == 400 and "max_seq_len" in r.json()["error"], r.text[:300]
+    assert _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4}).status_code == 200
+
+
+# ---------------------------------------------------------------- deep JSON, and the guard's other bounds
+
+
+def test_deeply_nested_json_is_refused_and_tritonserver_serves_on(shared_server):
+    """A ~2 MB body nesting arrays a million deep killed tritonserver 2.51 in 0.28 s (its JSON parser recurses per
+    level). HTTP clients reach it only through the guard: here that body is refused by size (413: the test engines'
+    limit is BODY_LIMIT), 50,000 levels under the limit by depth (400); a guard with a large deployment's limit
+    (max_prompt_bytes 4 MB: a 128K-token context), in front of the same tritonserver, refuses the million levels by
+    depth. tritonserver (the same process) answers a normal request right after each, and streams through the guard."""
+    srv = shared_server.get()
+    pid, guard = srv.pid, srv.guard
+    assert guard is not None and srv.generate_url.startswith(guard.url + "/") and guard.port != srv.triton_http_port
+
+    def serves() -> None:
+        assert srv.pid == pid and srv.is_running(), "tritonserver was replaced or died"
+        r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["text_output"], r.text[:300]
+
+    million = b"[" * 1_000_000 + b"]" * 1_000_000
+    r = _post(srv.generate_url, million)
+    assert r.status_code == 413 and f"exceeds the limit of {BODY_LIMIT} bytes" in r.json()["error"], r.text[:300]
+    serves()
+    r = _post(srv.generate_url, b"[" * 50_000 + b"]" * 50_000)
+    assert r.status_code == 400 and r.json() == {"error": "request JSON nests 50000 levels deep, at most 32 (Triton's "
+                                                 "requests nest 4; deeper nesting crashes tritonserver's JSON parser)"}
+    serves()
+    with HttpGuard(0, srv.triton_http_port, request_body_limit(4_000_000), 4_000_000) as large:
+        t0 = time.monotonic()
+        r = _post(large.url + GENERATE, million)
+        assert r.status_code == 400 and "nests 1000000 levels deep, at most 32" in r.json()["error"], r.text[:300]
+        assert time.monotonic() - t0 < 2.0
+        r = _post(large.url + GENERATE, {"text_input": "def f(x):", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["text_output"]
+    serves()
+    answer = merge(stream_http(srv.generate_stream_url, "def f(x):", max_tokens=6, end_id=NEVER_END_ID))
+    assert answer["num_responses"] >= 2 and answer["text_output"] and answer["finish_reason"], answer
+
+
+def test_over_limit_chunked_body_is_refused_as_it_arrives(shared_server):
+    """A chunked body (no Content-Length) is refused with 413 once what was read passes the limit; the rest of it is
+    never read (the connection closes), and the server serves on."""
+    srv = shared_server.get()
+    sent = [0]
+
+    def chunks():
+        for _ in range(200):  # 20 MB if all were read
+            sent[0] += 1
+            yield b'{"text_input": "' + b"x" * 100_000
+
+    r = requests.post(srv.generate_url, data=chunks(), headers=CLOSE, timeout=60)
+    assert r.status_code == 413 and r.json()["error"].startswith(f"chunked request body exceeds the limit of {BODY_LIMIT}")
+    assert sent[0] < 200, "the whole body was sent"
     assert _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": 4}).status_code == 200
 
 

@@ -321,12 +321,17 @@ def test_the_admin_key_opens_the_control_api(keyed):
 
 
 def test_every_listening_socket_of_the_server_is_on_loopback(keyed):
-    """tritonserver's HTTP, gRPC and metrics ports, and the engine's TCPStore and gloo sockets (leader in the
-    engine process, one worker: the target is TP2), listen on 127.0.0.1 / ::1 only, not on 0.0.0.0 or ::."""
+    """tritonserver's HTTP (private: the HTTP guard's port, served from this process, forwards to it), gRPC and
+    metrics ports, the guard's, and the engine's TCPStore and gloo sockets (leader in the engine process, one worker:
+    the target is TP2), listen on 127.0.0.1 / ::1 only, not on 0.0.0.0 or ::."""
     ask_grpc(keyed.grpc_address, PROMPT, max_tokens=4, stream=True)  # the engine's group is up and has run
+    guard = [a for a, pids in _listening_sockets(os.getpgid(0)).items()
+             if os.getpid() in pids and a.endswith(f":{keyed.http_port}")]
+    assert guard and all(_is_loopback(a) for a in guard), guard
     listening = _listening_sockets(keyed.pid)
     ports = {int(a.rsplit(":", 1)[1]) for a in listening}
-    assert {keyed.http_port, keyed.grpc_port, keyed.metrics_port} <= ports, listening
+    assert {keyed.triton_http_port, keyed.grpc_port, keyed.metrics_port} <= ports, listening
+    assert keyed.http_port not in ports, listening
     assert len({p for pids in listening.values() for p in pids} - {keyed.pid}) >= 1, listening  # the engine's too
     exposed = {a: pids for a, pids in listening.items() if not _is_loopback(a)}
     assert not exposed, exposed

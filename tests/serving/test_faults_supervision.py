@@ -291,6 +291,8 @@ def test_fault_is_failed_reported_and_healed(serve, reference, fault):
         assert t is not None and t < limit, f"an in-flight request was failed {t} s after the fault"
     assert {"triton", "supervisor", "healthy0"} <= down.keys(), down
     assert max(down.values()) < limit, down
+    r = requests.get(f"{serve.url}/v2/health/ready", headers=CLOSE, timeout=5)  # the HTTP guard, while it restarts
+    assert r.status_code == 503 and "not reachable" in r.json()["error"], (r.status_code, r.text[:300])
 
     t_ready = serve.wait_ready(120)
     print(f"{fault}: ready again {time.monotonic() - t_kill:.1f} s after the fault")
@@ -327,9 +329,11 @@ def _openai(s: Serve, path: str, body: dict):
 
 
 def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, reference):
-    """SIGTERM with an SSE stream and an OpenAI chat stream generating, and a non-streaming OpenAI completion waiting
-    for a batch slot: new OpenAI requests are refused with 503 at once; each of the three ends with its final answer
-    (the OpenAI stream with a chunk carrying the finish reason, then [DONE]); then serve exits."""
+    """SIGTERM with an SSE stream and an OpenAI chat stream generating, a non-streaming OpenAI completion waiting
+    for a batch slot, and an idle keep-alive HTTP client: new OpenAI requests are refused with 503 at once; each of the
+    three ends with its final answer (the OpenAI stream with a chunk carrying the finish reason, then [DONE]); then
+    serve exits, the idle client not holding tritonserver's stop (before the HTTP guard, it held it for the 30 s exit
+    timeout)."""
     model = re.search(r"OpenAI API +: \S+ +\(model '([^']+)'", serve.text()).group(1)
     chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 200,  # the template: 33
             "stream": True}  # tokens of prompt
@@ -339,6 +343,8 @@ def test_sigterm_finishes_streams_with_a_finish_reason_then_exits(serve, referen
         assert f.started.wait(60) and f.events, f"a stream did not start: {f.outcome}"
     assert flights[1].events[0]["object"] == "chat.completion.chunk", flights[1].events
     queued = InFlight(lambda: _openai(serve, "/completions", {"model": model, "prompt": PROMPT, "max_tokens": LONG}))
+    idle = requests.Session()  # its connection stays open, idle, through the stop
+    assert idle.get(f"{serve.url}/v2/models/ensemble/config", timeout=10).status_code == 200
     time.sleep(0.3)  # it reached the engine's wait queue (both slots are taken)
     t0 = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)

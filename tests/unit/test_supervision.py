@@ -287,7 +287,8 @@ def test_restart_limit_0_gives_up_at_the_first_fault_and_a_negative_one_is_refus
 
 def test_shutdown_drains_the_front_ends_first_and_waits_for_them_before_tritonserver_stops(monkeypatch):
     """The order of a graceful stop: front ends refuse new requests (before not-ready), the engine stops admitting,
-    drains, ends the rest, the front ends pass the last responses on, then tritonserver stops."""
+    drains, ends the rest, the front ends and the HTTP guard pass the last responses on, the guard stops (its idle
+    keep-alive clients closed), then tritonserver stops."""
     calls: list[str] = []
 
     class Front:
@@ -305,14 +306,23 @@ def test_shutdown_drains_the_front_ends_first_and_waits_for_them_before_tritonse
         def stop(self):
             calls.append("tritonserver stop")
 
+    class Guard:
+        def wait_idle(self, timeout_s):
+            calls.append(f"guard wait_idle {timeout_s:g}")
+            return 0
+
+        def stop(self):
+            calls.append("guard stop")
+
     sup = Supervisor(Path("unused"), drain_s=0.0, flush_s=2.5, say=lambda line: None)
-    sup.state, sup.srv = "serving", Srv()
+    sup.state, sup.srv, sup.guard = "serving", Srv(), Guard()
     sup.front_ends.append(Front())
     monkeypatch.setattr(sup, "_signal_engines", lambda sig: calls.append(f"engine {signal.Signals(sig).name}"))
     monkeypatch.setattr(sup, "_wait_drained", lambda timeout_s: calls.append("engine drained"))
     sup.shutdown()
     assert calls == ["front drain (state serving)", "engine SIGUSR1", "engine drained", "engine SIGTERM",
-                     "engine drained", "front wait_idle 2.5", "tritonserver stop"], calls
+                     "engine drained", "front wait_idle 2.5", "guard wait_idle 2.5", "guard stop",
+                     "tritonserver stop"], calls
     assert sup.state == "stopped"
 
 
@@ -331,3 +341,4 @@ def test_serve_arguments_out_of_range_are_refused_in_one_line(argv, message, cap
     assert (a.http_port, a.openai_port, a.restart_limit) == (0, 0, 0)
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "0 = a free port" in help_text and "0 = never restart" in " ".join(help_text.split())
+    assert "guard in front of tritonserver's HTTP" in " ".join(help_text.split())

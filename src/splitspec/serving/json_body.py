@@ -2,10 +2,16 @@
 are not Unicode text.
 
 **Nesting.** ``json.loads`` recurses once per level of ``[`` / ``{`` and raises RecursionError near the interpreter's
-recursion limit (about 1,000 levels); a 50,000-deep body sent to the OpenAI front end came back as a 500.
-:func:`nesting_depth` measures the depth without parsing and without recursion: it removes the string literals with
-one regular expression (brackets inside strings do not nest), keeps the four bracket bytes and takes the running
-sum's maximum with NumPy, all linear in the body's length (about 1 ms for the largest body the front end reads).
+recursion limit (about 1,000 levels); a 50,000-deep body sent to the OpenAI front end came back as a 500, and
+tritonserver 2.51's parser, which recurses the same way, crashed on a million levels. :func:`nesting_depth` measures
+the depth without parsing and without recursion, in C loops (``bytes`` methods, numpy): escapes are cut first
+(``\\\\`` then ``\\"``, left to right as a JSON lexer pairs them), so every quote left opens or closes a string; the
+brackets outside strings then sum to a running count of the levels open, whose maximum is the depth. Up to a body's
+first syntax error that is the depth any JSON parser reaches (the two read the same tokens there), and a parser
+stops at that error, so a body that passes cannot drive a parser deeper. Linear in the body's length, with no
+per-string cost (a regular expression that cut the strings out took 0.3–0.6 s for 6 MB of short strings): on the
+2-core CPU machine (loaded) 10–18 ms for a 6 MB prompt body full of brackets or line breaks, at most 56 ms for 6 MB
+of escapes and quotes built to be slow, 13 ms for a million levels.
 
 **Lone surrogates.** JSON's ``\\ud800`` escape (and the raw bytes ``ED A0 80``, which ``json.loads`` decodes with
 ``surrogatepass``) gives a Python str holding a UTF-16 surrogate with no partner: not a Unicode scalar value, so
@@ -15,26 +21,44 @@ echoes it). :func:`lone_surrogate` finds the first such string, key or value, an
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-#: A JSON string literal (escapes included); possessive, so a long or unterminated one costs linear time.
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
-#: Every byte but the four brackets, deleted by ``bytes.translate``.
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-#: ``[`` / ``{`` → +1, ``]`` / ``}`` → -1 (0xFF as int8).
-_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+#: Byte → class for the scan: 1 opens a level, 2 closes one, 3 a quote, 0 anything else.
+_CLASSES = bytes(1 if c in b"[{" else 2 if c in b"]}" else 3 if c == ord('"') else 0 for c in range(256))
+#: Bytes scanned per numpy block (its arrays take a few bytes per bracket or quote in it).
+_BLOCK = 1 << 20
 
 
 def nesting_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (``{}`` → 1, ``{"a": [1]}`` → 2, a scalar
-    → 0), counting brackets outside string literals. Linear in ``len(raw)``; for text that is not valid JSON (an
-    unterminated string, say) the count is of the brackets it holds, and the parse that follows refuses it."""
-    steps = _STRING.sub(b"", raw).translate(_STEPS, _NOT_BRACKETS)
-    if not steps:
+    → 0), counting brackets outside string literals. Malformed text is measured as far as it goes: never less than a
+    parser reaches before its first error (module docstring). Linear in ``len(raw)``; no recursion."""
+    if b"[" not in raw and b"{" not in raw:
         return 0
-    return int(np.cumsum(np.frombuffer(steps, dtype=np.int8), dtype=np.int64).max())
+    if b"\\" in raw:  # an escaped backslash, then an escaped quote: neither is a quote that counts
+        raw = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    classes = raw.translate(_CLASSES)
+    deepest = level = inside = 0  # carried from block to block: levels open, whether inside a string
+    for start in range(0, len(classes), _BLOCK):
+        block = np.frombuffer(classes, np.uint8, min(_BLOCK, len(classes) - start), start)
+        marks = block[block != 0]
+        if not len(marks):
+            continue
+        steps = (marks == 1).view(np.int8) - (marks == 2).view(np.int8)
+        quotes = (marks == 3).view(np.uint8)
+        if inside or quotes.any():
+            within = np.bitwise_xor.accumulate(quotes)  # 1 from an opening quote to its closing one
+            if inside:
+                within ^= 1
+            inside = int(within[-1])
+            within ^= 1
+            steps *= within.view(np.int8)  # brackets inside strings count 0
+        running = np.cumsum(steps, dtype=np.int32)
+        deepest = max(deepest, level + int(running.max()))
+        level += int(running[-1])
+    return deepest
+
+
 
 
 def _bad(s: str) -> int | None:

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from splitspec.serving.openai_errors import APIError
+from splitspec.serving.server_limits import too_large_message
 
 #: Headers of an answer after which the connection is closed (the request's body may be left unread).
 CLOSE = {"Connection": "close"}
@@ -39,8 +40,8 @@ BODY_TIMEOUT_S = 30.0
 def too_large(size: int | None, limit: int, max_prompt_bytes: int) -> APIError:
     """413 for a body of ``size`` bytes (None: chunked, past the limit) over ``limit``."""
     what = f"request body of {size} bytes" if size is not None else "chunked request body"
-    return APIError(413, f"{what} exceeds the limit of {limit} bytes (the largest JSON a prompt of max_prompt_bytes = "
-                    f"{max_prompt_bytes} can take)", "invalid_request_error", None, "request_too_large")
+    return APIError(413, too_large_message(what, limit, max_prompt_bytes), "invalid_request_error", None,
+                    "request_too_large")
 
 
 def shutting_down() -> APIError:

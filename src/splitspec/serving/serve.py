@@ -22,6 +22,8 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
                   stall_s: float = STALL_S) -> None:
     """Start tritonserver on ``repo`` under a supervisor and print its endpoints; serve until Ctrl-C or SIGTERM.
 
+    Clients reach tritonserver's HTTP through the supervisor's HTTP guard on ``http_port``, which bounds body size and
+    JSON nesting (:mod:`splitspec.serving.http_guard`); tritonserver itself listens on a private loopback port.
     The supervisor restarts the pipeline after a fault and serves readiness and the health metric on ``health_port``
     (:mod:`splitspec.serving.health_endpoint`). The control APIs answer only requests carrying ``admin_key`` (None:
     none; :mod:`splitspec.serving.access`). A stop gives requests in flight ``drain_s`` seconds, then ends the rest
@@ -49,7 +51,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     for what, port in ports.items():
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"{what} = {port}: expected a TCP port in 1..65535, or 0 for a free one")
-    for what in ("--openai-port", "--health-port"):
+    for what in ("--http-port", "--openai-port", "--health-port"):  # served from this process
         if ports[what]:
             check_port_free(ports[what], what)
     sup = Supervisor(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,

@@ -13,12 +13,15 @@ So the stack size of tritonserver's threads is the limit that decides whether a 
 :func:`server_stack_bytes` sizes it so that every request carrying a prompt the models accept
 (``max_prompt_bytes``, :class:`~splitspec.settings.ServeConfig`) is parsed safely, and never below
 :data:`SERVER_STACK_MIN_BYTES`. A larger body is refused by preprocessing before tokenising (``text_input``: N bytes,
-at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51: only a release with
-a body limit (or a proxy in front) closes that. Reserving the stack costs address space, not memory: only the
+at most M). A form-typed body larger than about half the stack still crashes tritonserver 2.51 on its own port, and
+so does JSON nested a million deep (its parser recurses per level): its HTTP port is therefore private, behind the
+HTTP guard (below). Reserving the stack costs address space, not memory: only the
 pages a thread touches are backed.
 
-The OpenAI-compatible front end, which this project runs itself, bounds its bodies by the same measure
-(:func:`request_body_limit`), before reading them.
+The HTTP guard in front of tritonserver's HTTP port (:mod:`splitspec.serving.http_guard`) and the OpenAI-compatible
+front end, both run by this project, bound their bodies by the same measure (:func:`repo_body_limit`,
+:func:`request_body_limit`) before passing them on: no body of any type that reaches tritonserver's HTTP port through
+them is larger than its stack is sized for.
 """
 
 from __future__ import annotations
@@ -44,12 +47,33 @@ def request_body_limit(max_prompt_bytes: int) -> int:
     return JSON_BYTES_PER_PROMPT_BYTE * max_prompt_bytes + JSON_OVERHEAD_BYTES
 
 
+def too_large_message(what: str, limit: int, max_prompt_bytes: int | None) -> str:
+    """One line for a body over ``limit`` bytes; ``what``: e.g. ``request body of N bytes``."""
+    why = (f"the largest JSON a prompt of max_prompt_bytes = {max_prompt_bytes} can take" if max_prompt_bytes
+           else "the largest body tritonserver's thread stack is sized for")
+    return f"{what} exceeds the limit of {limit} bytes ({why})"
+
+
+def repo_max_prompt_bytes(repo: Path) -> int | None:
+    """The repository's ``max_prompt_bytes`` (preprocessing's parameter); None when it names none."""
+    prompt = (repo_setting(repo, "preprocessing", "max_prompt_bytes") or "").strip()
+    return int(prompt) if prompt.isdigit() else None
+
+
+def repo_body_limit(repo: Path) -> int:
+    """The largest HTTP body passed to tritonserver serving ``repo``, in bytes: :func:`request_body_limit` of its
+    ``max_prompt_bytes``; for a repository that names none, the largest body :data:`SERVER_STACK_MIN_BYTES` is sized
+    for (:func:`server_stack_bytes`: twice the body plus 1 MiB)."""
+    prompt = repo_max_prompt_bytes(repo)
+    return request_body_limit(prompt) if prompt is not None else (SERVER_STACK_MIN_BYTES - (1 << 20)) // 2
+
+
 def server_stack_bytes(repo: Path) -> int:
     """RLIMIT_STACK for tritonserver serving ``repo``: twice the largest body a request whose prompt has the
     repository's ``max_prompt_bytes`` (preprocessing's parameter) can take in JSON (:func:`request_body_limit`), plus
     1 MiB; at least :data:`SERVER_STACK_MIN_BYTES`."""
-    prompt = (repo_setting(repo, "preprocessing", "max_prompt_bytes") or "").strip()
-    body = request_body_limit(int(prompt)) if prompt.isdigit() else 0
+    prompt = repo_max_prompt_bytes(repo)
+    body = request_body_limit(prompt) if prompt is not None else 0
     return max(SERVER_STACK_MIN_BYTES, 2 * body + (1 << 20))
 
 

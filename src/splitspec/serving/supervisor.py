@@ -16,7 +16,7 @@ requests hanging and the server and models "ready"; a dead engine process or wor
 On a fault it turns not-ready at once (its own endpoint, :mod:`splitspec.serving.health_endpoint`: the health metric
 drops to 0 and stays exported), logs what died or stalled, kills the server's whole process group and every process
 it watched (SIGKILL: a stopped process needs no SIGCONT for it; clients' connections drop:
-gRPC UNAVAILABLE, HTTP a closed connection; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
+gRPC UNAVAILABLE, HTTP a cut stream or the guard's 502; after an engine or worker death first ``error_grace_s`` for ``spec_decode``
 to answer its requests with UNAVAILABLE itself), and starts it again on the same ports, the old log kept
 (:func:`~splitspec.serving.server_log.rotate`). A fault now and then is always healed; a crash loop is bounded: a start
 that fails, or a pipeline that fails again within ``stable_s`` of ready, counts as a failure in a row, each retried
@@ -29,6 +29,11 @@ OpenAI-compatible API) refuse new requests, not-ready, the engine stops admittin
 in-flight requests get up to ``drain_s`` to finish, then the rest end with ``finish_reason`` ``"shutdown"`` (SIGTERM
 to the engine process); the front ends get up to ``flush_s`` to pass those last responses on, and tritonserver stops
 with nothing left in flight.
+
+The HTTP guard (:mod:`splitspec.serving.http_guard`) on the public HTTP port is the supervisor's, not each server's:
+it forwards to the private port every restart keeps, answers 503 while the server is down, and passes the last
+responses on before tritonserver stops (like a front end, within ``flush_s``). The probes ask tritonserver's private
+port directly.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ import requests
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.health_endpoint import HealthEndpoint
 from splitspec.serving.heartbeat import heartbeat_path, stall
+from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import STOPPED, Watched, watch
+from splitspec.serving.server_limits import repo_body_limit, repo_max_prompt_bytes
 from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
 
 _CLOSE = {"Connection": "close"}
@@ -62,7 +69,8 @@ STALL_S = 60.0
 class Supervisor:
     """Runs and heals a :class:`TritonServer` on ``repo``; a context manager (``with`` ends in :meth:`shutdown`).
 
-    Ports of 0 are replaced by free ones once, then kept across restarts. ``say``: where its log lines go.
+    Ports of 0 are replaced by free ones once, then kept across restarts, tritonserver's private HTTP port too (the
+    :class:`~splitspec.serving.http_guard.HttpGuard` on ``http_port``, :attr:`guard`, forwards there). ``say``: where its log lines go.
     ``admin_key``: passed to each :class:`TritonServer` (the control APIs' key; None: they are refused).
     ``stall_s``: the stall limit (:data:`STALL_S`); ``stopped_s``: how long a process may stay stopped before that is
     a fault (long enough for a sampling profiler's pause, short against a SIGSTOP: 0.5 s).
@@ -81,9 +89,9 @@ class Supervisor:
                  say: Callable[[str], None] = lambda line: print(line, flush=True)):
         if max_restarts < 0:
             raise ConfigError(f"--restart-limit = {max_restarts}: expected 0 (never restart) or more")
-        picked = iter(free_ports(4))
-        self.ports = {"http_port": http_port or next(picked), "grpc_port": grpc_port or next(picked),
-                      "metrics_port": metrics_port or next(picked)}
+        picked = iter(free_ports(5))
+        self.ports = {"http_port": http_port or next(picked), "triton_http_port": next(picked),
+                      "grpc_port": grpc_port or next(picked), "metrics_port": metrics_port or next(picked)}
         self.health_port = health_port or next(picked)
         self.repo, self.exit_timeout_s, self.startup_timeout_s = repo, exit_timeout_s, startup_timeout_s
         self.drain_s, self.check_s, self.probe_s = drain_s, check_s, probe_s
@@ -106,16 +114,21 @@ class Supervisor:
         self._unready = 0
         self._stop = threading.Event()
         self.endpoint: HealthEndpoint | None = None
+        self.guard: HttpGuard | None = None
         self._threads: list[threading.Thread] = []
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> "Supervisor":
-        """Start the server (a failure here raises: nothing is retried before the first ready), the health endpoint
-        and the watching threads."""
+        """Start the health endpoint, the HTTP guard, the server (a failure here raises: nothing is retried before the
+        first ready) and the watching threads."""
         self.endpoint = HealthEndpoint(LOCALHOST, self.health_port, self._health)
         try:
+            self.guard = HttpGuard(self.ports["http_port"], self.ports["triton_http_port"], repo_body_limit(self.repo),
+                                   repo_max_prompt_bytes(self.repo), host=LOCALHOST).start()
             self._start_server()
         except BaseException:
+            if self.guard is not None:
+                self.guard.stop()
             self.endpoint.close()
             raise
         for name, fn in (("splitspec-supervisor", self._watch), ("splitspec-prober", self._probe)):
@@ -125,7 +138,7 @@ class Supervisor:
         return self
 
     def _start_server(self) -> None:
-        srv = TritonServer(self.repo, **self.ports, exit_timeout_s=self.exit_timeout_s,
+        srv = TritonServer(self.repo, **self.ports, exit_timeout_s=self.exit_timeout_s, guard=False,
                            startup_timeout_s=self.startup_timeout_s, admin_key=self.admin_key)
         if self._stop.is_set():
             raise SplitspecError("the supervisor is stopping")
@@ -210,8 +223,8 @@ class Supervisor:
                 if self.state != "serving" or srv is None:
                     continue
                 try:
-                    live = s.get(f"{srv.http_url}/v2/health/live", headers=_CLOSE, timeout=self.live_timeout_s).ok
-                    ready = live and s.get(srv.model_url("ensemble") + "/ready", headers=_CLOSE,
+                    live = s.get(f"{srv.triton_http_url}/v2/health/live", headers=_CLOSE, timeout=self.live_timeout_s).ok
+                    ready = live and s.get(f"{srv.triton_http_url}/v2/models/ensemble/ready", headers=_CLOSE,
                                            timeout=self.live_timeout_s).ok
                 except requests.RequestException:
                     live = ready = False
@@ -309,12 +322,14 @@ class Supervisor:
                 self._signal_engines(signal.SIGTERM)  # the rest end now, with finish_reason "shutdown"
                 self._wait_drained(5.0)
                 marks.append(f"engine drained after {time.monotonic() - t0:.1f} s")
-                for front in self.front_ends:  # their clients get those final responses before tritonserver stops
+                passing_on = [*self.front_ends, *([self.guard] if self.guard is not None else [])]
+                for front in passing_on:  # their clients get those final responses before tritonserver stops
                     if left := front.wait_idle(self.flush_s):
                         self.say(f"splitspec serve: {left} request(s) of a front end still open after "
                                  f"{self.flush_s:g} s; stopping anyway")
-                if self.front_ends:
+                if passing_on:
                     marks.append(f"front ends done after {time.monotonic() - t0:.1f} s")
+            self._stop_guard()  # its idle keep-alive clients go now; it holds no connection to tritonserver then
             if self.srv is not None:
                 self.srv.stop()
                 if marks:
@@ -325,5 +340,11 @@ class Supervisor:
             raise
         finally:
             self.state = "stopped"
+            self._stop_guard()
             if self.endpoint is not None:
                 self.endpoint.close()
+
+    def _stop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.stop()
+            self.guard = None

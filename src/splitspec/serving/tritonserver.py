@@ -4,7 +4,9 @@ repository.
 :class:`TritonServer` starts ``tritonserver`` in its own process group, waits until
 ``/v2/health/ready`` answers, and stops it (SIGINT, then SIGKILL of the whole group), so that
 the model's stubs and the tensor-parallel worker processes the ``spec_decode`` model starts
-never outlive it. ``splitspec serve`` runs it under a supervisor (:mod:`splitspec.serving.serve`).
+never outlive it. tritonserver's own HTTP listens on a private port; clients reach it through the HTTP guard
+(:mod:`splitspec.serving.http_guard`) on the public one. ``splitspec serve`` runs it under a supervisor
+(:mod:`splitspec.serving.serve`), which keeps one guard across restarts.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import requests
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricted_api_args
+from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.repo import MODELS
 from splitspec.serving.seccomp import filter_installed, private_fchmod
-from splitspec.serving.server_limits import server_stack_bytes, stack_limit
+from splitspec.serving.server_limits import repo_body_limit, repo_max_prompt_bytes, server_stack_bytes, stack_limit
 from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 from splitspec.settings import RUN_DIR_ENV
@@ -103,7 +106,9 @@ def check_repo(repo: Path) -> Path:
 class TritonServer:
     """A ``tritonserver`` process serving a model repository on 127.0.0.1; a context manager.
 
-    Ports of 0 are replaced by free ones. The server runs in its own process group, with umask 077 and the seccomp
+    Ports of 0 are replaced by free ones. Clients use ``http_port`` (:attr:`http_url`, :attr:`generate_url`, ...):
+    there the HTTP guard (:class:`~splitspec.serving.http_guard.HttpGuard`) forwards to tritonserver's own HTTP on
+    ``triton_http_port`` (:attr:`triton_http_url`: for health probes of this project, not for clients). The server runs in its own process group, with umask 077 and the seccomp
     filter of :mod:`splitspec.serving.seccomp` (its shared-memory regions private from creation); its log (mode 0600)
     goes to ``log_path`` (default ``<repo>/_backends/tritonserver.<http_port>.log``). ``run_dir``: a private folder
     (mode 0700) made for each start and removed at its stop, named to the server's processes as ``SPLITSPEC_RUN_DIR``
@@ -118,7 +123,10 @@ class TritonServer:
 
     Args:
         repo: the rendered model repository.
-        http_port, grpc_port, metrics_port: TCP ports (0: pick a free one).
+        http_port, grpc_port, metrics_port: TCP ports (0: pick a free one); ``http_port`` is the guard's.
+        triton_http_port: tritonserver's own HTTP port, on loopback (0: pick a free one).
+        guard: run the HTTP guard on ``http_port`` with this server, started before it and stopped before it
+            (False: the caller runs one there, as the supervisor does across restarts).
         log_path: where the server's stdout/stderr go.
         startup_timeout_s: seconds to wait for ``/v2/health/ready`` (model loading included).
         exit_timeout_s: tritonserver ``--exit-timeout-secs``: after SIGINT, how long it waits for
@@ -136,11 +144,15 @@ class TritonServer:
     def __init__(self, repo: Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  log_path: Path | None = None, startup_timeout_s: float = 600.0, exit_timeout_s: int = 30,
                  stop_timeout_s: float | None = None,
-                 log_verbose: int = 0, extra_args: tuple[str, ...] = (), admin_key: str | None = None):
+                 log_verbose: int = 0, extra_args: tuple[str, ...] = (), admin_key: str | None = None,
+                 triton_http_port: int = 0, guard: bool = True):
         self.repo = check_repo(repo)
         self.restrict_args = restricted_api_args(admin_key)
-        picked = iter(free_ports(3))  # distinct, also from each other
+        picked = iter(free_ports(4))  # distinct, also from each other
         self.http_port = http_port or next(picked)
+        self.triton_http_port = triton_http_port or next(picked)
+        self.own_guard = guard
+        self.guard: HttpGuard | None = None
         self.grpc_port = grpc_port or next(picked)
         self.metrics_port = metrics_port or next(picked)
         default_log = self.repo / BACKENDS_DIRNAME / f"tritonserver.{self.http_port}.log"
@@ -160,8 +172,13 @@ class TritonServer:
     # -- endpoints --------------------------------------------------------------------------
     @property
     def http_url(self) -> str:
-        """``http://127.0.0.1:<http_port>``."""
+        """``http://127.0.0.1:<http_port>``: the HTTP guard, where clients send their requests."""
         return f"http://{LOCALHOST}:{self.http_port}"
+
+    @property
+    def triton_http_url(self) -> str:
+        """``http://127.0.0.1:<triton_http_port>``: tritonserver's own HTTP, unguarded (this project's probes)."""
+        return f"http://{LOCALHOST}:{self.triton_http_port}"
 
     @property
     def generate_url(self) -> str:
@@ -200,7 +217,7 @@ class TritonServer:
             "--backend-directory", str(backend_dir),
             # explicit: load exactly our models (the repository also holds _backends/, not a model)
             "--model-control-mode", "explicit", *[f"--load-model={m}" for m in MODELS],
-            "--http-address", LOCALHOST, "--http-port", str(self.http_port),
+            "--http-address", LOCALHOST, "--http-port", str(self.triton_http_port),
             "--grpc-address", LOCALHOST, "--grpc-port", str(self.grpc_port),
             "--allow-metrics", "true", "--metrics-address", LOCALHOST, "--metrics-port", str(self.metrics_port),
             "--strict-readiness", "true", "--exit-on-error", "true",
@@ -213,7 +230,7 @@ class TritonServer:
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> "TritonServer":
-        """Start the server and wait until it is ready.
+        """Start the HTTP guard (when it is this server's own), then the server, and wait until it is ready.
 
         Raises:
             ConfigError: a port is taken.
@@ -222,9 +239,21 @@ class TritonServer:
         """
         if self.proc is not None:
             raise SplitspecError("TritonServer.start: already started")
-        for port, what in ((self.http_port, "http_port"), (self.grpc_port, "grpc_port"),
+        ports = ((self.http_port, "http_port"),) if self.own_guard else ()
+        for port, what in (*ports, (self.triton_http_port, "triton_http_port"), (self.grpc_port, "grpc_port"),
                            (self.metrics_port, "metrics_port")):
             check_port_free(port, what)
+        if self.own_guard:
+            self.guard = HttpGuard(self.http_port, self.triton_http_port, repo_body_limit(self.repo),
+                                   repo_max_prompt_bytes(self.repo), host=LOCALHOST).start()
+        try:
+            self._start_server()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_server(self) -> None:
         install = find_triton()
         backend_dir = prepare_backend_dir(self.repo, install)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,16 +267,11 @@ class TritonServer:
                                          stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.repo),
                                          start_new_session=True, umask=SERVER_UMASK, preexec_fn=private_fchmod())
         self.private_fchmod = filter_installed(self.proc.pid)
-        try:
-            self._wait_ready(t0)
-        except BaseException:
-            self.stop()
-            raise
+        self._wait_ready(t0)
         self.startup_s = time.monotonic() - t0
-        return self
 
     def _wait_ready(self, t0: float) -> None:
-        url = f"{self.http_url}/v2/health/ready"
+        url = f"{self.triton_http_url}/v2/health/ready"
         with requests.Session() as s:
             s.trust_env = False  # localhost only: never through a proxy
             while True:
@@ -270,7 +294,8 @@ class TritonServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> int | None:
-        """Stop the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
+        """Stop this server's own HTTP guard (requests in flight through it get ``exit_timeout_s``, as tritonserver
+        gives them, 0 s from :meth:`kill`; idle clients are closed at once), then the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
         ``stop_timeout_s``, or 1 s after the log says the server gave up on requests still in flight at its exit
         timeout (:data:`EXIT_GAVE_UP`: tritonserver 2.51 then crashes in its exit and hangs instead of exiting);
         finally SIGKILL whatever is left in its process group. Then the Python backend's shared-memory regions of this
@@ -279,6 +304,9 @@ class TritonServer:
         Returns:
             the server's exit status (None when it was never started). Safe to call twice.
         """
+        if self.guard is not None:
+            self.guard.stop(grace_s=min(self.exit_timeout_s, self.stop_timeout_s))
+            self.guard = None
         if self.proc is None:
             return None
         pgid = self.proc.pid

@@ -1,0 +1,85 @@
+"""What a request body may be before the HTTP guard passes it to tritonserver (:mod:`splitspec.serving.http_guard`):
+its size, and how deep its JSON nests. Pure functions, no I/O.
+
+**Depth.** tritonserver 2.51 parses every HTTP body as JSON (its content type aside) with a parser that recurses once
+per nesting level: a ~2 MB body of ``[`` × 1,000,000 then ``]`` × 1,000,000 killed it in 0.28 s (depth 500,000 was
+answered with a 500). Its own requests nest 4 deep at most (``{"inputs": [{"data": [[...]]}]}``; nested ``data``
+adds one level per tensor dimension). :func:`check_depth` measures the depth with
+:func:`~splitspec.serving.json_body.nesting_depth` (linear, no parsing, no recursion; tens of ms for 6 MB), after
+skipping bodies that hold no more opening brackets than the bound.
+
+**Binary tensors.** With Triton's binary-tensor extension the header ``Inference-Header-Content-Length: N`` says
+the first N bytes are the JSON; the rest is raw tensor data, not parsed (:func:`json_part`).
+"""
+
+from __future__ import annotations
+
+from splitspec.serving.json_body import nesting_depth
+from splitspec.serving.server_limits import too_large_message
+
+#: Deepest JSON nesting passed to tritonserver: its requests nest 4 deep, one more per dimension of a nested tensor.
+MAX_JSON_DEPTH = 32
+#: The binary-tensor extension's header: the body's first N bytes are the JSON.
+JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
+
+
+class Refusal(Exception):
+    """A request the guard answers itself: HTTP ``status`` and a one-line ``message`` (Triton's ``{"error": ...}``)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def json_part(body: bytes, json_length: str | None) -> bytes:
+    """The JSON of ``body``: all of it, or with the binary-tensor extension (``json_length``: the value of
+    :data:`JSON_LENGTH_HEADER`) its first ``json_length`` bytes.
+
+    Raises:
+        Refusal: 400, ``json_length`` is not a byte count within the body.
+    """
+    if json_length is None:
+        return body
+    n = json_length.strip()
+    if not n.isdigit() or int(n) > len(body):
+        raise Refusal(400, f"{JSON_LENGTH_HEADER}: {json_length[:40]!r}: expected the byte count of the JSON that "
+                           f"starts the body (0..{len(body)})")
+    return body[:int(n)]
+
+
+def check_depth(body: bytes, json_length: str | None = None, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a body whose JSON (:func:`json_part`) nests deeper than ``max_depth``.
+
+    Raises:
+        Refusal: 400 naming the depth and the limit; or :func:`json_part`'s.
+    """
+    text = json_part(body, json_length)
+    if text.count(b"[") + text.count(b"{") <= max_depth:
+        return  # cannot nest deeper than it has brackets
+    depth = nesting_depth(text)
+    if depth > max_depth:
+        raise Refusal(400, f"request JSON nests {depth} levels deep, at most {max_depth} (Triton's requests nest 4; "
+                           "deeper nesting crashes tritonserver's JSON parser)")
+
+
+def check_length(content_length: int | None, limit: int, max_prompt_bytes: int | None) -> None:
+    """Refuse, before reading it, a body whose ``Content-Length`` exceeds ``limit`` bytes (None: no length given,
+    chunked: :func:`check_read` bounds it while it is read). ``max_prompt_bytes``: what ``limit`` was derived from,
+    named in the message.
+
+    Raises:
+        Refusal: 413 (:func:`~splitspec.serving.server_limits.too_large_message`).
+    """
+    if content_length is not None and content_length > limit:
+        raise Refusal(413, too_large_message(f"request body of {content_length} bytes", limit, max_prompt_bytes))
+
+
+def check_read(size: int, limit: int, max_prompt_bytes: int | None, what: str = "chunked request body") -> None:
+    """Refuse a body read without a ``Content-Length`` to trust (``what``: chunked, or decompressed) once the
+    ``size`` bytes read of it pass ``limit``.
+
+    Raises:
+        Refusal: 413 (:func:`~splitspec.serving.server_limits.too_large_message`).
+    """
+    if size > limit:
+        raise Refusal(413, too_large_message(what, limit, max_prompt_bytes))

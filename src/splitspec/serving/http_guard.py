@@ -1,0 +1,319 @@
+"""The HTTP guard: the only way to tritonserver's HTTP endpoint, bounding what reaches it.
+
+tritonserver 2.51 (``nvidia-pytriton`` 0.7.0) takes any HTTP body: no option bounds its size (it is read whole), a
+body sent as ``application/x-www-form-urlencoded`` over about half its thread stack crashes it (31 MiB at the
+64 MiB :data:`~splitspec.serving.server_limits.SERVER_STACK_MIN_BYTES`), and its JSON parser recurses once per
+nesting level: ONE unauthenticated request to ``/v2/models/ensemble/generate`` whose ~2 MB JSON body nests arrays a
+million deep killed it in 0.28 s (depth 500,000: a 500). The supervisor restarts it, but a client repeating that
+exhausts ``--restart-limit``. An idle keep-alive client also held tritonserver's stop for its whole exit timeout
+(``splitspec serve`` took 44 s to exit).
+
+So tritonserver's HTTP listens on a private loopback port, and :class:`HttpGuard` listens on the public one
+(``--http-port``) and forwards each request there (aiohttp: server and client; no HTTP parsing of its own). Before
+forwarding a request it:
+
+- refuses a body over :func:`~splitspec.serving.server_limits.repo_body_limit` (the largest JSON a prompt of the
+  repository's ``max_prompt_bytes`` can take; the stack tritonserver runs with is sized for twice that) with 413: by
+  its ``Content-Length`` before reading it, a chunked (or compressed: it is decompressed here, and forwarded
+  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. An
+  encoding tritonserver does not take (other than gzip and deflate) gets 415, one that does not decompress 400;
+- answers 408 to a body not complete within ``body_timeout_s`` (30 s: a client that sent its headers and stalls
+  would hold its request open for good), closing the connection;
+- forwards a form-typed body (``curl -d``'s default: the curl examples use it, and tritonserver reads the body as
+  JSON whatever its type) under that same limit, which keeps it far below what crashes tritonserver;
+- refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
+  4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
+  (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing);
+- answers 503 while tritonserver cannot be reached (starting, or restarting after a fault) and 502 when it closes
+  the connection without an answer.
+
+Each refusal is a JSON ``{"error": "..."}`` of one line, Triton's own convention. Everything else passes unchanged
+both ways: method, path and query, headers (the admin key of :mod:`splitspec.serving.access` included; hop-by-hop
+ones are the connection's own), status, and the response as it arrives (server-sent events of ``generate_stream``
+event by event). A client that disconnects cancels its request here, which closes its connection to tritonserver:
+a stream's engine slot is freed as before. An answer with a length up to :data:`BUFFERED_ANSWER_BYTES` is sent on in
+one write. Connections to tritonserver are kept for the next request (:data:`UPSTREAM_KEEPALIVE_S`: a new one cost
+0.3 ms of the guard's CPU per request); :meth:`HttpGuard.stop` closes them and its own idle keep-alive clients at
+once, and comes before tritonserver's stop (``TritonServer.stop``, ``Supervisor.shutdown``), so no idle connection
+holds that stop.
+
+gRPC (protobuf bodies, fixed 2 GiB receive limit, no JSON) and the metrics port stay direct; the OpenAI-compatible
+front end bounds its own bodies (:mod:`splitspec.serving.openai_http`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import time
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from splitspec.errors import ConfigError, SplitspecError
+from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_depth, check_length, check_read
+
+#: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                        "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+#: Request headers set anew for tritonserver: its address, the body's length, and the body decompressed here.
+NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
+#: Response headers set anew for the client (the length is set again when tritonserver gave one).
+NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
+#: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
+ENCODINGS = ("identity", "gzip", "deflate")
+#: Seconds a request's whole body may take to arrive (the largest body, a few hundred KiB to some MiB, takes well
+#: under a second on any working link).
+BODY_TIMEOUT_S = 30.0
+#: Answers with a Content-Length up to this are read whole and sent on in one write (headers and body together);
+#: longer ones, and those without a length (server-sent events), are passed on as they arrive.
+BUFFERED_ANSWER_BYTES = 1 << 20
+#: Seconds a connection to tritonserver stays open for the next request; all are closed when the guard stops.
+UPSTREAM_KEEPALIVE_S = 10.0
+#: Bodies at least this long are scanned on a worker thread, off the event loop (the scan's numpy loops release
+#: the GIL).
+SCAN_OFF_LOOP_BYTES = 1 << 20
+
+
+def forwarded_headers(headers, drop: frozenset[str]) -> CIMultiDict:
+    """``headers`` without those in ``drop`` (lower case) or named by their ``Connection`` header."""
+    named = {name.strip().lower() for value in headers.getall("Connection", []) for name in value.split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named)
+
+
+def error_response(status: int, message: str, close: bool = False) -> web.Response:
+    """Triton's HTTP error shape: ``{"error": message}`` with ``status``; ``close``: end the connection after it."""
+    resp = web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")
+    if close:
+        resp.force_close()
+    return resp
+
+
+class HttpGuard:
+    """Serves ``host:port`` by forwarding to tritonserver's HTTP on ``host:upstream_port`` within the bounds of the
+    module docstring, from a thread and event loop of its own; a context manager.
+
+    Args:
+        port: the public port (0: a free one, in :attr:`port` once started).
+        upstream_port: tritonserver's own HTTP port.
+        body_limit: the largest body forwarded, bytes (:func:`~splitspec.serving.server_limits.repo_body_limit`).
+        max_prompt_bytes: what ``body_limit`` was derived from (named in the 413's message; None: not known).
+        max_depth: the deepest JSON nesting forwarded.
+        connect_timeout_s: how long to try to reach tritonserver before answering 503.
+        body_timeout_s: how long a request's body may take to arrive before it is answered 408.
+    """
+
+    def __init__(self, port: int, upstream_port: int, body_limit: int, max_prompt_bytes: int | None = None,
+                 host: str = "127.0.0.1", max_depth: int = MAX_JSON_DEPTH, connect_timeout_s: float = 5.0,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
+        self.host, self.port, self.upstream_port = host, port, upstream_port
+        self.body_limit, self.max_prompt_bytes, self.max_depth = body_limit, max_prompt_bytes, max_depth
+        self.connect_timeout_s, self.body_timeout_s = connect_timeout_s, body_timeout_s
+        self.upstream = f"http://{host}:{upstream_port}"
+        #: requests in flight (read on other threads: an int)
+        self.active = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: web.Server | None = None
+        self._runner: web.ServerRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://<host>:<port>``: where clients send their requests."""
+        return f"http://{self.host}:{self.port}"
+
+    # -- life cycle (called from other threads) ------------------------------------------------
+    def start(self, timeout_s: float = 10.0) -> "HttpGuard":
+        """Listen on the port and serve from a thread of its own; return once it accepts connections.
+
+        Raises:
+            ConfigError: the port cannot be bound. SplitspecError: it did not start within ``timeout_s``.
+        """
+        if self._thread is not None:
+            raise SplitspecError("HttpGuard.start: already started")
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="splitspec-http-guard", daemon=True)
+        self._thread.start()
+        try:
+            started.result(timeout_s)
+        except OSError as e:
+            self._thread.join(timeout_s)
+            self._thread = None
+            raise ConfigError(f"http_port = {self.port}: cannot listen on {self.host}:{self.port} "
+                              f"({e.strerror or e}); stop the other server or pick another port") from None
+        except concurrent.futures.TimeoutError:
+            raise SplitspecError(f"the HTTP guard did not start on {self.host}:{self.port} in {timeout_s:g} s") from None
+        return self
+
+    def wait_idle(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until no request is in flight (each response passed on whole); return how many
+        still are."""
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.active
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop listening and close idle keep-alive connections at once; requests in flight get ``grace_s`` seconds
+        to finish, then are cancelled (their connections to tritonserver closed). Safe to call twice."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if thread.is_alive():
+            closing = asyncio.run_coroutine_threadsafe(self._close(grace_s), loop)
+            try:
+                closing.result(grace_s + 10.0)
+            except Exception:  # a stop does not fail: the loop stops below, and its thread cleans up what is left
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(10.0)
+        self._loop = self._thread = None
+
+    def __enter__(self) -> "HttpGuard":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- the event loop's thread ---------------------------------------------------------------
+    def _run(self, started: concurrent.futures.Future) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._open())
+        except BaseException as e:  # handed to start()
+            loop.run_until_complete(self._cleanup())
+            loop.close()
+            started.set_exception(e)
+            return
+        self._loop = loop
+        started.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._cleanup())
+            loop.close()
+
+    async def _open(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,  # a compressed answer passes on compressed
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
+        # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes
+        self._server = web.Server(self._handle, handler_cancellation=True, lingering_time=0)
+        self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await self._site.start()
+        if not self.port:
+            self.port = self._runner.addresses[0][1]
+
+    async def _close(self, grace_s: float) -> None:
+        if self._site is not None:
+            await self._site.stop()  # no new connections
+        if self._server is not None:
+            self._server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their response
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self._cleanup()
+
+    async def _cleanup(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()  # cancels what is still in flight
+            self._runner = self._site = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- requests ------------------------------------------------------------------------------
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.active += 1
+        try:
+            if not request.raw_path.startswith("/"):
+                raise Refusal(400, f"request target {request.raw_path[:80]!r}: expected a path starting with '/'")
+            body = await self._read(request)
+            if body:
+                args = (body, request.headers.get(JSON_LENGTH_HEADER), self.max_depth)
+                if len(body) >= SCAN_OFF_LOOP_BYTES:
+                    await asyncio.to_thread(check_depth, *args)
+                else:
+                    check_depth(*args)
+            return await self._forward(request, body)
+        except Refusal as e:
+            return error_response(e.status, e.message, close=e.status in (408, 413))
+        finally:
+            self.active -= 1
+
+    async def _read(self, request: web.BaseRequest) -> bytes | None:
+        """The body (None: the request has none), within the limit."""
+        check_length(request.content_length, self.body_limit, self.max_prompt_bytes)
+        if not request.body_exists:
+            return b"" if request.content_length == 0 else None
+        encoding = request.headers.get("Content-Encoding", "identity")
+        if encoding.strip().lower() not in ENCODINGS:
+            raise Refusal(415, f"Content-Encoding: {encoding[:40]!r}: expected one of {', '.join(ENCODINGS)}")
+        if request.headers.get("Expect", "").lower() == "100-continue":  # as aiohttp's own routes answer it
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    size += len(chunk)
+                    check_read(size, self.body_limit, self.max_prompt_bytes, what)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise Refusal(408, f"request body incomplete after {self.body_timeout_s:g} s ({size} bytes received): "
+                               "send the whole body at once") from None
+        except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
+            why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
+            raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
+        return b"".join(chunks)
+
+    async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
+        try:
+            up = await self._session.request(request.method, URL(self.upstream + request.raw_path, encoded=True),
+                                             headers=forwarded_headers(request.headers, NOT_FORWARDED_UP), data=body,
+                                             allow_redirects=False)
+        except aiohttp.ClientConnectorError:
+            raise Refusal(503, f"tritonserver is not reachable on {self.host}:{self.upstream_port} (starting, or "
+                               "restarting after a fault); retry later") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise Refusal(502, f"tritonserver closed the connection without an answer ({type(e).__name__})") from None
+        headers = forwarded_headers(up.headers, NOT_FORWARDED_DOWN)
+        try:
+            if up.content_length is not None and up.content_length <= BUFFERED_ANSWER_BYTES:
+                try:
+                    answer = await up.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    raise Refusal(502, f"tritonserver broke off its answer ({type(e).__name__})") from None
+                return web.Response(status=up.status, reason=up.reason, headers=headers, body=answer)
+            return await self._stream(request, up, headers)
+        finally:
+            up.close()  # unless it was read to its end (then it went back to the pool): a request still running there
+            # is cancelled with its connection
+
+    async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, headers) -> web.StreamResponse:
+        """Pass an answer on as it arrives (``generate_stream``: one server-sent event after another)."""
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        try:
+            if up.content_length is not None:
+                resp.content_length = up.content_length
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            # tritonserver broke off (a fault) or the client left: the client's answer cannot end well, so its
+            # connection ends without the end of the answer (aiohttp leaves a response cut this way alone)
+            if request.transport is not None:
+                request.transport.close()
+        return resp

@@ -1,0 +1,204 @@
+"""The HTTP guard in front of a stand-in for tritonserver (a small aiohttp app in this process): what it forwards
+unchanged, what it refuses and how, streams passed on event by event, a client's disconnect reaching upstream,
+tritonserver down or breaking off, and a stop that idle keep-alive clients do not hold."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+from aiohttp import web
+
+from splitspec.errors import ConfigError
+from splitspec.serving.http_guard import HttpGuard
+from splitspec.serving.tritonserver import free_ports
+
+LIMIT = 100_000
+
+
+class Upstream:
+    """A stand-in for tritonserver's HTTP: ``/sse`` streams 50 events 0.1 s apart (``cancelled`` is set when its
+    client goes), ``/broken`` sends one event and drops the connection, anything else echoes what it got."""
+
+    def __init__(self, port: int):
+        self.port, self.seen, self.cancelled = port, [], threading.Event()
+        started = threading.Event()
+        threading.Thread(target=self._run, args=(started,), daemon=True).start()
+        assert started.wait(10)
+
+    def _run(self, started):
+        async def echo(request):
+            body = await request.read()
+            self.seen.append({"path": request.raw_path, "method": request.method, "headers": dict(request.headers),
+                              "body": body})
+            return web.json_response({"got": len(body)}, status=201, headers={"X-From": "upstream"})
+
+        async def sse(request):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for i in range(50):
+                    await resp.write(f"data: {i}\n\n".encode())
+                    await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return resp
+
+        async def broken(request):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: 0\n\n")
+            await asyncio.sleep(0.1)
+            request.transport.close()
+            return resp
+
+        app = web.Application(handler_args={"handler_cancellation": True})
+        app.router.add_get("/sse", sse)
+        app.router.add_get("/broken", broken)
+        app.router.add_route("*", "/{tail:.*}", echo)
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        started.set()
+        loop.run_forever()
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    return Upstream(free_ports(1)[0])
+
+
+@pytest.fixture
+def guard(upstream):
+    with HttpGuard(0, upstream.port, LIMIT, max_prompt_bytes=1000) as g:
+        yield g
+
+
+def test_requests_and_answers_pass_unchanged(guard, upstream):
+    """Method, path, query, the admin key and other headers reach upstream; hop-by-hop headers (and one the
+    Connection header names) do not; status, headers and body come back as upstream sent them."""
+    r = requests.put(f"{guard.url}/v2/repository/index?a=1&b=%20x", data=b'{"k": [1, 2]}',
+                     headers={"splitspec-admin-key": "key-1234567890abcdef", "Content-Type": "application/json",
+                              "Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5"})
+    assert (r.status_code, r.json(), r.headers["X-From"]) == (201, {"got": 13}, "upstream")
+    seen = upstream.seen[-1]
+    assert (seen["method"], seen["path"], seen["body"]) == ("PUT", "/v2/repository/index?a=1&b=%20x", b'{"k": [1, 2]}')
+    assert seen["headers"]["splitspec-admin-key"] == "key-1234567890abcdef"
+    assert seen["headers"]["Content-Type"] == "application/json"
+    assert not {"X-Hop", "Keep-Alive"} & seen["headers"].keys(), seen["headers"]
+    r = requests.get(f"{guard.url}/v2/health/live")
+    assert r.status_code == 201 and upstream.seen[-1]["body"] == b"" and upstream.seen[-1]["method"] == "GET"
+
+
+def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
+    before = len(upstream.seen)
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"x" * (LIMIT + 1))
+    assert r.status_code == 413 and r.headers["Connection"] == "close"
+    assert r.json() == {"error": f"request body of {LIMIT + 1} bytes exceeds the limit of {LIMIT} bytes (the largest "
+                                 "JSON a prompt of max_prompt_bytes = 1000 can take)"}
+    sent = []
+    chunks = (sent.append(1) or b"y" * 100_000 for _ in range(200))  # chunked: 20 MB if all were read
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=chunks)
+    assert r.status_code == 413 and r.json()["error"].startswith("chunked request body exceeds the limit of 100000")
+    assert len(sent) < 200, "the rest of the refused body was read: the connection should have closed"
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"[" * 40_000 + b"]" * 40_000)
+    assert r.status_code == 400 and "nests 40000 levels deep, at most 32" in r.json()["error"]
+    assert len(upstream.seen) == before
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d: forwarded within the limit
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b'{"text_input": "x"}', headers=form)
+    assert r.status_code == 201 and upstream.seen[-1]["headers"]["Content-Type"] == form["Content-Type"]
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"z" * (LIMIT + 1), headers=form)
+    assert r.status_code == 413
+
+
+def test_compressed_bodies_are_bounded_decompressed(guard, upstream):
+    """A gzip body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB body that
+    decompresses to a million levels (or past the limit) is refused; an encoding tritonserver does not take is 415."""
+    gz = {"Content-Encoding": "gzip"}
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b'{"text_input": "hi"}'), headers=gz)
+    assert r.status_code == 201 and upstream.seen[-1]["body"] == b'{"text_input": "hi"}'
+    assert "Content-Encoding" not in upstream.seen[-1]["headers"]
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b"[" * 50_000 + b"]" * 50_000), headers=gz)
+    assert r.status_code == 400 and "nests 50000 levels" in r.json()["error"]
+    r = requests.post(f"{guard.url}/x", data=gzip.compress(b" " * 10_000_000), headers=gz)
+    assert r.status_code == 413 and r.json()["error"].startswith("decompressed request body exceeds the limit")
+    r = requests.post(f"{guard.url}/x", data=b"not gzip", headers=gz)
+    assert r.status_code == 400 and r.json()["error"].startswith("request body: ")
+    r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": "br"})
+    assert r.status_code == 415 and r.json()["error"] == "Content-Encoding: 'br': expected one of identity, gzip, deflate"
+
+
+def test_a_stream_passes_event_by_event_and_a_disconnect_reaches_upstream(guard, upstream):
+    upstream.cancelled.clear()
+    t0 = time.monotonic()
+    with requests.get(f"{guard.url}/sse", stream=True, timeout=10) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        events = []
+        for line in r.iter_lines():
+            if line:
+                events.append((line, time.monotonic() - t0))
+            if len(events) == 3:
+                break
+    assert [e for e, _ in events] == [b"data: 0", b"data: 1", b"data: 2"]
+    assert events[2][1] < 2.0, events  # the whole stream takes 5 s
+    assert upstream.cancelled.wait(5), "upstream's stream went on after its client left"
+    assert guard.wait_idle(5) == 0
+
+
+def test_tritonserver_down_or_breaking_off(upstream):
+    with HttpGuard(0, free_ports(1)[0], LIMIT) as g:
+        r = requests.get(f"{g.url}/v2/health/ready")
+        assert r.status_code == 503 and "not reachable" in r.json()["error"] and "retry later" in r.json()["error"]
+    with HttpGuard(0, upstream.port, LIMIT) as g:
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):  # cut, not ended as if complete
+            with requests.get(f"{g.url}/broken", stream=True, timeout=10) as r:
+                list(r.iter_lines())
+        assert requests.get(f"{g.url}/x").status_code == 201  # and the guard serves on
+
+
+def test_stop_is_not_held_by_an_idle_keep_alive_client(upstream):
+    g = HttpGuard(0, upstream.port, LIMIT).start()
+    with requests.Session() as s:
+        assert s.get(f"{g.url}/x").status_code == 201  # its connection stays open, idle
+        t0 = time.monotonic()
+        g.stop(grace_s=30)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(requests.ConnectionError):
+            s.get(f"{g.url}/x", timeout=2)
+    g.stop()  # twice: nothing
+
+
+def test_a_stalled_body_is_answered_408_and_its_connection_closed(upstream):
+    with HttpGuard(0, upstream.port, LIMIT, body_timeout_s=0.3) as g, socket.create_connection(("127.0.0.1", g.port)) as s:
+        s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"{" * 10)
+        s.settimeout(5)
+        answer = b""
+        while chunk := s.recv(4096):  # to the end: the guard closes the connection
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head, answer
+    assert json.loads(body) == {"error": "request body incomplete after 0.3 s (10 bytes received): send the whole body "
+                                         "at once"}
+
+
+def test_a_taken_port_is_a_config_error(upstream):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"http_port = {port}: cannot listen on 127.0.0.1:{port}"):
+            HttpGuard(port, upstream.port, LIMIT).start()
+
+
+def test_json_error_shape_of_a_bad_binary_header(guard):
+    r = requests.post(f"{guard.url}/v2/models/m/infer", data=b'{"inputs": []}',
+                      headers={"Inference-Header-Content-Length": "99"})
+    assert r.status_code == 400 and json.loads(r.text)["error"].startswith("Inference-Header-Content-Length: '99'")
