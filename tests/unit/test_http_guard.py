@@ -111,7 +111,12 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
     assert len(sent) < 200, "the rest of the refused body was read: the connection should have closed"
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b"[" * 40_000 + b"]" * 40_000)
     assert r.status_code == 400 and "nests 40000 levels deep, at most 32" in r.json()["error"]
+    for path in ("generate", "generate_stream", "versions/1/generate"):  # Triton would flatten [["a"]] to ["a"]
+        r = requests.post(f"{guard.url}/v2/models/ensemble/{path}", json={"text_input": "x", "stop_words": [["a"]]})
+        assert r.status_code == 400 and r.json()["error"].startswith("stop_words: expected a string or an array of")
     assert len(upstream.seen) == before
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", json={"text_input": "x", "stop_words": ["a"]})
+    assert r.status_code == 201 and len(upstream.seen) == before + 1
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d: forwarded within the limit
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=b'{"text_input": "x"}', headers=form)
     assert r.status_code == 201 and upstream.seen[-1]["headers"]["Content-Type"] == form["Content-Type"]

@@ -8,13 +8,22 @@ adds one level per tensor dimension). :func:`check_depth` measures the depth wit
 :func:`~splitspec.serving.json_body.nesting_depth` (linear, no parsing, no recursion; tens of ms for 6 MB), after
 skipping bodies that hold no more opening brackets than the bound.
 
+**Generate inputs.** Triton 2.51's generate endpoints flatten a nested array into a string tensor (``"stop_words":
+[["a"]]`` reaches the models as ``["a"]``), so the string-list inputs are checked here, where the JSON is still
+seen (:func:`check_generate`).
+
 **Binary tensors.** With Triton's binary-tensor extension the header ``Inference-Header-Content-Length: N`` says
 the first N bytes are the JSON; the rest is raw tensor data, not parsed (:func:`json_part`).
 """
 
 from __future__ import annotations
 
+import json
+import re
+
+from splitspec.errors import ConfigError
 from splitspec.serving.json_body import nesting_depth
+from splitspec.serving.requests import check_generate_json
 from splitspec.serving.server_limits import too_large_message
 
 #: Deepest JSON nesting passed to tritonserver: its requests nest 4 deep, one more per dimension of a nested tensor.
@@ -83,3 +92,39 @@ def check_read(size: int, limit: int, max_prompt_bytes: int | None, what: str = 
     """
     if size > limit:
         raise Refusal(413, too_large_message(what, limit, max_prompt_bytes))
+
+
+#: Triton's generate extension: ``/v2/models/<model>[/versions/<v>]/generate`` and ``.../generate_stream``.
+GENERATE_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?/?(\?.*)?$")
+
+
+def check_generate(path: str, body: bytes) -> None:
+    """Refuse a ``generate`` / ``generate_stream`` body whose string-list inputs Triton would flatten or fail on
+    (:func:`splitspec.serving.requests.check_generate_json`). Runs after :func:`check_depth` (so parsing cannot
+    recurse deeply); a body that is not a JSON object is left for tritonserver to answer.
+
+    Raises:
+        Refusal: 400 naming the input and the expected form.
+    """
+    if not GENERATE_PATH.match(path):
+        return
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(doc, dict):
+        try:
+            check_generate_json(doc)
+        except ConfigError as e:
+            raise Refusal(400, str(e)) from None
+
+
+def check_body(body: bytes, json_length: str | None, max_depth: int, path: str) -> None:
+    """Every check of a read body: :func:`check_depth`, then, for a JSON-only body, :func:`check_generate`.
+
+    Raises:
+        Refusal: theirs.
+    """
+    check_depth(body, json_length, max_depth)
+    if json_length is None:
+        check_generate(path, body)

@@ -55,7 +55,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_depth, check_length, check_read
+from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body, check_length, check_read
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -241,11 +241,11 @@ class HttpGuard:
                 raise Refusal(400, f"request target {request.raw_path[:80]!r}: expected a path starting with '/'")
             body = await self._read(request)
             if body:
-                args = (body, request.headers.get(JSON_LENGTH_HEADER), self.max_depth)
+                args = (body, request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
                 if len(body) >= SCAN_OFF_LOOP_BYTES:
-                    await asyncio.to_thread(check_depth, *args)
+                    await asyncio.to_thread(check_body, *args)
                 else:
-                    check_depth(*args)
+                    check_body(*args)
             return await self._forward(request, body)
         except Refusal as e:
             return error_response(e.status, e.message, close=e.status in (408, 413))
