@@ -82,3 +82,38 @@ def test_compiled_layers_match_eager(engines_for):
                 assert (fast - eager).abs().max() < 1e-4, (B, n)
     finally:
         group.close()
+
+
+def test_steady_draft_over_the_kept_verify_batch_equals_per_sequence_states(tmp_path):
+    """The steady phases keep a verify's aux states as one tensor for the next draft (:class:`AuxStates`): each
+    sequence's rows are its rows of the verify's output, the padding rows zero, and the next draft over the batch as
+    kept gives exactly the drafts it gives over the same states handed per sequence (a batch of 3 in a bucket of 4)."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.engine.plan import CyclePlan, SeqWork
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.layers import TPComm
+
+    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=256, tiny=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        r = RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False)
+        k, sids = 3, [7, 2, 5]
+
+        def plan(start):
+            return CyclePlan([SeqWork(sid, single_blocks(b, 256), "decode", start + 9 * b, [11 + b], k=k,
+                                      extend_start=start + 9 * b - 2, extend_tokens=[3 + b, 11 + b], keep_aux=2)
+                              for b, sid in enumerate(sids)], padded_k=k)
+
+        for sid in sids:
+            r.aux[sid] = torch.randn(k + 1, 3 * r.drafter.cfg.target_hidden_size, generator=g)
+        first = plan(20)
+        _, aux = r.verify_padded(first, r.draft_padded(first))
+        kept = r.aux.batch_for(sids, 4 * (k + 1), "cpu")
+        assert kept is r.aux.whole and not kept[3 * (k + 1):].any()
+        assert all(torch.equal(r.aux[sid], aux[b * (k + 1):(b + 1) * (k + 1)]) for b, sid in enumerate(sids))
+        after = plan(24)
+        batched = r.draft_padded(after)
+        for sid in sids:
+            r.aux[sid] = r.aux[sid].clone()  # the same states, per sequence
+        assert r.aux.batch_for(sids, 4 * (k + 1), "cpu") is not r.aux.whole
+        assert torch.equal(r.draft_padded(after), batched)

@@ -44,12 +44,16 @@ def _requests(tok, k, max_tokens=20):
     return [Request(tok.encode(p), max_tokens, num_draft_tokens=k, stop_token_ids=set()) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("draft_tp", [1, 2])
-def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, reference, draft_tp):
+@pytest.mark.parametrize("draft_tp, padded", [(1, False), (2, False), (1, True)])
+def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, reference, draft_tp, padded):
     """Requests of mixed prompt lengths join while others decode; long prompts are prefilled in chunks;
-    greedy output equals per-sequence target-only output for both draft placements."""
+    greedy output equals per-sequence target-only output for both draft placements. ``padded``: the steady
+    cycles between joins in the static-shape form (batches padded to their bucket; a verify's aux states kept
+    whole for the next draft while the batch stays the same)."""
     with SpeculativeEngine.load(ServeConfig(built_engines, draft_tp=draft_tp, num_draft_tokens=3, max_batch_size=8, kv_tokens=2048,
-                                            max_prefill_tokens=8)) as eng:
+                                            max_prefill_tokens=8, padded=padded)) as eng:
+        run, steady = eng.group.run, []  # per cycle: its batch when steady (static-shape form), else 0
+        eng.group.run = lambda plan, *a: (run(plan, *a), steady.append(len(plan.work) if plan.padded_k is not None else 0))[0]
         reqs = _requests(tok, 3)
         out = {}
         ids = {eng.submit(r): p for r, p in zip(reqs[:3], PROMPTS[:3])}
@@ -66,6 +70,8 @@ def test_batched_joining_midflight_equals_per_sequence(built_engines, tok, refer
         assert max(batch_sizes) >= 4
         for rid, p in ids.items():
             assert out[rid] == reference[p], p
+    if padded:  # steady batches off their bucket's size (padding), and the same batch in consecutive cycles
+        assert any(b not in (0, 1, 2, 4, 8) for b in steady) and any(a and a == b for a, b in zip(steady, steady[1:])), steady
 
 
 def test_kv_budget_queues_then_completes_and_impossible_request_errors(built_engines, tok, reference):

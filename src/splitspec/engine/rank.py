@@ -10,17 +10,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.graphs import GraphCache, bucket
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
-from splitspec.models.batch import ForwardBatch, padded, to_device
+from splitspec.models.batch import ForwardBatch, field_views, fill_rows, padded_fields
 from splitspec.models.drafter import Eagle3Drafter
 from splitspec.models.drafters import drafter_cache, drafter_model, shard_drafter_weights
 from splitspec.models.layers import TPComm
@@ -106,7 +108,7 @@ class RankRunner:
         self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
         self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
-        self.aux: dict[int, torch.Tensor] = {}
+        self.aux = AuxStates()
         # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
         self.slots: dict[int, tuple[Eagle3Drafter, object, GraphCache]] = {}
         here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
@@ -216,7 +218,7 @@ class RankRunner:
         if not ws or any(w.kind != "decode" or w.k != ws[0].k for w in ws):
             return None
         k = ws[0].k
-        if k and (self.drafter is None or any(w.sid not in self.aux or self.aux[w.sid].shape[0] != k + 1 or w.keep_aux is None
+        if k and (self.drafter is None or any(w.sid not in self.aux or self.aux.rows(w.sid) != k + 1 or w.keep_aux is None
                                               for w in ws)):
             return None
         return k
@@ -228,63 +230,77 @@ class RankRunner:
         need = max(w.start for w in plan.work) + plan.padded_k + 1
         return min(self.window, max(256, 1 << (need - 1).bit_length()))
 
-    def _padded(self, seqs, pad_to: int, window: int, device: str | torch.device | None = None):
-        return padded(seqs, window, device or self.device, scratch_row=self.scratch_row, pad_to=pad_to)
-
     def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
         """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
         k+1 (padded) rows, then k−1 single-token steps whose positions and cache rows are computed on the device.
-        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation."""
+        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation. The host fills one pinned
+        buffer (:meth:`GraphCache.staging`; one copy up) and hands over the last verify's aux states as they are
+        (:meth:`AuxStates.batch_for`)."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
         S = self.window_for(plan)
-        ext = self._padded([(w.blocks, w.extend_start, w.extend_tokens + [0] * (n - len(w.extend_tokens))) for w in ws], Bp, S, "cpu")
-        aux = torch.cat([self.aux[w.sid] for w in ws]).to(dev)  # the target's hidden states, on the drafter's device
-        aux = torch.cat((aux, aux.new_zeros((Bp - B) * n, aux.shape[1])))
-        # step i (1..k−1) drafts at position start − 1 + i; padding rows write the scratch row
-        last = torch.tensor([b * n + len(w.extend_tokens) - 1 for b, w in enumerate(ws)] + [b * n for b in range(B, Bp)])
-        first_step = torch.tensor([w.start for w in ws] + [0] * (Bp - B))
-        ids, pos, table, rows, last, first_step = to_device(dev, ext.input_ids, ext.positions, ext.table, ext.write_rows, last,
-                                                            first_step)  # one copy up, the host not waiting
-        real = torch.arange(Bp, device=dev) < B
-        scratch = self.scratch_row
+        key = ("draft", self.draft_tp, Bp, k, S)
+        # extend ids [Bp, n], its positions, row table, write rows; each sequence's last extend row; step 1's position
+        shapes = ((Bp, n), *padded_fields(Bp, n, S), (Bp,), (Bp,))
+        flat, (ids, pos, table, rows, last, first_step) = self.draft_graphs.staging("draft", shapes)
+        ext = [w.extend_tokens for w in ws]
+        ids[:B] = [t + [0] * (n - len(t)) for t in ext]
+        ids[B:] = 0
+        fill_rows(pos, table, rows, [w.blocks for w in ws], [w.extend_start for w in ws], self.scratch_row)
+        last[:] = np.arange(0, Bp * n, n)
+        last[:B] += np.array([len(t) - 1 for t in ext])
+        first_step[:B] = [w.start for w in ws]
+        first_step[B:] = 0
+        aux = self.aux.batch_for([w.sid for w in ws], Bp * n, dev)  # the target's hidden states, on the drafter's device
 
-        def draft(ids, pos, table, rows, aux_in, last_rows, step_pos, real_rows):
-            logits, h = m.forward(ForwardBatch(ids, pos, [], [], last_rows, table, rows), m.fuse(aux_in), self.dcache)
+        def draft(flat, aux_in):
+            ids, pos, table, rows, last_rows, step_pos = field_views(flat, shapes)
+            logits, h = m.forward(ForwardBatch(ids.flatten(), pos.flatten(), [], [], last_rows, table, rows.flatten()),
+                                  m.fuse(aux_in), self.dcache)
             out, h = [m.propose(logits)], h[last_rows]
             every = torch.arange(Bp, device=ids.device)
             for i in range(1, k):
+                # step i drafts at position start − 1 + i; a padding sequence's table row is all scratch rows
                 p = step_pos + (i - 1)
-                r = torch.where(real_rows, torch.gather(table, 1, p[:, None])[:, 0], scratch)
+                r = torch.gather(table, 1, p[:, None])[:, 0]
                 logits, h = m.forward(ForwardBatch(out[-1], p, [], [], every, table, r), h, self.dcache)
                 out.append(m.propose(logits))
             return torch.stack(out, 1)
 
-        drafts = self.draft_graphs.run(("draft", self.draft_tp, Bp, k, S), draft, ids, pos, table, rows, aux, last, first_step, real)
+        drafts = self.draft_graphs.run(key, draft, flat, aux)
         return drafts.clone()  # graph outputs are overwritten by the next replay
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Static-shape verify of a steady cycle: [last token] + k drafts per sequence. Returns logits [B·(k+1), V]
-        and keeps each sequence's k+1 aux rows for the next extend."""
+        """Static-shape verify of a steady cycle: [last token] + k drafts per sequence (padding sequences: zeros).
+        Returns logits [B·(k+1), V] and keeps each sequence's k+1 aux rows for the next extend (one tensor for the
+        batch, :meth:`AuxStates.keep_batch`)."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
         S = self.window_for(plan)
-        vb = self._padded([(w.blocks, w.start, [w.tokens[0]] * n) for w in ws], Bp, S)
-        ids = vb.input_ids.view(Bp, n).clone()
-        ids[:, 1:] = drafts.to(self.device)
-        ids[B:] = 0
+        key = ("verify", Bp, n, S)
+        # positions, row table, write rows; each sequence's last known token; 1 for a real sequence, 0 for padding
+        shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,))
+        flat, (pos, table, rows, first, real) = self.graphs.staging("verify", shapes)
+        fill_rows(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws], self.scratch_row)
+        first[:B] = [w.tokens[0] for w in ws]
+        first[B:] = 0
+        real[:B], real[B:] = 1, 0
 
-        def verify(ids, pos, table, rows):
-            return self.target.forward(ForwardBatch(ids, pos, [], [], torch.arange(ids.numel(), device=ids.device), table, rows),
-                                       self.tcache, self.capture)
+        def verify(flat, drafts):
+            pos, table, rows, first, real = field_views(flat, shapes)
+            ids = torch.cat((first[:, None], drafts * real[:, None]), 1).flatten()
+            return self.target.forward(ForwardBatch(ids, pos.flatten(), [], [], torch.arange(ids.numel(), device=ids.device),
+                                                    table, rows.flatten()), self.tcache, self.capture)
 
-        logits, aux = self.graphs.run(("verify", Bp, n, S), verify, ids.flatten(), vb.positions, vb.table, vb.write_rows)
+        logits, aux = self.graphs.run(key, verify, flat, drafts.to(self.device))
         if aux is not None:
-            for b, w in enumerate(ws):
-                self.aux[w.sid] = aux[b * n:(b + 1) * n].clone()
+            whole = aux.clone()  # graph outputs are overwritten by the next replay
+            if Bp > B:
+                whole[B * n:] = 0
+            self.aux.keep_batch([w.sid for w in ws], whole, n)
         return logits[: B * n], aux
 
     def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,
@@ -293,7 +309,7 @@ class RankRunner:
         leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``draft_timed``: the
         caller timed that draft on :attr:`clock`). The host waits for the GPU once, at the copy of the verified
         tokens and drafts to the host, for greedy requests (sampled ones wait again in the acceptance test): inputs
-        go up from pinned memory without waiting (:func:`to_device`), the verify is queued behind the draft, and
+        go up from pinned memory without waiting (:meth:`GraphCache.staging`), the verify is queued behind the draft, and
         ``on_launched`` runs once both are queued, before that wait (host work there overlaps the GPU's)."""
         k = plan.padded_k
         if not draft_timed:

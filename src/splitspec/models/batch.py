@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitspec.models.kv import BLOCK_SIZE, slot_mapping
@@ -51,51 +53,68 @@ class ForwardBatch:
         return ForwardBatch(as_t(ids), as_t(pos), segs, slots, as_t(rows))
 
 
+def field_views(flat, shapes: tuple[tuple[int, ...], ...]) -> list:
+    """Views of the fields of ``shapes`` laid out back to back (row-major, in order) in the flat buffer ``flat`` (a
+    tensor or a numpy array): one buffer holds a static-shape forward's int64 inputs, so they go up in one copy."""
+    out, at = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[at:at + size].reshape(shape))
+        at += size
+    return out
+
+
+def padded_fields(batch: int, n: int, window: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the padded form's positions [B, n], row table [B, S] and write rows [B, n] (:func:`fill_rows`)."""
+    return (batch, n), (batch, window), (batch, n)
+
+
+def fill_rows(pos: np.ndarray, table: np.ndarray, write: np.ndarray, blocks: list[list[int]], starts: list[int],
+              scratch_row: int, block_size: int = BLOCK_SIZE) -> None:
+    """Fill the padded form's positions [B, n], row table [B, S] and write rows [B, n] (int64 arrays, in place) for
+    ``len(blocks)`` ≤ B sequences, sequence b holding KV blocks ``blocks[b]`` and bringing n tokens at positions
+    ``starts[b]``.. . Table rows hold the cache rows of positions 0..S−1 (``scratch_row`` past a sequence's blocks);
+    the rows past the sequences pad the batch: positions 0, every table entry and write row ``scratch_row``.
+    Raises ValueError when a sequence's tokens reach past the window S."""
+    real, (B, n), S = len(blocks), pos.shape, table.shape[1]
+    if max(starts, default=0) + n > S:
+        b = next(b for b, s in enumerate(starts) if s + n > S)
+        raise ValueError(f"padded batch: sequence {b} brings {n} tokens at {starts[b]} (window {S})")
+    per = -(-S // block_size)
+    ids = []  # the first `per` blocks of each sequence, −1 past its blocks and for the padding sequences
+    for bl in blocks:
+        head = bl[:per]
+        ids += head
+        ids += [-1] * (per - len(head))
+    ids += [-1] * (per * (B - real))
+    bt = np.array(ids, dtype=np.int64).reshape(B, per, 1)
+    table[:] = np.where(bt >= 0, bt * block_size + np.arange(block_size), scratch_row).reshape(B, per * block_size)[:, :S]
+    pos[:real] = np.array(starts, dtype=np.int64)[:, None] + np.arange(n)
+    pos[real:] = 0
+    write[:] = table[np.arange(B)[:, None], pos]
+
+
 def padded(seqs: list[tuple[list[int], int, list[int]]], window: int, device="cpu", block_size: int = BLOCK_SIZE,
            scratch_row: int = 0, pad_to: int | None = None) -> ForwardBatch:
     """Padded form of a batch whose sequences all bring n tokens: (blocks, start, tokens) per sequence.
 
     ``window`` S: key positions visible per sequence (≥ every start + n). ``pad_to``: pad the batch with
     dummy sequences (token 0 at position 0, writing ``scratch_row``) to this many sequences.
-    Logits are wanted for every row.
+    Logits are wanted for every row. The inputs go up in one copy (from pinned memory on CUDA: no host wait).
     """
     n = len(seqs[0][2])
     B = pad_to or len(seqs)
-    ids = torch.zeros(B, n, dtype=torch.int64)
-    pos = torch.zeros(B, n, dtype=torch.int64)
-    table = torch.full((B, window), scratch_row, dtype=torch.int64)
-    for b, (blocks, start, toks) in enumerate(seqs):
-        if len(toks) != n or start + n > window:
+    for b, (_, start, toks) in enumerate(seqs):
+        if len(toks) != n:
             raise ValueError(f"padded batch: sequence {b} brings {len(toks)} tokens at {start} (need {n}, window {window})")
-        ids[b] = torch.tensor(toks)
-        pos[b] = torch.arange(start, start + n)
-        rows = slot_mapping(blocks, min(window, len(blocks) * block_size), block_size)
-        table[b, :rows.numel()] = rows
-    write = torch.gather(table, 1, pos).flatten()
-    write[len(seqs) * n:] = scratch_row
-    ids, pos, table, write = to_device(device, ids.flatten(), pos.flatten(), table, write)
-    return ForwardBatch(ids, pos, [], [], torch.arange(B * n, device=device), table, write)
-
-
-def to_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Host int64 tensors on ``device`` without a host synchronisation (raises TypeError for another dtype or a
-    tensor not on the CPU): on CUDA they are packed into one pinned
-    host buffer and sent in one non-blocking copy (views of it come back, shapes unchanged); a copy from ordinary
-    host memory would wait for the device's stream to drain first. The pinned buffer goes back to PyTorch's caching
-    host allocator, which reuses it only once the copy has completed. Returned as they are on the CPU."""
-    for i, t in enumerate(tensors):
-        if t.dtype != torch.int64 or t.device.type != "cpu":
-            raise TypeError(f"to_device: tensor {i} is {t.dtype} on {t.device}, expected int64 on the CPU")
-    if not str(device).startswith("cuda"):
-        return tensors
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=True)
-    torch.cat([t.reshape(-1) for t in tensors], out=flat)
-    sent = flat.to(device, non_blocking=True)
-    out, at = [], 0
-    for t in tensors:
-        out.append(sent[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return tuple(out)
+    shapes = ((B, n), *padded_fields(B, n, window))
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64, pin_memory=str(device).startswith("cuda"))
+    ids, pos, table, write = field_views(flat.numpy(), shapes)
+    ids[:len(seqs)] = [toks for _, _, toks in seqs]
+    ids[len(seqs):] = 0
+    fill_rows(pos, table, write, [bl for bl, _, _ in seqs], [start for _, start, _ in seqs], scratch_row, block_size)
+    ids, pos, table, write = field_views(flat.to(device, non_blocking=True), shapes)
+    return ForwardBatch(ids.flatten(), pos.flatten(), [], [], torch.arange(B * n, device=device), table, write.flatten())
 
 
 def single_blocks(slot: int, max_seq_len: int, block_size: int = BLOCK_SIZE) -> list[int]:

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Host time of a steady cycle's two phases: what :meth:`RankRunner.draft_padded` and :meth:`RankRunner.verify_padded`
+cost the CPU before (and around) their CUDA-graph replays, per call and per function.
+
+A synthetic engine at the demo pair's widths (:func:`splitspec.build.synthetic.write_synthetic_engines`, ``tiny``,
+float32) is loaded in a :class:`splitspec.engine.rank.RankRunner` on the CPU. Its graph caches are replaced by
+:class:`HostOnlyGraphs`, which does what :meth:`GraphCache.run` does on the host at a replay — copy every input into
+the captured static buffer and return the captured outputs — but runs no model: the first call per key computes the
+outputs once, eagerly, and later calls only copy. What remains of a call is the host's preparation (padded inputs,
+row tables, aux states, their staging for the copy up) plus the static copies: on a GPU the part during which the
+device waits for the host. The CUDA-only pieces (pinned allocation, events, the copy and graph launches) are not in
+it, and a copy into a static buffer is a CPU memcpy here, not a launch.
+
+For each batch B the script builds a steady plan (every sequence at ``--position``, k + 1 accepted rows, distinct
+blocks of ``--max-seq-len`` tokens each), runs the two phases a few times, then reports the median µs per call of each
+(``--reps`` timed calls), and with ``--profile`` a cProfile table of the functions with the most own time::
+
+    PYTHONPATH=src python3 bench/lab/cycle_host.py --batches 1,4,16 --ks 1,5 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from splitspec.engine.graphs import GraphCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for lab.draft_profile, as draft_profile does
+from lab.draft_profile import levels, steady_plan
+
+
+class HostOnlyGraphs(GraphCache):
+    """A CPU :class:`GraphCache` whose replay runs no model: per key, the inputs' static copies and the outputs of one
+    eager run at the first call; every call copies its inputs into the static buffers and returns those outputs."""
+
+    def __init__(self):
+        super().__init__("cpu")
+
+    def run(self, key, fn, *inputs):
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = [x.clone() for x in inputs]
+            entry = self.graphs[key] = (static, fn(*static))
+        static, outputs = entry
+        for buf, x in zip(static, inputs):
+            buf.copy_(x, non_blocking=True)
+        return outputs
+
+
+def runner(tmp: Path, max_batch: int, max_seq_len: int):
+    """A CPU :class:`RankRunner` over tiny synthetic engines, its graph caches host-only."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.layers import TPComm
+
+    eng = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max_batch, max_seq_len=max_seq_len,
+                                  max_draft_len=8, tiny=True)
+    rank = RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False)
+    rank.graphs = rank.draft_graphs = HostOnlyGraphs()
+    rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
+    return rank
+
+
+def phases(rank, plan):
+    """(draft, verify): the two phases of ``plan`` as callables of no argument; the drafts come from one draft."""
+    drafts = rank.draft_padded(plan)
+    return (lambda: rank.draft_padded(plan)), (lambda: rank.verify_padded(plan, drafts))
+
+
+def per_call_us(fn, reps: int) -> float:
+    """Median µs of one call of ``fn`` over ``reps`` calls (after three untimed ones)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def profile_table(fn, calls: int, top: int) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time (µs per call of ``fn``)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(((tt, ct, nc, f) for f, (_, nc, tt, ct, _) in stats.stats.items()), key=lambda r: -r[0])
+    lines = [f"    {'own µs':>8} {'cum µs':>8} {'calls':>6}  function"]
+    for tt, ct, nc, (file, line, name) in rows[:top]:
+        where = f"{Path(file).name}:{line}" if line else file
+        lines.append(f"    {tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f} {nc / calls:6.1f}  {name} ({where})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=levels, default=[1, 4, 16])
+    ap.add_argument("--ks", type=levels, default=[1, 5], help="draft lengths (at most 8)")
+    ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
+    ap.add_argument("--max-seq-len", type=int, default=4096, help="the engine's max_seq_len: blocks per sequence")
+    ap.add_argument("--reps", type=int, default=200, help="timed calls per phase")
+    ap.add_argument("--profile", action="store_true", help="also a cProfile table per phase")
+    ap.add_argument("--top", type=int, default=12, help="functions per profile table")
+    a = ap.parse_args(argv)
+    if max(a.ks) > 8 or not a.max_seq_len - 9 >= a.position >= 9:
+        ap.error("--ks at most 8 and --position in 9 .. max_seq_len − 9")
+    torch.set_num_threads(1)
+    from splitspec.models.kv import BLOCK_SIZE
+
+    with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp, torch.inference_mode():
+        rank = runner(Path(tmp), max(a.batches), a.max_seq_len)
+        per_seq = -(-a.max_seq_len // BLOCK_SIZE)
+        print(f"host µs per call (median of {a.reps}), position {a.position}, max_seq_len {a.max_seq_len}", flush=True)
+        print(f"{'B':>3} {'k':>2} {'window':>6} {'draft µs':>9} {'verify µs':>10}", flush=True)
+        for B in a.batches:
+            for k in a.ks:
+                plan = steady_plan(B, k, a.position, per_seq)
+                for w in plan.work:
+                    rank.aux[w.sid] = torch.zeros(k + 1, 3 * rank.drafter.cfg.target_hidden_size)
+                draft, verify = phases(rank, plan)
+                d, v = per_call_us(draft, a.reps), per_call_us(verify, a.reps)
+                print(f"{B:>3} {k:>2} {rank.window_for(plan):>6} {d:9.1f} {v:10.1f}", flush=True)
+                if a.profile:
+                    print(f"  draft_padded, B={B} k={k}:\n{profile_table(draft, a.reps, a.top)}", flush=True)
+                    print(f"  verify_padded, B={B} k={k}:\n{profile_table(verify, a.reps, a.top)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
