@@ -139,4 +139,7 @@ def test_drafter_padded_forward_through_the_kernel(dtype):
         cache.v.copy_(v0)
     tol = 1e-4 if dtype == torch.float32 else 0.06  # bf16: attend_padded rounds the scores to bf16, the kernel does not
     for (lg, hg), (lk, hk) in zip(results[False], results[True]):
-        assert (lk - lg).abs().max() < tol and (hk.float() - hg.float()).abs().max() < tol
+        # the real sequences' rows (the first 3 of 4): the padding sequence's rows all write the scratch row, which of
+        # them lands there last is unordered on a GPU, so what it reads back may differ between two runs
+        lr, hr = 3 * lg.shape[0] // 4, 3 * hg.shape[0] // 4
+        assert (lk[:lr] - lg[:lr]).abs().max() < tol and (hk[:hr].float() - hg[:hr].float()).abs().max() < tol
