@@ -8,12 +8,17 @@ unknown model.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from splitspec.errors import SplitspecError
 
-if TYPE_CHECKING:
-    from splitspec.serving.openai_schema import GenerationRequest
+
+class FieldNames(Protocol):
+    """What :func:`with_param` reads of a request (:class:`splitspec.serving.openai_schema.GenerationRequest`):
+    ``kind`` ("chat" or "completion") and ``max_tokens_param`` (the field its max_tokens came in)."""
+
+    kind: str
+    max_tokens_param: str
 
 
 class APIError(SplitspecError):
@@ -57,7 +62,7 @@ _FIELD_OF_INPUT = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
 _NAMED = re.compile(r"\b(?:preprocessing|spec_decode|postprocessing): (\w+)")
 
 
-def with_param(e: APIError, req: GenerationRequest) -> APIError:
+def with_param(e: APIError, req: FieldNames) -> APIError:
     """``e``, an :func:`ensemble_error` answered to ``req``, with ``param`` set to the request field its message
     names, where the error is a 400 and the first word after the model's name is an input the front end sets:
     ``max_tokens`` → the field it came in (:attr:`GenerationRequest.max_tokens_param`), ``text_input`` and ``prompt``
