@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import time
 
+import re
+
 import pytest
 
-from splitspec.serving.http_bounds import MAX_JSON_DEPTH, Refusal, check_depth, check_length, check_read, json_part
+from splitspec.serving.http_bounds import (MAX_JSON_DEPTH, Refusal, check_body, check_depth, check_length, check_read,
+                                           json_part)
 from splitspec.serving.json_body import nesting_depth
 from splitspec.serving.server_limits import (SERVER_STACK_MIN_BYTES, repo_body_limit, request_body_limit,
                                              server_stack_bytes)
@@ -75,3 +78,30 @@ def test_repository_body_limit_fits_the_server_stack(tmp_path):
         assert 2 * limit < server_stack_bytes(tmp_path)
     cfg.write_text("")
     assert 2 * repo_body_limit(tmp_path) < SERVER_STACK_MIN_BYTES == server_stack_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'{"text_input": "x", "stop_words": ["a"], "stop_words": [["a", 1]]}', "key 'stop_words' appears twice"),
+    (b'{"text_input": "\xff"}', "not UTF-8 (byte 16"),
+    (b'{"text_input": "x",}', "not valid JSON"),
+    (b'["text_input"]', "expected a JSON object of inputs, got list"),
+    (b'{"text_input": "x", "bad_words": [["a"]]}', "bad_words: expected a string or an array of strings"),
+])
+def test_generate_bodies_tritonserver_would_misread_are_refused(body, needle):
+    for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream?x=1",
+                 "/v2/models/ensemble/generate#frag"):
+        with pytest.raises(Refusal, match=re.escape(needle)) as e:
+            check_body(body, None, MAX_JSON_DEPTH, path)
+        assert e.value.status == 400
+    check_body(body, None, MAX_JSON_DEPTH, "/v2/models/ensemble/infer")  # not a generate body: left to tritonserver
+
+
+def test_generate_bodies_are_checked_whole_whatever_the_binary_header_says():
+    deep = b"[" * 1000 + b"]" * 1000  # Triton's generate endpoints parse the whole body: the header does not apply
+    for header in ("0", "1", str(len(deep))):
+        with pytest.raises(Refusal, match="nests 1000 levels deep"):
+            check_body(deep, header, MAX_JSON_DEPTH, "/v2/models/ensemble/generate")
+    check_body(b'{"inputs": []}' + deep, "14", MAX_JSON_DEPTH, "/v2/models/ensemble/infer")  # binary tensors: not JSON
+    for header in ("²", "١", "-1", "99"):  # digits beyond ASCII, negative, past the body
+        with pytest.raises(Refusal, match="Inference-Header-Content-Length"):
+            json_part(b"{}", header)

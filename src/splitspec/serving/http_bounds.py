@@ -50,7 +50,7 @@ def json_part(body: bytes, json_length: str | None) -> bytes:
     if json_length is None:
         return body
     n = json_length.strip()
-    if not n.isdigit() or int(n) > len(body):
+    if not (n.isascii() and n.isdigit()) or int(n) > len(body):
         raise Refusal(400, f"{JSON_LENGTH_HEADER}: {json_length[:40]!r}: expected the byte count of the JSON that "
                            f"starts the body (0..{len(body)})")
     return body[:int(n)]
@@ -95,36 +95,52 @@ def check_read(size: int, limit: int, max_prompt_bytes: int | None, what: str = 
 
 
 #: Triton's generate extension: ``/v2/models/<model>[/versions/<v>]/generate`` and ``.../generate_stream``.
-GENERATE_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?/?(\?.*)?$")
+GENERATE_PATH = re.compile(r"^/v2/models/[^/?#]+(/versions/[^/?#]+)?/generate(_stream)?/?([?#].*)?$")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``' object hook: a key twice in one object is refused (Python keeps the last, Triton the first)."""
+    doc = {}
+    for key, value in pairs:
+        if key in doc:
+            raise Refusal(400, f"request JSON: key {key[:60]!r} appears twice in one object")
+        doc[key] = value
+    return doc
 
 
 def check_generate(path: str, body: bytes) -> None:
-    """Refuse a ``generate`` / ``generate_stream`` body whose string-list inputs Triton would flatten or fail on
+    """Refuse a ``generate`` / ``generate_stream`` body that tritonserver would misread or fail on with a 500: one
+    that is not UTF-8 JSON, has a key twice in one object, or whose string-list inputs Triton would flatten
     (:func:`splitspec.serving.requests.check_generate_json`). Runs after :func:`check_depth` (so parsing cannot
-    recurse deeply); a body that is not a JSON object is left for tritonserver to answer.
+    recurse deeply).
 
     Raises:
-        Refusal: 400 naming the input and the expected form.
+        Refusal: 400 naming what is wrong.
     """
     if not GENERATE_PATH.match(path):
         return
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        return
-    if isinstance(doc, dict):
-        try:
-            check_generate_json(doc)
-        except ConfigError as e:
-            raise Refusal(400, str(e)) from None
+        doc = json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise Refusal(400, f"request body: not UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})") from None
+    except (ValueError, RecursionError) as e:
+        raise Refusal(400, f"request body: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(doc, dict):
+        raise Refusal(400, f"request body: expected a JSON object of inputs, got {type(doc).__name__}")
+    try:
+        check_generate_json(doc)
+    except ConfigError as e:
+        raise Refusal(400, str(e)) from None
 
 
 def check_body(body: bytes, json_length: str | None, max_depth: int, path: str) -> None:
-    """Every check of a read body: :func:`check_depth`, then, for a JSON-only body, :func:`check_generate`.
+    """Every check of a read body: :func:`check_depth`, then :func:`check_generate`. The generate endpoints parse the
+    whole body as JSON whatever ``Inference-Header-Content-Length`` says (it belongs to the inference protocol), so
+    there the whole body is checked.
 
     Raises:
         Refusal: theirs.
     """
-    check_depth(body, json_length, max_depth)
-    if json_length is None:
-        check_generate(path, body)
+    generate = GENERATE_PATH.match(path) is not None
+    check_depth(body, None if generate else json_length, max_depth)
+    check_generate(path, body)
