@@ -16,7 +16,7 @@ import requests
 from aiohttp import web
 
 from splitspec.errors import ConfigError
-from splitspec.serving.http_guard import HttpGuard
+from splitspec.serving.http_guard import HttpGuard, QuietLog
 from splitspec.serving.tritonserver import free_ports
 
 LIMIT = 100_000
@@ -207,3 +207,68 @@ def test_json_error_shape_of_a_bad_binary_header(guard):
     r = requests.post(f"{guard.url}/v2/models/m/infer", data=b'{"inputs": []}',
                       headers={"Inference-Header-Content-Length": "99"})
     assert r.status_code == 400 and json.loads(r.text)["error"].startswith("Inference-Header-Content-Length: '99'")
+
+
+def _closed_within(s: socket.socket, timeout_s: float) -> bytes:
+    """What the guard sent on ``s`` until it closed (or reset) the connection (fails after ``timeout_s``)."""
+    s.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_a_connection_without_a_whole_request_head_is_closed_and_a_stream_is_not_cut(upstream):
+    with HttpGuard(0, upstream.port, LIMIT, header_timeout_s=0.3) as g:
+        with socket.create_connection(("127.0.0.1", g.port)) as idle, \
+                socket.create_connection(("127.0.0.1", g.port)) as partial:
+            partial.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")
+            t0 = time.monotonic()
+            assert _closed_within(idle, 3) == b"" and _closed_within(partial, 3) == b""
+            assert 0.25 < time.monotonic() - t0 < 2.0
+        with requests.Session() as s:
+            with s.get(f"{g.url}/sse", stream=True, timeout=10) as r:  # 1.2 s of events: 4 header timeouts
+                events = [line for line, _ in zip(r.iter_lines(), range(24)) if line]
+            assert events[-1] == b"data: 11"
+            time.sleep(0.6)  # idle after its answer: closed
+            assert g.connections == 0
+
+
+def test_connections_past_the_cap_are_closed_at_once(upstream):
+    with HttpGuard(0, upstream.port, LIMIT, max_connections=2) as g:
+        held = [socket.create_connection(("127.0.0.1", g.port)) for _ in range(2)]
+        try:
+            while g.connections < 2:
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", g.port)) as more:
+                more.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _closed_within(more, 3) == b""
+            assert g._server.refused == 1
+        finally:
+            for s in held:
+                s.close()
+        while g.connections:
+            time.sleep(0.01)
+        assert requests.get(f"{g.url}/x").status_code == 201  # room again
+
+
+def test_head_is_asked_as_get_and_answered_without_a_body(guard, upstream):
+    r = requests.head(f"{guard.url}/v2/health/live")
+    assert (r.status_code, r.content, r.headers["Content-Length"], r.headers["X-From"]) == (201, b"", "10", "upstream")
+    assert upstream.seen[-1]["method"] == "GET"
+    assert requests.get(f"{guard.url}/x").status_code == 201  # the connection to upstream was not broken
+
+
+def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):
+    log = QuietLog(every_s=60)
+    for _ in range(3):
+        log(None, {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")})
+    log.last -= 61
+    log(None, {"message": "socket.accept() out of system resource"})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["splitspec serve: HTTP guard: socket.accept() out of system resource: OSError: [Errno 24] Too "
+                     "many open files", "splitspec serve: HTTP guard: socket.accept() out of system resource (2 more "
+                     "since the last line)"]

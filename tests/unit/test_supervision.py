@@ -4,6 +4,7 @@ the health endpoint, and the request deadline read from the inputs."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -22,7 +23,8 @@ from splitspec.runtime.loop import EngineLoop
 from splitspec.serving.health_endpoint import HealthEndpoint
 from splitspec.serving.heartbeat import Heartbeat, heartbeat_path, read, stall
 from splitspec.serving.metrics import metric_value, parse_prometheus
-from splitspec.serving.process_tree import Watched, pipeline_processes, role_of
+from splitspec.serving.access import remove_shm_regions
+from splitspec.serving.process_tree import UNKNOWN, Watched, pipeline_processes, role_of
 from splitspec.serving.requests import parse_request, request_timeout
 from splitspec.serving.server_log import rotate
 from splitspec.serving.supervisor import Supervisor
@@ -342,3 +344,68 @@ def test_serve_arguments_out_of_range_are_refused_in_one_line(argv, message, cap
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "0 = a free port" in help_text and "0 = never restart" in " ".join(help_text.split())
     assert "guard in front of tritonserver's HTTP" in " ".join(help_text.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# Out of file descriptors: unknown is not dead, and the supervising thread does not die silently
+# ---------------------------------------------------------------------------------------------
+
+
+def _emfile(*args, **kwargs):
+    raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_an_unreadable_proc_entry_is_unknown_not_a_death(monkeypatch):
+    sup = Supervisor(Path("unused"))
+    sup.watched = [Watched(os.getpid(), "engine process", Watched.of(os.getpid(), "x").started)]
+    monkeypatch.setattr(Path, "read_text", _emfile)
+    assert sup.watched[0].state() == UNKNOWN and sup.watched[0].alive() and not sup.watched[0].stopped()
+    assert sup._fault() is None
+
+
+def test_shared_memory_cleanup_that_cannot_list_is_said_not_raised(tmp_path, monkeypatch, capsys):
+    (tmp_path / "splitspec_1_a").write_bytes(b"x" * 10)
+    assert remove_shm_regions("splitspec_1_", tmp_path) == 10 and not list(tmp_path.iterdir())
+    monkeypatch.setattr(Path, "glob", _emfile)
+    assert remove_shm_regions("splitspec_1_", tmp_path) == 0
+    assert "cannot list" in capsys.readouterr().err
+
+
+def test_a_kill_that_fails_in_a_recovery_is_said_and_the_restart_goes_on():
+    lines: list[str] = []
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid (and process group) that no longer exists
+    sup = Supervisor(Path("unused"), say=lines.append)
+    sup.endpoint = None
+    sup._start_server = lambda: setattr(sup, "state", "serving")
+    sup.state, sup.srv, sup._ready_at = "serving", SimpleNamespace(kill=_emfile, pid=gone.pid, log_path=Path("t.log")), 0.0
+    sup._recover("the spec_decode stub (pid 7) died")
+    assert sup.state == "serving" and len(sup.restarts) == 1
+    assert f"stopping tritonserver (pid {gone.pid}) failed (OSError: [Errno 24] Too many open files)" in lines[1], lines
+
+
+@pytest.mark.parametrize("where", ["check", "recovery"])
+def test_the_supervising_thread_logs_what_it_did_not_expect(where):
+    lines: list[str] = []
+    sup = Supervisor(Path("unused"), check_s=0.01, say=lines.append)
+    sup.state, calls = "serving", []
+
+    def fault():
+        calls.append(1)
+        if where == "check" and len(calls) < 3:
+            _emfile()
+        return ("the spec_decode stub (pid 7) died", 0.0) if where == "recovery" else None
+
+    sup._fault, sup._recover = fault, _emfile
+    t = threading.Thread(target=sup._watch, daemon=True)
+    t.start()
+    if where == "check":  # said once, retried at the next tick
+        assert _until(lambda: len(calls) >= 5)
+        assert lines == ["splitspec serve: checking the pipeline failed (OSError: [Errno 24] Too many open files); "
+                         "retrying"] and not sup.failed
+        sup._stop.set()
+    t.join(5)
+    assert not t.is_alive()
+    if where == "recovery":  # given up: serve exits with an error
+        assert sup.failed and lines == ["splitspec serve: recovering from 'the spec_decode stub (pid 7) died' failed "
+                                        "(OSError: [Errno 24] Too many open files); giving up"]

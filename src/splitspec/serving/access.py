@@ -33,6 +33,7 @@ import contextlib
 import glob
 import os
 import re
+import sys
 from pathlib import Path
 
 from splitspec.errors import ConfigError
@@ -91,13 +92,18 @@ def admin_headers(admin_key: str, protocol: str = "http") -> dict[str, str]:
 
 def remove_shm_regions(prefix: str, shm_dir: Path = SHM_DIR) -> int:
     """Remove the shared-memory regions ``<shm_dir>/<prefix>*`` (call only once no process of their server is
-    left). Returns the bytes they held; a region that cannot be removed (another user's) is left."""
+    left). Returns the bytes they held; a region that cannot be removed (another user's) is left, and so are all
+    when ``shm_dir`` cannot be listed (``EMFILE``): a line on stderr says so, nothing is raised."""
     freed = 0
-    for region in shm_dir.glob(glob.escape(prefix) + "*"):
-        with contextlib.suppress(OSError):
-            size = region.stat().st_size
-            region.unlink()
-            freed += size
+    try:
+        for region in shm_dir.glob(glob.escape(prefix) + "*"):
+            with contextlib.suppress(OSError):
+                size = region.stat().st_size
+                region.unlink()
+                freed += size
+    except OSError as e:
+        print(f"splitspec serve: shared-memory regions {shm_dir}/{prefix}* left: cannot list {shm_dir} ({e.strerror or e})",
+              file=sys.stderr, flush=True)
     return freed
 
 

@@ -24,6 +24,15 @@ forwarding a request it:
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
   4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
   (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing);
+- closes a connection that has not sent a whole request head within ``header_timeout_s`` (10 s) of opening, or of
+  its previous answer (keep-alive): aiohttp's keep-alive timer, which fires only while the connection waits for a
+  request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
+  good (aiohttp's own default is an hour): 20,000 of them ran the process out of file descriptors;
+- holds at most ``max_connections`` (1024) client connections at once: one past that is closed as soon as it is
+  accepted (:class:`CappedServer`), and the event loop's own errors (``socket.accept() out of system resource``,
+  ``EMFILE``) are logged one line a second at most (:class:`QuietLog`), not a traceback each;
+- answers ``HEAD`` by asking tritonserver ``GET`` (tritonserver answers ``HEAD`` 405 with a body, which breaks the
+  connection) and passing its status and headers on without the body;
 - answers 503 while tritonserver cannot be reached (starting, or restarting after a fault) and 502 when it closes
   the connection without an answer.
 
@@ -46,11 +55,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import sys
 import threading
 import time
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -77,6 +88,10 @@ UPSTREAM_KEEPALIVE_S = 10.0
 #: Bodies at least this long are scanned on a worker thread, off the event loop (the scan's numpy loops release
 #: the GIL).
 SCAN_OFF_LOOP_BYTES = 1 << 20
+#: Seconds a client connection may take to send a whole request head, from its opening or its previous answer.
+HEADER_TIMEOUT_S = 10.0
+#: Client connections held at once; one more is closed as soon as it is accepted.
+MAX_CONNECTIONS = 1024
 
 
 def forwarded_headers(headers, drop: frozenset[str]) -> CIMultiDict:
@@ -93,6 +108,50 @@ def error_response(status: int, message: str, close: bool = False) -> web.Respon
     return resp
 
 
+class _CappedHandler(RequestHandler):
+    """aiohttp's connection handler, which closes its connection at once when its server holds its cap already."""
+
+    def connection_made(self, transport) -> None:
+        server = self._manager
+        if len(server.connections) >= server.max_connections:
+            server.refused += 1
+            self._manager = None  # so connection_lost does nothing: the connection was never the server's
+            transport.abort()
+            return
+        super().connection_made(transport)
+
+
+class CappedServer(web.Server):
+    """aiohttp's low-level server holding at most ``max_connections`` client connections at once (those refused
+    counted in :attr:`refused`)."""
+
+    def __init__(self, handler, *, max_connections: int = MAX_CONNECTIONS, **kwargs):
+        super().__init__(handler, **kwargs)
+        self.max_connections, self.refused = max_connections, 0
+
+    def __call__(self) -> RequestHandler:
+        return _CappedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class QuietLog:
+    """An event loop's exception handler writing one line (no traceback) to stderr at most every ``every_s``
+    seconds, with how many were left out since: at the descriptor limit the loop reports each failed accept."""
+
+    def __init__(self, every_s: float = 1.0):
+        self.every_s, self.last, self.left_out = every_s, float("-inf"), 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.left_out += 1
+            return
+        exc = context.get("exception")
+        more = f" ({self.left_out} more since the last line)" if self.left_out else ""
+        print(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
+              + (f": {type(exc).__name__}: {exc}" if exc is not None else "") + more, file=sys.stderr, flush=True)
+        self.last, self.left_out = now, 0
+
+
 class HttpGuard:
     """Serves ``host:port`` by forwarding to tritonserver's HTTP on ``host:upstream_port`` within the bounds of the
     module docstring, from a thread and event loop of its own; a context manager.
@@ -105,23 +164,32 @@ class HttpGuard:
         max_depth: the deepest JSON nesting forwarded.
         connect_timeout_s: how long to try to reach tritonserver before answering 503.
         body_timeout_s: how long a request's body may take to arrive before it is answered 408.
+        header_timeout_s: how long a connection may take to send a whole request head (:data:`HEADER_TIMEOUT_S`).
+        max_connections: client connections held at once (:data:`MAX_CONNECTIONS`).
     """
 
     def __init__(self, port: int, upstream_port: int, body_limit: int, max_prompt_bytes: int | None = None,
                  host: str = "127.0.0.1", max_depth: int = MAX_JSON_DEPTH, connect_timeout_s: float = 5.0,
-                 body_timeout_s: float = BODY_TIMEOUT_S):
+                 body_timeout_s: float = BODY_TIMEOUT_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
         self.host, self.port, self.upstream_port = host, port, upstream_port
         self.body_limit, self.max_prompt_bytes, self.max_depth = body_limit, max_prompt_bytes, max_depth
         self.connect_timeout_s, self.body_timeout_s = connect_timeout_s, body_timeout_s
+        self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
         self.upstream = f"http://{host}:{upstream_port}"
         #: requests in flight (read on other threads: an int)
         self.active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server: web.Server | None = None
+        self._server: CappedServer | None = None
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""
+        return len(self._server.connections) if self._server is not None else 0
 
     @property
     def url(self) -> str:
@@ -185,6 +253,7 @@ class HttpGuard:
     def _run(self, started: concurrent.futures.Future) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        loop.set_exception_handler(QuietLog())
         try:
             loop.run_until_complete(self._open())
         except BaseException as e:  # handed to start()
@@ -206,8 +275,10 @@ class HttpGuard:
             connector=connector, auto_decompress=False,  # a compressed answer passes on compressed
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
             skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
-        # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes
-        self._server = web.Server(self._handle, handler_cancellation=True, lingering_time=0)
+        # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes;
+        # keepalive_timeout is the header timeout (module docstring)
+        self._server = CappedServer(self._handle, max_connections=self.max_connections, handler_cancellation=True,
+                                    lingering_time=0, keepalive_timeout=self.header_timeout_s)
         self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -279,8 +350,9 @@ class HttpGuard:
         return b"".join(chunks)
 
     async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
+        head = request.method == "HEAD"  # asked as GET: tritonserver's answer to HEAD has a body, breaking the connection
         try:
-            up = await self._session.request(request.method, URL(self.upstream + request.raw_path, encoded=True),
+            up = await self._session.request("GET" if head else request.method, URL(self.upstream + request.raw_path, encoded=True),
                                              headers=forwarded_headers(request.headers, NOT_FORWARDED_UP), data=body,
                                              allow_redirects=False)
         except aiohttp.ClientConnectorError:
@@ -290,6 +362,10 @@ class HttpGuard:
             raise Refusal(502, f"tritonserver closed the connection without an answer ({type(e).__name__})") from None
         headers = forwarded_headers(up.headers, NOT_FORWARDED_DOWN)
         try:
+            if head:  # status and headers only; the connection to tritonserver is closed below, its answer unread
+                if up.content_length is not None:
+                    headers["Content-Length"] = str(up.content_length)
+                return web.Response(status=up.status, reason=up.reason, headers=headers)
             if up.content_length is not None and up.content_length <= BUFFERED_ANSWER_BYTES:
                 try:
                     answer = await up.read()

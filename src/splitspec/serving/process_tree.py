@@ -6,7 +6,9 @@ Below ``splitspec serve`` run ``tritonserver``, one Python backend stub per mode
 (``python -m splitspec.engine.worker … --rank N``). :func:`pipeline_processes` names each by its role;
 :class:`Watched` tells a process that died (or became a zombie) from one that lives, and one stopped (SIGSTOP,
 SIGTSTP, a debugger: state ``T`` or ``t``, field 3) from one that runs, and is not fooled by a pid reused by a later
-process (it compares the start time, field 22 of ``/proc/<pid>/stat``).
+process (it compares the start time, field 22 of ``/proc/<pid>/stat``). Only a missing ``/proc`` entry means a
+process is gone: another error reading it (``EMFILE`` at the descriptor limit, ``EACCES``) says nothing about the
+process, and its state is :data:`UNKNOWN`, never a death.
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ _STUB = re.compile(r"triton_python_backend_stub\s+\S*/([^/\s]+)/\d+/model\.py")
 _RANK = re.compile(r"--rank\s+(\d+)")
 #: ``/proc/<pid>/stat`` states of a process that will not run until it gets SIGCONT (``t``: stopped by a tracer).
 STOPPED = ("T", "t")
+#: The state of a process whose ``/proc`` entry could not be read for another reason than its absence.
+UNKNOWN = "?"
 
 
 def _stat(pid: int) -> list[str] | None:
-    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None when the process is gone."""
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None when the process is gone.
+
+    Raises:
+        OSError: the entry exists but could not be read (``EMFILE``, ``EACCES``): nothing is known of the process.
+    """
     try:
         text = (PROC / str(pid) / "stat").read_text()
-    except (OSError, ValueError):
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return None
+    if ")" not in text:
         return None
     return text[text.rindex(")") + 2:].split()
 
@@ -46,7 +56,10 @@ def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for d in PROC.iterdir():
         if d.name.isdigit():
-            st = _stat(int(d.name))
+            try:
+                st = _stat(int(d.name))
+            except OSError:  # not known now: left out of this look
+                continue
             if st is not None:
                 children.setdefault(int(st[1]), []).append(int(d.name))
     out, todo = [], [root]
@@ -98,9 +111,12 @@ class Watched:
         return None if st is None else cls(pid, role, st[19])
 
     def state(self) -> str | None:
-        """Its ``/proc`` state letter (``R``, ``S``, ``D``, ``T`` …), or None once it exited or its pid belongs to a
-        later process."""
-        st = _stat(self.pid)
+        """Its ``/proc`` state letter (``R``, ``S``, ``D``, ``T`` …), None once it exited or its pid belongs to a
+        later process, or :data:`UNKNOWN` when its entry could not be read (then it counts as alive)."""
+        try:
+            st = _stat(self.pid)
+        except OSError:
+            return UNKNOWN
         return st[0] if st is not None and st[19] == self.started else None
 
     def alive(self) -> bool:

@@ -4,7 +4,9 @@ end with a final response, :meth:`Supervisor.shutdown`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
 import signal
 import time
 from pathlib import Path
@@ -54,6 +56,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     for what in ("--http-port", "--openai-port", "--health-port"):  # served from this process
         if ports[what]:
             check_port_free(ports[what], what)
+    raise_fd_limit()
     sup = Supervisor(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                      health_port=health_port, drain_s=drain_s, admin_key=admin_key,
                      max_restarts=restart_limit, stable_s=stable_s, stall_s=stall_s)
@@ -69,6 +72,15 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
         print("interrupted; tritonserver stopped", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard one (often 1,024 of 524,288): the HTTP guard holds
+    up to 1,024 client connections, the OpenAI API and tritonserver (which inherits it) their own."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def print_endpoints(srv: TritonServer, openai_url: str | None = None, model_name: str = "",

@@ -30,6 +30,13 @@ in-flight requests get up to ``drain_s`` to finish, then the rest end with ``fin
 to the engine process); the front ends get up to ``flush_s`` to pass those last responses on, and tritonserver stops
 with nothing left in flight.
 
+The supervising thread does not die silently: an error it did not expect while checking (a fault's check that
+raised) is logged, one line a second at most, and the check retried at the next tick; one escaping a recovery (the
+server half killed, half started) is logged and turns the supervisor :attr:`failed`, so ``splitspec serve`` exits
+with an error for a service manager to restart it. A failed kill during a recovery is logged and the server's
+process group killed regardless; a ``/proc`` entry that cannot be read (``EMFILE``) is no death
+(:data:`~splitspec.serving.process_tree.UNKNOWN`).
+
 The HTTP guard (:mod:`splitspec.serving.http_guard`) on the public HTTP port is the supervisor's, not each server's:
 it forwards to the private port every restart keeps, answers 503 while the server is down, and passes the last
 responses on before tritonserver stops (like a front end, within ``flush_s``). The probes ask tritonserver's private
@@ -53,7 +60,7 @@ from splitspec.serving.health_endpoint import HealthEndpoint
 from splitspec.serving.heartbeat import heartbeat_path, stall
 from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.metrics import metric_value, parse_prometheus
-from splitspec.serving.process_tree import STOPPED, Watched, watch
+from splitspec.serving.process_tree import STOPPED, UNKNOWN, Watched, watch
 from splitspec.serving.server_limits import repo_body_limit, repo_max_prompt_bytes
 from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
 
@@ -194,7 +201,7 @@ class Supervisor:
                 since = self._stopped_since.setdefault(w.pid, now)
                 if now - since >= self.stopped_s:
                     return f"{w} is stopped (/proc state {state} for {now - since:.1f} s: SIGSTOP, or a debugger)", 0.0
-            else:
+            elif state != UNKNOWN:  # not read this time: neither stopped nor running is known
                 self._stopped_since.pop(w.pid, None)
             if w.role == "engine process" and run_dir is not None:
                 why = stall(heartbeat_path(run_dir, w.pid), self.stall_s, now)
@@ -208,12 +215,26 @@ class Supervisor:
         return None
 
     def _watch(self) -> None:
+        last_said = float("-inf")
         while not self._stop.wait(self.check_s):
             if self.state != "serving":
                 continue
-            fault = self._fault()
-            if fault is not None:
+            try:
+                fault = self._fault()
+            except Exception as e:  # retried at the next tick; said once a second at most
+                if time.monotonic() - last_said >= 1.0:
+                    self.say(f"splitspec serve: checking the pipeline failed ({type(e).__name__}: {e}); retrying")
+                    last_said = time.monotonic()
+                continue
+            if fault is None:
+                continue
+            try:
                 self._recover(*fault)
+            except Exception as e:  # a half-done recovery cannot be trusted: give up, so serve exits with an error
+                with self._lock:
+                    self.state = "failed"
+                self.say(f"splitspec serve: recovering from '{fault[0]}' failed ({type(e).__name__}: {e}); giving up")
+                return
 
     def _probe(self) -> None:
         with requests.Session() as s:
@@ -249,7 +270,13 @@ class Supervisor:
                     f"{self.max_restarts})" if self._failing else ""))
         time.sleep(grace_s)  # after an engine or worker death spec_decode answers its open requests meanwhile
         old = self.srv
-        old.kill()
+        try:
+            old.kill()
+        except Exception as e:  # EMFILE reading its log, say: its process group is killed regardless
+            self.say(f"splitspec serve: stopping tritonserver (pid {old.pid}) failed ({type(e).__name__}: {e}); "
+                     "killing its process group")
+            with contextlib.suppress(OSError):
+                os.killpg(old.pid, signal.SIGKILL)
         for w in self.watched:  # any that left the server's process group, stopped ones too
             w.kill()
         self.say(f"splitspec serve: tritonserver stopped; its log is kept as {old.log_path.name}.1 once it restarts")
@@ -258,7 +285,7 @@ class Supervisor:
                 self._stop.wait(min(self.backoff_s * 2 ** (self._failing - 1), self.max_backoff_s))
             try:
                 self._start_server()
-            except SplitspecError as e:
+            except (SplitspecError, OSError) as e:  # OSError: EMFILE starting it, say
                 self._failing += 1
                 self.say(f"splitspec serve: restart failed ({self._failing} in a row): {str(e).splitlines()[0]}")
                 continue
