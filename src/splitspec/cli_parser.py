@@ -81,8 +81,15 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage block left to ``--help``), for every subcommand alike."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION)
+    p = Parser(prog="splitspec", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("demo-models", help="train (once per machine, cached) the demo target + EAGLE-3 drafter + tokenizer, "

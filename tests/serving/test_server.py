@@ -122,6 +122,14 @@ def test_client_sends_zero_valued_options():
                                  "stream": True}
 
 
+def test_client_without_a_server_says_how_to_start_one():
+    from splitspec.serving.tritonserver import free_ports
+
+    url = f"http://127.0.0.1:{free_ports(1)[0]}/v2/models/ensemble/generate"  # nothing listens there
+    with pytest.raises(SplitspecError, match=r"no server answers there \(connection refused\); start one with 'make serve'"):
+        ask_http(url, "x", max_tokens=1)
+
+
 def test_render_repo_names_missing_engine(tmp_path):
     (tmp_path / "engines" / "target").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"target/engine\.json"):

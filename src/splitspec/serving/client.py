@@ -113,6 +113,14 @@ def _raise_http(url: str, r: requests.Response) -> None:
     raise SplitspecError(f"{url}: HTTP {r.status_code}: {msg}")
 
 
+def _unreachable(url: str, e: requests.RequestException) -> SplitspecError:
+    """One line for a request that got no answer: a refused connection says how to start a server."""
+    if isinstance(e, requests.ConnectionError) and "refused" in str(e).lower():
+        return SplitspecError(f"{url}: no server answers there (connection refused); start one with 'make serve' or "
+                              "'splitspec serve --repo triton_repo', or give its address with --url")
+    return SplitspecError(f"{url}: request failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+
+
 def ask_http(generate_url: str, prompt: str, max_tokens: int = 64, timeout_s: float = 300.0, **params) -> dict:
     """POST one (non-streaming) request to a ``generate`` URL and return its JSON answer.
 
@@ -130,7 +138,7 @@ def ask_http(generate_url: str, prompt: str, max_tokens: int = 64, timeout_s: fl
             s.trust_env = False  # localhost: never through a proxy
             r = s.post(generate_url, json=request_body(prompt, max_tokens, **params), timeout=timeout_s, headers=_CLOSE)
     except requests.RequestException as e:
-        raise SplitspecError(f"{generate_url}: request failed ({e})") from None
+        raise _unreachable(generate_url, e) from None
     if r.status_code != 200:
         _raise_http(generate_url, r)
     data = r.json()
@@ -158,7 +166,7 @@ def stream_http(generate_stream_url: str, prompt: str, max_tokens: int = 64, tim
             r = s.post(generate_stream_url, json=request_body(prompt, max_tokens, **params), timeout=timeout_s,
                        headers=_CLOSE, stream=True)
         except requests.RequestException as e:
-            raise SplitspecError(f"{generate_stream_url}: request failed ({e})") from None
+            raise _unreachable(generate_stream_url, e) from None
         with r:
             if r.status_code != 200:
                 _raise_http(generate_stream_url, r)

@@ -14,7 +14,7 @@ from pathlib import Path
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.client import ask_grpc, ask_http, merge, stream_http
 from splitspec.serving.supervisor import STALL_S, Supervisor
-from splitspec.serving.tritonserver import TritonServer, check_port_free
+from splitspec.serving.tritonserver import TritonServer, check_port_free, check_repo
 
 
 def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -53,6 +53,7 @@ def serve_forever(repo: Path, http_port: int = 8000, grpc_port: int = 8001, metr
     for what, port in ports.items():
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"{what} = {port}: expected a TCP port in 1..65535, or 0 for a free one")
+    check_repo(repo)  # before anything starts or is printed
     for what in ("--http-port", "--openai-port", "--health-port"):  # served from this process
         if ports[what]:
             check_port_free(ports[what], what)
