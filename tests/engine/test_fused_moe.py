@@ -80,6 +80,18 @@ def test_float32_matches_loop_and_grouped_path():
     assert (out - grouped_experts(x, local.int(), *rest)).abs().max().item() < 1e-5
 
 
+def test_both_fallbacks_of_the_grouped_path_agree(monkeypatch):
+    """Without a grouped GEMM (float32 on the CPU): the pairs expert by expert (the CPU's) and gathered per pair (a
+    GPU's, with no host synchronisation) give the same sum over the experts."""
+    from splitspec.models import grouped_moe
+
+    args = problem(torch.float32, "cpu")
+    by_expert = grouped_experts(*args)
+    monkeypatch.setattr(grouped_moe, "pairs_by_expert", grouped_moe.pairs_gathered)
+    gathered = grouped_experts(*args)
+    assert (gathered - by_expert).abs().max().item() < 1e-5 and by_expert[1].abs().sum() > 0
+
+
 def test_bfloat16_accumulates_in_float32():
     args = problem(torch.bfloat16)
     out = run(*args)

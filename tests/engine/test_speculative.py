@@ -28,31 +28,40 @@ def reference(engines_for, tok):
     out = {}
     with SpeculativeEngine.load(ServeConfig(engines_for(1))) as eng:
         for p in PROMPTS:
-            ids = tok.encode(p)
-            out[p] = eng.generate(ids, 24, num_draft_tokens=0, stop_token_ids=set()).token_ids
-            out[p, "logits"] = _prompt_logits(eng, ids)
+            out[p] = eng.generate(tok.encode(p), 24, num_draft_tokens=0, stop_token_ids=set()).token_ids
+        for p, logits in zip(PROMPTS, _prompt_logits(eng, [tok.encode(p) for p in PROMPTS])):
+            out[p, "logits"] = logits
     return out
 
 
-def _prompt_logits(eng, ids):
-    """Logits of every prompt position through the whole group (a one-sequence prefill cycle)."""
+def _prompt_logits(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every position of each prompt (token ids) through the whole group: [len(ids), V] per prompt. Cycle p
+    prefills token p of every prompt that long, each prompt a sequence of its own (final: one logits row each)."""
     from splitspec.engine.plan import CyclePlan, SeqWork
 
-    blocks = single_blocks(0, 256)
+    blocks = [single_blocks(s, 256) for s in range(len(prompts))]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     with torch.inference_mode():
-        return torch.cat([eng.group.run(CyclePlan([SeqWork(0, blocks, "prefill", p, [ids[p]], final=True)])).logits
-                          for p in range(len(ids))])
+        for p in range(max(map(len, prompts))):
+            live = [s for s, ids in enumerate(prompts) if p < len(ids)]
+            logits = eng.group.run(CyclePlan([SeqWork(s, blocks[s], "prefill", p, [prompts[s][p]], final=True) for s in live])).logits
+            assert logits.shape[0] == len(live)
+            for s, row in zip(live, logits):
+                rows[s].append(row)
+    return [torch.stack(r) for r in rows]
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 8)])
 def test_tp_engine_equals_tp1(engines_for, tok, reference, tp, ep):
-    """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on."""
+    """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on (the
+    prompts prefilled and decoded together, as TP1's were one at a time)."""
     with SpeculativeEngine.load(ServeConfig(engines_for(tp, ep))) as eng:
         assert len(eng.group.procs) == tp - 1
-        for p in PROMPTS:
-            ids = tok.encode(p)
-            assert (_prompt_logits(eng, ids) - reference[p, "logits"]).abs().max() < 1e-4
-            assert eng.generate(ids, 24, num_draft_tokens=3, stop_token_ids=set()).token_ids == reference[p]
+        prompts = [tok.encode(p) for p in PROMPTS]
+        for p, logits in zip(PROMPTS, _prompt_logits(eng, prompts)):
+            assert (logits - reference[p, "logits"]).abs().max() < 1e-4
+        results = eng.run([Request(ids, 24, num_draft_tokens=3, stop_token_ids=set()) for ids in prompts])
+        assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS]
         pids = [q.pid for q in eng.group.procs]
     assert all(not _alive(pid) for pid in pids), "worker processes outlived close()"
 

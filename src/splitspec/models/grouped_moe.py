@@ -18,7 +18,8 @@ def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
     x: [T, H]; local: [T, top_k] expert ids relative to this rank's first expert (outside [0, E_local) = another
     rank's); weights: [T, top_k] float32; w13: [E_local, 2·I, H]; w2: [E_local, H, I]. Returns [T, H], the
     weighted sum over this rank's chosen experts. (token, expert) pairs are sorted by expert; each group
-    multiplies only its own expert's weights, so only activated experts are read.
+    multiplies only its own expert's weights, so only activated experts are read. Where the grouped GEMM is not
+    available: :func:`pairs_gathered` on a GPU (no host synchronisation), :func:`pairs_by_expert` on the CPU.
     """
     T, K = local.shape
     E = w13.shape[0]
@@ -42,14 +43,37 @@ def grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
             out = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
         except RuntimeError:  # not on this device
             out = None
-    if out is None:  # gather each pair's expert (reads the weights twice)
-        e = flat[order].clamp(max=E - 1)
-        h = torch.bmm(w13[e], x[tok][:, :, None])[:, :, 0]
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(w2[e], (F.silu(gate) * up)[:, :, None])[:, :, 0]
+    if out is None:
+        # on the CPU a host synchronisation costs nothing (but would break a torch.compile'd graph in two)
+        by_expert = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        out = (pairs_by_expert if by_expert else pairs_gathered)(x[tok], flat[order], counts[:E], w13, w2)
     scale = torch.where(mine.flatten()[order], weights.flatten()[order], 0.0).to(x.dtype)[:, None]
     out = torch.where(scale != 0, out * scale, 0.0)  # rows past the last group are undefined
     return torch.zeros_like(x).index_add_(0, tok, out)
+
+
+def pairs_gathered(xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU of each (token, expert) pair with its expert's weights gathered per pair (read once per pair, not per
+    expert), without a host synchronisation. xs: [P, H] the pairs' tokens sorted by expert; experts: [P] their
+    expert ids (E_local for another rank's); counts: [E_local] pairs per expert (unused: the signature of
+    :func:`pairs_by_expert`). Returns [P, H]; rows of another rank's pairs hold the last expert's output."""
+    e = experts.clamp(max=w13.shape[0] - 1)
+    h = torch.bmm(w13[e], xs[:, :, None])[:, :, 0]
+    gate, up = h.chunk(2, dim=-1)
+    return torch.bmm(w2[e], (F.silu(gate) * up)[:, :, None])[:, :, 0]
+
+
+def pairs_by_expert(xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """:func:`pairs_gathered`'s result (same arguments) by two GEMMs per expert over its own pairs, each expert's
+    weights read once; reads ``counts`` on the host. Rows of another rank's pairs are undefined."""
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(F.silu(gate) * up, w2[e])
+            start += n
+    return out
 
 
 # W4A16 grouped kernels: INT4 experts (layout of splitspec.models.int4_moe) for batches past the decode kernels. The
