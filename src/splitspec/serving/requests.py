@@ -29,12 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from splitspec.errors import ConfigError, ServerBusy
-from splitspec.runtime.sampling import SamplingParams
-from splitspec.runtime.types import Request
+
+if TYPE_CHECKING:  # imported where a request is built: the preprocessing stub reads prompts without loading torch
+    from splitspec.runtime.types import Request
 
 #: Controls of the TensorRT-LLM convention not implemented here: name -> (accepted when, what is accepted).
 UNSUPPORTED: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -336,6 +338,9 @@ def parse_request(inputs: Inputs, max_tokens_limit: int, timeout_cap_s: float | 
         ConfigError: naming the input that is missing, empty, out of range, not one value, or set to a value
             this server does not support.
     """
+    from splitspec.runtime.sampling import SamplingParams
+    from splitspec.runtime.types import Request
+
     ids = inputs.get("input_ids")
     if ids is None:
         raise ConfigError("input_ids: missing")
