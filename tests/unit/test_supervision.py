@@ -338,7 +338,8 @@ def test_serve_arguments_out_of_range_are_refused_in_one_line(argv, message, cap
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
-    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0] == f"splitspec serve: error: {message} (see splitspec serve --help)", err
     a = build_parser().parse_args(["serve", "--http-port", "0", "--openai-port", "0", "--restart-limit", "0"])
     assert (a.http_port, a.openai_port, a.restart_limit) == (0, 0, 0)
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
