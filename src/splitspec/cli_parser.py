@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo-models", help="train (once per machine, cached) the demo target + EAGLE-3 drafter + tokenizer, "
                                            "or write a random pair (Hugging Face formats)")
-    s.add_argument("--out", default="models/demo")
+    s.add_argument("--out", default="models/demo", help="folder to write the pair to (default %(default)s)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--random", action="store_true",
                    help="write the random-weight pair in seconds (formats and numerics only; acceptance length ~1)")
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="check a target + EAGLE-3 drafter pair and write rank-sharded checkpoints")
     s.add_argument("--target", required=True, help="Hugging Face target checkpoint folder")
     s.add_argument("--drafter", required=True, help="Hugging Face EAGLE-3 drafter checkpoint folder")
-    s.add_argument("--out", default="checkpoints/demo")
+    s.add_argument("--out", default="checkpoints/demo", help="folder for the checked, rank-sharded checkpoints (default %(default)s)")
     s.add_argument("--tp", type=int, default=2, help="target tensor-parallel size")
     s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
     s.add_argument("--aux-convention", choices=["input", "output"], default=None,
@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for a drafter whose config does not say how to read its aux layer ids")
 
     s = sub.add_parser("build", help="turn converted checkpoints into runtime engines")
-    s.add_argument("--checkpoints", default="checkpoints/demo")
-    s.add_argument("--out", default="engines/demo")
+    s.add_argument("--checkpoints", default="checkpoints/demo", help="splitspec convert's output folder (default %(default)s)")
+    s.add_argument("--out", default="engines/demo", help="folder for the engines: target/ and drafter/ (default %(default)s)")
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8", "int4"],
                    help="engine dtype (default: int4 for an INT4 checkpoint, else float32); fp8 keeps an FP8 block-scaled "
                         "checkpoint's linear weights in FP8, int4 an INT4 checkpoint's routed experts packed as published "
@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float: the drafter in the engine's float dtype (an FP8 drafter checkpoint dequantised); fp8: its "
                         "fc, attention and MLP linears in FP8 with 128x128 tile scales (an FP8 checkpoint's tiles kept, float "
                         "weights quantised here), embedding and lm_head in the float dtype")
-    s.add_argument("--max-batch-size", type=int, default=8)
-    s.add_argument("--max-seq-len", type=int, default=1024)
-    s.add_argument("--max-draft-len", type=int, default=8)
+    s.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default %(default)s)")
+    s.add_argument("--max-seq-len", type=int, default=1024, help="longest prompt + output, tokens (default %(default)s)")
+    s.add_argument("--max-draft-len", type=int, default=8, help="largest draft length k the engines allow (default %(default)s)")
     s.add_argument("--gpu-memory-gib", type=finite(), default=None,
                    help="check the memory plan against this per-GPU budget (default: free memory of this machine's GPU; "
                         "none on a CPU machine)")
@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ep", type=int, default=1, help="expert-parallel size of the routed experts (divides --tp)")
     s.add_argument("--draft-tp", type=int, default=1, help="1 = drafter on GPU 0 beside target rank 0; --tp = sharded")
     s.add_argument("--gpu-memory-gib", type=finite(), required=True, help="memory of each GPU, GiB")
-    s.add_argument("--max-batch-size", type=int, required=True)
-    s.add_argument("--max-seq-len", type=int, required=True)
+    s.add_argument("--max-batch-size", type=int, required=True, help="sequences decoded together")
+    s.add_argument("--max-seq-len", type=int, required=True, help="longest prompt + output per sequence, tokens")
     s.add_argument("--max-draft-len", type=int, default=8, help="largest k (as splitspec build's default)")
     s.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens (default max-batch-size × max-seq-len)")
     s.add_argument("--dtype", default=None,
@@ -167,18 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
 
     s = sub.add_parser("generate", help="speculative decoding from built engines, in this process")
-    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("--engines", default="engines/demo", help="built engines (default %(default)s)")
     s.add_argument("--prompt", default="def fibonacci(n):")
     s.add_argument("--prompts", default=None, help="file of prompts (.jsonl with 'prompt', or one per line)")
     s.add_argument("--concurrency", type=int, default=1, help="requests kept in flight")
     s.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--max-tokens", type=int, default=64, help="output tokens (default %(default)s)")
     s.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
     s.add_argument("--draft-tp", type=int, default=None,
                    help="1 = drafter on its own (split placement); N = sharded over the target's group (default: tuning.json's "
                         "per batch bucket, both loaded where the buckets' differ; else 1)")
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = speculative sampling")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--seed", type=int, default=None)
@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="BENCHMARK ONLY: accept draft i with probability Pi (for untrained or synthetic engines)")
 
     s = sub.add_parser("repo", help="render the Triton model repository for built engines")
-    s.add_argument("--engines", default="engines/demo")
-    s.add_argument("--out", default="triton_repo")
+    s.add_argument("--engines", default="engines/demo", help="built engines (default %(default)s)")
+    s.add_argument("--out", default="triton_repo", help="the model repository to render (default %(default)s)")
     s.add_argument("-k", type=int, default=None,
                    help="default draft tokens per cycle (default: engines/…/tuning.json's k per batch bucket, else 4)")
     s.add_argument("--target-device-ids", default="", help="comma-separated GPU ids of the target ranks (empty: CPU)")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers' AutoTokenizer, running that code (default: the folder is read as data only)")
 
     s = sub.add_parser("serve", help="start tritonserver on the model repository and wait (Ctrl-C stops it)")
-    s.add_argument("--repo", default="triton_repo")
+    s.add_argument("--repo", default="triton_repo", help="the rendered model repository (default %(default)s)")
     s.add_argument("--http-port", type=port, default=8000,
                    help="the HTTP port (default 8000): a guard in front of tritonserver's HTTP, which listens on a "
                         "private loopback port. It refuses a body larger than the largest JSON a prompt of "
@@ -244,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tritonserver 2.51), answers 503 while tritonserver restarts, and passes the rest on unchanged. "
                         "Every port flag: 0 = a free port picked at start, shown in the endpoints printed once ready "
                         "(and kept across restarts)")
-    s.add_argument("--grpc-port", type=port, default=8001)
-    s.add_argument("--metrics-port", type=port, default=8002)
+    s.add_argument("--grpc-port", type=port, default=8001, help="tritonserver's gRPC port on loopback (default %(default)s; 0 = a free port)")
+    s.add_argument("--metrics-port", type=port, default=8002, help="tritonserver's Prometheus metrics port on loopback (default %(default)s; 0 = a free port)")
     s.add_argument("--health-port", type=port, default=8003,
                    help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
     s.add_argument("--drain-s", type=finite(above=False), default=10.0,
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
     s.add_argument("--protocol", choices=["http", "grpc"], default="http")
     s.add_argument("--prompt", default="def fibonacci(n):")
-    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--max-tokens", type=int, default=64, help="output tokens (default %(default)s)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="draft tokens per cycle (default: the server's)")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); > 0 = speculative sampling")
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="speculation benchmark through the served ensemble: no speculation vs the drafter "
                                      "at TP1 vs the drafter sharded over the target's group, for each k")
-    s.add_argument("--engines", default="engines/demo")
+    s.add_argument("--engines", default="engines/demo", help="built engines (default %(default)s)")
     s.add_argument("-k", default="1,2,3,4,5", type=levels, help="draft lengths measured with speculation (k = 0 is always measured)")
     s.add_argument("--concurrency", default="1,8", type=levels, help="concurrency levels; the first is the headline")
     s.add_argument("--draft-tp", default=None, type=levels, help="comma list of drafter placements (default: 1 and the target's TP size)")
