@@ -34,6 +34,39 @@ def reference(engines_for, tok):
     return out
 
 
+class Loaded:
+    """``loaded(padded)`` → the default deployment's engine (TP2, ``ServeConfig(engines, padded=padded)``), kept loaded
+    for the tests that only send it requests, one after the other (a test that replaces a part of it does so through
+    ``monkeypatch``, which puts the part back). A process holds one target group at a time: asking for the other
+    ``padded`` closes this one, and :meth:`close` makes way for a test's own group."""
+
+    def __init__(self, engines):
+        self.engines, self.loaded = engines, {}
+
+    def __call__(self, padded: bool = False) -> SpeculativeEngine:
+        if padded not in self.loaded:
+            self.close()
+            self.loaded[padded] = SpeculativeEngine.load(ServeConfig(self.engines, padded=padded))
+        return self.loaded[padded]
+
+    def close(self) -> None:
+        while self.loaded:
+            self.loaded.popitem()[1].close()
+
+
+@pytest.fixture(scope="module")
+def loaded(built_engines):
+    shared = Loaded(built_engines)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def own_group(loaded):
+    """For a test that makes a target group of its own: the module's loaded engines are closed first."""
+    loaded.close()
+
+
 def _prompt_logits(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every position of each prompt (token ids) through the whole group: [len(ids), V] per prompt. Cycle p
     prefills token p of every prompt that long, each prompt a sequence of its own (final: one logits row each)."""
@@ -52,7 +85,7 @@ def _prompt_logits(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 8)])
-def test_tp_engine_equals_tp1(engines_for, tok, reference, tp, ep):
+def test_tp_engine_equals_tp1(own_group, engines_for, tok, reference, tp, ep):
     """TP-N (expert-TP and expert-parallel splits) gives TP1's logits and greedy tokens, with speculation on (the
     prompts prefilled and decoded together, as TP1's were one at a time)."""
     with SpeculativeEngine.load(ServeConfig(engines_for(tp, ep))) as eng:
@@ -80,12 +113,12 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
-def test_speculative_greedy_equals_target_only(built_engines, tok, reference, k):
-    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
-        for p in PROMPTS:
-            res = eng.generate(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set())
-            assert res.token_ids == reference[p]
-            assert 1.0 <= res.acceptance_length <= k + 1
+def test_speculative_greedy_equals_target_only(loaded, tok, reference, k):
+    eng = loaded()
+    for p in PROMPTS:
+        res = eng.generate(tok.encode(p), 24, num_draft_tokens=k, stop_token_ids=set())
+        assert res.token_ids == reference[p]
+        assert 1.0 <= res.acceptance_length <= k + 1
 
 
 class OracleDrafter:
@@ -114,15 +147,15 @@ class OracleDrafter:
 
 @pytest.mark.parametrize("k,p_wrong,padded", [(1, 0.2, False), (3, 0.2, False), (5, 0.1, False), (4, 0.0, False),
                                                (3, 0.2, True), (4, 0.0, True)])
-def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong, padded):
+def test_acceptance_paths_are_lossless(loaded, tok, reference, k, p_wrong, padded, monkeypatch):
     """With drafts that are often right, accepted prefixes, bonus tokens and KV overwrite of rejected
     positions still give exactly the target-only tokens; acceptance statistics add up. ``padded``: steady
     cycles run in the static-shape form the GPU path captures in CUDA graphs (here eager, on the CPU)."""
     p = PROMPTS[1]
     ids = tok.encode(p)
-    with SpeculativeEngine.load(ServeConfig(built_engines, padded=padded)) as eng:
-        eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, reference[p], len(ids), p_wrong, seed=k)
-        res = eng.generate(ids, 24, num_draft_tokens=k, stop_token_ids=set())
+    eng = loaded(padded)
+    monkeypatch.setattr(eng.group.rank0, "drafter", OracleDrafter(eng.group.rank0.drafter, reference[p], len(ids), p_wrong, seed=k))
+    res = eng.generate(ids, 24, num_draft_tokens=k, stop_token_ids=set())
     assert res.token_ids == reference[p]
     assert res.acceptance_length > 1.0 + (k > 1)
     assert res.acceptance_length * res.num_cycles == pytest.approx(24 - 1)  # first token comes from prefill
@@ -133,55 +166,55 @@ def test_acceptance_paths_are_lossless(built_engines, tok, reference, k, p_wrong
         assert res.acceptance_length == pytest.approx(23 / -(-23 // (k + 1)))
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_on_launched_runs_once_per_cycle_before_its_events(built_engines, tok, padded):
+@pytest.mark.parametrize("padded", [True, False])  # True first: the acceptance tests before end with the padded engine
+def test_on_launched_runs_once_per_cycle_before_its_events(loaded, tok, padded, monkeypatch):
     """``SpeculativeEngine.on_launched`` (where the engine process sends the previous cycle's events) runs once in
     every step that runs a cycle, before that cycle's events; steady cycles (``padded``) and eager ones alike."""
     order, steady = [], []
-    with SpeculativeEngine.load(ServeConfig(built_engines, padded=padded)) as eng:
-        run = eng.group.run
-        eng.group.run = lambda plan, *a: (run(plan, *a), steady.append(plan.padded_k is not None))[0]
-        eng.on_launched = lambda: order.append("L")
-        eng.submit(Request(tok.encode(PROMPTS[0]), 12, num_draft_tokens=3, stop_token_ids=set()), lambda ev: order.append("E"))
-        while eng.has_work():
-            order.append("S")
-            eng.step()
+    eng = loaded(padded)
+    run = eng.group.run
+    monkeypatch.setattr(eng.group, "run", lambda plan, *a: (run(plan, *a), steady.append(plan.padded_k is not None))[0])
+    monkeypatch.setattr(eng, "on_launched", lambda: order.append("L"))
+    eng.submit(Request(tok.encode(PROMPTS[0]), 12, num_draft_tokens=3, stop_token_ids=set()), lambda ev: order.append("E"))
+    while eng.has_work():
+        order.append("S")
+        eng.step()
     steps = "".join(order).split("S")[1:]
     assert steps and all(s.startswith("L") and s.count("L") == 1 for s in steps), steps
     assert "".join(steps).count("E") >= 2 and any(steady) == padded
 
 
-def test_stop_token_inside_accepted_drafts(built_engines, tok, reference):
+def test_stop_token_inside_accepted_drafts(loaded, tok, reference, monkeypatch):
     """A stop token among accepted drafts ends output exactly there."""
     p = PROMPTS[1]
     ids, ref = tok.encode(p), reference[p]
     stop = ref[9]
     first = ref.index(stop)
-    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
-        eng.group.rank0.drafter = OracleDrafter(eng.group.rank0.drafter, ref, len(ids), 0.0, seed=0)
-        res = eng.generate(ids, 24, num_draft_tokens=4, stop_token_ids={stop})
-        assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
-        capped = eng.generate(ids, 7, num_draft_tokens=4, stop_token_ids=set())
-        assert capped.token_ids == ref[:7] and capped.finish_reason == "length"
+    eng = loaded()
+    monkeypatch.setattr(eng.group.rank0, "drafter", OracleDrafter(eng.group.rank0.drafter, ref, len(ids), 0.0, seed=0))
+    res = eng.generate(ids, 24, num_draft_tokens=4, stop_token_ids={stop})
+    assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
+    capped = eng.generate(ids, 7, num_draft_tokens=4, stop_token_ids=set())
+    assert capped.token_ids == ref[:7] and capped.finish_reason == "length"
 
 
-def test_request_limits_are_checked(built_engines):
+def test_request_limits_are_checked(loaded):
     from splitspec.errors import ConfigError
 
-    with SpeculativeEngine.load(ServeConfig(built_engines)) as eng:
-        with pytest.raises(ConfigError, match="max_seq_len"):
-            eng.generate([1] * 200, 100, 4)
-        with pytest.raises(ConfigError, match="empty"):
-            eng.generate([], 10)
-        with pytest.raises(ConfigError, match=r"vocabulary \[0, \d+\): 5000 at position 1, -1 at position 2, 7000 at "
-                                              r"position 3 and 1 more$"):
-            eng.generate([1, 5000, -1, 7000, 9999], 10)
-        with pytest.raises(ConfigError, match="num_draft_tokens"):
-            eng.generate([1, 2], 10, 99)
-        assert len(eng.generate([1, 2, 3], 5, stop_token_ids=set()).token_ids) == 5  # still serving
+    eng = loaded()
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        eng.generate([1] * 200, 100, 4)
+    with pytest.raises(ConfigError, match="empty"):
+        eng.generate([], 10)
+    with pytest.raises(ConfigError, match=r"vocabulary \[0, \d+\): 5000 at position 1, -1 at position 2, 7000 at "
+                                          r"position 3 and 1 more$"):
+        eng.generate([1, 5000, -1, 7000, 9999], 10)
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        eng.generate([1, 2], 10, 99)
+    assert len(eng.generate([1, 2, 3], 5, stop_token_ids=set()).token_ids) == 5  # still serving
 
 
-def test_target_group_reports_dead_worker(engines_for):
+def test_target_group_reports_dead_worker(own_group, engines_for):
     from splitspec.engine.plan import EngineError
 
     from splitspec.engine.plan import CyclePlan, SeqWork
@@ -196,7 +229,7 @@ def test_target_group_reports_dead_worker(engines_for):
         group.close()
 
 
-def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(engines_for):
+def test_close_after_an_interrupted_plan_broadcast_kills_the_workers(own_group, engines_for):
     """A KeyboardInterrupt between broadcast_object_list's two broadcasts (size, bytes) leaves the worker expecting
     bytes; a shutdown plan would reach it as its size header (UnpicklingError, a traceback). close() kills instead,
     at once, and still leaves the group so that another can be made."""
@@ -224,7 +257,7 @@ def _recording_drafts(eng) -> list:
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_switching_draft_placement_every_cycle_keeps_the_drafts(built_engines, tok, reference, padded, tmp_path):
+def test_switching_draft_placement_every_cycle_keeps_the_drafts(own_group, built_engines, tok, reference, padded, tmp_path):
     """Both placements loaded (per-bucket placement from tuning.json) and the drafting one switched on every
     cycle: the drafter K/V moves between the TP1 and sharded layouts, so every cycle's drafts are those of the
     TP1 drafter alone (the test pair's drafter is untrained: its drafts hang on the K/V it attends, not on
