@@ -125,9 +125,9 @@ def test_rejection_sampler_matches_target_distribution(built_engines, tok):
     with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=0)) as eng:
         p_ctx = _logits(eng, ids)[-1:]
         d1 = int(p_ctx.argmax())  # a likely draft, so it is often accepted
-        logits = _logits(eng, ids + [d1])[-2:]
-        d2 = int(logits[1].argmax())
-    logits = torch.cat((logits, _logits_after(built_engines, ids + [d1, d2])))
+        p_d1 = _logits(eng, [d1], start=len(ids))  # the prompt's K/V is in the cache
+        d2 = int(p_d1.argmax())
+        logits = torch.cat((p_ctx, p_d1, _logits(eng, [d2], start=len(ids) + 1)))
     probs = target_probs(logits, sp)
     gen = torch.Generator().manual_seed(0)
     first, second = [], []
@@ -145,15 +145,13 @@ def test_rejection_sampler_matches_target_distribution(built_engines, tok):
         assert len(samples) >= 10_000 and stat.pvalue > 1e-3
 
 
-def _logits(eng, ids):
+def _logits(eng, ids, start=0):
+    """Target logits [len(ids), V] of sequence 0 at positions start.. (one token per prefill cycle), ``ids`` there; the
+    cache must hold the tokens before ``start``."""
     blocks = single_blocks(0, 256)
     with torch.inference_mode():
-        return torch.cat([eng.group.run(CyclePlan([SeqWork(0, blocks, "prefill", i, [t], final=True)])).logits for i, t in enumerate(ids)])
-
-
-def _logits_after(engines, ids):
-    with SpeculativeEngine.load(ServeConfig(engines, num_draft_tokens=0)) as eng:
-        return _logits(eng, ids)[-1:]
+        return torch.cat([eng.group.run(CyclePlan([SeqWork(0, blocks, "prefill", start + i, [t], final=True)])).logits
+                          for i, t in enumerate(ids)])
 
 
 def test_engine_sampling_first_token_distribution_and_seed(built_engines, tok):
