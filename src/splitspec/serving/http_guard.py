@@ -58,6 +58,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -67,6 +68,7 @@ from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body, check_length, check_read
+from splitspec.serving.server_limits import BODY_TIMEOUT_S, repo_body_limit, repo_max_prompt_bytes
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -77,9 +79,6 @@ NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 #: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
 ENCODINGS = ("identity", "gzip", "deflate")
-#: Seconds a request's whole body may take to arrive (the largest body, a few hundred KiB to some MiB, takes well
-#: under a second on any working link).
-BODY_TIMEOUT_S = 30.0
 #: Answers with a Content-Length up to this are read whole and sent on in one write (headers and body together);
 #: longer ones, and those without a length (server-sent events), are passed on as they arrive.
 BUFFERED_ANSWER_BYTES = 1 << 20
@@ -185,6 +184,12 @@ class HttpGuard:
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def for_repo(cls, repo: Path, port: int, upstream_port: int, host: str) -> "HttpGuard":
+        """The guard in front of tritonserver serving ``repo``: its body limit and ``max_prompt_bytes`` from the
+        repository (:func:`~splitspec.serving.server_limits.repo_body_limit`); not started."""
+        return cls(port, upstream_port, repo_body_limit(repo), repo_max_prompt_bytes(repo), host=host)
 
     @property
     def connections(self) -> int:

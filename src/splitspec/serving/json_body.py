@@ -59,8 +59,6 @@ def nesting_depth(raw: bytes) -> int:
     return deepest
 
 
-
-
 def _bad(s: str) -> int | None:
     """Index of the first lone surrogate in ``s``, or None when ``s`` is Unicode text."""
     if s.isascii():

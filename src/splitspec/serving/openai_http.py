@@ -28,13 +28,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from splitspec.serving.openai_errors import APIError
-from splitspec.serving.server_limits import too_large_message
+from splitspec.serving.server_limits import BODY_TIMEOUT_S, too_large_message
 
 #: Headers of an answer after which the connection is closed (the request's body may be left unread).
 CLOSE = {"Connection": "close"}
-#: Seconds a request's whole body may take to arrive (default of ``OpenAIServer(body_timeout_s=...)``): a prompt of
-#: the largest body (a few hundred KiB) takes well under a second on any working link.
-BODY_TIMEOUT_S = 30.0
 
 
 def too_large(size: int | None, limit: int, max_prompt_bytes: int) -> APIError:

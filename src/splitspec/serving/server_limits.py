@@ -38,6 +38,10 @@ SERVER_STACK_MIN_BYTES = 64 << 20
 JSON_BYTES_PER_PROMPT_BYTE = 6
 #: A request's JSON beside its prompt (other inputs, keys), at most.
 JSON_OVERHEAD_BYTES = 64 << 10
+#: Seconds a request's whole body may take to arrive, in the HTTP guard and the OpenAI front end alike: the largest
+#: body (a few hundred KiB to some MiB) takes well under a second on any working link; a client that sent its headers
+#: and stalls would otherwise hold its request open for good.
+BODY_TIMEOUT_S = 30.0
 
 
 def request_body_limit(max_prompt_bytes: int) -> int:

@@ -61,7 +61,6 @@ from splitspec.serving.heartbeat import heartbeat_path, stall
 from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import STOPPED, UNKNOWN, Watched, watch
-from splitspec.serving.server_limits import repo_body_limit, repo_max_prompt_bytes
 from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
 
 _CLOSE = {"Connection": "close"}
@@ -130,8 +129,8 @@ class Supervisor:
         first ready) and the watching threads."""
         self.endpoint = HealthEndpoint(LOCALHOST, self.health_port, self._health)
         try:
-            self.guard = HttpGuard(self.ports["http_port"], self.ports["triton_http_port"], repo_body_limit(self.repo),
-                                   repo_max_prompt_bytes(self.repo), host=LOCALHOST).start()
+            self.guard = HttpGuard.for_repo(self.repo, self.ports["http_port"], self.ports["triton_http_port"],
+                                            LOCALHOST).start()
             self._start_server()
         except BaseException:
             if self.guard is not None:

@@ -29,7 +29,7 @@ from splitspec.serving.access import SERVER_UMASK, remove_shm_regions, restricte
 from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.repo import MODELS
 from splitspec.serving.seccomp import filter_installed, private_fchmod
-from splitspec.serving.server_limits import repo_body_limit, repo_max_prompt_bytes, server_stack_bytes, stack_limit
+from splitspec.serving.server_limits import server_stack_bytes, stack_limit
 from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 from splitspec.settings import RUN_DIR_ENV
@@ -244,8 +244,7 @@ class TritonServer:
                            (self.metrics_port, "metrics_port")):
             check_port_free(port, what)
         if self.own_guard:
-            self.guard = HttpGuard(self.http_port, self.triton_http_port, repo_body_limit(self.repo),
-                                   repo_max_prompt_bytes(self.repo), host=LOCALHOST).start()
+            self.guard = HttpGuard.for_repo(self.repo, self.http_port, self.triton_http_port, LOCALHOST).start()
         try:
             self._start_server()
         except BaseException:
