@@ -12,8 +12,9 @@ dtype (``float``: bfloat16; ``fp8``: the drafter's linears quantised to block-sc
 reports per (B, k):
 
 - ``wall_ms``: one draft phase as the engine calls it (host preparation, input copy, graph replay), synchronised,
-  median; ``event_ms``: between CUDA events recorded around the call on the idle stream (the GPU's span, which includes
-  waiting for the host's input copy);
+  median; ``host_ms``: the host's part of it (until the call returns, the work queued); ``event_ms``: between CUDA
+  events recorded around the call on the idle stream (the GPU's span, which includes waiting for the host's input
+  copy); ``span_ms``: from the phase's first kernel's start to its last one's end (kernels and the gaps between them);
 - ``gpu_ms``: the sum of the device time of every kernel (and memcpy/memset) of one phase under torch.profiler (CUDA
   activity), ``kernels``: their number per phase, ``top``: the 15 names with the most device time (ms and launches
   per phase, share of ``gpu_ms``);
@@ -103,9 +104,28 @@ def profile(fn, device: str, iters: int, eager=None) -> dict:
             "activity": "cuda" if cuda else "cpu (operators, self time)"}
 
 
-def timed(fn, device: str, reps: int) -> tuple[float, float | None]:
-    """(median wall ms of one synchronised call, median ms between CUDA events around it — None on the CPU)."""
-    walls, events = [], []
+def gpu_span(fn, device: str) -> float | None:
+    """Milliseconds from the first kernel's start to the last one's end of one call of ``fn`` (torch.profiler's CUDA
+    activity): the kernels' time plus the gaps between them, without the host's part before the first. None on the
+    CPU or when the profiler sees no kernel."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    kernels = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return (max(r.end for r in kernels) - min(r.start for r in kernels)) / 1e3 if kernels else None
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, float | None, float]:
+    """(median wall ms of one synchronised call, median ms between CUDA events around it — None on the CPU, median ms
+    the host spends in the call before it returns, i.e. queueing the work without waiting for it)."""
+    walls, events, hosts = [], [], []
     for _ in range(reps):
         sync(device)
         t = time.perf_counter()
@@ -113,13 +133,15 @@ def timed(fn, device: str, reps: int) -> tuple[float, float | None]:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
+            hosts.append((time.perf_counter() - t) * 1e3)
             b.record()
             b.synchronize()
             events.append(a.elapsed_time(b))
         else:
             fn()
+            hosts.append((time.perf_counter() - t) * 1e3)
         walls.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(walls), statistics.median(events) if events else None
+    return statistics.median(walls), statistics.median(events) if events else None, statistics.median(hosts)
 
 
 def graphed(fn, device: str):
@@ -167,13 +189,14 @@ def steady_plan(B: int, k: int, position: int, per_seq_blocks: int):
 
 
 def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], position: int, bw: float, reps: int,
-                    iters: int) -> dict:
+                    iters: int, compiled: bool) -> dict:
+    from splitspec.engine.graphs import bucket
     from splitspec.engine.rank import RankRunner
     from splitspec.models.batch import padded
     from splitspec.models.kv import BLOCK_SIZE
     from splitspec.models.layers import TPComm
 
-    rank = RankRunner(eng, 0, 1, TPComm(), device, placements=(1,), compile=False)
+    rank = RankRunner(eng, 0, 1, TPComm(), device, placements=(1,), compile=compiled)
     m, cache = rank.drafter, rank.dcache
     parts = weight_bytes(m.w)
     cfg = m.cfg
@@ -182,20 +205,23 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
     for B in batches:
         for k in ks:
             plan = steady_plan(B, k, position, per_seq)
-            for w in plan.work:
-                rank.aux[w.sid] = torch.randn(k + 1, 3 * cfg.target_hidden_size, dtype=m.dtype, device=device)
+            # the last verify's aux states kept as one tensor, as a steady loop hands them over
+            Bp = bucket(B)
+            rank.aux.keep_batch([w.sid for w in plan.work], torch.randn(Bp * (k + 1), 3 * cfg.target_hidden_size,
+                                                                        dtype=m.dtype, device=device), k + 1)
             phase = lambda: rank.draft_padded(plan)  # noqa: E731
             phase()
             phase()  # captured, then replayed
-            wall, event = timed(phase, device, reps)
+            wall, event, host = timed(phase, device, reps)
             prof = profile(phase, device, iters, eager=lambda: eager_phase(rank, plan))
             S = rank.window_for(plan)
             kv = B * S * cfg.num_key_value_heads * cfg.head_dim * 2 * m.dtype.itemsize
             read = parts["fc"] + k * (parts["layer"] + parts["lm_head"])
-            rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, **prof,
+            rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, "host_ms": host,
+                         "span_ms": gpu_span(phase, device), **prof,
                          "weight_bytes": read, "bound_ms": read / bw, "kv_bytes": k * kv,
                          "bound_with_kv_ms": (read + k * kv) / bw, "gpu_over_bound": prof["gpu_ms"] / (read / bw)})
-            print(f"B={B:<3} k={k}  wall {wall:7.3f} ms  event {_ms(event)}  gpu {prof['gpu_ms']:7.3f} ms in "
+            print(f"B={B:<3} k={k}  wall {wall:7.3f} ms  event {_ms(event)}  host {host:6.3f} ms  span {_ms(rows[-1]['span_ms'])}  gpu {prof['gpu_ms']:7.3f} ms in "
                   f"{prof['kernels']:.0f} kernels  bound {read / bw:6.3f} ms (+KV {(read + k * kv) / bw:6.3f})", flush=True)
             for t in prof["top"]:
                 print(f"      {t['ms']:8.4f} ms {t['count']:5.1f}×  {t['share']:5.1%}  {t['name'][:100]}", flush=True)
@@ -205,10 +231,10 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
         hidden = torch.randn(B, cfg.hidden_size, dtype=m.dtype, device=device)
         bare = lambda: m.propose(m.forward(batch, hidden, cache)[0])  # noqa: E731
         step = graphed(bare, device)
-        wall, event = timed(step, device, reps)
+        wall, event, host = timed(step, device, reps)
         prof = profile(step, device, iters, eager=bare)
         read = parts["layer"] + parts["lm_head"]
-        steps.append({"batch": B, "wall_ms": wall, "event_ms": event, **prof, "weight_bytes": read, "bound_ms": read / bw,
+        steps.append({"batch": B, "wall_ms": wall, "event_ms": event, "host_ms": host, **prof, "weight_bytes": read, "bound_ms": read / bw,
                       "gpu_over_bound": prof["gpu_ms"] / (read / bw)})
         print(f"B={B:<3} bare step  wall {wall:7.3f} ms  event {_ms(event)}  gpu {prof['gpu_ms']:7.3f} ms in {prof['kernels']:.0f} kernels  "
               f"bound {read / bw:6.3f} ms", flush=True)
@@ -266,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", type=levels, default=[1, 2, 3, 4, 5], help="draft lengths (at most 8)")
     ap.add_argument("--drafter-dtype", type=dtypes, default=["float", "fp8"],
                     help="comma list of float (the engine's bfloat16; float32 with --small) and fp8 (linears block-scaled FP8)")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="torch.compile the drafter's parts (as the engine does on a GPU): off (the eager kernels), on, or both")
     ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per configuration")
     ap.add_argument("--iters", type=int, default=5, help="profiled calls per configuration")
@@ -275,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda") and not a.small:
         ap.error("no GPU here: pass --small to check the logic on the CPU")
+    if a.compile != "off" and not device.startswith("cuda"):
+        ap.error("--compile: the engine compiles the drafter on GPUs only")
     if max(a.ks) > 8 or max(a.batches) > 16 or not 9 <= a.position <= 1024 - 9:
         ap.error("--ks at most 8, --batches at most 16, --position in 9..1015 (the engines' limits)")
     if device.startswith("cuda"):
@@ -298,13 +328,16 @@ def main(argv: list[str] | None = None) -> int:
               "drafters": {}}
     with tempfile.TemporaryDirectory(prefix="draft-profile-") as tmp:
         for dtype in a.drafter_dtype:
-            print(f"== drafter {dtype}", flush=True)
             eng = write_engines(Path(tmp) / dtype, dtype, a.small, max(a.batches))
-            result["drafters"][dtype] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters)
-            Path(a.out).write_text(json.dumps(result, indent=1))
-            gc.collect()  # the rank and its graphs
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            for compiled in {"off": (False,), "on": (True,), "both": (False, True)}[a.compile]:
+                name = dtype + (" compiled" if compiled else "")
+                print(f"== drafter {name}", flush=True)
+                result["drafters"][name] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters,
+                                                           compiled)
+                Path(a.out).write_text(json.dumps(result, indent=1))
+                gc.collect()  # the rank and its graphs
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
     summary(result)
     result["meta"]["seconds"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1))

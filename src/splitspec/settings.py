@@ -96,7 +96,7 @@ class ServeConfig:
         synthetic_acceptance: BENCHMARK ONLY — per-position probabilities with which a draft token is accepted
             regardless of its value (outputs are then not the target's); None: real verification.
         padded: run steady decode cycles in the static-shape form on the CPU too (always on GPUs).
-        compile: ``torch.compile`` the target's layers on GPUs.
+        compile: ``torch.compile`` the target's layers and the drafter's parts on GPUs.
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in

@@ -27,6 +27,7 @@ def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
             assert sum(t["ms"] for t in x["top"]) <= x["gpu_ms"] * (1 + 1e-9)
             assert [t["ms"] for t in x["top"]] == sorted((t["ms"] for t in x["top"]), reverse=True)
             assert x["bound_ms"] == pytest.approx(x["weight_bytes"] / (r["meta"]["copy_GBps_read_plus_write"] * 1e6))
+        assert all(x["host_ms"] > 0 for x in d["rows"])
         for x in d["rows"]:  # fc once, then k forwards of the layer and lm_head
             assert x["weight_bytes"] == p["fc"] + x["k"] * (p["layer"] + p["lm_head"]) and x["window"] == 256
             assert x["kv_bytes"] == x["k"] * 2 * 256 * 8 * 32 * 2 * 4  # B · window · kv heads · head_dim · K,V · float32
@@ -39,7 +40,8 @@ def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
 
 def test_refusals_name_the_option(tmp_path, capsys):
     for bad, says in ((["--ks", "9"], "--ks at most 8"), (["--batches", "0"], "--batches"),
-                      (["--drafter-dtype", "int4"], "float, fp8"), (["--device", "cpu"], "--small")):
+                      (["--drafter-dtype", "int4"], "float, fp8"), (["--device", "cpu"], "--small"),
+                      (["--device", "cpu", "--compile", "on"], "--compile")):
         with pytest.raises(SystemExit) as e:
             draft_profile.main(["--out", str(tmp_path / "p.json")] + (["--small"] if "--small" not in says else []) + bad)
         assert e.value.code == 2 and says in capsys.readouterr().err

@@ -84,6 +84,31 @@ def test_compiled_layers_match_eager(engines_for):
         group.close()
 
 
+def test_compiled_drafter_matches_eager(engines_for):
+    """The drafter's torch.compile'd parts (the draft phase's CUDA-graph path) compute what the eager ones compute,
+    on an extend over 2 sequences of 3 tokens."""
+    group = Group(ServeConfig(engines_for(1)))
+    r = group.rank0
+    m, dc = r.drafter, r.dcache
+    g = torch.Generator().manual_seed(4)
+    try:
+        with torch.inference_mode():
+            seqs = [(single_blocks(s, 64), 7, torch.randint(0, 4000, (3,), generator=g).tolist()) for s in range(2)]
+            pb = padded(seqs, window=32, scratch_row=dc.k.shape[0] - 1)
+            hidden = torch.randn(6, m.cfg.hidden_size, generator=g)
+            m.fast = None
+            eager = m.forward(pb, hidden, dc)
+            from torch._dynamo.utils import counters
+
+            compiled = counters["stats"]["unique_graphs"]
+            m.compile()
+            fast = m.forward(pb, hidden, dc)
+            assert counters["stats"]["unique_graphs"] >= compiled + 3, "a drafter part was not compiled"
+            assert (fast[0] - eager[0]).abs().max() < 1e-4 and (fast[1] - eager[1]).abs().max() < 1e-4
+    finally:
+        group.close()
+
+
 def test_steady_draft_over_the_kept_verify_batch_equals_per_sequence_states(tmp_path):
     """The steady phases keep a verify's aux states as one tensor for the next draft (:class:`AuxStates`): each
     sequence's rows are its rows of the verify's output, the padding rows zero, and the next draft over the batch as

@@ -81,8 +81,8 @@ class RankRunner:
         rank, world: position in the target's group; ``comm`` its collectives.
         placements: the draft_tp values loaded, each 1 (drafter on the leader, at ``draft_device``) or world
             (sharded over the group); the first drafts until :meth:`switch_placement`.
-        compile, cuda_graphs: on a GPU, ``torch.compile`` the target's layers / replay steady cycles from CUDA graphs
-            (:class:`splitspec.settings.ServeConfig`).
+        compile, cuda_graphs: on a GPU, ``torch.compile`` the target's layers and the drafter's parts / replay steady
+            cycles from CUDA graphs (:class:`splitspec.settings.ServeConfig`).
     """
 
     def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
@@ -125,8 +125,10 @@ class RankRunner:
                 loaded[ddev] = load_rank_weights(engines_dir / "drafter", 0, ddev, dmeta, drafter_shapes(dcfg))
             dw = shard_drafter_weights(loaded[ddev], dcfg, rank if draft_tp > 1 else 0, draft_tp)
             graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
-            self.slots[draft_tp] = (drafter_model(dcfg, dw, comm if draft_tp > 1 else TPComm()),
-                                    drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
+            model = drafter_model(dcfg, dw, comm if draft_tp > 1 else TPComm())
+            if graphs.on and compile:
+                model.compile()  # fused drafter parts inside the draft phase's CUDA graphs
+            self.slots[draft_tp] = (model, drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:

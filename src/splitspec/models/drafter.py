@@ -133,6 +133,7 @@ class Eagle3Drafter:
         self.fp8_scaled_mm = self.block is not None and fp8_linear.scaled_mm_supported(self.device)
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
+        self.fast = None  # compiled (attention_part, mlp_part, head_part), see compile()
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [T, in] · weight ``name``ᵀ, float or FP8 with its ``scale_inv`` (:func:`splitspec.models.fp8_linear.linear`)."""
@@ -161,6 +162,43 @@ class Eagle3Drafter:
         """a: [T, 2·H] attention input → [T, H], this rank's part of o_proj's output (summed over ranks after)."""
         raise NotImplementedError
 
+    def compile(self) -> None:
+        """Use ``torch.compile``d parts (:meth:`attention_part`, :meth:`mlp_part`, :meth:`head_part`) for padded
+        batches, the CUDA-graph path: the norms, rotary, residual adds and casts between the matrix products fuse into
+        a few kernels per step (dynamic shapes: one compilation per part and token-count class, not per batch
+        bucket). Compiled as the class's functions, called with self (as :meth:`splitspec.models.target.TargetModel.compile`
+        does: compiled bound methods would keep a dropped engine's weights alive through a reference cycle)."""
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True  # a part that fails to compile runs eagerly instead
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        cls = type(self)
+        self.fast = tuple(torch.compile(f, dynamic=True) for f in (cls.attention_part, cls.mlp_part, cls.head_part))
+
+    def attention_part(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> torch.Tensor:
+        """Embedding, the two input norms and :meth:`attention`: [T, H] partial sum before the all-reduce."""
+        c, w = self.cfg, self.w
+        emb = w["embed_tokens"][batch.input_ids]
+        a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
+        return self.attention(a, batch, cache)
+
+    def mlp_part(self, hidden: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add of the reduced attention output, post-attention norm and MLP: (h [T, H], partial sum [T, H])."""
+        h = hidden + attn
+        return h, self._mlp(rms_norm(h, self.w["post_attention_layernorm"], self.cfg.rms_norm_eps))
+
+    def head_part(self, h: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add of the reduced MLP output, final norm and this rank's lm_head rows at ``rows``:
+        (logits [R, draft_vocab / ranks] float32, output states [T, H], normed when ``norm_output``)."""
+        c, w = self.cfg, self.w
+        h = h + mlp
+        if c.norm_output:
+            h = rms_norm(h, w["norm"], c.rms_norm_eps)
+            last = h[rows]
+        else:
+            last = rms_norm(h[rows], w["norm"], c.rms_norm_eps)
+        return self._linear(last, "lm_head").float(), h
+
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over ``batch``.
 
@@ -171,17 +209,12 @@ class Eagle3Drafter:
             (logits [R, draft_vocab] float32, output states [T, H]: before the final norm, or after it with
             ``norm_output``).
         """
-        c, w = self.cfg, self.w
-        emb = w["embed_tokens"][batch.input_ids]
-        a = torch.cat((rms_norm(emb, w["input_layernorm"], c.rms_norm_eps), rms_norm(hidden, w["hidden_norm"], c.rms_norm_eps)), -1)
-        h = hidden + self.comm.all_reduce(self.attention(a, batch, cache))
-        h = h + self.comm.all_reduce(self._mlp(rms_norm(h, w["post_attention_layernorm"], c.rms_norm_eps)))
-        if c.norm_output:
-            h = rms_norm(h, w["norm"], c.rms_norm_eps)
-            last = h[batch.logits_rows]
-        else:
-            last = rms_norm(h[batch.logits_rows], w["norm"], c.rms_norm_eps)
-        return self.comm.all_gather_last(self._linear(last, "lm_head").float()), h
+        cls = type(self)
+        attention, mlp, head = (self.fast if self.fast and batch.table is not None
+                                else (cls.attention_part, cls.mlp_part, cls.head_part))
+        h, partial = mlp(self, hidden, self.comm.all_reduce(attention(self, batch, hidden, cache)))
+        logits, h = head(self, h, self.comm.all_reduce(partial), batch.logits_rows)
+        return self.comm.all_gather_last(logits), h
 
     def propose(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""
