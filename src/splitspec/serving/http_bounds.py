@@ -1,5 +1,6 @@
 """What a request body may be before the HTTP guard passes it to tritonserver (:mod:`splitspec.serving.http_guard`):
-its size, and how deep its JSON nests. Pure functions, no I/O.
+its size, and how deep its JSON nests. Pure functions, no I/O. The size checks also bound the OpenAI front end's
+bodies; both front ends read a body through :class:`~splitspec.serving.body_reader.BodyReader`.
 
 **Depth.** tritonserver 2.51 parses every HTTP body as JSON (its content type aside) with a parser that recurses once
 per nesting level: a ~2 MB body of ``[`` × 1,000,000 then ``]`` × 1,000,000 killed it in 0.28 s (depth 500,000 was
@@ -33,7 +34,9 @@ JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
 
 
 class Refusal(Exception):
-    """A request the guard answers itself: HTTP ``status`` and a one-line ``message`` (Triton's ``{"error": ...}``)."""
+    """A request answered before it is passed on: HTTP ``status`` and a one-line ``message``. Each front end answers
+    it in its own protocol's shape: the guard as Triton's ``{"error": ...}``, the OpenAI front end as OpenAI's error
+    object (:func:`splitspec.serving.openai_http.read_body`)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)

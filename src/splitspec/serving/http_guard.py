@@ -67,7 +67,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
-from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body, check_length, check_read
+from splitspec.serving.body_reader import BodyReader
+from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
 from splitspec.serving.server_limits import BODY_TIMEOUT_S, repo_body_limit, repo_max_prompt_bytes
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
@@ -329,8 +330,10 @@ class HttpGuard:
             self.active -= 1
 
     async def _read(self, request: web.BaseRequest) -> bytes | None:
-        """The body (None: the request has none), within the limit."""
-        check_length(request.content_length, self.body_limit, self.max_prompt_bytes)
+        """The body (None: the request has none), within the limit and ``body_timeout_s``
+        (:class:`~splitspec.serving.body_reader.BodyReader`); decompressed by aiohttp as it is read."""
+        body = BodyReader(self.body_limit, self.max_prompt_bytes, self.body_timeout_s)
+        body.check_length(request.headers.get("Content-Length"))
         if not request.body_exists:
             return b"" if request.content_length == 0 else None
         encoding = request.headers.get("Content-Encoding", "identity")
@@ -339,20 +342,11 @@ class HttpGuard:
         if request.headers.get("Expect", "").lower() == "100-continue":  # as aiohttp's own routes answer it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
-        chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.body_timeout_s):
-                async for chunk in request.content.iter_any():
-                    size += len(chunk)
-                    check_read(size, self.body_limit, self.max_prompt_bytes, what)
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise Refusal(408, f"request body incomplete after {self.body_timeout_s:g} s ({size} bytes received): "
-                               "send the whole body at once") from None
+            return await body.read(request.content.iter_any(), what)
         except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
             why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
             raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
-        return b"".join(chunks)
 
     async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
         head = request.method == "HEAD"  # asked as GET: tritonserver's answer to HEAD has a body, breaking the connection
