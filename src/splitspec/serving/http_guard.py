@@ -69,6 +69,7 @@ from yarl import URL
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.body_reader import BodyReader
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
+from splitspec.serving.rate_limited_log import RateLimitedLog
 from splitspec.serving.server_limits import BODY_TIMEOUT_S, repo_body_limit, repo_max_prompt_bytes
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
@@ -133,23 +134,18 @@ class CappedServer(web.Server):
         return _CappedHandler(self, loop=self._loop, **self._kwargs)
 
 
-class QuietLog:
-    """An event loop's exception handler writing one line (no traceback) to stderr at most every ``every_s``
-    seconds, with how many were left out since: at the descriptor limit the loop reports each failed accept."""
+class QuietLog(RateLimitedLog):
+    """An event loop's exception handler writing each error as one line (no traceback) to stderr, one every
+    ``every_s`` seconds at most (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`): at the descriptor
+    limit the loop reports each failed accept."""
 
     def __init__(self, every_s: float = 1.0):
-        self.every_s, self.last, self.left_out = every_s, float("-inf"), 0
+        super().__init__(lambda line: print(line, file=sys.stderr, flush=True), every_s)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        now = time.monotonic()
-        if now - self.last < self.every_s:
-            self.left_out += 1
-            return
         exc = context.get("exception")
-        more = f" ({self.left_out} more since the last line)" if self.left_out else ""
-        print(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
-              + (f": {type(exc).__name__}: {exc}" if exc is not None else "") + more, file=sys.stderr, flush=True)
-        self.last, self.left_out = now, 0
+        self.say(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
+                 + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
 
 class HttpGuard:

@@ -31,9 +31,9 @@ to the engine process); the front ends get up to ``flush_s`` to pass those last 
 with nothing left in flight.
 
 The supervising thread does not die silently: an error it did not expect while checking (a fault's check that
-raised) is logged, one line a second at most, and the check retried at the next tick; one escaping a recovery (the
-server half killed, half started) is logged and turns the supervisor :attr:`failed`, so ``splitspec serve`` exits
-with an error for a service manager to restart it. A failed kill during a recovery is logged and the server's
+raised) is logged, one line a second at most (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`), and the
+check retried at the next tick; one escaping a recovery (the server half killed, half started) is logged and turns
+the supervisor :attr:`failed`, so ``splitspec serve`` exits with an error for a service manager to restart it. A failed kill during a recovery is logged and the server's
 process group killed regardless; a ``/proc`` entry that cannot be read (``EMFILE``) is no death
 (:data:`~splitspec.serving.process_tree.UNKNOWN`).
 
@@ -61,6 +61,7 @@ from splitspec.serving.heartbeat import heartbeat_path, stall
 from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.metrics import metric_value, parse_prometheus
 from splitspec.serving.process_tree import STOPPED, UNKNOWN, Watched, watch
+from splitspec.serving.rate_limited_log import RateLimitedLog
 from splitspec.serving.tritonserver import LOCALHOST, TritonServer, free_ports
 
 _CLOSE = {"Connection": "close"}
@@ -214,16 +215,14 @@ class Supervisor:
         return None
 
     def _watch(self) -> None:
-        last_said = float("-inf")
+        check_failed = RateLimitedLog(self.say)  # a check that raised is retried every tick: said once a second
         while not self._stop.wait(self.check_s):
             if self.state != "serving":
                 continue
             try:
                 fault = self._fault()
-            except Exception as e:  # retried at the next tick; said once a second at most
-                if time.monotonic() - last_said >= 1.0:
-                    self.say(f"splitspec serve: checking the pipeline failed ({type(e).__name__}: {e}); retrying")
-                    last_said = time.monotonic()
+            except Exception as e:  # retried at the next tick
+                check_failed.say(f"splitspec serve: checking the pipeline failed ({type(e).__name__}: {e}); retrying")
                 continue
             if fault is None:
                 continue
