@@ -22,9 +22,10 @@ def warm_up(eng: SpeculativeEngine, log: Callable[[str], None] = print) -> float
     """Before serving, run greedy requests through every batch bucket and k the deployment uses; returns the wall time
     in seconds. ``log``: one line per run (the engine process's stdout goes to the server's log).
 
-    On GPUs the first steady cycle compiles the target's layer halves (``torch.compile``, dynamic shapes: once per half
-    and layer type), and each (batch bucket, k, placement) captures its own CUDA graphs (:mod:`splitspec.engine.graphs`;
-    key window S: 256 tokens for the short prompts a first request brings). Done here, before the engine reports
+    On GPUs the first steady cycle compiles the target's layer halves and the drafter's parts (``torch.compile``,
+    dynamic shapes: once per half and layer type, once per drafter part), and each (batch bucket, k, placement)
+    captures its own CUDA graphs (:mod:`splitspec.engine.graphs`; key window S: 256 tokens for the short prompts a
+    first request brings). Done here, before the engine reports
     ready, that cost is paid by the model load instead of by the first requests at each batch size. k: the
     deployment's, or each k of ``tuning.json``'s buckets; with both placements loaded, each bucket drafts with its own
     (the switch is made at once meanwhile). A bucket whose requests do not all fit the KV budget runs as many as fit.
