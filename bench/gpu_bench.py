@@ -152,23 +152,23 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                                  "weight_bytes": w["lm_head"].nbytes, "bound_ms": w["lm_head"].nbytes / bw,
                                  "ratio_to_bound": ms / (w["lm_head"].nbytes / bw)})
         model.fast = fast
-        if tp in (1, 2):
-            from torch.profiler import ProfilerActivity, profile
+        # every shard shape's kernel table (the TP8 shard's is where small kernels weigh most)
+        from torch.profiler import ProfilerActivity, profile
 
-            for layer, T in ((0, 1), (1, 1), (1, 16)):
-                batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=seqs_max * S)
-                cos, sin = model.rotary.cos_sin(batch.positions)
-                h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
-                prev = torch.randn_like(h) if layer else None  # the dense layer 0 has no pending add
-                model.block(layer, h, prev, batch, cache, cos, sin)
+        for layer, T in ((0, 1), (1, 1), (1, 16)):
+            batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=seqs_max * S)
+            cos, sin = model.rotary.cos_sin(batch.positions)
+            h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
+            prev = torch.randn_like(h) if layer else None  # the dense layer 0 has no pending add
+            model.block(layer, h, prev, batch, cache, cos, sin)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    model.block(layer, h, prev, batch, cache, cos, sin)
                 torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        model.block(layer, h, prev, batch, cache, cos, sin)
-                    torch.cuda.synchronize()
-                name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
-                profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-                print(profiles[name], flush=True)
+            name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
+            profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+            print(profiles[name], flush=True)
         del model, w, cache
         torch.cuda.empty_cache()
     dcfg = kimi_k2_drafter(2)
