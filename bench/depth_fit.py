@@ -8,7 +8,7 @@ ms along depth (``splitspec.measure.cost_model.fit_depth``):
 
     ms(layers) = fixed + per_moe_layer · (layers − 1)      fixed: the dense first layer, embedding, lm_head, drafter, host
 
-and carries it to ``--layers`` (61). With ``--measured`` (a ``full_depth_rank.json`` measured at that depth) it reports
+(the draft phase flat: the drafter's work does not depend on the target's depth) and carries it to ``--layers`` (61). With ``--measured`` (a ``full_depth_rank.json`` measured at that depth) it reports
 the error per row and its mean / largest by batch for: this fit (rank alone; the full cycle with the measured file's
 collectives), the cost model's feature form (``fit_cycle_model``, the same rows, all (batch, k) at once) and
 ``KimiScale.from_depth_fit`` (the fit with KimiScale's own collectives, what the tuner's model uses).
@@ -187,8 +187,9 @@ def report(res: dict) -> str:
     name = lambda dtp: fdr.placement_name(dtp, tp) if dtp else "no drafter"  # noqa: E731
     at = "/".join(map(str, depths))
     lines = [f"# One rank of TP{tp}: fitted at {at} layers, carried to {L} ({res['label']})", "",
-             "Per (batch, k, placement): rank ms = fixed + per MoE layer × (layers − 1), least squares over the depths "
-             "(fixed: the dense first layer, embedding, lm_head, drafter, host).", "",
+             "Per (batch, k, placement): rank ms = fixed + per MoE layer × (layers − 1) (fixed: the dense first layer, "
+             "embedding, lm_head, drafter, host): the verify by least squares over the depths, the draft phase flat (its "
+             "mean), the cycle the line of its part besides the draft plus that mean.", "",
              f"| placement | batch | k | rank cycle ms at {at} layers | verify ms per MoE layer | verify fixed ms | "
              f"at {L} layers: cycle / verify / draft ms | largest residual |", "|---|---|---|---|---|---|---|---|"]
     rows = flat_rows(res)

@@ -45,6 +45,18 @@ def test_fit_depth_recovers_each_rows_line_and_leaves_single_depths_out():
     assert all(0.01 < f["verify_ms"]["max_residual"] < 0.05 and f["depths"] == [2, 3, 4] for f in noisy)
 
 
+def test_fit_depth_keeps_the_draft_flat_along_depth():
+    """The draft phase does not depend on the target's depth: two depths' draft times that differ by noise give their
+    mean at every depth (not a slope carried to 61 layers), and the cycle is the rest's line plus that mean."""
+    rows = [{"layers": L, "batch": 16, "k": 1, "draft_tp": 1, "draft_ms": d, "verify_ms": 1.0 + 0.5 * (L - 1),
+             "cycle_ms": d + 1.0 + 0.5 * (L - 1) + 0.25} for L, d in ((2, 2.4), (8, 1.8))]
+    (f,) = fit_depth(rows)
+    assert f["draft_ms"]["fixed_ms"] == pytest.approx(2.1) and f["draft_ms"]["per_moe_layer_ms"] == 0.0
+    assert f["draft_ms"]["max_residual"] == pytest.approx(0.3 / 1.8)
+    assert f["cycle_ms"]["per_moe_layer_ms"] == pytest.approx(0.5) and f["cycle_ms"]["fixed_ms"] == pytest.approx(1.25 + 2.1)
+    assert f["verify_ms"]["per_moe_layer_ms"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("bad, says", [({"layers": 1}, "≥ 2 layers"), ({"verify_ms": -1.0}, "non-negative"),
                                         ({"cycle_ms": 0.0}, "positive cycle_ms"), ({"k": "x"}, "row 0")])
 def test_fit_depth_refuses_a_bad_row_naming_it(bad, says):

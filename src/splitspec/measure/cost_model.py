@@ -101,11 +101,15 @@ def fit_depth(rows: list[dict]) -> list[dict]:
 
     ``rows``: keys ``layers`` (the target's depth, ≥ 2: the first layer dense, the rest MoE, as in Kimi-K2), ``batch``,
     ``k``, ``draft_tp`` (None at k = 0) and :data:`DEPTH_QUANTITIES` (ms). For every (batch, k, draft_tp) measured at two
-    or more distinct depths, each quantity q by least squares: q(layers) = fixed_ms + per_moe_layer_ms · (layers − 1),
-    where fixed_ms holds what a cycle pays once whatever the depth — the dense first layer (always one: not separable
-    from the rest), embedding, lm_head, the drafter, the host. Returns one dict per such row, sorted by (draft_tp,
-    batch, k): batch, k, draft_tp, depths (sorted) and per quantity {"fixed_ms", "per_moe_layer_ms", "max_residual":
-    the largest |fit − measured| / measured over its rows (0 through two depths)}. Rows at one depth only are left out.
+    or more distinct depths, each quantity q as q(layers) = fixed_ms + per_moe_layer_ms · (layers − 1), where fixed_ms
+    holds what a cycle pays once whatever the depth — the dense first layer (always one: not separable from the rest),
+    embedding, lm_head, the drafter, the host. The verify by least squares; the draft phase flat (per_moe_layer_ms 0,
+    fixed_ms its mean over the depths): the drafter's work does not depend on the target's depth, and a slope fitted
+    to two depths' noise carried to 61 layers gave negative drafts; the cycle as its part besides the draft by least
+    squares plus that flat draft. Returns one dict per such row, sorted by (draft_tp, batch, k): batch, k, draft_tp,
+    depths (sorted) and per quantity {"fixed_ms", "per_moe_layer_ms", "max_residual": the largest |fit − measured| /
+    measured over its rows (0 through two depths for the lines fitted by least squares)}. Rows at one depth only are
+    left out.
     Raises ValueError naming a row with a key missing, a depth below 2 or a cost that is not a positive number."""
     groups: dict[tuple, list[dict]] = {}
     for i, r in enumerate(rows):
@@ -125,13 +129,18 @@ def fit_depth(rows: list[dict]) -> list[dict]:
         if len(depths) < 2:
             continue
         X = np.array([[1.0, int(r["layers"]) - 1.0] for r in rs])
+        draft = np.array([float(r["draft_ms"]) for r in rs])
         fit = {"batch": B, "k": k, "draft_tp": dtp, "depths": depths}
         for q in DEPTH_QUANTITIES:
             y = np.array([float(r[q]) for r in rs])
-            (c0, c1), *_ = np.linalg.lstsq(X, y, rcond=None)
+            if q == "draft_ms":  # the drafter's work does not depend on the target's depth: its mean, flat
+                c0, c1 = float(draft.mean()), 0.0
+            else:  # the cycle: its part besides the draft along depth, plus the flat draft
+                (c0, c1), *_ = np.linalg.lstsq(X, y - draft if q == "cycle_ms" else y, rcond=None)
+                c0 += draft.mean() if q == "cycle_ms" else 0.0
             resid = np.abs(X @ np.array([c0, c1]) - y) / np.maximum(y, 1e-9)
             fit[q] = {"fixed_ms": float(c0), "per_moe_layer_ms": float(c1),
-                      "max_residual": float(resid.max()) if len(depths) > 2 else 0.0}
+                      "max_residual": float(resid.max()) if len(depths) > 2 or q == "draft_ms" else 0.0}
         out.append(fit)
     return out
 
