@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--random", action="store_true",
                    help="write the random-weight pair in seconds (formats and numerics only; acceptance length ~1)")
     s.add_argument("--device", default="cpu",
-                   help="where to train: 'cpu' (about 10 minutes on 2 cores) or 'cuda[:N]' (a larger pair on a GPU)")
+                   help="where to train: 'cpu' (10–14 minutes on 2 cores) or 'cuda[:N]' (a larger pair on a GPU)")
     s.add_argument("--retrain", action="store_true", help="train again even if the cache holds this pair "
                                                           "(cache: $SPLITSPEC_CACHE, default ~/.cache/splitspec)")
 
@@ -247,19 +247,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=port, default=8001, help="tritonserver's gRPC port on loopback (default %(default)s; 0 = a free port)")
     s.add_argument("--metrics-port", type=port, default=8002, help="tritonserver's Prometheus metrics port on loopback (default %(default)s; 0 = a free port)")
     s.add_argument("--health-port", type=port, default=8003,
-                   help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts)")
+                   help="the supervisor's readiness, liveness and health metrics (up while tritonserver restarts; "
+                        "default %(default)s)")
     s.add_argument("--drain-s", type=finite(above=False), default=10.0,
                    help="on Ctrl-C / SIGTERM new requests are refused (the OpenAI API's too, 503), and requests in "
-                        "flight get this many seconds to finish before they end with finish_reason 'shutdown'")
+                        "flight get this many seconds to finish before they end with finish_reason 'shutdown' (default %(default)s)")
     s.add_argument("--restart-limit", type=count, default=5,
                    help="give up (exit with an error) after this many failures in a row: restarts that failed, or "
                         "a pipeline that failed again within --stable-s of being ready (default 5; 0 = never "
                         "restart: the first fault ends serve with an error)")
     s.add_argument("--stable-s", type=finite(above=False), default=60.0,
-                   help="a pipeline that served this long before a fault is restarted at once, without back-off")
+                   help="a pipeline that served this long before a fault is restarted at once, without back-off "
+                        "(default %(default)s)")
     s.add_argument("--stall-s", type=finite(), default=60.0,
                    help="restart the pipeline when the engine loop has gone this many seconds without a heartbeat "
-                        "(a cycle blocked by a stalled worker, a wedged engine); longer than any legitimate cycle")
+                        "(a cycle blocked by a stalled worker, a wedged engine); longer than any legitimate cycle "
+                        "(default %(default)s)")
     s.add_argument("--openai-port", type=port, default=None,
                    help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on "
                         "this port, over the gRPC endpoint (default: off; `make serve` uses 9000; 0: a free port)")
