@@ -16,7 +16,8 @@ disconnects cancels its gRPC stream, and Triton cancels the request in the engin
 within a cycle or two, as for any cancelled gRPC stream).
 
 A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON and within ``body_timeout_s``,
-and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`);
+below it, a request whose body's length is ambiguous is refused (:mod:`splitspec.serving.openai_connection`).
 A refusal from the pipeline is answered with ``param`` naming the field its message is about
 (:func:`~splitspec.serving.openai_errors.with_param`).
 
@@ -46,6 +47,7 @@ from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
+from splitspec.serving.openai_connection import single_framing
 from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.server_limits import request_body_limit
@@ -346,7 +348,8 @@ class OpenAIServer:
             raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
         self.port = sock.getsockname()[1]
         # h11 named, not "auto" (httptools where installed): its 16 KiB bound on the request line and headers holds
-        config = uvicorn.Config(self.gate, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(single_framing(self.gate), http="h11", log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)
