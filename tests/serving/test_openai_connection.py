@@ -1,17 +1,20 @@
 """The OpenAI front end's connections through real sockets (serving/openai_connection.py): a request with both
-Content-Length and Transfer-Encoding refused and the request hidden behind it never answered.
+Content-Length and Transfer-Encoding refused and the request hidden behind it never answered, idle and half-sent
+connections closed after the head timeout while a stream and a slow body are not cut, and the connection cap.
 
-Each test runs its own :class:`OpenAIServer` over the session's rendered repository; the Triton server behind it is
-never started (its gRPC address is a free port)."""
+Each test runs its own :class:`OpenAIServer` over the session's rendered repository with short bounds; the Triton
+server behind it is never started (its gRPC address is a free port, or a stand-in stream answers)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
 
 import pytest
 
-from splitspec.serving.openai_api import OpenAIServer
+from splitspec.serving.openai_api import EnsembleStream, OpenAIServer
 from splitspec.serving.tritonserver import free_ports
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +45,16 @@ def _read_until_closed(sock: socket.socket) -> tuple[bytes, bool]:
     return got, True
 
 
+def _read_answer(sock: socket.socket) -> bytes:
+    """One answer with a Content-Length, read whole from ``sock`` (the connection left open)."""
+    got = b""
+    while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < _length(got):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed mid-answer: {got[:300]!r}"
+        got += chunk
+    return got
+
+
 def _length(raw: bytes) -> int:
     return int(raw.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
 
@@ -66,3 +79,86 @@ def test_both_lengths_are_refused_and_the_hidden_request_is_never_answered(share
     assert head.startswith(b"http/1.1 400") and b"connection: close" in head and b"application/json" in head
     assert "both Content-Length and Transfer-Encoding" in body["error"]["message"]
     assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_idle_and_half_sent_connections_are_closed_but_requests_in_flight_are_not(shared_server, monkeypatch):
+    """With a head timeout of 0.5 s: 100 idle connections, a half-sent head and a head sent a byte every 0.1 s are
+    all closed 0.5 s after opening (they stayed open for good); a connection idle after an answer is closed 0.5 s
+    later; a 1.5 s stream and a body taking 1 s to arrive are answered in full."""
+    async def stand_in(self, text, max_tokens, params):  # the ensemble, streaming for ~1.5 s
+        import asyncio
+
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            yield {"text_output": "a"}
+        yield {"text_output": "b", "finish_reason": "length", "num_input_tokens": 3, "num_output_tokens": 16}
+
+    monkeypatch.setattr(EnsembleStream, "stream", stand_in)
+    timeout = 0.5
+    with _server(shared_server, header_timeout_s=timeout) as api, contextlib.ExitStack() as stack:
+        t0 = time.monotonic()
+        idle = [stack.enter_context(_connect(api, 5)) for _ in range(100)]
+        half = stack.enter_context(_connect(api, 5))
+        half.sendall(HEAD)
+        trickle = stack.enter_context(_connect(api, 0.1))
+        head = HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY)
+        for i in range(len(head)):  # a byte every 0.1 s, until the server closes it
+            try:
+                trickle.sendall(head[i:i + 1])
+                if trickle.recv(1) == b"":
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        trickled = time.monotonic() - t0
+        assert all(_read_until_closed(s) == (b"", True) for s in idle + [half])
+        closed_all = time.monotonic() - t0
+        print(f"\n102 connections without a whole head closed {closed_all:.2f} s after opening "
+              f"(the trickling one after {trickled:.2f} s)")
+        assert timeout <= trickled < timeout + 1 and closed_all < timeout + 2
+        # keep-alive: one answer, then closed once idle for the timeout
+        with _connect(api, 5) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = _read_answer(sock)
+            t1 = time.monotonic()
+            rest, closed = _read_until_closed(sock)
+            idle_s = time.monotonic() - t1
+        assert first.startswith(b"HTTP/1.1 200") and rest == b"" and closed and timeout * 0.8 < idle_s < timeout + 1
+        # a stream three times the timeout, then a body sent over twice the timeout, on the same connection
+        with _connect(api, 10) as sock:
+            stream = json.dumps({"model": api.model.name, "prompt": "x", "max_tokens": 16, "stream": True}).encode()
+            sock.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % len(stream) + stream)
+            got = b""
+            while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                chunk = sock.recv(65536)
+                assert chunk, f"stream cut: {got[-200:]!r}"
+                got += chunk
+            slow = BODY.replace(b'"demo"', b'"no-such-model"')
+            sock.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % len(slow))
+            for i in range(0, len(slow), 10):
+                time.sleep(0.2)
+                sock.sendall(slow[i:i + 10])
+            answer = _read_answer(sock)
+    assert got.count(b'"finish_reason":"length"') == 1, got[-300:]
+    assert answer.startswith(b"HTTP/1.1 404") and b"model_not_found" in answer, answer[:300]
+
+
+def test_connections_past_the_cap_are_closed_at_once(shared_server):
+    """With max_connections = 8: eight idle connections are held, a ninth is closed as soon as it is accepted; those
+    held are still served, and once they close new connections are served again."""
+    with _server(shared_server, max_connections=8) as api, contextlib.ExitStack() as stack:
+        held = [stack.enter_context(_connect(api, 5)) for _ in range(8)]
+        time.sleep(0.2)  # all accepted
+        t0 = time.monotonic()
+        with _connect(api, 5) as extra:
+            refused, closed = _read_until_closed(extra)
+        assert (refused, closed) == (b"", True) and time.monotonic() - t0 < 1
+        held[0].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_answer(held[0]).startswith(b"HTTP/1.1 200")
+        stack.close()
+        time.sleep(0.2)
+        with _connect(api, 5) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            again, _ = _read_until_closed(sock)
+    assert again.startswith(b"HTTP/1.1 200"), again[:200]
