@@ -1,6 +1,7 @@
 """The OpenAI front end's connections through real sockets (serving/openai_connection.py): a request with both
 Content-Length and Transfer-Encoding refused and the request hidden behind it never answered, idle and half-sent
-connections closed after the head timeout while a stream and a slow body are not cut, and the connection cap.
+connections closed after the head timeout while a stream and a slow body are not cut, the connection cap, and h11's
+framing refusals in OpenAI's error shape with uvicorn's log line let through once a second.
 
 Each test runs its own :class:`OpenAIServer` over the session's rendered repository with short bounds; the Triton
 server behind it is never started (its gRPC address is a free port, or a stand-in stream answers)."""
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import socket
 import time
 
@@ -162,3 +165,55 @@ def test_connections_past_the_cap_are_closed_at_once(shared_server):
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             again, _ = _read_until_closed(sock)
     assert again.startswith(b"HTTP/1.1 200"), again[:200]
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_framing_refusals_are_openai_errors_logged_once_a_second(shared_server):
+    """h11's refusals (a bad Content-Length, a bad chunk, a head over 16 KiB, a transfer coding other than chunked)
+    come in OpenAI's error shape naming the reason, each closing its connection. uvicorn logged a line for each
+    (1,000 lines in 0.3 s); now a burst of 300 logs one a second at most, the lines after the first counting those
+    left out, which with one more sent a second later add up to the 300."""
+    cases = [(HEAD + b"Content-Length: -1\r\n\r\n", 400, "malformed HTTP request: bad Content-Length"),
+             (HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "malformed HTTP request: illegal chunk header"),
+             (HEAD + b"X-Big: " + b"a" * 20000, 431, "request line and headers exceed 16384 bytes"),  # unfinished
+             (HEAD + b"Transfer-Encoding: gzip\r\n\r\n", 501, "Only Transfer-Encoding: chunked is supported")]
+    log = logging.getLogger("uvicorn.error")
+    lines = _Lines()
+    with _server(shared_server) as api:
+        for request, status, message in cases:
+            with _connect(api, 5) as sock:
+                sock.sendall(request)
+                raw, closed = _read_until_closed(sock)
+            head, body = _answer(raw)
+            assert closed and head.startswith(b"http/1.1 %d" % status) and b"connection: close" in head, raw[:300]
+            assert message in body["error"]["message"] and body["error"]["type"] == "invalid_request_error", body
+
+        def refuse(n: int) -> float:
+            t0 = time.monotonic()
+            for _ in range(n):
+                with _connect(api, 5) as sock:
+                    sock.sendall(HEAD + b"Content-Length: -1\r\n\r\n")
+                    assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+            time.sleep(1.05)  # the last line let through is a second old: the next one passes
+            return time.monotonic() - t0 - 1.05
+
+        log.addHandler(lines)
+        try:
+            time.sleep(1.05)
+            took = refuse(300)
+            refuse(1)
+        finally:
+            log.removeHandler(lines)
+    invalid = [ln for ln in lines.lines if ln.startswith("Invalid HTTP request received.")]
+    print(f"\n300 refusals in {took:.2f} s, one more a second later: {len(invalid)} lines logged: {invalid}")
+    counted = [1 + int(m.group(1)) if (m := re.search(r"\((\d+) more since the last line\)$", ln)) else 1
+               for ln in invalid[1:]]
+    assert 2 <= len(invalid) <= took + 3 and sum(counted) == 300, invalid
