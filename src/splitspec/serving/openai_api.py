@@ -16,7 +16,8 @@ disconnects cancels its gRPC stream, and Triton cancels the request in the engin
 within a cycle or two, as for any cancelled gRPC stream).
 
 A body is read only up to the size a prompt of ``max_prompt_bytes`` can take in JSON and within ``body_timeout_s``,
-and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`).
+and the app runs behind a gate that refuses new requests while the server stops (:mod:`splitspec.serving.openai_http`);
+below it, connections are bounded and ambiguous framing refused (:mod:`splitspec.serving.openai_connection`).
 A refusal from the pipeline is answered with ``param`` naming the field its message is about
 (:func:`~splitspec.serving.openai_errors.with_param`).
 
@@ -46,9 +47,10 @@ from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
+from splitspec.serving.openai_connection import bounded_protocol, limit_framing_log, single_framing
 from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
-from splitspec.serving.server_limits import request_body_limit
+from splitspec.serving.server_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, request_body_limit
 from splitspec.settings import PROMPT_BYTES_PER_TOKEN
 
 log = logging.getLogger("splitspec.openai")
@@ -310,16 +312,24 @@ class OpenAIServer:
         host: address to bind (default 127.0.0.1 only, as tritonserver; ``"0.0.0.0"``: every interface).
         name: the served model name (default: the engines folder's name).
         body_timeout_s: seconds a request's body may take to arrive before a 408 (> 0).
+        header_timeout_s: seconds a connection may take to send a whole request head, from its opening or its
+            previous answer, before it is closed; also how long an idle keep-alive connection is kept (> 0).
+        max_connections: client connections held at once; one more is closed as soon as it is accepted (>= 1).
     """
 
     def __init__(self, repo: Path, grpc_address: str, port: int, host: str = "127.0.0.1", name: str | None = None,
-                 body_timeout_s: float = BODY_TIMEOUT_S):
+                 body_timeout_s: float = BODY_TIMEOUT_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
         if not 0 <= port <= 65535:
             raise ConfigError(f"--openai-port {port}: expected 0..65535")
-        if not body_timeout_s > 0:
-            raise ConfigError(f"body_timeout_s = {body_timeout_s}: expected seconds > 0")
+        for what, value in (("body_timeout_s", body_timeout_s), ("header_timeout_s", header_timeout_s)):
+            if not value > 0:
+                raise ConfigError(f"{what} = {value}: expected seconds > 0")
+        if max_connections < 1:
+            raise ConfigError(f"max_connections = {max_connections}: expected at least 1")
         self.model = ServedModel.from_repo(Path(repo), name)
         self.grpc_address, self.host, self.port = grpc_address, host, port
+        self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
         self._server = self._thread = None
         self.gate = Gate(create_app(self.model, grpc_address, body_timeout_s=body_timeout_s))
 
@@ -345,8 +355,12 @@ class OpenAIServer:
             sock.close()
             raise ConfigError(f"--openai-port {self.port}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
         self.port = sock.getsockname()[1]
-        # h11 named, not "auto" (httptools where installed): its 16 KiB bound on the request line and headers holds
-        config = uvicorn.Config(self.gate, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        # h11, not "auto" (httptools where installed): its 16 KiB bound on the request line and headers holds; the
+        # head timeout, connection cap and framing refusals are openai_connection's
+        protocol = bounded_protocol(self.header_timeout_s, self.max_connections)
+        config = uvicorn.Config(single_framing(self.gate), http=protocol, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=self.header_timeout_s)
+        limit_framing_log()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)

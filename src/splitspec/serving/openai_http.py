@@ -10,8 +10,9 @@ it, uvicorn holds at most 64 KiB of a body (its flow control stops reading the s
 **Body time.** uvicorn bounds neither how long a body takes to arrive nor the gaps between its chunks, so
 :func:`read_body` gives the whole body :data:`BODY_TIMEOUT_S` (``OpenAIServer``'s ``body_timeout_s``) and answers a
 slower one 408 ``request_timeout``, closing the connection. The request line and headers are bounded by uvicorn's
-h11 parser: at most 16 KiB (``h11_max_incomplete_event_size``) before a 400. A malformed chunk is refused by h11
-itself (400, connection closed); the route then sees the connection gone.
+h11 parser: a head still incomplete past 16 KiB (``h11_max_incomplete_event_size``) is refused (431), and so is a
+malformed chunk (400), connection closed (:mod:`~splitspec.serving.openai_connection`); the route then sees the
+connection gone.
 
 Both bounds are :class:`~splitspec.serving.body_reader.BodyReader`'s, shared with the HTTP guard; :func:`read_body`
 is its Starlette side, answering its refusals in OpenAI's error shape.

@@ -42,6 +42,12 @@ JSON_OVERHEAD_BYTES = 64 << 10
 #: body (a few hundred KiB to some MiB) takes well under a second on any working link; a client that sent its headers
 #: and stalls would otherwise hold its request open for good.
 BODY_TIMEOUT_S = 30.0
+#: Seconds a client connection may take to send a whole request head (request line and headers), from its opening
+#: or from its previous answer (keep-alive), in the HTTP guard and the OpenAI front end alike; a request in flight is
+#: never cut by it.
+HEADER_TIMEOUT_S = 10.0
+#: Client connections each of those front ends holds at once; one more is closed as soon as it is accepted.
+MAX_CONNECTIONS = 1024
 
 
 def request_body_limit(max_prompt_bytes: int) -> int:
