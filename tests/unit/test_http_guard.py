@@ -16,7 +16,8 @@ import requests
 from aiohttp import web
 
 from splitspec.errors import ConfigError
-from splitspec.serving.http_guard import HttpGuard, QuietLog
+from splitspec.serving.guard_server import QuietLog
+from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.tritonserver import free_ports
 
 LIMIT = 100_000
@@ -260,6 +261,41 @@ def test_head_is_asked_as_get_and_answered_without_a_body(guard, upstream):
     assert (r.status_code, r.content, r.headers["Content-Length"], r.headers["X-From"]) == (201, b"", "10", "upstream")
     assert upstream.seen[-1]["method"] == "GET"
     assert requests.get(f"{guard.url}/x").status_code == 201  # the connection to upstream was not broken
+
+
+#: Request heads aiohttp's parser refuses before the guard sees them → the reason it gives.
+MALFORMED = {b"Content-Length: -1\r\n\r\n{}": "Invalid character in Content-Length: b'Content-Length: -1'",
+             b"Content-Length: +2\r\n\r\n{}": "Invalid character in Content-Length: b'Content-Length: +2'",
+             "Content-Length: \u00b2\r\n\r\n{}".encode(): "Invalid character in Content-Length: b'Content-Length: "
+                                                           "\\xc2\\xb2'",
+             b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n": "Transfer-Encoding can't be "
+                                                                               "present with Content-Length",
+             b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n": "Invalid character in chunk size: b'zz'",
+             b"X-Big: " + b"A" * 8000 + b"\x01\r\nContent-Length: 2\r\n\r\n{}": "Invalid header value char: "
+                                                                           "b'X-Big: AAAA"}
+
+
+def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(upstream, capsys, caplog):
+    """aiohttp answered these with a text/plain 400 echoing the bytes, and logged each with a traceback: 530 bytes
+    of log a request, 16.5 KB for the 8 KB header."""
+    with HttpGuard(0, upstream.port, LIMIT) as g:
+        g.log.every_s = 60  # one line per kind, however slow the machine
+        for head, why in MALFORMED.items():
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", g.port)) as s:
+                    s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\n" + head)
+                    answer = _closed_within(s, 3)  # the guard closes the connection after it
+                status, _, rest = answer.partition(b"\r\n")
+                headers, _, body = rest.partition(b"\r\n\r\n")
+                assert status.endswith(b" 400 Bad Request") and b"Content-Type: application/json" in headers, answer
+                error = json.loads(body)["error"]
+                assert error.startswith(f"malformed HTTP request: {why}") and len(error) <= 150, error
+    lines = capsys.readouterr().err.splitlines()
+    kinds = [why for why in MALFORMED.values() if "'Content-Length: " not in why or "-1" in why]  # the first of each
+    assert len(lines) == len(kinds) == 4 and not [r for r in caplog.records if r.name.startswith("aiohttp")], lines
+    for line, why in zip(lines, kinds):
+        assert line.startswith(f"splitspec serve: HTTP guard: 400 to 127.0.0.1: malformed request: {why}"), line
+        assert len(line) < 200, line
 
 
 def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):

@@ -29,8 +29,12 @@ forwarding a request it:
   request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
   good (aiohttp's own default is an hour): 20,000 of them ran the process out of file descriptors;
 - holds at most ``max_connections`` (1024) client connections at once: one past that is closed as soon as it is
-  accepted (:class:`CappedServer`), and the event loop's own errors (``socket.accept() out of system resource``,
-  ``EMFILE``) are logged one line a second at most (:class:`QuietLog`), not a traceback each;
+  accepted (:class:`~splitspec.serving.guard_server.CappedServer`), and the event loop's own errors
+  (``socket.accept() out of system resource``, ``EMFILE``) are logged one line a second at most
+  (:class:`~splitspec.serving.guard_server.QuietLog`), not a traceback each;
+- answers a request aiohttp's parser refuses (a malformed ``Content-Length`` or chunk size, ``Content-Length`` with
+  ``Transfer-Encoding``) 400 in the same JSON shape, closing the connection, and logs it in one line, each kind once
+  a second at most (:mod:`splitspec.serving.guard_server`; aiohttp logged a traceback for each);
 - answers ``HEAD`` by asking tritonserver ``GET`` (tritonserver answers ``HEAD`` 405 with a body, which breaks the
   connection) and passing its status and headers on without the body;
 - answers 503 while tritonserver cannot be reached (starting, or restarting after a fault) and 502 when it closes
@@ -54,23 +58,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import sys
 import threading
 import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.body_reader import BodyReader
+from splitspec.serving.guard_server import CappedServer, QuietLog, error_response
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
-from splitspec.serving.rate_limited_log import RateLimitedLog
-from splitspec.serving.server_limits import BODY_TIMEOUT_S, repo_body_limit, repo_max_prompt_bytes
+from splitspec.serving.server_limits import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, repo_body_limit,
+                                             repo_max_prompt_bytes)
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -89,63 +91,12 @@ UPSTREAM_KEEPALIVE_S = 10.0
 #: Bodies at least this long are scanned on a worker thread, off the event loop (the scan's numpy loops release
 #: the GIL).
 SCAN_OFF_LOOP_BYTES = 1 << 20
-#: Seconds a client connection may take to send a whole request head, from its opening or its previous answer.
-HEADER_TIMEOUT_S = 10.0
-#: Client connections held at once; one more is closed as soon as it is accepted.
-MAX_CONNECTIONS = 1024
 
 
 def forwarded_headers(headers, drop: frozenset[str]) -> CIMultiDict:
     """``headers`` without those in ``drop`` (lower case) or named by their ``Connection`` header."""
     named = {name.strip().lower() for value in headers.getall("Connection", []) for name in value.split(",")}
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named)
-
-
-def error_response(status: int, message: str, close: bool = False) -> web.Response:
-    """Triton's HTTP error shape: ``{"error": message}`` with ``status``; ``close``: end the connection after it."""
-    resp = web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")
-    if close:
-        resp.force_close()
-    return resp
-
-
-class _CappedHandler(RequestHandler):
-    """aiohttp's connection handler, which closes its connection at once when its server holds its cap already."""
-
-    def connection_made(self, transport) -> None:
-        server = self._manager
-        if len(server.connections) >= server.max_connections:
-            server.refused += 1
-            self._manager = None  # so connection_lost does nothing: the connection was never the server's
-            transport.abort()
-            return
-        super().connection_made(transport)
-
-
-class CappedServer(web.Server):
-    """aiohttp's low-level server holding at most ``max_connections`` client connections at once (those refused
-    counted in :attr:`refused`)."""
-
-    def __init__(self, handler, *, max_connections: int = MAX_CONNECTIONS, **kwargs):
-        super().__init__(handler, **kwargs)
-        self.max_connections, self.refused = max_connections, 0
-
-    def __call__(self) -> RequestHandler:
-        return _CappedHandler(self, loop=self._loop, **self._kwargs)
-
-
-class QuietLog(RateLimitedLog):
-    """An event loop's exception handler writing each error as one line (no traceback) to stderr, one every
-    ``every_s`` seconds at most (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`): at the descriptor
-    limit the loop reports each failed accept."""
-
-    def __init__(self, every_s: float = 1.0):
-        super().__init__(lambda line: print(line, file=sys.stderr, flush=True), every_s)
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        exc = context.get("exception")
-        self.say(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
-                 + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
 
 class HttpGuard:
@@ -160,8 +111,9 @@ class HttpGuard:
         max_depth: the deepest JSON nesting forwarded.
         connect_timeout_s: how long to try to reach tritonserver before answering 503.
         body_timeout_s: how long a request's body may take to arrive before it is answered 408.
-        header_timeout_s: how long a connection may take to send a whole request head (:data:`HEADER_TIMEOUT_S`).
-        max_connections: client connections held at once (:data:`MAX_CONNECTIONS`).
+        header_timeout_s: how long a connection may take to send a whole request head
+            (:data:`~splitspec.serving.server_limits.HEADER_TIMEOUT_S`).
+        max_connections: client connections held at once (:data:`~splitspec.serving.server_limits.MAX_CONNECTIONS`).
     """
 
     def __init__(self, port: int, upstream_port: int, body_limit: int, max_prompt_bytes: int | None = None,
@@ -181,6 +133,8 @@ class HttpGuard:
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
+        #: the guard's error log: the event loop's errors and the requests aiohttp refuses, one line each
+        self.log = QuietLog()
 
     @classmethod
     def for_repo(cls, repo: Path, port: int, upstream_port: int, host: str) -> "HttpGuard":
@@ -255,7 +209,7 @@ class HttpGuard:
     def _run(self, started: concurrent.futures.Future) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        loop.set_exception_handler(QuietLog())
+        loop.set_exception_handler(self.log)
         try:
             loop.run_until_complete(self._open())
         except BaseException as e:  # handed to start()
@@ -279,8 +233,9 @@ class HttpGuard:
             skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
         # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes;
         # keepalive_timeout is the header timeout (module docstring)
-        self._server = CappedServer(self._handle, max_connections=self.max_connections, handler_cancellation=True,
-                                    lingering_time=0, keepalive_timeout=self.header_timeout_s)
+        self._server = CappedServer(self._handle, max_connections=self.max_connections, log=self.log,
+                                    handler_cancellation=True, lingering_time=0,
+                                    keepalive_timeout=self.header_timeout_s)
         self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
