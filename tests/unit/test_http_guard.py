@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 import requests
@@ -126,20 +127,29 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
 
 
 def test_compressed_bodies_are_bounded_decompressed(guard, upstream):
-    """A gzip body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB body that
-    decompresses to a million levels (or past the limit) is refused; an encoding tritonserver does not take is 415."""
+    """A gzip or deflate body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB
+    body that decompresses to a million levels (or past the limit) is refused; one cut short or with bytes after its
+    end is 400 (aiohttp's own decoder forwarded what it had); an encoding tritonserver does not take is 415."""
     gz = {"Content-Encoding": "gzip"}
-    r = requests.post(f"{guard.url}/x", data=gzip.compress(b'{"text_input": "hi"}'), headers=gz)
-    assert r.status_code == 201 and upstream.seen[-1]["body"] == b'{"text_input": "hi"}'
-    assert "Content-Encoding" not in upstream.seen[-1]["headers"]
+    doc = b'{"text_input": "hi"}'
+    for data, encoding in ((gzip.compress(doc), "gzip"), (zlib.compress(doc), "deflate"),
+                           (zlib.compress(doc)[2:-4], "Deflate")):  # raw deflate, as some clients send it
+        r = requests.post(f"{guard.url}/x", data=data, headers={"Content-Encoding": encoding})
+        assert r.status_code == 201 and upstream.seen[-1]["body"] == doc
+        assert "Content-Encoding" not in upstream.seen[-1]["headers"]
     r = requests.post(f"{guard.url}/x", data=gzip.compress(b"[" * 50_000 + b"]" * 50_000), headers=gz)
     assert r.status_code == 400 and "nests 50000 levels" in r.json()["error"]
     r = requests.post(f"{guard.url}/x", data=gzip.compress(b" " * 10_000_000), headers=gz)
     assert r.status_code == 413 and r.json()["error"].startswith("decompressed request body exceeds the limit")
-    r = requests.post(f"{guard.url}/x", data=b"not gzip", headers=gz)
-    assert r.status_code == 400 and r.json()["error"].startswith("request body: ")
-    r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": "br"})
-    assert r.status_code == 415 and r.json()["error"] == "Content-Encoding: 'br': expected one of identity, gzip, deflate"
+    before = len(upstream.seen)
+    for bad in (b"not gzip", gzip.compress(doc)[:-8], gzip.compress(doc)[:12], gzip.compress(doc) + b"GARBAGE"):
+        r = requests.post(f"{guard.url}/v2/models/m/infer", data=bad, headers=gz)
+        assert r.status_code == 400 and r.json()["error"].startswith("request body (Content-Encoding: gzip): ")
+    for encoding in ("br", "zstd", "x-gzip", "gzip, gzip"):
+        r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": encoding})
+        assert r.status_code == 415, r.text
+        assert r.json() == {"error": f"Content-Encoding: {encoding!r}: expected one of identity, gzip, deflate"}
+    assert len(upstream.seen) == before
 
 
 def test_a_stream_passes_event_by_event_and_a_disconnect_reaches_upstream(guard, upstream):

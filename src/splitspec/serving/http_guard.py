@@ -15,8 +15,9 @@ forwarding a request it:
 - refuses a body over :func:`~splitspec.serving.server_limits.repo_body_limit` (the largest JSON a prompt of the
   repository's ``max_prompt_bytes`` can take; the stack tritonserver runs with is sized for twice that) with 413: by
   its ``Content-Length`` before reading it, a chunked (or compressed: it is decompressed here, and forwarded
-  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. An
-  encoding tritonserver does not take (other than gzip and deflate) gets 415, one that does not decompress 400;
+  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. The
+  decoding is :mod:`splitspec.serving.content_encoding`'s, not aiohttp's (turned off: it took a gzip body cut
+  short): another encoding than gzip and deflate gets 415, a stream that does not decompress or end cleanly 400;
 - answers 408 to a body not complete within ``body_timeout_s`` (30 s: a client that sent its headers and stalls
   would hold its request open for good), closing the connection;
 - forwards a form-typed body (``curl -d``'s default: the curl examples use it, and tritonserver reads the body as
@@ -81,8 +82,6 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
 #: Response headers set anew for the client (the length is set again when tritonserver gave one).
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
-#: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
-ENCODINGS = ("identity", "gzip", "deflate")
 #: Answers with a Content-Length up to this are read whole and sent on in one write (headers and body together);
 #: longer ones, and those without a length (server-sent events), are passed on as they arrive.
 BUFFERED_ANSWER_BYTES = 1 << 20
@@ -232,10 +231,10 @@ class HttpGuard:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
             skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
         # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes;
-        # keepalive_timeout is the header timeout (module docstring)
+        # keepalive_timeout is the header timeout (module docstring); bodies come as sent, decoded by BodyReader
         self._server = CappedServer(self._handle, max_connections=self.max_connections, log=self.log,
                                     handler_cancellation=True, lingering_time=0,
-                                    keepalive_timeout=self.header_timeout_s)
+                                    keepalive_timeout=self.header_timeout_s, auto_decompress=False)
         self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -281,21 +280,18 @@ class HttpGuard:
             self.active -= 1
 
     async def _read(self, request: web.BaseRequest) -> bytes | None:
-        """The body (None: the request has none), within the limit and ``body_timeout_s``
-        (:class:`~splitspec.serving.body_reader.BodyReader`); decompressed by aiohttp as it is read."""
+        """The body (None: the request has none), within the limit and ``body_timeout_s``, decoded from its
+        ``Content-Encoding`` (:class:`~splitspec.serving.body_reader.BodyReader`)."""
         body = BodyReader(self.body_limit, self.max_prompt_bytes, self.body_timeout_s)
         body.check_length(request.headers.get("Content-Length"))
         if not request.body_exists:
             return b"" if request.content_length == 0 else None
-        encoding = request.headers.get("Content-Encoding", "identity")
-        if encoding.strip().lower() not in ENCODINGS:
-            raise Refusal(415, f"Content-Encoding: {encoding[:40]!r}: expected one of {', '.join(ENCODINGS)}")
+        body.check_encoding(", ".join(request.headers.getall("Content-Encoding", [])) or None)
         if request.headers.get("Expect", "").lower() == "100-continue":  # as aiohttp's own routes answer it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
         try:
-            return await body.read(request.content.iter_any(), what)
-        except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
+            return await body.read(request.content.iter_any())
+        except web.RequestPayloadError as e:  # broken chunks
             why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
             raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
 
