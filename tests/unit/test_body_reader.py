@@ -1,6 +1,7 @@
 """The body reader both HTTP front ends share, without a server: its Content-Length check, the size bound while
 reading, the time bound, a stream's own error passed on with the bytes read before it, and its decoding of gzip and
-deflate (bounded; a stream that does not end cleanly refused), other encodings refused."""
+deflate (bounded; a stream that does not end cleanly refused), other encodings refused; and the OpenAI front end's
+side of it, on a Starlette request."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import gzip
 import zlib
 
 import pytest
+from starlette.requests import Request
 
 from splitspec.serving.body_reader import BodyReader
 from splitspec.serving.http_bounds import Refusal
+from splitspec.serving.openai_errors import APIError
+from splitspec.serving.openai_http import read_body
 
 
 async def _chunks(*parts: bytes, then: BaseException | None = None, stall_s: float = 0.0):
@@ -125,3 +129,31 @@ def test_a_stream_that_does_not_end_cleanly_is_400_naming_content_encoding():
                 _read(encoding, data, step=step)
             assert (e.value.status, e.value.message) == (400, f"request body (Content-Encoding: {encoding}): {why}; "
                                                               f"expected one whole {encoding} stream"), step
+
+
+def _openai_read(body: bytes, *encodings: str) -> bytes:
+    """``body`` read by the OpenAI front end's :func:`read_body` from a Starlette request sent with ``encodings``
+    (one ``Content-Encoding`` header each)."""
+    headers = [(b"content-length", str(len(body)).encode())] + [(b"content-encoding", e.encode()) for e in encodings]
+    sent = [{"type": "http.request", "body": body[:3], "more_body": True},
+            {"type": "http.request", "body": body[3:], "more_body": False}]
+
+    async def receive():
+        return sent.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
+    return asyncio.run(read_body(request, 100_000, 1000))
+
+
+def test_the_openai_front_end_decodes_gzip_and_deflate_and_refuses_others_in_its_shape():
+    assert _openai_read(gzip.compress(DOC), "gzip") == _openai_read(zlib.compress(DOC), "deflate") == DOC
+    assert _openai_read(DOC) == DOC
+    for encodings, status, code, start in ((("zstd",), 415, "unsupported_media_type", "Content-Encoding: 'zstd': "),
+                                           (("gzip", "gzip"), 415, "unsupported_media_type", "Content-Encoding: 'gzip, "),
+                                           (("gzip",), 400, None, "request body (Content-Encoding: gzip): not gzip")):
+        with pytest.raises(APIError) as e:
+            _openai_read(DOC, *encodings)
+        error = e.value.body()["error"]
+        assert (e.value.status, error["type"], error["param"], error["code"]) == (status, "invalid_request_error",
+                                                                                  None, code)
+        assert error["message"].startswith(start), error
