@@ -152,6 +152,16 @@ def test_compressed_bodies_are_bounded_decompressed(guard, upstream):
     assert len(upstream.seen) == before
 
 
+def test_an_empty_generate_body_is_400_here(guard, upstream):
+    """tritonserver answers an empty generate body 500 (``document is empty``); elsewhere an empty body passes."""
+    before = len(upstream.seen)
+    for data, headers in ((b"", {}), (iter([]), {}), (gzip.compress(b""), {"Content-Encoding": "gzip"})):
+        r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=data, headers=headers)
+        assert r.status_code == 400 and r.json()["error"].startswith("request body: empty; expected a JSON object")
+    assert len(upstream.seen) == before
+    assert requests.post(f"{guard.url}/v2/repository/index", data=b"").status_code == 201
+
+
 def test_a_stream_passes_event_by_event_and_a_disconnect_reaches_upstream(guard, upstream):
     upstream.cancelled.clear()
     t0 = time.monotonic()

@@ -24,7 +24,8 @@ forwarding a request it:
   JSON whatever its type) under that same limit, which keeps it far below what crashes tritonserver;
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
   4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
-  (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing);
+  (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing), and an empty ``POST`` to ``generate`` (which
+  tritonserver answers 500, ``document is empty``) with 400;
 - closes a connection that has not sent a whole request head within ``header_timeout_s`` (10 s) of opening, or of
   its previous answer (keep-alive): aiohttp's keep-alive timer, which fires only while the connection waits for a
   request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
@@ -267,9 +268,9 @@ class HttpGuard:
             if not request.raw_path.startswith("/"):
                 raise Refusal(400, f"request target {request.raw_path[:80]!r}: expected a path starting with '/'")
             body = await self._read(request)
-            if body:
-                args = (body, request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
-                if len(body) >= SCAN_OFF_LOOP_BYTES:
+            if body or request.method == "POST":  # an empty generate body is refused here: tritonserver's is a 500
+                args = (body or b"", request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
+                if len(args[0]) >= SCAN_OFF_LOOP_BYTES:
                     await asyncio.to_thread(check_body, *args)
                 else:
                     check_body(*args)
