@@ -10,13 +10,15 @@ import json
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 import requests
 from aiohttp import web
 
 from splitspec.errors import ConfigError
-from splitspec.serving.http_guard import HttpGuard, QuietLog
+from splitspec.serving.guard_server import QuietLog
+from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.tritonserver import free_ports
 
 LIMIT = 100_000
@@ -125,20 +127,39 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
 
 
 def test_compressed_bodies_are_bounded_decompressed(guard, upstream):
-    """A gzip body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB body that
-    decompresses to a million levels (or past the limit) is refused; an encoding tritonserver does not take is 415."""
+    """A gzip or deflate body is decompressed here, bounded and scanned as such, and forwarded decompressed: a 2 KB
+    body that decompresses to a million levels (or past the limit) is refused; one cut short or with bytes after its
+    end is 400 (aiohttp's own decoder forwarded what it had); an encoding tritonserver does not take is 415."""
     gz = {"Content-Encoding": "gzip"}
-    r = requests.post(f"{guard.url}/x", data=gzip.compress(b'{"text_input": "hi"}'), headers=gz)
-    assert r.status_code == 201 and upstream.seen[-1]["body"] == b'{"text_input": "hi"}'
-    assert "Content-Encoding" not in upstream.seen[-1]["headers"]
+    doc = b'{"text_input": "hi"}'
+    for data, encoding in ((gzip.compress(doc), "gzip"), (zlib.compress(doc), "deflate"),
+                           (zlib.compress(doc)[2:-4], "Deflate")):  # raw deflate, as some clients send it
+        r = requests.post(f"{guard.url}/x", data=data, headers={"Content-Encoding": encoding})
+        assert r.status_code == 201 and upstream.seen[-1]["body"] == doc
+        assert "Content-Encoding" not in upstream.seen[-1]["headers"]
     r = requests.post(f"{guard.url}/x", data=gzip.compress(b"[" * 50_000 + b"]" * 50_000), headers=gz)
     assert r.status_code == 400 and "nests 50000 levels" in r.json()["error"]
     r = requests.post(f"{guard.url}/x", data=gzip.compress(b" " * 10_000_000), headers=gz)
     assert r.status_code == 413 and r.json()["error"].startswith("decompressed request body exceeds the limit")
-    r = requests.post(f"{guard.url}/x", data=b"not gzip", headers=gz)
-    assert r.status_code == 400 and r.json()["error"].startswith("request body: ")
-    r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": "br"})
-    assert r.status_code == 415 and r.json()["error"] == "Content-Encoding: 'br': expected one of identity, gzip, deflate"
+    before = len(upstream.seen)
+    for bad in (b"not gzip", gzip.compress(doc)[:-8], gzip.compress(doc)[:12], gzip.compress(doc) + b"GARBAGE"):
+        r = requests.post(f"{guard.url}/v2/models/m/infer", data=bad, headers=gz)
+        assert r.status_code == 400 and r.json()["error"].startswith("request body (Content-Encoding: gzip): ")
+    for encoding in ("br", "zstd", "x-gzip", "gzip, gzip"):
+        r = requests.post(f"{guard.url}/x", data=b"{}", headers={"Content-Encoding": encoding})
+        assert r.status_code == 415, r.text
+        assert r.json() == {"error": f"Content-Encoding: {encoding!r}: expected one of identity, gzip, deflate"}
+    assert len(upstream.seen) == before
+
+
+def test_an_empty_generate_body_is_400_here(guard, upstream):
+    """tritonserver answers an empty generate body 500 (``document is empty``); elsewhere an empty body passes."""
+    before = len(upstream.seen)
+    for data, headers in ((b"", {}), (iter([]), {}), (gzip.compress(b""), {"Content-Encoding": "gzip"})):
+        r = requests.post(f"{guard.url}/v2/models/ensemble/generate", data=data, headers=headers)
+        assert r.status_code == 400 and r.json()["error"].startswith("request body: empty; expected a JSON object")
+    assert len(upstream.seen) == before
+    assert requests.post(f"{guard.url}/v2/repository/index", data=b"").status_code == 201
 
 
 def test_a_stream_passes_event_by_event_and_a_disconnect_reaches_upstream(guard, upstream):
@@ -262,13 +283,47 @@ def test_head_is_asked_as_get_and_answered_without_a_body(guard, upstream):
     assert requests.get(f"{guard.url}/x").status_code == 201  # the connection to upstream was not broken
 
 
+#: Request heads aiohttp's parser refuses before the guard sees them → the reason it gives.
+MALFORMED = {b"Content-Length: -1\r\n\r\n{}": "Invalid character in Content-Length: b'Content-Length: -1'",
+             b"Content-Length: +2\r\n\r\n{}": "Invalid character in Content-Length: b'Content-Length: +2'",
+             "Content-Length: \u00b2\r\n\r\n{}".encode(): "Invalid character in Content-Length: b'Content-Length: "
+                                                           "\\xc2\\xb2'",
+             b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n": "Transfer-Encoding can't be "
+                                                                               "present with Content-Length",
+             b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n": "Invalid character in chunk size: b'zz'",
+             b"X-Big: " + b"A" * 8000 + b"\x01\r\nContent-Length: 2\r\n\r\n{}": "Invalid header value char: "
+                                                                           "b'X-Big: AAAA"}
+
+
+def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(upstream, capsys, caplog):
+    """aiohttp answered these with a text/plain 400 echoing the bytes, and logged each with a traceback: 530 bytes
+    of log a request, 16.5 KB for the 8 KB header."""
+    with HttpGuard(0, upstream.port, LIMIT) as g:
+        g.log.every_s = 60  # one line per kind, however slow the machine
+        for head, why in MALFORMED.items():
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", g.port)) as s:
+                    s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\n" + head)
+                    answer = _closed_within(s, 3)  # the guard closes the connection after it
+                status, _, rest = answer.partition(b"\r\n")
+                headers, _, body = rest.partition(b"\r\n\r\n")
+                assert status.endswith(b" 400 Bad Request") and b"Content-Type: application/json" in headers, answer
+                error = json.loads(body)["error"]
+                assert error.startswith(f"malformed HTTP request: {why}") and len(error) <= 150, error
+    lines = capsys.readouterr().err.splitlines()
+    kinds = [why for why in MALFORMED.values() if "'Content-Length: " not in why or "-1" in why]  # the first of each
+    assert len(lines) == len(kinds) == 4 and not [r for r in caplog.records if r.name.startswith("aiohttp")], lines
+    for line, why in zip(lines, kinds):
+        assert line.startswith(f"splitspec serve: HTTP guard: 400 to 127.0.0.1: malformed request: {why}"), line
+        assert len(line) < 200, line
+
+
 def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):
     log = QuietLog(every_s=60)
     for _ in range(3):
         log(None, {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")})
-    log.last -= 61
-    log(None, {"message": "socket.accept() out of system resource"})
+    log.keys[next(iter(log.keys))][0] -= 61
+    log(None, {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")})
     lines = capsys.readouterr().err.splitlines()
-    assert lines == ["splitspec serve: HTTP guard: socket.accept() out of system resource: OSError: [Errno 24] Too "
-                     "many open files", "splitspec serve: HTTP guard: socket.accept() out of system resource (2 more "
-                     "since the last line)"]
+    line = "splitspec serve: HTTP guard: socket.accept() out of system resource: OSError: [Errno 24] Too many open files"
+    assert lines == [line, f"{line} (2 more since the last line)"]

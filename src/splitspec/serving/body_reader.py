@@ -1,20 +1,24 @@
-"""Reading a request body within its size and time bounds, the same for both HTTP front ends: the HTTP guard in
-front of tritonserver (:mod:`splitspec.serving.http_guard`, aiohttp) and the OpenAI-compatible API
-(:mod:`splitspec.serving.openai_http`, Starlette).
+"""Reading a request body within its size and time bounds, decoding its ``Content-Encoding``, the same for both HTTP
+front ends: the HTTP guard in front of tritonserver (:mod:`splitspec.serving.http_guard`, aiohttp) and the
+OpenAI-compatible API (:mod:`splitspec.serving.openai_http`, Starlette).
 
 **Size.** A body whose ``Content-Length`` exceeds the limit is refused before a byte of it is read
-(:meth:`BodyReader.check_length`); one without a length to trust (chunked, or decompressed while it is read) as soon
-as the bytes read pass the limit (:meth:`BodyReader.read`). Both refusals are 413
+(:meth:`BodyReader.check_length`); one without a length to trust (chunked) as soon as the bytes read pass the limit,
+and a compressed one as soon as the bytes it decompresses to do (:meth:`BodyReader.read`). Both refusals are 413
 (:func:`~splitspec.serving.http_bounds.check_length`, :func:`~splitspec.serving.http_bounds.check_read`).
+
+**Encoding.** gzip and deflate are decoded here as the body arrives, bounded by the same limit
+(:mod:`splitspec.serving.content_encoding`); another ``Content-Encoding`` is refused with 415 before the body is read
+(:meth:`BodyReader.check_encoding`), a stream that does not decode or end cleanly with 400.
 
 **Time.** Neither aiohttp nor uvicorn bounds how long a body takes to arrive: a client that sent its headers and then
 stalled (a ``Content-Length`` never filled, a chunked body never ended) held its request open for good.
 :meth:`BodyReader.read` gives the whole body ``timeout_s`` seconds, then refuses it with 408.
 
-A front end hands over its framework's stream of chunks and answers each
-:class:`~splitspec.serving.http_bounds.Refusal` in its own protocol's error shape; the errors of its framework's
-stream (a client gone, a malformed chunk, compression that does not decompress) are its own to map, with
-:attr:`BodyReader.size` the bytes read before them.
+A front end hands over its framework's stream of chunks, as they came (its framework's own decoding off), and
+answers each :class:`~splitspec.serving.http_bounds.Refusal` in its own protocol's error shape; the errors of its
+framework's stream (a client gone, a malformed chunk) are its own to map, with :attr:`BodyReader.size` the bytes read
+before them.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterable
 
+from splitspec.serving.content_encoding import Decoder, check_encoding
 from splitspec.serving.http_bounds import Refusal, check_length, check_read
 from splitspec.serving.server_limits import BODY_TIMEOUT_S
 
 
 class BodyReader:
-    """Reads one request body of at most ``limit`` bytes, all of it within ``timeout_s`` seconds.
+    """Reads one request body of at most ``limit`` bytes (as sent, and decoded from its ``Content-Encoding``), all of
+    it within ``timeout_s`` seconds: :meth:`check_length` and :meth:`check_encoding` from its headers, then
+    :meth:`read`.
 
     Args:
         limit: the largest body read, bytes (:func:`~splitspec.serving.server_limits.request_body_limit`).
@@ -37,8 +44,10 @@ class BodyReader:
 
     def __init__(self, limit: int, max_prompt_bytes: int | None, timeout_s: float = BODY_TIMEOUT_S):
         self.limit, self.max_prompt_bytes, self.timeout_s = limit, max_prompt_bytes, timeout_s
-        #: bytes of the body read so far
+        #: bytes of the body read so far, as sent (compressed)
         self.size = 0
+        #: the body's ``Content-Encoding`` (:meth:`check_encoding`)
+        self.encoding = "identity"
 
     def check_length(self, header: str | None) -> None:
         """Refuse, before reading it, a body by its ``Content-Length`` ``header`` (None: not sent; :meth:`read` then
@@ -55,24 +64,38 @@ class BodyReader:
             raise Refusal(400, f"Content-Length: expected a number of bytes, got {header[:40]!r}")
         check_length(int(n), self.limit, self.max_prompt_bytes)
 
-    async def read(self, chunks: AsyncIterable[bytes], what: str = "chunked request body") -> bytes:
-        """The body, joined from ``chunks`` (a framework's stream of it), counting :attr:`size` as they arrive.
-        ``what``: the body as the 413 names it (``chunked request body``, or ``decompressed request body`` where the
-        stream decompresses it).
+    def check_encoding(self, header: str | None) -> None:
+        """Take the body's ``Content-Encoding`` ``header`` (several headers joined with ``, ``; None: not sent) for
+        :meth:`read` to decode, before reading it.
 
         Raises:
-            Refusal: 413 once the bytes read pass ``limit`` (:func:`~splitspec.serving.http_bounds.check_read`), the
-                rest left unread; 408 when the body is not complete ``timeout_s`` seconds after the start.
+            Refusal: 415, an encoding other than identity, gzip and deflate
+                (:func:`~splitspec.serving.content_encoding.check_encoding`).
+        """
+        self.encoding = check_encoding(header)
+
+    async def read(self, chunks: AsyncIterable[bytes]) -> bytes:
+        """The body, joined from ``chunks`` (a framework's stream of it, as sent) and decoded, counting :attr:`size`
+        as they arrive.
+
+        Raises:
+            Refusal: 413 once the bytes read, or those they decompress to, pass ``limit``
+                (:func:`~splitspec.serving.http_bounds.check_read`), the rest left unread; 400 when a compressed
+                body does not decode or its stream does not end with the body
+                (:class:`~splitspec.serving.content_encoding.Decoder`); 408 when the body is not complete
+                ``timeout_s`` seconds after the start.
             Whatever ``chunks`` raises (its framework's errors, for the caller to map).
         """
+        decoder = Decoder(self.encoding, self.limit, self.max_prompt_bytes)
         parts = []
         try:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in chunks:
                     self.size += len(chunk)
-                    check_read(self.size, self.limit, self.max_prompt_bytes, what)
-                    parts.append(chunk)
+                    check_read(self.size, self.limit, self.max_prompt_bytes)
+                    parts.append(decoder.feed(chunk))
         except TimeoutError:
             raise Refusal(408, f"request body incomplete after {self.timeout_s:g} s ({self.size} bytes received): "
                                "send the whole body at once") from None
+        decoder.end()
         return b"".join(parts)

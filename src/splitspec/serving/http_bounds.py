@@ -113,15 +113,17 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def check_generate(path: str, body: bytes) -> None:
     """Refuse a ``generate`` / ``generate_stream`` body that tritonserver would misread or fail on with a 500: one
-    that is not UTF-8 JSON, has a key twice in one object, or whose string-list inputs Triton would flatten
-    (:func:`splitspec.serving.requests.check_generate_json`). Runs after :func:`check_depth` (so parsing cannot
-    recurse deeply).
+    that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, or whose
+    string-list inputs Triton would flatten (:func:`splitspec.serving.requests.check_generate_json`). Runs after
+    :func:`check_depth` (so parsing cannot recurse deeply).
 
     Raises:
         Refusal: 400 naming what is wrong.
     """
     if not GENERATE_PATH.match(path):
         return
+    if not body:
+        raise Refusal(400, "request body: empty; expected a JSON object of inputs, e.g. {\"text_input\": \"...\"}")
     try:
         doc = json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:

@@ -15,22 +15,28 @@ forwarding a request it:
 - refuses a body over :func:`~splitspec.serving.server_limits.repo_body_limit` (the largest JSON a prompt of the
   repository's ``max_prompt_bytes`` can take; the stack tritonserver runs with is sized for twice that) with 413: by
   its ``Content-Length`` before reading it, a chunked (or compressed: it is decompressed here, and forwarded
-  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. An
-  encoding tritonserver does not take (other than gzip and deflate) gets 415, one that does not decompress 400;
+  decompressed) body as soon as what was read passes the limit; the connection is then closed, the rest unread. The
+  decoding is :mod:`splitspec.serving.content_encoding`'s, not aiohttp's (turned off: it took a gzip body cut
+  short): another encoding than gzip and deflate gets 415, a stream that does not decompress or end cleanly 400;
 - answers 408 to a body not complete within ``body_timeout_s`` (30 s: a client that sent its headers and stalls
   would hold its request open for good), closing the connection;
 - forwards a form-typed body (``curl -d``'s default: the curl examples use it, and tritonserver reads the body as
   JSON whatever its type) under that same limit, which keeps it far below what crashes tritonserver;
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
   4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
-  (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing);
+  (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing), and an empty ``POST`` to ``generate`` (which
+  tritonserver answers 500, ``document is empty``) with 400;
 - closes a connection that has not sent a whole request head within ``header_timeout_s`` (10 s) of opening, or of
   its previous answer (keep-alive): aiohttp's keep-alive timer, which fires only while the connection waits for a
   request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
   good (aiohttp's own default is an hour): 20,000 of them ran the process out of file descriptors;
 - holds at most ``max_connections`` (1024) client connections at once: one past that is closed as soon as it is
-  accepted (:class:`CappedServer`), and the event loop's own errors (``socket.accept() out of system resource``,
-  ``EMFILE``) are logged one line a second at most (:class:`QuietLog`), not a traceback each;
+  accepted (:class:`~splitspec.serving.guard_server.CappedServer`), and the event loop's own errors
+  (``socket.accept() out of system resource``, ``EMFILE``) are logged one line a second at most
+  (:class:`~splitspec.serving.guard_server.QuietLog`), not a traceback each;
+- answers a request aiohttp's parser refuses (a malformed ``Content-Length`` or chunk size, ``Content-Length`` with
+  ``Transfer-Encoding``) 400 in the same JSON shape, closing the connection, and logs it in one line, each kind once
+  a second at most (:mod:`splitspec.serving.guard_server`; aiohttp logged a traceback for each);
 - answers ``HEAD`` by asking tritonserver ``GET`` (tritonserver answers ``HEAD`` 405 with a body, which breaks the
   connection) and passing its status and headers on without the body;
 - answers 503 while tritonserver cannot be reached (starting, or restarting after a fault) and 502 when it closes
@@ -54,23 +60,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import sys
 import threading
 import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.body_reader import BodyReader
+from splitspec.serving.guard_server import CappedServer, QuietLog, error_response
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
-from splitspec.serving.rate_limited_log import RateLimitedLog
-from splitspec.serving.server_limits import BODY_TIMEOUT_S, repo_body_limit, repo_max_prompt_bytes
+from splitspec.serving.server_limits import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, repo_body_limit,
+                                             repo_max_prompt_bytes)
 
 #: Headers of one connection, never forwarded (RFC 9110 7.6.1), and those named by a ``Connection`` header.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -79,8 +83,6 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
 #: Response headers set anew for the client (the length is set again when tritonserver gave one).
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
-#: Request body encodings tritonserver takes (aiohttp decompresses them here; the body goes on decompressed).
-ENCODINGS = ("identity", "gzip", "deflate")
 #: Answers with a Content-Length up to this are read whole and sent on in one write (headers and body together);
 #: longer ones, and those without a length (server-sent events), are passed on as they arrive.
 BUFFERED_ANSWER_BYTES = 1 << 20
@@ -89,63 +91,12 @@ UPSTREAM_KEEPALIVE_S = 10.0
 #: Bodies at least this long are scanned on a worker thread, off the event loop (the scan's numpy loops release
 #: the GIL).
 SCAN_OFF_LOOP_BYTES = 1 << 20
-#: Seconds a client connection may take to send a whole request head, from its opening or its previous answer.
-HEADER_TIMEOUT_S = 10.0
-#: Client connections held at once; one more is closed as soon as it is accepted.
-MAX_CONNECTIONS = 1024
 
 
 def forwarded_headers(headers, drop: frozenset[str]) -> CIMultiDict:
     """``headers`` without those in ``drop`` (lower case) or named by their ``Connection`` header."""
     named = {name.strip().lower() for value in headers.getall("Connection", []) for name in value.split(",")}
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named)
-
-
-def error_response(status: int, message: str, close: bool = False) -> web.Response:
-    """Triton's HTTP error shape: ``{"error": message}`` with ``status``; ``close``: end the connection after it."""
-    resp = web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")
-    if close:
-        resp.force_close()
-    return resp
-
-
-class _CappedHandler(RequestHandler):
-    """aiohttp's connection handler, which closes its connection at once when its server holds its cap already."""
-
-    def connection_made(self, transport) -> None:
-        server = self._manager
-        if len(server.connections) >= server.max_connections:
-            server.refused += 1
-            self._manager = None  # so connection_lost does nothing: the connection was never the server's
-            transport.abort()
-            return
-        super().connection_made(transport)
-
-
-class CappedServer(web.Server):
-    """aiohttp's low-level server holding at most ``max_connections`` client connections at once (those refused
-    counted in :attr:`refused`)."""
-
-    def __init__(self, handler, *, max_connections: int = MAX_CONNECTIONS, **kwargs):
-        super().__init__(handler, **kwargs)
-        self.max_connections, self.refused = max_connections, 0
-
-    def __call__(self) -> RequestHandler:
-        return _CappedHandler(self, loop=self._loop, **self._kwargs)
-
-
-class QuietLog(RateLimitedLog):
-    """An event loop's exception handler writing each error as one line (no traceback) to stderr, one every
-    ``every_s`` seconds at most (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`): at the descriptor
-    limit the loop reports each failed accept."""
-
-    def __init__(self, every_s: float = 1.0):
-        super().__init__(lambda line: print(line, file=sys.stderr, flush=True), every_s)
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        exc = context.get("exception")
-        self.say(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
-                 + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
 
 class HttpGuard:
@@ -160,8 +111,9 @@ class HttpGuard:
         max_depth: the deepest JSON nesting forwarded.
         connect_timeout_s: how long to try to reach tritonserver before answering 503.
         body_timeout_s: how long a request's body may take to arrive before it is answered 408.
-        header_timeout_s: how long a connection may take to send a whole request head (:data:`HEADER_TIMEOUT_S`).
-        max_connections: client connections held at once (:data:`MAX_CONNECTIONS`).
+        header_timeout_s: how long a connection may take to send a whole request head
+            (:data:`~splitspec.serving.server_limits.HEADER_TIMEOUT_S`).
+        max_connections: client connections held at once (:data:`~splitspec.serving.server_limits.MAX_CONNECTIONS`).
     """
 
     def __init__(self, port: int, upstream_port: int, body_limit: int, max_prompt_bytes: int | None = None,
@@ -181,6 +133,8 @@ class HttpGuard:
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
+        #: the guard's error log: the event loop's errors and the requests aiohttp refuses, one line each
+        self.log = QuietLog()
 
     @classmethod
     def for_repo(cls, repo: Path, port: int, upstream_port: int, host: str) -> "HttpGuard":
@@ -255,7 +209,7 @@ class HttpGuard:
     def _run(self, started: concurrent.futures.Future) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        loop.set_exception_handler(QuietLog())
+        loop.set_exception_handler(self.log)
         try:
             loop.run_until_complete(self._open())
         except BaseException as e:  # handed to start()
@@ -278,9 +232,10 @@ class HttpGuard:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
             skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))  # only the client's own
         # a client gone cancels its request; a body left unread (refused) is not read on: the connection closes;
-        # keepalive_timeout is the header timeout (module docstring)
-        self._server = CappedServer(self._handle, max_connections=self.max_connections, handler_cancellation=True,
-                                    lingering_time=0, keepalive_timeout=self.header_timeout_s)
+        # keepalive_timeout is the header timeout (module docstring); bodies come as sent, decoded by BodyReader
+        self._server = CappedServer(self._handle, max_connections=self.max_connections, log=self.log,
+                                    handler_cancellation=True, lingering_time=0,
+                                    keepalive_timeout=self.header_timeout_s, auto_decompress=False)
         self._runner = web.ServerRunner(self._server, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -313,9 +268,9 @@ class HttpGuard:
             if not request.raw_path.startswith("/"):
                 raise Refusal(400, f"request target {request.raw_path[:80]!r}: expected a path starting with '/'")
             body = await self._read(request)
-            if body:
-                args = (body, request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
-                if len(body) >= SCAN_OFF_LOOP_BYTES:
+            if body or request.method == "POST":  # an empty generate body is refused here: tritonserver's is a 500
+                args = (body or b"", request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
+                if len(args[0]) >= SCAN_OFF_LOOP_BYTES:
                     await asyncio.to_thread(check_body, *args)
                 else:
                     check_body(*args)
@@ -326,21 +281,18 @@ class HttpGuard:
             self.active -= 1
 
     async def _read(self, request: web.BaseRequest) -> bytes | None:
-        """The body (None: the request has none), within the limit and ``body_timeout_s``
-        (:class:`~splitspec.serving.body_reader.BodyReader`); decompressed by aiohttp as it is read."""
+        """The body (None: the request has none), within the limit and ``body_timeout_s``, decoded from its
+        ``Content-Encoding`` (:class:`~splitspec.serving.body_reader.BodyReader`)."""
         body = BodyReader(self.body_limit, self.max_prompt_bytes, self.body_timeout_s)
         body.check_length(request.headers.get("Content-Length"))
         if not request.body_exists:
             return b"" if request.content_length == 0 else None
-        encoding = request.headers.get("Content-Encoding", "identity")
-        if encoding.strip().lower() not in ENCODINGS:
-            raise Refusal(415, f"Content-Encoding: {encoding[:40]!r}: expected one of {', '.join(ENCODINGS)}")
+        body.check_encoding(", ".join(request.headers.getall("Content-Encoding", [])) or None)
         if request.headers.get("Expect", "").lower() == "100-continue":  # as aiohttp's own routes answer it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        what = "chunked request body" if encoding.strip().lower() == "identity" else "decompressed request body"
         try:
-            return await body.read(request.content.iter_any(), what)
-        except web.RequestPayloadError as e:  # broken chunks, or compression that does not decompress
+            return await body.read(request.content.iter_any())
+        except web.RequestPayloadError as e:  # broken chunks
             why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
             raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
 

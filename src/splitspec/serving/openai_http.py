@@ -44,22 +44,26 @@ def shutting_down() -> APIError:
 
 
 #: OpenAI's error ``code`` of each body refusal (:class:`~splitspec.serving.body_reader.BodyReader`) that has one.
-REFUSAL_CODES = {408: "request_timeout", 413: "request_too_large"}
+REFUSAL_CODES = {408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type"}
 
 
 async def read_body(request: Request, limit: int, max_prompt_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
-    """The request's body, at most ``limit`` bytes, all of it within ``timeout_s`` seconds
-    (:class:`~splitspec.serving.body_reader.BodyReader`, its refusals in OpenAI's error shape).
+    """The request's body, at most ``limit`` bytes, all of it within ``timeout_s`` seconds, decoded from its
+    ``Content-Encoding`` (gzip, deflate; Starlette decodes none) (:class:`~splitspec.serving.body_reader.BodyReader`,
+    its refusals in OpenAI's error shape).
 
     Raises:
         APIError: 413 ``request_too_large`` when ``Content-Length`` exceeds ``limit`` (nothing of the body is read)
-            or, without one, once the chunks read pass it; 400 for a ``Content-Length`` that is not a number; 408
-            ``request_timeout`` when the body is not complete within ``timeout_s``; 400 when the connection closed
-            before the body ended (an answer nobody reads, but no internal error).
+            or, without one, once the chunks read (or what they decompress to) pass it; 400 for a ``Content-Length``
+            that is not a number; 415 ``unsupported_media_type`` for a ``Content-Encoding`` other than identity,
+            gzip and deflate (``zstd`` was read as plain text before); 400 for a compressed body that does not
+            decode or is cut short; 408 ``request_timeout`` when the body is not complete within ``timeout_s``; 400
+            when the connection closed before the body ended (an answer nobody reads, but no internal error).
     """
     body = BodyReader(limit, max_prompt_bytes, timeout_s)
     try:
         body.check_length(request.headers.get("content-length"))
+        body.check_encoding(", ".join(request.headers.getlist("content-encoding")) or None)
         return await body.read(request.stream())
     except Refusal as e:
         raise APIError(e.status, e.message, "invalid_request_error", None, REFUSAL_CODES.get(e.status)) from None

@@ -1,38 +1,66 @@
-"""A log that says one line a second at most, for errors that can repeat many times a second: the HTTP guard's
-event-loop errors (each failed accept at the descriptor limit, :class:`~splitspec.serving.http_guard.QuietLog`) and
-the supervisor's failed checks of the pipeline, retried every tick (:class:`~splitspec.serving.supervisor.Supervisor`).
+"""A log that says each kind of line once a second at most, for errors that can repeat many times a second: the HTTP
+guard's event-loop errors (each failed accept at the descriptor limit) and the requests aiohttp refuses before they
+reach it (a malformed request head or chunk, :mod:`splitspec.serving.guard_server`), the OpenAI front end's requests
+that h11 refuses (:mod:`splitspec.serving.openai_connection`), and the supervisor's failed checks of the pipeline,
+retried every tick (:class:`~splitspec.serving.supervisor.Supervisor`).
+
+Lines are limited per key (by default the line itself), so a line of another kind is never swallowed by one that
+floods; what was left out of a key is said on that key's next line written. Its memory is bounded: at most
+``max_keys`` keys are kept, a new key past that replacing the key written longest ago once that one's second is over;
+until then (more than ``max_keys`` kinds of line within a second) the new line is left out, counted as "other" and
+said on the next line written.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable
+
+#: Keys remembered at once (each costs its key string and two numbers).
+MAX_KEYS = 64
 
 
 class RateLimitedLog:
-    """Passes lines to ``write`` one every ``every_s`` seconds at most (by ``time.monotonic``); the lines in between
-    are left out, counted in :attr:`left_out`, and the next line written ends with ``(N more since the last line)``.
-    For one thread: :meth:`say` takes no lock.
+    """Passes lines to ``write``, of each key one every ``every_s`` seconds at most (by ``time.monotonic``); the lines
+    of that key in between are left out and counted, and the key's next line written ends with ``(N more since the
+    last line)`` (the last of its key). Lines left out because ``max_keys`` keys were all within their ``every_s``
+    are counted in :attr:`left_out` and said on the next line written of any key (``N other lines left out``). For
+    one thread: :meth:`say` takes no lock.
 
     Args:
         write: where a line goes (one line, no newline), e.g. ``print`` to stderr or the supervisor's ``say``.
-        every_s: the shortest time between two lines written, seconds.
+        every_s: the shortest time between two lines of one key written, seconds.
+        max_keys: keys remembered at once (:data:`MAX_KEYS`).
     """
 
-    def __init__(self, write: Callable[[str], None], every_s: float = 1.0):
-        self.write, self.every_s = write, every_s
-        #: when the last line was written (``time.monotonic``; -inf: none yet)
-        self.last = float("-inf")
-        #: lines left out since the last one written
+    def __init__(self, write: Callable[[str], None], every_s: float = 1.0, max_keys: int = MAX_KEYS):
+        self.write, self.every_s, self.max_keys = write, every_s, max_keys
+        #: key → [when its last line was written (``time.monotonic``), its lines left out since], oldest write first
+        self.keys: OrderedDict[str, list] = OrderedDict()
+        #: lines left out without a key of their own to count them (every key kept was within its ``every_s``)
         self.left_out = 0
 
-    def say(self, line: str) -> None:
-        """Write ``line`` (with the count of those left out before it), unless one was written less than
-        ``every_s`` seconds ago: then only count it."""
+    def say(self, line: str, key: str | None = None) -> None:
+        """Write ``line`` (with the count of its key's lines left out before it), unless a line of ``key`` (default:
+        ``line`` itself) was written less than ``every_s`` seconds ago: then only count it."""
+        key = line if key is None else key
         now = time.monotonic()
-        if now - self.last < self.every_s:
-            self.left_out += 1
+        kept = self.keys.get(key)
+        if kept is not None and now - kept[0] < self.every_s:
+            kept[1] += 1
             return
-        more = f" ({self.left_out} more since the last line)" if self.left_out else ""
-        self.write(line + more)
-        self.last, self.left_out = now, 0
+        if kept is None and len(self.keys) >= self.max_keys:
+            oldest = next(iter(self.keys.values()))
+            if now - oldest[0] < self.every_s:  # every key kept is still within its time: no room
+                self.left_out += 1
+                return
+            self.left_out += oldest[1]  # its own count now has no key to be said with
+            self.keys.popitem(last=False)
+        more = [f"{kept[1]} more since the last line"] if kept is not None and kept[1] else []
+        if self.left_out:
+            more.append(f"{self.left_out} other lines left out")
+        self.write(line + (f" ({'; '.join(more)})" if more else ""))
+        self.keys[key] = [now, 0]
+        self.keys.move_to_end(key)
+        self.left_out = 0

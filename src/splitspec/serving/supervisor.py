@@ -31,8 +31,8 @@ to the engine process); the front ends get up to ``flush_s`` to pass those last 
 with nothing left in flight.
 
 The supervising thread does not die silently: an error it did not expect while checking (a fault's check that
-raised) is logged, one line a second at most (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`), and the
-check retried at the next tick; one escaping a recovery (the server half killed, half started) is logged and turns
+raised) is logged, one line a second at most for each kind of error
+(:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`), and the check retried at the next tick; one escaping a recovery (the server half killed, half started) is logged and turns
 the supervisor :attr:`failed`, so ``splitspec serve`` exits with an error for a service manager to restart it. A failed kill during a recovery is logged and the server's
 process group killed regardless; a ``/proc`` entry that cannot be read (``EMFILE``) is no death
 (:data:`~splitspec.serving.process_tree.UNKNOWN`).
@@ -222,7 +222,8 @@ class Supervisor:
             try:
                 fault = self._fault()
             except Exception as e:  # retried at the next tick
-                check_failed.say(f"splitspec serve: checking the pipeline failed ({type(e).__name__}: {e}); retrying")
+                check_failed.say(f"splitspec serve: checking the pipeline failed ({type(e).__name__}: {e}); retrying",
+                                 key=type(e).__name__)  # one line a second per kind of failure, whatever its text
                 continue
             if fault is None:
                 continue
