@@ -10,9 +10,10 @@ then logged ``Error handling request`` with a 10-line traceback through its own 
 and echoing the offending line (up to 8 KiB of a header): 500–560 bytes of log per request, 16.5 KB for an 8 KB
 header with a bad byte. Its answer was a ``text/plain`` 400 of several lines echoing the bytes with a caret. The
 guard's handler (:class:`_CappedHandler`) answers these as Triton's errors instead — 400 ``{"error": "malformed HTTP
-request: <reason>"}``, the connection closed after it — and logs each as one line with the client's address,
-``splitspec serve: HTTP guard: 400 to <address>: malformed request: <reason>``, no traceback, through
-:class:`QuietLog` (one line a second per kind). A reason quoting the client's bytes shows at most
+request (<kind>): <reason>"}``, the connection closed after it — and logs each as one line with the client's
+address, ``splitspec serve: HTTP guard: 400 to <address>: malformed request (<kind>): <reason>``, no traceback,
+through :class:`QuietLog` (one line a second per kind; the kind is the parser's error class, e.g. ``BadHttpMessage``,
+``InvalidURLError``, never text the client chose). A reason quoting the client's bytes shows at most
 :data:`SHOWN_CHARS` characters of it, non-printable ones as ``?``. An error inside the guard's own handler (a fault
 of its own, not the client's) is answered 500 and logged the same way, as are aiohttp's other errors.
 """
@@ -69,7 +70,8 @@ class QuietLog(RateLimitedLog):
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         exc = context.get("exception")
         self.say(f"splitspec serve: HTTP guard: {context.get('message', 'error')}"
-                 + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
+                 + (f": {type(exc).__name__}: {exc}" if exc is not None else ""),
+                 key=f"{str(context.get('message', 'error'))[:60]} {type(exc).__name__ if exc is not None else ''}")
 
 
 class _CappedHandler(RequestHandler):
@@ -92,9 +94,12 @@ class _CappedHandler(RequestHandler):
         """The answer to a request aiohttp could not hand to the guard (a malformed one: 400) or that the guard's
         handler failed on (500; 504 for a TimeoutError): Triton's error shape, the connection closed after it."""
         if status < 500:
+            # the kind: the parser's error class (a place in aiohttp, never the client's bytes, which the reason
+            # may quote: a CONNECT's authority is its whole message), named in the answer too
+            kind = type(exc).__name__ if exc is not None else "refusal"
             why = reason(exc, message)
-            said, key, answer = f"malformed request: {why}", f"{status} {why.split(':')[0][:60]}", \
-                f"malformed HTTP request: {why}"
+            said, key, answer = f"malformed request ({kind}): {why}", f"{status} {kind}", \
+                f"malformed HTTP request ({kind}): {why}"
         else:
             said = f"{type(exc).__name__}: {shown(str(exc))}" if exc is not None else HTTPStatus(status).phrase
             key, answer = f"{status} {said[:60]}", f"{HTTPStatus(status).phrase} in the HTTP guard"
@@ -109,7 +114,8 @@ class _CappedHandler(RequestHandler):
         what = shown(str(args[0]) if args else "error")
         if isinstance(exc, BaseException):
             what += f": {type(exc).__name__}: {shown(str(exc))}"
-        self.log.say(f"splitspec serve: HTTP guard: {what}", key=what[:60])
+        self.log.say(f"splitspec serve: HTTP guard: {what}",
+                     key=f"{shown(str(args[0]) if args else 'error', 60)} {type(exc).__name__ if exc else ''}")
 
 
 class CappedServer(web.Server):

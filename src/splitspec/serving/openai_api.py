@@ -47,7 +47,7 @@ from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
-from splitspec.serving.openai_connection import bounded_protocol, limit_framing_log, single_framing
+from splitspec.serving.openai_connection import bounded_protocol, limit_warning_log, single_framing
 from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.server_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, request_body_limit
@@ -360,7 +360,7 @@ class OpenAIServer:
         protocol = bounded_protocol(self.header_timeout_s, self.max_connections)
         config = uvicorn.Config(single_framing(self.gate), http=protocol, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=self.header_timeout_s)
-        limit_framing_log()
+        limit_warning_log()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend",
                                         daemon=True)

@@ -20,7 +20,8 @@ this on its own:
   incomplete past 16 KiB) and uvicorn answered it as ``text/plain`` ``Invalid HTTP request received.``;
   :class:`BoundedH11Protocol` answers it in OpenAI's error shape naming h11's reason, with the status h11 suggests
   (400; 431 for a head too long, 501 for a transfer coding other than chunked), and closes the connection. uvicorn
-  logs each one as a WARNING: :data:`FRAMING_LOG_LIMIT` lets one a second through (:func:`limit_framing_log`).
+  logs each one as a WARNING: :data:`WARNING_LOG_LIMIT` lets one a second through (:func:`limit_warning_log`), as it
+  does each other kind of uvicorn warning (a request asking ``Upgrade:`` logged two).
 
 The protocol overrides methods of uvicorn's ``H11Protocol`` (``connection_made``, ``data_received``,
 ``on_response_complete``, ``send_400_response``) and reads its ``conn`` (the h11 connection), ``cycle`` and
@@ -73,10 +74,13 @@ def single_framing(app):
     return framed
 
 
-class _FramingLogLimit(logging.Filter):
-    """A filter for the logger ``uvicorn.error`` passing :data:`UVICORN_INVALID_REQUEST` once every ``every_s``
-    seconds at most, the next one passed ending with the count of those left out
-    (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`); other records pass unchanged."""
+class _WarningLogLimit(logging.Filter):
+    """A filter for the logger ``uvicorn.error`` passing each kind of warning (or worse) once every ``every_s`` seconds
+    at most, the next one of a kind passed ending with the count of those left out
+    (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`). A kind is the record's message template
+    (``record.msg``: a place in uvicorn's code, never the client's bytes): :data:`UVICORN_INVALID_REQUEST` for every
+    request h11 refuses, ``Unsupported upgrade request.`` and the WebSocket-library line for each request asking
+    ``Upgrade:`` (two lines per request, pipelined by the hundred, before). Records below WARNING pass unchanged."""
 
     def __init__(self, every_s: float = 1.0):
         super().__init__()
@@ -87,11 +91,11 @@ class _FramingLogLimit(logging.Filter):
         self._passed = line
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != UVICORN_INVALID_REQUEST:
+        if record.levelno < logging.WARNING:
             return True
         with self._lock:  # servers on several threads share it
             self._passed = None
-            self._limit.say(record.getMessage())
+            self._limit.say(record.getMessage(), key=str(record.msg)[:80])
             passed = self._passed
         if passed is None:
             return False
@@ -99,14 +103,15 @@ class _FramingLogLimit(logging.Filter):
         return True
 
 
-#: The one filter every OpenAI front end of this process adds (:func:`limit_framing_log`): one line a second at most.
-FRAMING_LOG_LIMIT = _FramingLogLimit()
+#: The one filter every OpenAI front end of this process adds (:func:`limit_warning_log`): one line a second at most
+#: per kind of warning.
+WARNING_LOG_LIMIT = _WarningLogLimit()
 
 
-def limit_framing_log() -> None:
-    """Add :data:`FRAMING_LOG_LIMIT` to the logger ``uvicorn.error`` (once: adding it again does nothing). Call it
+def limit_warning_log() -> None:
+    """Add :data:`WARNING_LOG_LIMIT` to the logger ``uvicorn.error`` (once: adding it again does nothing). Call it
     after ``uvicorn.Config`` is made: that configures uvicorn's loggers."""
-    logging.getLogger("uvicorn.error").addFilter(FRAMING_LOG_LIMIT)
+    logging.getLogger("uvicorn.error").addFilter(WARNING_LOG_LIMIT)
 
 
 class _Parser(h11.Connection):
