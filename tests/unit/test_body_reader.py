@@ -15,7 +15,7 @@ from starlette.requests import Request
 from splitspec.serving.body_reader import BodyReader
 from splitspec.serving.http_bounds import Refusal
 from splitspec.serving.openai_errors import APIError
-from splitspec.serving.openai_http import read_body
+from splitspec.serving.openai_http import error_response, read_body
 
 
 async def _chunks(*parts: bytes, then: BaseException | None = None, stall_s: float = 0.0):
@@ -156,4 +156,5 @@ def test_the_openai_front_end_decodes_gzip_and_deflate_and_refuses_others_in_its
         error = e.value.body()["error"]
         assert (e.value.status, error["type"], error["param"], error["code"]) == (status, "invalid_request_error",
                                                                                   None, code)
+        assert e.value.close and error_response(e.value).headers["connection"] == "close"  # the rest left unread
         assert error["message"].startswith(start), error

@@ -267,7 +267,10 @@ class HttpGuard:
         try:
             if not request.raw_path.startswith("/"):
                 raise Refusal(400, f"request target {request.raw_path[:80]!r}: expected a path starting with '/'")
-            body = await self._read(request)
+            try:
+                body = await self._read(request)
+            except Refusal as e:  # the rest of the body unread: the connection closes after the answer
+                return error_response(e.status, e.message, close=True)
             if body or request.method == "POST":  # an empty generate body is refused here: tritonserver's is a 500
                 args = (body or b"", request.headers.get(JSON_LENGTH_HEADER), self.max_depth, request.raw_path)
                 if len(args[0]) >= SCAN_OFF_LOOP_BYTES:
@@ -276,7 +279,7 @@ class HttpGuard:
                     check_body(*args)
             return await self._forward(request, body)
         except Refusal as e:
-            return error_response(e.status, e.message, close=e.status in (408, 413))
+            return error_response(e.status, e.message)
         finally:
             self.active -= 1
 

@@ -22,12 +22,14 @@ class FieldNames(Protocol):
 
 
 class APIError(SplitspecError):
-    """An error answered to the client: HTTP ``status`` and OpenAI's error object."""
+    """An error answered to the client: HTTP ``status`` and OpenAI's error object; ``close``: end the connection after
+    the answer (a refusal while reading the body, the rest of it unread)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.close = close
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""

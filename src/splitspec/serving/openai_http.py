@@ -59,22 +59,25 @@ async def read_body(request: Request, limit: int, max_prompt_bytes: int, timeout
             gzip and deflate (``zstd`` was read as plain text before); 400 for a compressed body that does not
             decode or is cut short; 408 ``request_timeout`` when the body is not complete within ``timeout_s``; 400
             when the connection closed before the body ended (an answer nobody reads, but no internal error).
+            Each with ``close`` set: the connection ends after the answer.
     """
     body = BodyReader(limit, max_prompt_bytes, timeout_s)
     try:
         body.check_length(request.headers.get("content-length"))
         body.check_encoding(", ".join(request.headers.getlist("content-encoding")) or None)
         return await body.read(request.stream())
-    except Refusal as e:
-        raise APIError(e.status, e.message, "invalid_request_error", None, REFUSAL_CODES.get(e.status)) from None
+    except Refusal as e:  # the rest of the body unread: the connection closes after the answer
+        raise APIError(e.status, e.message, "invalid_request_error", None, REFUSAL_CODES.get(e.status),
+                       close=True) from None
     except ClientDisconnect:  # the client left, or h11 refused a malformed chunk (400) and closed the connection
         raise APIError(400, f"request body cut off after {body.size} bytes: the connection closed",
-                       "invalid_request_error", None, None) from None
+                       "invalid_request_error", None, None, close=True) from None
 
 
 def error_response(e: APIError) -> JSONResponse:
-    """``e`` as a JSON answer in OpenAI's error shape; a 413 or 408 closes the connection (its body stays unread)."""
-    return JSONResponse(e.body(), status_code=e.status, headers=CLOSE if e.status in (408, 413) else None)
+    """``e`` as a JSON answer in OpenAI's error shape; the connection closed after it when ``e.close`` (a refusal
+    while reading the body: 408, 413, 415, a body that does not decode)."""
+    return JSONResponse(e.body(), status_code=e.status, headers=CLOSE if e.close else None)
 
 
 class Gate:
