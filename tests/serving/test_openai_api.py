@@ -262,7 +262,7 @@ def test_draining_refuses_new_requests_and_lets_open_streams_finish(served, monk
     """The front end's part in a graceful stop, against a stand-in ensemble that streams for ~1 s: after drain() a
     new request gets 503 in OpenAI's error shape at once, the open stream still gets its last chunk and [DONE], and
     wait_idle() returns once it has (tests/serving/test_faults_supervision.py runs the whole order under serve)."""
-    from splitspec.serving.openai_api import EnsembleStream
+    from splitspec.serving.ensemble_stream import EnsembleStream
 
     async def stand_in(self, text, max_tokens, params):
         import asyncio

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from splitspec.serving.openai_api import EnsembleStream, OpenAIServer
+from splitspec.serving.ensemble_stream import EnsembleStream
+from splitspec.serving.openai_api import OpenAIServer
 from splitspec.serving.tritonserver import free_ports
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,8 +2,8 @@
 
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``). Requests are
 checked and answers shaped by :mod:`splitspec.serving.openai_schema`; the app itself only renders chat messages with
-the served tokenizer, sends one streaming request to the ensemble per call (``tritonclient.grpc.aio``, inputs built
-by :func:`splitspec.serving.client.grpc_inputs`) and turns its responses into JSON or server-sent events.
+the served tokenizer, sends one streaming request to the ensemble per call
+(:class:`~splitspec.serving.ensemble_stream.EnsembleStream`) and turns its responses into JSON or server-sent events.
 
 Chat messages are rendered here, with the tokenizer folder the repository's ``preprocessing`` model loads
 (``tokenizer_dir``), and sent as plain text (``apply_chat_template`` false): the ensemble's own template switch wraps
@@ -46,7 +46,8 @@ from splitspec.files import read_json
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
-from splitspec.serving.client import grpc_inputs, is_final, merge, result_dict
+from splitspec.serving.client import merge
+from splitspec.serving.ensemble_stream import EnsembleStream
 from splitspec.serving.openai_connection import bounded_protocol, limit_warning_log, single_framing
 from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
@@ -116,67 +117,6 @@ class ServedModel:
                                      f"prompt of {size} bytes, at most {self.max_prompt_bytes} (max_prompt_bytes)")
         return schema.default_max_tokens(len(self.tokenizer.encode(text)), self.max_seq_len, self.max_draft_len,
                                          self.max_tokens_limit)
-
-
-class EnsembleStream:
-    """Streaming requests to the ensemble over one gRPC channel (opened on first use, in the serving event loop)."""
-
-    def __init__(self, address: str, model: str = "ensemble"):
-        self.address, self.model, self._client = address, model, None
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-    async def stream(self, text: str, max_tokens: int, params: dict) -> AsyncIterator[dict]:
-        """Send one request and yield each response's outputs (:func:`~splitspec.serving.client.result_dict`) until
-        the final one. Closing or cancelling the generator early cancels the gRPC stream, hence the request.
-
-        Raises:
-            APIError: the ensemble answered with an error (:func:`~splitspec.serving.openai_errors.ensemble_error`),
-                or the server cannot be reached (503).
-        """
-        import grpc
-        import tritonclient.grpc.aio as grpcaio
-        from tritonclient.utils import InferenceServerException
-
-        inputs = grpc_inputs(text, max_tokens, **params)
-        if self._client is None:
-            self._client = grpcaio.InferenceServerClient(self.address)
-        sent = asyncio.Event()
-
-        async def request_stream():  # one request; the stream stays open until the answer is complete
-            yield {"model_name": self.model, "inputs": inputs,
-                   "parameters": {"triton_enable_empty_final_response": True}}
-            await sent.wait()
-
-        call = self._client.stream_infer(request_stream())
-        finished = False
-        try:
-            async for result, error in call:
-                if error is not None:
-                    finished = True
-                    raise api_errors.ensemble_error(error.message() if hasattr(error, "message") else str(error))
-                ev, final = result_dict(result), is_final(result)
-                if ev:
-                    yield ev
-                if final:
-                    finished = True
-                    return
-            finished = True
-            raise api_errors.unavailable("the gRPC stream ended before the final response")
-        except grpc.RpcError as e:
-            finished = True
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise api_errors.unavailable(f"grpc {self.address}: {details}") from None
-        except InferenceServerException as e:
-            finished = True
-            raise api_errors.unavailable(f"grpc {self.address}: {e.message()}") from None
-        finally:
-            sent.set()
-            if not finished:
-                call.cancel()
 
 
 async def _first(events: AsyncIterator[dict]) -> dict | None:
