@@ -33,7 +33,7 @@ from splitspec import quant
 from splitspec.drafter_config import DrafterConfig
 from splitspec.errors import ConfigError
 from splitspec.models import fp8_linear, paged_attention
-from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, rms_norm
+from splitspec.models.layers import Rotary, TPComm, attend, attend_padded, compile_parts, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -165,15 +165,9 @@ class Eagle3Drafter:
     def compile(self) -> None:
         """Use ``torch.compile``d parts (:meth:`attention_part`, :meth:`mlp_part`, :meth:`head_part`) for padded
         batches, the CUDA-graph path: the norms, rotary, residual adds and casts between the matrix products fuse into
-        a few kernels per step (dynamic shapes: one compilation per part and token-count class, not per batch
-        bucket). Compiled as the class's functions, called with self (as :meth:`splitspec.models.target.TargetModel.compile`
-        does: compiled bound methods would keep a dropped engine's weights alive through a reference cycle)."""
-        import torch._dynamo
-
-        torch._dynamo.config.suppress_errors = True  # a part that fails to compile runs eagerly instead
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        a few kernels per step (:func:`splitspec.models.layers.compile_parts`)."""
         cls = type(self)
-        self.fast = tuple(torch.compile(f, dynamic=True) for f in (cls.attention_part, cls.mlp_part, cls.head_part))
+        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part)
 
     def attention_part(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> torch.Tensor:
         """Embedding, the two input norms and :meth:`attention`: [T, H] partial sum before the all-reduce."""

@@ -25,7 +25,7 @@ from splitspec import quant
 from splitspec.models import fp8_linear, fused_moe, int4_routed
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
-from splitspec.models.layers import Rotary, TPComm, mla_attention, rms_norm
+from splitspec.models.layers import Rotary, TPComm, compile_parts, mla_attention, rms_norm
 from splitspec.models.batch import ForwardBatch
 
 
@@ -109,16 +109,9 @@ class TargetModel:
         self.fast = None  # compiled (attention_half, mlp_half), see compile()
 
     def compile(self) -> None:
-        """Use ``torch.compile``d layer halves for padded batches (see the class docstring)."""
-        import torch._dynamo
-
-        torch._dynamo.config.suppress_errors = True  # a function that fails to compile runs eagerly instead
-        # one graph per (half, layer type, token-count class: 1, 2–16 with the decode kernels, more), and more when a
-        # benchmark switches the kernels off and on: past the default limit of 8 a half would silently run eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # the class's functions, called with self: compiled bound methods would hold self, and self.fast them, a
-        # reference cycle that keeps a dropped engine's weights on the GPU until the garbage collector next runs
-        self.fast = (torch.compile(TargetModel.attention_half, dynamic=True), torch.compile(TargetModel.mlp_half, dynamic=True))
+        """Use ``torch.compile``d layer halves for padded batches (see the class docstring;
+        :func:`splitspec.models.layers.compile_parts`)."""
+        self.fast = compile_parts(TargetModel.attention_half, TargetModel.mlp_half)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
