@@ -39,11 +39,10 @@ import threading
 
 import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from splitspec.serving.openai_errors import APIError
-from splitspec.serving.openai_http import CLOSE
+from splitspec.serving.openai_http import error_response
 from splitspec.serving.rate_limited_log import RateLimitedLog
 from splitspec.serving.server_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 
@@ -52,9 +51,9 @@ UVICORN_INVALID_REQUEST = "Invalid HTTP request received."
 
 
 def ambiguous_framing() -> APIError:
-    """400 for a request carrying both ``Content-Length`` and ``Transfer-Encoding``."""
+    """400 for a request carrying both ``Content-Length`` and ``Transfer-Encoding``, closing the connection."""
     return APIError(400, "the request has both Content-Length and Transfer-Encoding: its body's length is ambiguous "
-                         "(RFC 9112 section 6.1); send one of them", "invalid_request_error", None, None)
+                         "(RFC 9112 section 6.1); send one of them", "invalid_request_error", None, None, close=True)
 
 
 def single_framing(app):
@@ -66,8 +65,7 @@ def single_framing(app):
         if scope["type"] == "http":
             names = {name for name, _ in scope["headers"]}
             if b"content-length" in names and b"transfer-encoding" in names:
-                e = ambiguous_framing()
-                await JSONResponse(e.body(), status_code=e.status, headers=CLOSE)(scope, receive, send)
+                await error_response(ambiguous_framing())(scope, receive, send)
                 return
         await app(scope, receive, send)
 
