@@ -135,9 +135,10 @@ def fit_depth(rows: list[dict]) -> list[dict]:
             y = np.array([float(r[q]) for r in rs])
             if q == "draft_ms":  # the drafter's work does not depend on the target's depth: its mean, flat
                 c0, c1 = float(draft.mean()), 0.0
-            else:  # the cycle: its part besides the draft along depth, plus the flat draft
-                (c0, c1), *_ = np.linalg.lstsq(X, y - draft if q == "cycle_ms" else y, rcond=None)
-                c0 += draft.mean() if q == "cycle_ms" else 0.0
+            else:  # along depth; the cycle without its draft, which is added back flat
+                flat = draft if q == "cycle_ms" else np.zeros_like(y)
+                (c0, c1), *_ = np.linalg.lstsq(X, y - flat, rcond=None)
+                c0 += flat.mean()
             resid = np.abs(X @ np.array([c0, c1]) - y) / np.maximum(y, 1e-9)
             fit[q] = {"fixed_ms": float(c0), "per_moe_layer_ms": float(c1),
                       "max_residual": float(resid.max()) if len(depths) > 2 or q == "draft_ms" else 0.0}

@@ -32,9 +32,10 @@ with nothing left in flight.
 
 The supervising thread does not die silently: an error it did not expect while checking (a fault's check that
 raised) is logged, one line a second at most for each kind of error
-(:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`), and the check retried at the next tick; one escaping a recovery (the server half killed, half started) is logged and turns
-the supervisor :attr:`failed`, so ``splitspec serve`` exits with an error for a service manager to restart it. A failed kill during a recovery is logged and the server's
-process group killed regardless; a ``/proc`` entry that cannot be read (``EMFILE``) is no death
+(:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`), and the check retried at the next tick; one escaping
+a recovery (the server half killed, half started) is logged and turns the supervisor :attr:`failed`, so ``splitspec
+serve`` exits with an error for a service manager to restart it. A failed kill during a recovery is logged and the
+server's process group killed regardless; a ``/proc`` entry that cannot be read (``EMFILE``) is no death
 (:data:`~splitspec.serving.process_tree.UNKNOWN`).
 
 The HTTP guard (:mod:`splitspec.serving.http_guard`) on the public HTTP port is the supervisor's, not each server's:
