@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="moe,linear", help="comma list of moe, linear")
     ap.add_argument("--moe-tp", default="1,8", help="comma list: expert-TP shard shapes of the MoE section")
     ap.add_argument("--linear-tp", default="1,8", help="comma list: TP shard shapes of the linear section")
+    ap.add_argument("--moe-modes", default="0,1,2,3,4", help="comma list: the FP8 modes (fp8_tiles.MODE_NAMES) the MoE "
+                    "section sweeps")
     ap.add_argument("--budget-s", type=float, default=280, help="wall-clock budget: later configurations are skipped past it")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, toy shapes: checks the script only")
     a = ap.parse_args(argv)
@@ -87,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if not sections <= {"moe", "linear"}:
         ap.error(f"--sections {a.sections}: expected a comma list of moe, linear")
     try:
-        moe_tps, linear_tps = ([int(v) for v in s.split(",")] for s in (a.moe_tp, a.linear_tp))
+        moe_tps, linear_tps, moe_modes = ([int(v) for v in s.split(",")] for s in (a.moe_tp, a.linear_tp, a.moe_modes))
     except ValueError:
-        ap.error("--moe-tp / --linear-tp: expected comma lists of integers")
+        ap.error("--moe-tp / --linear-tp / --moe-modes: expected comma lists of integers")
     if a.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is first imported
     import torch
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         bw = 1.0
         kw = {"dims": TINY, "device": "cpu", "timer": fk.wall_ms}
-        moe_kw = {"tokens": (1,), "rotate": 1, "sweep": {"gate_up": {3: [(32, 64, 1, 1, 2)]}, "down": {1: [(32, 128, 1, 1)]}}}
+        moe_kw = {"tokens": (1,), "rotate": 1, "sweep": {"gate_up": {3: [(32, 64, 1, 1, 2)], 4: [(32, 128, 1, 1)]},
+                                                          "down": {1: [(32, 128, 1, 1)], 4: [(32, 128, 1, 1)]}}}
         lin_kw = {"tokens": (1, 20), "cold_bytes": 1, "names": ("fused_qkv_a", "q_b", "mlp_w2"),
                   "sweep": {1: [(1, 1, 32, 128, 0, 1, 1), (3, 16, 32, 64, 2, 1, 1)], 20: [(2, 32, 64, 128, 0, 1, 1)]}}
         moe_tps, linear_tps = moe_tps[:1], linear_tps[:1]
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         from lab.gpu_kernels import bandwidth
 
         bw = bandwidth()["copy_GBps_read_plus_write"]
-        kw, moe_kw, lin_kw = {}, {}, {}
+        kw, lin_kw = {}, {}
+        moe_kw = {"sweep": {kernel: {m: c for m, c in modes.items() if m in moe_modes} for kernel, modes in fk.MOE_SWEEP.items()}}
     results["bandwidth_GBps"] = bw
     print(f"copy bandwidth {bw:.0f} GB/s (the bounds' denominator)", flush=True)
 

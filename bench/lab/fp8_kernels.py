@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 from splitspec.models import fp8_linear, fused_moe
-from splitspec.models.fp8_tiles import MODE_DOT, MODE_DOT_BITS, MODE_F32, MODE_F32_BITS
+from splitspec.models.fp8_tiles import MODE_DOT, MODE_DOT_BITS, MODE_F32, MODE_F32_BITS, MODE_W8A8
 
 BLOCK = (128, 128)
 KIMI = {"hidden": 7168, "experts": 384, "top_k": 8, "moe_i": 2048, "q_lora": 1536, "kv_a": 576, "heads": 64,
@@ -33,10 +33,14 @@ MOE_SWEEP = {"gate_up": {**{m: [(8, 1024, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4)
                          **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3),
                                 (32, 512, 8, 3), (16, 256, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 4),
                                 (64, 256, 4, 3, 4)]
-                            for m in DOT_MODES}},
+                            for m in DOT_MODES},
+                         MODE_W8A8: [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 6),
+                                     (64, 128, 4, 6), (128, 128, 8, 4)]},
              "down": {**{m: [(16, 256, 8, 4), (16, 512, 8, 4), (8, 512, 4, 4), (32, 256, 8, 3)] for m in F32_MODES},
                       **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 8, 3)]
-                         for m in DOT_MODES}}}
+                         for m in DOT_MODES},
+                      MODE_W8A8: [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 6),
+                                  (64, 128, 8, 4)]}}
 #: Triton linear configurations (fp8_linear.LINEAR_CONFIGS entries) swept per token count
 LINEAR_SWEEP = {1: [(0, 1, 16, 512, 0, 4, 3), (0, 1, 16, 512, 1, 4, 3), (1, 1, 16, 512, 0, 4, 3), (0, 1, 32, 256, 0, 4, 3),
                     (2, 16, 32, 256, 0, 4, 3), (3, 16, 32, 256, 0, 4, 3), (3, 16, 64, 256, 0, 4, 3)],

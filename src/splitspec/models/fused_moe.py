@@ -39,7 +39,8 @@ import contextlib
 
 import torch
 
-from splitspec.models.fp8_tiles import FACTORS, check_mode, column16, fp8_tile, jit, tl, triton, weight_view
+from splitspec.models import fp8_moe_w8a8
+from splitspec.models.fp8_tiles import FACTORS, MODE_W8A8, check_mode, column16, fp8_tile, jit, tl, triton, weight_view
 
 #: Fused kernels serve batches of at most this many tokens: T · top_k pairs each read a whole expert, so with
 #: 8 of 384 experts 16 tokens read ~1.15× the distinct experts' bytes and 32 tokens ~1.4×, where the grouped
@@ -332,38 +333,56 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         out = torch.empty_like(x)
         # each gate/up program's gate rows lie in one tile row, and so do its up rows; each down program's rows
         gu_one, dn_one = BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0, BS0 % dn_n == 0
-        gu_mode = mode_for(gu_more[:1], gu_one, s13, ss13, shared, gu_n, gu_k, "gate_up")
-        dn_mode = mode_for(dn_mode, dn_one, s2, ss2, shared, dn_n, dn_k, "down")
+        gu_mode = mode_for(gu_more[:1], gu_one, s13, ss13, shared, gu_n, gu_k, BS1, "gate_up")
+        dn_mode = mode_for(dn_mode, dn_one, s2, ss2, shared, dn_n, dn_k, BS1, "down")
+        if split > 1 and MODE_W8A8 in (gu_mode, dn_mode):
+            raise ValueError(f"fused_experts gate_up config {gate_up_config}: the w8a8 mode does not split H")
 
         def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
             s, ss = (w if s is None else s), (ws if ss is None else ss)
             return (s, ss), (s.stride(0), s.stride(-2), ss.stride(-2))
 
         (p13, ps13), st13 = scale_args(s13, ss13, w13, ws13)
-        _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n), split)](
-            x, ids, weight_view(w13, gu_mode), weight_view(ws13, gu_mode), p13, ps13, act, H, I, I_s, E, top_k,
-            T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1, act.stride(1), act.stride(0),
-            width, per, *FACTORS[gu_mode], FP8=s13 is not None, SHARED_FP8=ss13 is not None, ONE_ROW_TILE=gu_one,
-            MODE=gu_mode, SPLIT=split, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
+        common = (H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1,
+                  act.stride(1))
+        if gu_mode == MODE_W8A8:
+            fp8_moe_w8a8.gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
+                x, ids, w13, ws13, p13, ps13, act, *common, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps,
+                num_stages=gu_stages)
+        else:
+            _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n), split)](
+                x, ids, weight_view(w13, gu_mode), weight_view(ws13, gu_mode), p13, ps13, act, *common, act.stride(0),
+                width, per, *FACTORS[gu_mode], FP8=s13 is not None, SHARED_FP8=ss13 is not None, ONE_ROW_TILE=gu_one,
+                MODE=gu_mode, SPLIT=split, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, num_stages=gu_stages)
         (p2, ps2), st2 = scale_args(s2, ss2, w2, ws2)
-        _down[(T, triton.cdiv(H, dn_n))](
-            act, ids, weights.to(torch.float32).contiguous(), weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2,
-            ps2, out, H, I, I_s, E, top_k, T * top_k, w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1,
-            act.stride(1), act.stride(0), width, *FACTORS[dn_mode], SHARED=shared, FP8=s2 is not None,
-            SHARED_FP8=ss2 is not None, ONE_ROW_TILE=dn_one, MODE=dn_mode, SPLIT=split, BLOCK_N=dn_n, BLOCK_K=dn_k,
-            num_warps=dn_warps, num_stages=dn_stages)
+        common = (H, I, I_s, E, top_k, T * top_k, w2.stride(0), w2.stride(-2), ws2.stride(-2), *st2, BS0, BS1,
+                  act.stride(1))
+        wts = weights.to(torch.float32).contiguous()
+        if dn_mode == MODE_W8A8:
+            fp8_moe_w8a8.down[(T, triton.cdiv(H, dn_n))](
+                act, ids, wts, w2, ws2, p2, ps2, out, *common, SHARED=shared, BLOCK_N=dn_n, BLOCK_K=dn_k,
+                num_warps=dn_warps, num_stages=dn_stages)
+        else:
+            _down[(T, triton.cdiv(H, dn_n))](
+                act, ids, wts, weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2, ps2, out, *common,
+                act.stride(0), width, *FACTORS[dn_mode], SHARED=shared, FP8=s2 is not None, SHARED_FP8=ss2 is not None,
+                ONE_ROW_TILE=dn_one, MODE=dn_mode, SPLIT=split, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps,
+                num_stages=dn_stages)
         return out
 
 
 def mode_for(asked: list[int], one_row_tile: bool, s: torch.Tensor | None, ss: torch.Tensor | None, shared: bool,
-             block_n: int, block_k: int, kernel: str) -> int:
+             block_n: int, block_k: int, tile_cols: int, kernel: str) -> int:
     """The FP8 mode a kernel runs: the config's (``asked``, [] → 0) when its routed weights are FP8, so is the shared
     expert's (if any), and each program's rows lie in one tile row; else 0. Raises ValueError for a mode the
-    blocks cannot run (:func:`splitspec.models.fp8_tiles.check_mode`)."""
+    blocks cannot run (:func:`splitspec.models.fp8_tiles.check_mode`; w8a8 steps K by whole tile columns)."""
     mode = asked[0] if asked else 0
     if s is None or (shared and ss is None) or not one_row_tile:
         return 0
     check_mode(mode, block_n, block_k, f"fused_experts {kernel} config")
+    if mode == MODE_W8A8 and block_k != tile_cols:
+        raise ValueError(f"fused_experts {kernel} config: the w8a8 mode needs BLOCK_K = the FP8 tile's {tile_cols} "
+                         f"columns, got {block_k}")
     return mode
 
 
