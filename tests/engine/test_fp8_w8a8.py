@@ -88,13 +88,12 @@ def _reference(x, local, weights, dense, quantise_gate_up: bool, quantise_down: 
     quantised per tile column (or not)."""
     w13, w2, s13, s2 = (d.double().cpu() for d in dense)
     x = x.double().cpu()
-    q = (lambda v: _quantised(v, BLOCK[1]))
     y = torch.zeros_like(x)
 
     def expert(xt, a13, a2, weight):
-        gate, up = (a13 @ (q(xt) if quantise_gate_up else xt)).chunk(2)
+        gate, up = (a13 @ (_quantised(xt, BLOCK[1]) if quantise_gate_up else xt)).chunk(2)
         act = F.silu(gate) * up
-        return weight * (a2 @ (q(act) if quantise_down else act))
+        return weight * (a2 @ (_quantised(act, BLOCK[1]) if quantise_down else act))
 
     for t in range(x.shape[0]):
         for j in range(local.shape[1]):
