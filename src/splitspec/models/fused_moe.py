@@ -346,9 +346,10 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         common = (H, I, I_s, E, top_k, T * top_k, w13.stride(0), w13.stride(-2), ws13.stride(-2), *st13, BS0, BS1,
                   act.stride(1))
         if gu_mode == MODE_W8A8:
+            xq, xp = fp8_moe_w8a8.quantize(x, BS1)
             fp8_moe_w8a8.gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n))](
-                x, ids, w13, ws13, p13, ps13, act, *common, BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps,
-                num_stages=gu_stages)
+                xq, xp, ids, w13, ws13, p13, ps13, act, *common, xp.stride(0), BLOCK_N=gu_n, BLOCK_K=gu_k,
+                num_warps=gu_warps, num_stages=gu_stages)
         else:
             _gate_up[(T * (top_k + shared), triton.cdiv(width, gu_n), split)](
                 x, ids, weight_view(w13, gu_mode), weight_view(ws13, gu_mode), p13, ps13, act, *common, act.stride(0),
@@ -359,9 +360,10 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
                   act.stride(1))
         wts = weights.to(torch.float32).contiguous()
         if dn_mode == MODE_W8A8:
+            aq, ap = fp8_moe_w8a8.quantize(act[0], BS1, I, T * top_k, I_s)  # the shared expert's rows: I_s columns
             fp8_moe_w8a8.down[(T, triton.cdiv(H, dn_n))](
-                act, ids, wts, w2, ws2, p2, ps2, out, *common, SHARED=shared, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                num_warps=dn_warps, num_stages=dn_stages)
+                aq, ap, ids, wts, w2, ws2, p2, ps2, out, *common, ap.stride(0), SHARED=shared, BLOCK_N=dn_n,
+                BLOCK_K=dn_k, num_warps=dn_warps, num_stages=dn_stages)
         else:
             _down[(T, triton.cdiv(H, dn_n))](
                 act, ids, wts, weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2, ps2, out, *common,
