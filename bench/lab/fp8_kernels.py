@@ -27,20 +27,20 @@ BLOCK = (128, 128)
 KIMI = {"hidden": 7168, "experts": 384, "top_k": 8, "moe_i": 2048, "q_lora": 1536, "kv_a": 576, "heads": 64,
         "qk_head": 192, "v_head": 128, "dense_i": 18432}
 F32_MODES, DOT_MODES = (MODE_F32, MODE_F32_BITS), (MODE_DOT, MODE_DOT_BITS)
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages[, gate/up's split of H]) swept per FP8 mode, for each MoE kernel
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split: gate/up's H, w8a8 down's slots]) swept per FP8 mode and MoE kernel
 MOE_SWEEP = {"gate_up": {**{m: [(8, 1024, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 3), (8, 512, 4, 4, 2)]
                             for m in F32_MODES},
                          **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3),
                                 (32, 512, 8, 3), (16, 256, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 4),
                                 (64, 256, 4, 3, 4)]
                             for m in DOT_MODES},
-                         MODE_W8A8: [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 2, 4), (32, 128, 4, 6),
-                                     (64, 128, 4, 6), (16, 128, 4, 8), (32, 128, 2, 6)]},
+                         MODE_W8A8: [(64, 128, 4, 4), (64, 128, 4, 6), (32, 128, 2, 6), (16, 128, 2, 4), (32, 128, 4, 4),
+                                     (128, 128, 8, 3)]},
              "down": {**{m: [(16, 256, 8, 4), (16, 512, 8, 4), (8, 512, 4, 4), (32, 256, 8, 3)] for m in F32_MODES},
                       **{m: [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 8, 3)]
                          for m in DOT_MODES},
-                      MODE_W8A8: [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 2, 4), (32, 128, 4, 6),
-                                  (16, 128, 4, 8), (32, 128, 2, 6), (64, 128, 4, 6)]}}
+                      MODE_W8A8: [(64, 128, 4, 4), (64, 128, 4, 6), (32, 128, 2, 6), (64, 128, 4, 4, 2),
+                                  (64, 128, 4, 6, 2), (32, 128, 4, 4, 2), (64, 128, 4, 4, 3), (32, 128, 2, 6, 3)]}}
 #: Triton linear configurations (fp8_linear.LINEAR_CONFIGS entries) swept per token count
 LINEAR_SWEEP = {1: [(0, 1, 16, 512, 0, 4, 3), (0, 1, 16, 512, 1, 4, 3), (1, 1, 16, 512, 0, 4, 3), (0, 1, 32, 256, 0, 4, 3),
                     (2, 16, 32, 256, 0, 4, 3), (3, 16, 32, 256, 0, 4, 3), (3, 16, 64, 256, 0, 4, 3)],
@@ -129,15 +129,14 @@ def moe(bw_GBps: float, tps: list[int], tokens=(1, 4, 16), rotate: int = 8, dims
         device="cuda", timer=graph_ms, deadline: float | None = None) -> dict:
     """FP8 routed experts (T = 1 with the FP8 shared expert in the kernels, as the engine runs a decode step; more
     tokens without), per TP shape: first each kernel's configurations of ``sweep`` (the other kernel at its current
-    FP8 default) at 1 and 4 tokens; the fastest per kernel and token class, summed over the TP shapes, become the
-    ``chosen`` configs (``paste``: lines for fused_moe.py). Then per TP shape and token count: bf16 experts, FP8 at
+    FP8 default) at 1 and 4 tokens; the fastest per kernel, token class and TP shape become the ``chosen`` configs
+    (``paste``: the ``FP8_CONFIGS`` line for fused_moe.py). Then per TP shape and token count: bf16 experts, FP8 at
     the shipped defaults, FP8 at the chosen configs; bound = distinct experts' (+ shared) FP8 bytes / bandwidth."""
     bw = bw_GBps * 1e6  # bytes per ms
     g = torch.Generator(device=device).manual_seed(0)
     out = {"sweep": [], "rows": [], "tps": tps}
     weights = {tp: _experts(tp, dims, g, device) for tp in tps}
     problems = {T: _routings(T, rotate, dims, g, device) for T in sorted({1, 4, *tokens})}
-    cls = {1: "one", 4: "many"}
     # round-robin over (kernel, mode): a sweep cut short by the deadline has still tried every mode in both kernels
     lists = [[(kernel, (*cfg[:4], mode, *cfg[4:])) for cfg in cfgs] for kernel, modes in sweep.items() for mode, cfgs in modes.items()]
     for kernel, full in (lst[i] for i in range(max(map(len, lists))) for lst in lists if i < len(lst)):
@@ -152,29 +151,30 @@ def moe(bw_GBps: float, tps: list[int], tokens=(1, 4, 16), rotate: int = 8, dims
         out["sweep"].append(row)
         print("moe sweep", row, flush=True)
 
-    def fastest(kernel: str, T: int):
-        rows = [r for r in out["sweep"] if r["kernel"] == kernel and
-                all(isinstance(r[f"ms_tp{tp}_T{T}"], float) for tp in tps)]
-        return min(rows, key=lambda r: sum(r[f"ms_tp{tp}_T{T}"] for tp in tps))["config"] if rows else None
+    def fastest(kernel: str, T: int, tp: int):
+        rows = [r for r in out["sweep"] if r["kernel"] == kernel and isinstance(r[f"ms_tp{tp}_T{T}"], float)]
+        return tuple(min(rows, key=lambda r: r[f"ms_tp{tp}_T{T}"])["config"]) if rows else None
 
-    chosen = {f"{k}_{cls[T]}": fastest(k, T) for k in sweep for T in (1, 4)}
-    defaults = {"gate_up_one": fused_moe.FP8_GATE_UP_CONFIG_ONE_TOKEN, "gate_up_many": fused_moe.FP8_GATE_UP_CONFIG,
-                "down_one": fused_moe.FP8_DOWN_CONFIG_ONE_TOKEN, "down_many": fused_moe.FP8_DOWN_CONFIG}
-    chosen = {k: tuple(v) if v else defaults[k] for k, v in chosen.items()}
-    out["chosen"], out["defaults"] = chosen, defaults
-    out["paste"] = [f"FP8_GATE_UP_CONFIG_ONE_TOKEN = {chosen['gate_up_one']}", f"FP8_GATE_UP_CONFIG = {chosen['gate_up_many']}",
-                    f"FP8_DOWN_CONFIG_ONE_TOKEN = {chosen['down_one']}", f"FP8_DOWN_CONFIG = {chosen['down_many']}"]
+    def key(T: int, tp: int) -> tuple[str, str]:
+        return fused_moe.fp8_class(T, dims["moe_i"] // tp)
+
+    # per token class and shard: the fastest gate_up and down (each timed beside the other's default)
+    defaults = {key(T, tp): fused_moe.FP8_CONFIGS[key(T, tp)] for T in (1, 4) for tp in tps}
+    chosen = {key(T, tp): tuple(fastest(k, T, tp) or defaults[key(T, tp)][i] for i, k in enumerate(("gate_up", "down")))
+              for T in (1, 4) for tp in tps}
+    out["chosen"], out["defaults"] = ({"/".join(k): v for k, v in d.items()} for d in (chosen, defaults))
+    out["paste"] = ["FP8_CONFIGS = {" + ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items())) + "}"]
     for tp in tps:
         fp8, bf16 = weights[tp]
         per_expert = sum(t[0].nbytes + s[0].nbytes for t, s in fp8[:2])
         shared_bytes = sum(t.nbytes + s.nbytes for t, s in fp8[2:])
         for T in tokens:
-            shared, c = T == 1, cls[1 if T == 1 else 4]
+            shared = T == 1
             calls = problems[T]
             nbytes = sum(i.unique().numel() * per_expert + shared * shared_bytes for _, i, _ in calls) / len(calls)
             bcalls = [lambda x=x, i=i, w=w: fused_moe.fused_experts(x, i, w, *bf16[:2], *(bf16[2:] if shared else ()))
                       for x, i, w in calls]
-            best = {"gate_up_config": chosen[f"gate_up_{c}"], "down_config": chosen[f"down_{c}"]}
+            best = dict(zip(("gate_up_config", "down_config"), chosen[key(T, tp)]))
             row = {"tp": tp, "tokens": T, "fp8_bytes": nbytes, "bound_ms": nbytes / bw,
                    "bf16_ms": attempt(lambda: timer(bcalls)),
                    "fp8_default_ms": attempt(lambda: timer([_moe_call(fp8, x, i, w, shared) for x, i, w in calls])),

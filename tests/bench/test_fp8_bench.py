@@ -26,7 +26,7 @@ def test_dry_run_times_and_checks_every_variant(tmp_path, capsys):
         # the w8a8 mode rounds them to e4m3 (2⁻⁴ each)
         w8a8 = any(c[4:5] == [4] for c in r["chosen"].values())
         assert r["chosen_err_vs_dequant"] < (2 ** -3 if w8a8 else 2 ** -7 + 2 ** -9)
-    assert moe["paste"][0].startswith("FP8_GATE_UP_CONFIG_ONE_TOKEN = (")
+    assert moe["paste"][0].startswith("FP8_CONFIGS = {('many', 'narrow'): ((")
     assert [(r["shape"], r["tokens"]) for r in lin["rows"]] == [(n, t) for n in ("fused_qkv_a", "q_b", "mlp_w2") for t in (1, 20)]
     for r in lin["rows"]:
         assert set(r["ms"]) == set(r["err"]) and {"dequant", "engine"} <= set(r["ms"]) and r["best_triton"]

@@ -116,9 +116,11 @@ def _problem(seed: int = 0):
     return x, local, weights, list(q), list(s), dense
 
 
-@pytest.mark.parametrize("gate_up,down", [(W8A8, W8A8), (W8A8, (16, 32, 4, 2, 0)), ((16, 32, 4, 2, 0), W8A8)])
+@pytest.mark.parametrize("gate_up,down", [(W8A8, W8A8), (W8A8, (16, 32, 4, 2, 0)), ((16, 32, 4, 2, 0), W8A8),
+                                          (W8A8, (*W8A8, 2)), ((16, 32, 4, 2, 0), (*W8A8, 3))])
 def test_w8a8_kernels_match_the_quantised_loop(gate_up, down):
-    """Either kernel in W8A8 form (the other in float32 form) equals the float64 loop that quantises that kernel's
+    """Either kernel in W8A8 form (the other in float32 form; down's 3 routed slots + the shared expert whole or
+    split over 2 or 3 programs, the last with nothing to do) equals the float64 loop that quantises that kernel's
     activations as the module docstring says, to float32 sums' accuracy; the unquantised loop differs by e4m3's
     rounding of the activations (each by up to 2⁻⁴ of itself: more than that accuracy, under 2⁻³ of the output)."""
     x, local, weights, q, s, dense = _problem()
@@ -131,11 +133,20 @@ def test_w8a8_kernels_match_the_quantised_loop(gate_up, down):
     assert 1e-4 * scale < (out - exact).abs().max().item() < 2 ** -3 * scale
 
 
-def test_w8a8_configs_are_checked():
-    """A K step other than the tile's columns, or gate/up's H split, is refused with the config named."""
-    x, local, weights, q, s, _ = _problem()
-    with pytest.raises(ValueError, match="gate_up config: the w8a8 mode needs BLOCK_K = the FP8 tile's 32 columns, got 64"):
-        fused_moe.fused_experts(x, local, weights, *q, scales=s, fp8_block=BLOCK, gate_up_config=(16, 64, 4, 2, MODE_W8A8))
-    with pytest.raises(ValueError, match="does not split H"):
-        fused_moe.fused_experts(x, local, weights, *q, scales=s, fp8_block=BLOCK, gate_up_config=(16, 32, 4, 2, 0, 2),
-                                down_config=W8A8)
+@pytest.mark.parametrize("gate_up,down,modes,quantised", [
+    ((16, 64, 4, 2, MODE_W8A8), W8A8, [0, MODE_W8A8], (False, True)),  # a K step of two tile columns
+    ((16, 32, 4, 2, 0, 2), W8A8, [0, 0], (False, False)),  # gate/up's split partial sums need a float-mode down
+    ((*W8A8, 2), W8A8, [MODE_W8A8, MODE_W8A8], (True, True))])  # no split of H in w8a8
+def test_w8a8_falls_back_where_it_cannot_run(monkeypatch, gate_up, down, modes, quantised):
+    """Where w8a8 cannot run, the float32 mode does (the engine's defaults meet checkpoints of any tile shape and
+    every sweep combination): a K step other than the tile's columns, a down behind gate/up's split of H; a w8a8
+    gate/up ignores a split."""
+    x, local, weights, q, s, dense = _problem()
+    seen = []
+    pick = fused_moe.mode_for
+    monkeypatch.setattr(fused_moe, "mode_for", lambda *a: seen.append(pick(*a)) or seen[-1])
+    out = fused_moe.fused_experts(x, local, weights, *q, scales=s, fp8_block=BLOCK, gate_up_config=gate_up,
+                                  down_config=down).double().cpu()
+    assert seen[0] == modes[0]
+    ref = _reference(x, local, weights, dense, *quantised)
+    assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item()

@@ -12,8 +12,9 @@ activation buffer and pair/shared-expert conventions as the float kernels (``fus
 ``fused_moe._down``), so either kernel can run in either form:
 
 - ``gate_up``: program (pair or shared expert, BLOCK_N rows): silu(Σ gate) · Σ up in float32 to ``act``;
-- ``down``: program (token, BLOCK_N hidden rows): Σ over the token's slots of routing weight × Σ_tiles (scale ×
-  FP8 dot of the down rows with that pair's quantised activations), plus the shared expert's.
+- ``down``: program (token, BLOCK_N hidden rows[, share of the slots]): Σ over the token's slots of routing weight ×
+  Σ_tiles (scale × FP8 dot of the down rows with that pair's quantised activations), plus the shared expert's; with
+  the slots split over programs (few tokens: more programs than SMs), float32 partial sums added in a last kernel.
 
 Every program's rows lie in one tile row (BLOCK_N divides BS0) and each K step is one tile column (BLOCK_K = BS1):
 one weight scale per step. The arithmetic, for the tests' float64 reference: with x_g the activations of tile column
@@ -125,21 +126,52 @@ def _down_rows(acc, q_row, p_row, rows, stride_n, scales, width, n, nmask, weigh
 
 @jit
 def down(aq_ptr, ap_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I, I_s, E, top_k, pairs, stride_we,
-         stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, ap_stride,
-         SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+         stride_wn, stride_wsn, s_stride_e, s_stride_n, ss_stride_n, BS0, BS1, act_stride, ap_stride, T,
+         SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < H
+    # this program's share of the token's slots (the shared expert is slot top_k): [lo, hi)
+    per = tl.cdiv(top_k + SHARED, SPLIT)
+    lo = tl.program_id(2) * per
+    hi = lo + per
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for j in range(0, top_k):
+    for j in range(lo, tl.minimum(hi, top_k)):
         p = t * top_k + j
         e = tl.load(ids_ptr + p).to(tl.int64)
         if (e >= 0) & (e < E):
             acc = _down_rows(acc, aq_ptr + p * act_stride, ap_ptr + p * ap_stride, w_ptr + e * stride_we, stride_wn,
                              s_ptr + e * s_stride_e + (n0 // BS0) * s_stride_n, I, n, nmask, tl.load(wt_ptr + p), BLOCK_K)
     if SHARED:
-        p = pairs + t
-        acc = _down_rows(acc, aq_ptr + p * act_stride, ap_ptr + p * ap_stride, ws_ptr, stride_wsn,
-                         ss_ptr + (n0 // BS0) * ss_stride_n, I_s, n, nmask, 1.0, BLOCK_K)
-    tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
+        if (top_k >= lo) & (top_k < hi):
+            p = pairs + t
+            acc = _down_rows(acc, aq_ptr + p * act_stride, ap_ptr + p * ap_stride, ws_ptr, stride_wsn,
+                             ss_ptr + (n0 // BS0) * ss_stride_n, I_s, n, nmask, 1.0, BLOCK_K)
+    y = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    else:  # float32 partial sums [SPLIT, T, H], added by _sum_parts
+        tl.store(out_ptr + (tl.program_id(2) * T + t) * H + n, y, mask=nmask)
+
+
+@jit
+def _sum_parts(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(part_ptr + i, mask=i < size, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(part_ptr + s * size + i, mask=i < size, other=0.0)
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=i < size)
+
+
+def run_down(out: torch.Tensor, aq: torch.Tensor, ap: torch.Tensor, *args, shared: bool, split: int, block_n: int,
+             block_k: int, num_warps: int, num_stages: int) -> None:
+    """``down`` into out [T, H] over a grid (T, H / block_n, split): with split > 1 each program takes its share
+    of the token's slots into float32 partial sums, then one kernel adds them in split order (deterministic)."""
+    T, H = out.shape
+    dest = out if split == 1 else torch.empty(split, T, H, dtype=torch.float32, device=out.device)
+    down[(T, triton.cdiv(H, block_n), split)](aq, ap, *args[:6], dest, *args[6:], ap.stride(0), T,
+                                              SHARED=shared, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
+                                              num_warps=num_warps, num_stages=num_stages)
+    if split > 1:
+        _sum_parts[(triton.cdiv(T * H, 1024),)](dest, out, T * H, SPLIT=split, BLOCK=1024, num_warps=4)

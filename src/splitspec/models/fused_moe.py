@@ -57,12 +57,19 @@ DOWN_CONFIG = (16, 256, 8, 4)
 
 #: The same for FP8 routed experts, with a fifth entry: the FP8 mode (:mod:`splitspec.models.fp8_tiles`; modes
 #: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs), and
-#: for gate/up an optional sixth: split H over that many programs (for few rows: the TP8 shard's 256). Paste the
-#: winners of ``bench/fp8_bench.py`` (section ``moe``) here.
-FP8_GATE_UP_CONFIG = (16, 512, 4, 4, 0)
-FP8_GATE_UP_CONFIG_ONE_TOKEN = (8, 1024, 4, 3, 0)
-FP8_DOWN_CONFIG = (16, 256, 8, 4, 0)
-FP8_DOWN_CONFIG_ONE_TOKEN = (16, 256, 8, 4, 0)
+#: an optional sixth: split gate/up's H, or (w8a8) down's slots, over that many programs. (gate_up, down) by token
+#: class ("one" token, "many") and shard: "narrow" for at most :data:`NARROW_I` intermediate rows per expert (the
+#: TP8 shard of Kimi's 2048), else "wide". Paste the winners of ``bench/fp8_bench.py`` (section ``moe``) here.
+NARROW_I = 256
+FP8_CONFIGS = {("one", "wide"): ((64, 128, 4, 4, 4), (64, 128, 4, 6, 4)),
+               ("one", "narrow"): ((8, 512, 4, 4, 0), (16, 256, 8, 4, 0)),
+               ("many", "wide"): ((64, 128, 4, 6, 4), (64, 128, 4, 4, 4)),
+               ("many", "narrow"): ((64, 128, 4, 6, 4), (64, 128, 4, 4, 4))}
+
+
+def fp8_class(tokens: int, intermediate: int) -> tuple[str, str]:
+    """The :data:`FP8_CONFIGS` key of ``tokens`` tokens through experts of ``intermediate`` rows (this rank's)."""
+    return "one" if tokens == 1 else "many", "narrow" if intermediate <= NARROW_I else "wide"
 
 
 def available() -> bool:
@@ -323,20 +330,20 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         ids = local.to(torch.int32).contiguous()
         BS0, BS1 = fp8_block or (1, 1)
         width = max(I, I_s)
-        (gu_n, gu_k, gu_warps, gu_stages, *gu_more), (dn_n, dn_k, dn_warps, dn_stages, *dn_mode) = gate_up_config, down_config
-        # gate/up's H columns in `split` shares: partial gate and up sums [split, pairs, 2, width], added by down
-        steps = triton.cdiv(H, gu_k)
-        per = triton.cdiv(steps, max(1, min(gu_more[1] if len(gu_more) > 1 else 1, steps))) * gu_k
-        split = triton.cdiv(H, per)
-        act = torch.empty(split, T * (top_k + shared), (1 if split == 1 else 2) * width, dtype=torch.float32,
-                          device=x.device)
-        out = torch.empty_like(x)
+        (gu_n, gu_k, gu_warps, gu_stages, *gu_more), (dn_n, dn_k, dn_warps, dn_stages, *dn_mode_more) = gate_up_config, down_config
         # each gate/up program's gate rows lie in one tile row, and so do its up rows; each down program's rows
         gu_one, dn_one = BS0 % gu_n == 0 and I % BS0 == 0 and I_s % BS0 == 0, BS0 % dn_n == 0
         gu_mode = mode_for(gu_more[:1], gu_one, s13, ss13, shared, gu_n, gu_k, BS1, "gate_up")
-        dn_mode = mode_for(dn_mode, dn_one, s2, ss2, shared, dn_n, dn_k, BS1, "down")
-        if split > 1 and MODE_W8A8 in (gu_mode, dn_mode):
-            raise ValueError(f"fused_experts gate_up config {gate_up_config}: the w8a8 mode does not split H")
+        dn_mode = mode_for(dn_mode_more[:1], dn_one, s2, ss2, shared, dn_n, dn_k, BS1, "down")
+        # gate/up's H columns in `split` shares (float modes): partial gate and up sums [split, pairs, 2, width],
+        # added by a float-mode down
+        steps = triton.cdiv(H, gu_k)
+        per = triton.cdiv(steps, max(1, min(gu_more[1] if len(gu_more) > 1 and gu_mode != MODE_W8A8 else 1, steps))) * gu_k
+        split = triton.cdiv(H, per)
+        dn_mode = 0 if split > 1 else dn_mode
+        act = torch.empty(split, T * (top_k + shared), (1 if split == 1 else 2) * width, dtype=torch.float32,
+                          device=x.device)
+        out = torch.empty_like(x)
 
         def scale_args(s, ss, w, ws):  # pointers (the weight's own when not FP8: never read) and strides
             s, ss = (w if s is None else s), (ws if ss is None else ss)
@@ -361,9 +368,9 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
         wts = weights.to(torch.float32).contiguous()
         if dn_mode == MODE_W8A8:
             aq, ap = fp8_moe_w8a8.quantize(act[0], BS1, I, T * top_k, I_s)  # the shared expert's rows: I_s columns
-            fp8_moe_w8a8.down[(T, triton.cdiv(H, dn_n))](
-                aq, ap, ids, wts, w2, ws2, p2, ps2, out, *common, ap.stride(0), SHARED=shared, BLOCK_N=dn_n,
-                BLOCK_K=dn_k, num_warps=dn_warps, num_stages=dn_stages)
+            fp8_moe_w8a8.run_down(out, aq, ap, ids, wts, w2, ws2, p2, ps2, *common, shared=shared,
+                                  split=dn_mode_more[1] if len(dn_mode_more) > 1 else 1, block_n=dn_n, block_k=dn_k,
+                                  num_warps=dn_warps, num_stages=dn_stages)
         else:
             _down[(T, triton.cdiv(H, dn_n))](
                 act, ids, wts, weight_view(w2, dn_mode), weight_view(ws2, dn_mode), p2, ps2, out, *common,
@@ -376,15 +383,12 @@ def _experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13
 def mode_for(asked: list[int], one_row_tile: bool, s: torch.Tensor | None, ss: torch.Tensor | None, shared: bool,
              block_n: int, block_k: int, tile_cols: int, kernel: str) -> int:
     """The FP8 mode a kernel runs: the config's (``asked``, [] → 0) when its routed weights are FP8, so is the shared
-    expert's (if any), and each program's rows lie in one tile row; else 0. Raises ValueError for a mode the
-    blocks cannot run (:func:`splitspec.models.fp8_tiles.check_mode`; w8a8 steps K by whole tile columns)."""
+    expert's (if any), each program's rows lie in one tile row and, for w8a8, each K step is one tile column; else
+    0. Raises ValueError for a mode the blocks cannot run (:func:`splitspec.models.fp8_tiles.check_mode`)."""
     mode = asked[0] if asked else 0
-    if s is None or (shared and ss is None) or not one_row_tile:
+    if s is None or (shared and ss is None) or not one_row_tile or (mode == MODE_W8A8 and block_k != tile_cols):
         return 0
     check_mode(mode, block_n, block_k, f"fused_experts {kernel} config")
-    if mode == MODE_W8A8 and block_k != tile_cols:
-        raise ValueError(f"fused_experts {kernel} config: the w8a8 mode needs BLOCK_K = the FP8 tile's {tile_cols} "
-                         f"columns, got {block_k}")
     return mode
 
 
@@ -410,12 +414,12 @@ def fused_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w
     (BLOCK_N, BLOCK_K, num_warps, num_stages[, FP8 mode[, gate/up's split of H]]) override the defaults (for sweeps;
     a split sums the parts in a fixed order: deterministic, batch-invariant for one config): float routed experts
     :data:`GATE_UP_CONFIG` (:data:`GATE_UP_CONFIG_ONE_TOKEN` when T = 1) and :data:`DOWN_CONFIG`; FP8 ones the
-    ``FP8_*`` configs. The dot modes round the scaled activations to f16 (:mod:`splitspec.models.fp8_tiles`).
+    :data:`FP8_CONFIGS`. The dot modes round the scaled activations to f16, w8a8 to e4m3 (:mod:`splitspec.models.fp8_tiles`).
     """
     one = x.shape[0] == 1
     if scales[0] is not None:
-        gate_up_config = gate_up_config or (FP8_GATE_UP_CONFIG_ONE_TOKEN if one else FP8_GATE_UP_CONFIG)
-        down_config = down_config or (FP8_DOWN_CONFIG_ONE_TOKEN if one else FP8_DOWN_CONFIG)
+        gu, dn = FP8_CONFIGS[fp8_class(x.shape[0], w2.shape[-1])]
+        gate_up_config, down_config = gate_up_config or gu, down_config or dn
     gate_up_config = gate_up_config or (GATE_UP_CONFIG_ONE_TOKEN if one else GATE_UP_CONFIG)
     return _experts_op(x, local, weights, w13, w2, shared_w13, shared_w2, list(scales), list(fp8_block or ()),
                        list(gate_up_config), list(down_config or DOWN_CONFIG))
