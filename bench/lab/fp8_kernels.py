@@ -151,17 +151,28 @@ def moe(bw_GBps: float, tps: list[int], tokens=(1, 4, 16), rotate: int = 8, dims
         out["sweep"].append(row)
         print("moe sweep", row, flush=True)
 
-    def fastest(kernel: str, T: int, tp: int):
-        rows = [r for r in out["sweep"] if r["kernel"] == kernel and isinstance(r[f"ms_tp{tp}_T{T}"], float)]
-        return tuple(min(rows, key=lambda r: r[f"ms_tp{tp}_T{T}"])["config"]) if rows else None
+    def fastest(kernel: str, T: int, tp: int, w8a8: bool):
+        rows = [r for r in out["sweep"] if r["kernel"] == kernel and isinstance(r[f"ms_tp{tp}_T{T}"], float)
+                and (r["config"][4] == MODE_W8A8) == w8a8]
+        return min(rows, key=lambda r: r[f"ms_tp{tp}_T{T}"]) if rows else None
 
     def key(T: int, tp: int) -> tuple[str, str]:
         return fused_moe.fp8_class(T, dims["moe_i"] // tp)
 
-    # per token class and shard: the fastest gate_up and down (each timed beside the other's default)
+    # per shard: one activation form (w8a8 or w8a16) for every token count, so that a token's numerics do not
+    # depend on how many tokens share its step; the form with the lower summed best times, then per token class
+    # the fastest gate_up and down of that form (each timed beside the other's default)
     defaults = {key(T, tp): fused_moe.FP8_CONFIGS[key(T, tp)] for T in (1, 4) for tp in tps}
-    chosen = {key(T, tp): tuple(fastest(k, T, tp) or defaults[key(T, tp)][i] for i, k in enumerate(("gate_up", "down")))
-              for T in (1, 4) for tp in tps}
+    chosen = {}
+    for tp in tps:
+        def score(w8a8):
+            best = [fastest(k, T, tp, w8a8) for k in sweep for T in (1, 4)]
+            return sum(r[f"ms_tp{tp}_T{T}"] for r, T in zip(best, (1, 4) * len(sweep))) if all(best) else float("inf")
+
+        form = score(True) < score(False)
+        for T in (1, 4):
+            best = [fastest(k, T, tp, form) for k in ("gate_up", "down")]
+            chosen[key(T, tp)] = tuple(tuple(r["config"]) if r else defaults[key(T, tp)][i] for i, r in enumerate(best))
     out["chosen"], out["defaults"] = ({"/".join(k): v for k, v in d.items()} for d in (chosen, defaults))
     out["paste"] = ["FP8_CONFIGS = {" + ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items())) + "}"]
     for tp in tps:

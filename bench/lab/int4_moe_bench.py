@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from lab.gpu_kernels import bandwidth, timed_graph  # noqa: E402
 from splitspec import quant  # noqa: E402
 from splitspec.measure.machine import git_commit  # noqa: E402
-from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed  # noqa: E402
+from splitspec.models import fused_moe, fused_route, grouped_moe, int4_moe, int4_routed  # noqa: E402
 from splitspec.models.int4_moe import Kernel  # noqa: E402
 from splitspec.models.layers import gated_mlp  # noqa: E402
 
@@ -257,12 +257,12 @@ for tp, I in ({} if A.no_layer else TPS).items():
     sw2 = (torch.randn(H, I, device=DEV, generator=gen) * I ** -0.5).to(torch.bfloat16)
     for T in DECODE_T:
         probs = PROBLEMS[T]
-        chosen = [fused_moe.route(x, gate, bias, TOP_K, 2.827, True)[1] for x, _, _ in probs]
+        chosen = [fused_route.route(x, gate, bias, TOP_K, 2.827, True)[1] for x, _, _ in probs]
         nbytes = (sum(c.unique().numel() for c in chosen) / len(chosen) * sum(t[0].nbytes for t in packed)
                   + sw13.nbytes + sw2.nbytes + gate.nbytes + bias.nbytes)
 
         def layer(x):
-            w, ids = fused_moe.route(x, gate, bias, TOP_K, 2.827, True)
+            w, ids = fused_route.route(x, gate, bias, TOP_K, 2.827, True)
             return int4_routed.routed_experts(x, ids, w, lw, G) + gated_mlp(x, sw13, sw2)
 
         for name, kernel in (("first kernels", int4_moe.DEFAULT), ("fastest", decode_best[T])):

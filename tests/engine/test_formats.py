@@ -27,7 +27,7 @@ from splitspec import quant
 
 from splitspec.testing import fixtures
 
-from splitspec.models import fp8_linear, fused_moe
+from splitspec.models import fp8_linear, fused_moe, fused_route
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.drafter_config import DrafterConfig
@@ -278,7 +278,7 @@ def test_fp8_engine_through_the_fused_kernels(built, prompt, tp, tokens):
         return run
 
     with patch.object(fused_moe, "use_fused", lambda x: x.shape[0] <= fused_moe.MAX_TOKENS), \
-            patch.object(fused_moe, "route", serial(fused_moe.route)), \
+            patch.object(fused_route, "route", serial(fused_route.route)), \
             patch.object(fused_moe, "fused_experts", serial(fused_moe.fused_experts)):
         got, _ = engine_logits(eng, prompt[:tokens])
     print(f"fp8 TP{tp}, {tokens} tokens: fused vs grouped logits max |Δ| {(got - ref).abs().max():.3g}, mean {(got - ref).abs().mean():.3g}")

@@ -150,3 +150,12 @@ def test_w8a8_falls_back_where_it_cannot_run(monkeypatch, gate_up, down, modes, 
     assert seen[0] == modes[0]
     ref = _reference(x, local, weights, dense, *quantised)
     assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+def test_shipped_configs_keep_one_activation_form_per_shard():
+    """Each kernel quantises its activations (w8a8) for one token exactly when it does for many, on either shard
+    class: a verify and a one-token decode of the same token then differ only in the order of float32 sums."""
+    for width in ("wide", "narrow"):
+        for kernel in (0, 1):
+            forms = {fused_moe.FP8_CONFIGS[(cls, width)][kernel][4] == MODE_W8A8 for cls in ("one", "many")}
+            assert len(forms) == 1, (width, kernel)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from splitspec import quant
 
-from splitspec.models import fused_moe
+from splitspec.models import fused_moe, fused_route
 from splitspec.models.target import grouped_experts, noaux_tc_route
 from splitspec.settings import ServeConfig
 
@@ -220,7 +220,7 @@ def router(n_experts=20, top_k=4, normalize=True, scaling=2.5, seed=3):
 @pytest.mark.parametrize("n_experts,top_k,normalize", [(20, 4, True), (16, 8, False), (7, 1, True)])
 def test_route_matches_noaux_tc_route(n_experts, top_k, normalize):
     x, gate, bias, cfg = router(n_experts, top_k, normalize)
-    weights, ids = fused_moe.route(x, gate, bias, top_k, cfg.routed_scaling_factor, normalize)
+    weights, ids = fused_route.route(x, gate, bias, top_k, cfg.routed_scaling_factor, normalize)
     ref_w, ref_ids = noaux_tc_route(x, gate, bias, cfg)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == weights.shape == (5, top_k)
     assert torch.equal(ids.long(), ref_ids)  # same experts, same order (highest biased score first)
@@ -231,7 +231,7 @@ def test_route_uses_the_bias_for_the_choice_only():
     x, gate, bias, cfg = router()
     bias = torch.zeros_like(bias)
     bias[7] = 100.0  # expert 7 always chosen, its weight from the unbiased score
-    weights, ids = fused_moe.route(x, gate, bias, 4, 1.0, False)
+    weights, ids = fused_route.route(x, gate, bias, 4, 1.0, False)
     assert (ids[:, 0] == 7).all()
     assert torch.allclose(weights[:, 0], torch.sigmoid(x @ gate[7]), atol=1e-6)
 

@@ -1,18 +1,16 @@
-"""Fused MoE decode kernels: routing, and the experts of a few tokens, each token reading only its own experts.
+"""Fused MoE decode kernels: the experts of a few tokens, each token reading only its own experts.
 
 At decode and verify (tens of tokens) a MoE layer is memory-bound matrix-vector work: what costs is reading each
 activated expert's weights once, at full HBM bandwidth, and not paying a kernel launch for every small step in
 between. The general path (:func:`splitspec.models.target.noaux_tc_route`, the shared expert as two GEMMs,
 :func:`splitspec.models.grouped_moe.grouped_experts`) is about twenty kernels, most of them latency-bound at batch 1,
-with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton kernels:
+with grouped-GEMM tiles sized for many rows per expert. Here it is four Triton kernels, two for the routing
+(:mod:`splitspec.models.fused_route`) and two for the experts:
 
-1. ``router_logits``: the router's scores x · gateᵀ in float32 ([T, E]).
-2. ``route_topk``: one program per token: sigmoid, + correction bias for the choice, top-k by repeated arg-max,
-   weights from the unbiased scores, normalised and scaled (DeepSeek-V3 ``noaux_tc`` with one expert group).
-3. ``gate_up``: one program per ((token, slot) pair or (token, shared expert), block of intermediate rows):
-   that expert's gate and up rows against the token, writing ``silu(gate) · up`` in float32.
-4. ``down``: one program per (token, block of hidden rows): each of the token's slots' down-projection rows
-   times its activation and routing weight, then the shared expert's, summed in float32.
+- ``gate_up``: one program per ((token, slot) pair or (token, shared expert), block of intermediate rows):
+  that expert's gate and up rows against the token, writing ``silu(gate) · up`` in float32.
+- ``down``: one program per (token, block of hidden rows): each of the token's slots' down-projection rows
+  times its activation and routing weight, then the shared expert's, summed in float32.
 
 No sort, no atomics: each token's sum over its experts depends only on that token (batch-invariant,
 deterministic) — with one block configuration the kernels give a token the same bits alone, in a batch or inside
@@ -28,6 +26,8 @@ whose weights every token uses) is best left to one GEMM over all tokens once th
 FP8 block-scaled weights are read as FP8 and turned into arithmetic in one of the modes of
 :mod:`splitspec.models.fp8_tiles` (float32 multiply-adds, or f16 dots on the tensor cores, the token padded to 16
 columns); where a program's rows share a tile row (Kimi's 128 × 128 tiles) the scales multiply the activations.
+The w8a8 mode runs either kernel as its twin in :mod:`splitspec.models.fp8_moe_w8a8` (FP8 dots on the tensor cores,
+activations quantised to e4m3).
 
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter, read
 when Triton is imported; the tests use it to check the arithmetic without a GPU).
@@ -59,12 +59,15 @@ DOWN_CONFIG = (16, 256, 8, 4)
 #: other than 0 need every weight of the kernel FP8 and each program's rows in one tile row, else mode 0 runs), and
 #: an optional sixth: split gate/up's H, or (w8a8) down's slots, over that many programs. (gate_up, down) by token
 #: class ("one" token, "many") and shard: "narrow" for at most :data:`NARROW_I` intermediate rows per expert (the
-#: TP8 shard of Kimi's 2048), else "wide". Paste the winners of ``bench/fp8_bench.py`` (section ``moe``) here.
+#: TP8 shard of Kimi's 2048), else "wide". One activation form per shard (w8a8 quantises them to e4m3, the others
+#: keep them bf16), so that a token's numerics do not depend on how many tokens share its step (a verify of k + 1
+#: tokens and a one-token decode agree up to the order of float32 sums). Paste the winners of
+#: ``bench/fp8_bench.py`` (section ``moe``) here.
 NARROW_I = 256
 FP8_CONFIGS = {("one", "wide"): ((64, 128, 4, 4, 4), (64, 128, 4, 6, 4)),
-               ("one", "narrow"): ((8, 512, 4, 4, 0), (16, 256, 8, 4, 0)),
                ("many", "wide"): ((64, 128, 4, 6, 4), (64, 128, 4, 4, 4)),
-               ("many", "narrow"): ((64, 128, 4, 6, 4), (64, 128, 4, 4, 4))}
+               ("one", "narrow"): ((8, 512, 4, 4, 0), (16, 256, 8, 4, 0)),
+               ("many", "narrow"): ((8, 512, 4, 4, 0), (8, 512, 4, 4, 0))}
 
 
 def fp8_class(tokens: int, intermediate: int) -> tuple[str, str]:
@@ -80,40 +83,6 @@ def available() -> bool:
 def use_fused(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve x [T, H]: a CUDA tensor, T ≤ :data:`MAX_TOKENS`, Triton importable."""
     return x.is_cuda and x.shape[0] <= MAX_TOKENS and available()
-
-
-@jit
-def _router_logits(x_ptr, g_ptr, out_ptr, H, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * H + k, mask=k < H, other=0.0).to(tl.float32)
-        w = tl.load(g_ptr + e[:, None] * H + k[None, :], mask=(e[:, None] < E) & (k[None, :] < H), other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
-    tl.store(out_ptr + t * E + e, tl.sum(acc, axis=1), mask=e < E)
-
-
-@jit
-def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    scores = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0))
-    choice = tl.where(e < E, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32), float("-inf"))
-    slot = tl.arange(0, BLOCK_TOP)
-    ids = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-    wts = tl.zeros([BLOCK_TOP], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # highest choice first; the lowest expert id among equals
-        best = tl.min(tl.where(choice == tl.max(choice, axis=0), e, BLOCK_E), axis=0)
-        ids = tl.where(slot == j, best, ids)
-        wts = tl.where(slot == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), wts)
-        choice = tl.where(e == best, float("-inf"), choice)
-    if NORMALIZE:
-        wts = wts / (tl.sum(wts, axis=0) + 1e-20)
-    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
-    tl.store(wt_ptr + t * TOP_K + slot, wts * scaling, mask=slot < TOP_K)
 
 
 @jit
@@ -276,42 +245,6 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
 def on_device(x: torch.Tensor):
     """Context making x's GPU current: Triton launches on the current device, whatever its arguments' device."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
-@torch.library.custom_op("splitspec::route", mutates_args=())
-def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-              normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    with on_device(x):
-        T, H = x.shape
-        E = gate.shape[0]
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-        # two experts' rows per program, each read in one go: the gate is ~5–11 MB, too little to hide load latency in a loop
-        _router_logits[(T, triton.cdiv(E, 2))](x.contiguous(), gate.contiguous(), logits, H, E, BLOCK_E=2,
-                                               BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
-        ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-        _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                          BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                          num_warps=1)  # one warp: its reductions need no shared memory
-        return weights, ids
-
-
-@_route_op.register_fake
-def _(x, gate, bias, top_k, scaling, normalize):
-    return x.new_empty(x.shape[0], top_k, dtype=torch.float32), x.new_empty(x.shape[0], top_k, dtype=torch.int32)
-
-
-def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 ``noaux_tc`` routing with one expert group, in two kernels (see the module docstring).
-
-    x: [T, H] float; gate: [E, H] float (any float dtype; products summed in float32); bias: [E] correction bias,
-    added for the choice only. Returns (weights [T, top_k] float32: sigmoid scores of the chosen experts,
-    divided by their sum + 1e-20 when ``normalize``, × ``scaling``; expert ids [T, top_k] int32, highest biased
-    score first). Same result as :func:`splitspec.models.target.noaux_tc_route` with ``n_group = 1``, up to the
-    order of the float32 sums and, among exactly equal biased scores, which are chosen (here the lowest ids).
-    """
-    return _route_op(x, gate, bias, top_k, float(scaling), bool(normalize))
 
 
 @torch.library.custom_op("splitspec::fused_experts", mutates_args=())

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fp8_linear, fused_moe, int4_routed
+from splitspec.models import fp8_linear, fused_moe, fused_route, int4_routed
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, compile_parts, mla_attention, rms_norm
@@ -158,7 +158,7 @@ class TargetModel:
         experts = ("mlp.experts.w13", "mlp.experts.w2")
         if self.int4_group:
             one_group = c.n_group == 1 or c.topk_group >= c.n_group
-            weights, ids = (fused_moe.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+            weights, ids = (fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
                             if fused_moe.use_fused(x) and one_group else noaux_tc_route(x, gate, bias, c))
             y = int4_routed.routed_experts(x, ids - self.expert_start, weights, lw, self.int4_group)
             return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else y
@@ -171,7 +171,7 @@ class TargetModel:
         if c.n_group > 1 and c.topk_group < c.n_group:  # group-limited choice: not in the routing kernel
             weights, ids = noaux_tc_route(x, gate, bias, c)
         else:
-            weights, ids = fused_moe.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+            weights, ids = fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
         # the kernels read the shared expert once per token: worth it for one token only
         shared = ("mlp.shared.w13", "mlp.shared.w2") if c.n_shared_experts and x.shape[0] == 1 else ()
         names = experts + shared
