@@ -225,3 +225,20 @@ def test_framing_refusals_are_openai_errors_logged_once_a_second(shared_server):
     counted = [1 + int(m.group(1)) if (m := re.search(r"\((\d+) more since the last line\)$", ln)) else 1
                for ln in invalid[1:]]
     assert 2 <= len(invalid) <= took + 3 and sum(counted) == 300, invalid
+
+
+def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(shared_server):
+    """A malformed chunk arriving after the head and a first good chunk is refused at once (not after the body
+    timeout), in OpenAI's error shape, and the connection closed."""
+    with _server(shared_server, body_timeout_s=20) as api:
+        for later in (b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"):
+            with _connect(api, 5) as sock:
+                sock.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{\"\r\n")
+                time.sleep(0.1)  # the route is reading the body when the bad bytes arrive
+                t0 = time.monotonic()
+                sock.sendall(later)
+                raw, closed = _read_until_closed(sock)
+                took = time.monotonic() - t0
+            head, body = _answer(raw)
+            assert closed and took < 2 and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
+            assert body["error"]["message"].startswith("malformed HTTP request: ") and raw.count(b"HTTP/1.1") == 1, body

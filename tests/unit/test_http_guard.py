@@ -334,3 +334,28 @@ def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):
     lines = capsys.readouterr().err.splitlines()
     line = "splitspec serve: HTTP guard: socket.accept() out of system resource: OSError: [Errno 24] Too many open files"
     assert lines == [line, f"{line} (2 more since the last line)"]
+
+
+#: Chunked bodies going bad after a first good chunk, in a later packet → the parser's reason.
+BROKEN_LATER = {b"zz\r\n{}\r\n0\r\n\r\n": "Invalid character in chunk size",
+                b"2\r\n{}XX0\r\n\r\n": "Expected LF after chunk data",
+                b"2\r\n{}\r\n0\r\n\x01bad\r\n\r\n": "Invalid header token"}
+
+
+def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(upstream):
+    """aiohttp's C parser dropped a body whose chunk went bad after it had started, without ending it: the request
+    waited for the 408 of the body timeout (30 s)."""
+    with HttpGuard(0, upstream.port, LIMIT, body_timeout_s=20) as g:
+        for later, why in BROKEN_LATER.items():
+            with socket.create_connection(("127.0.0.1", g.port)) as s:
+                s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          b"2\r\n{}\r\n")
+                time.sleep(0.1)  # the body has started when the bad bytes arrive
+                t0 = time.monotonic()
+                s.sendall(later)
+                answer = _closed_within(s, 5)
+                assert time.monotonic() - t0 < 2
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer
+            error = json.loads(body)["error"]
+            assert error.startswith("request body: ") and why in error and "\n" not in error, error

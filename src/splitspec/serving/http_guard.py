@@ -71,7 +71,7 @@ from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.body_reader import BodyReader
-from splitspec.serving.guard_server import CappedServer, QuietLog, error_response
+from splitspec.serving.guard_server import CappedServer, QuietLog, error_response, reason
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
 from splitspec.serving.server_limits import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, repo_body_limit,
                                              repo_max_prompt_bytes)
@@ -295,9 +295,8 @@ class HttpGuard:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             return await body.read(request.content.iter_any())
-        except web.RequestPayloadError as e:  # broken chunks
-            why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
-            raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
+        except web.RequestPayloadError as e:  # broken chunks (guard_server: also those the C parser drops)
+            raise Refusal(400, f"request body: {reason(e.__cause__, str(e))}") from None
 
     async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
         head = request.method == "HEAD"  # asked as GET: tritonserver's answer to HEAD has a body, breaking the connection
