@@ -298,7 +298,7 @@ MALFORMED = {b"Content-Length: -1\r\n\r\n{}": "Invalid character in Content-Leng
 
 def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(upstream, capsys, caplog):
     """aiohttp answered these with a text/plain 400 echoing the bytes, and logged each with a traceback: 530 bytes
-    of log a request, 16.5 KB for the 8 KB header."""
+    of log a request, 16.5 KB for the 8 KB header. Its status line said HTTP/1.0 (the request's version unknown)."""
     with HttpGuard(0, upstream.port, LIMIT) as g:
         g.log.every_s = 60  # one line per kind, however slow the machine
         for head, why in MALFORMED.items():
@@ -308,14 +308,15 @@ def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(up
                     answer = _closed_within(s, 3)  # the guard closes the connection after it
                 status, _, rest = answer.partition(b"\r\n")
                 headers, _, body = rest.partition(b"\r\n\r\n")
-                assert status.endswith(b" 400 Bad Request") and b"Content-Type: application/json" in headers, answer
+                assert status == b"HTTP/1.1 400 Bad Request" and b"Content-Type: application/json" in headers, answer
+                assert b"Connection: close" in headers, answer
                 error = json.loads(body)["error"]
                 assert re.match(r"malformed HTTP request \(\w+\): ", error) and why in error and len(error) <= 170, error
         # a reason that is all the client's text (a CONNECT's authority) makes no kind of its own
         for i in range(20):
             with socket.create_connection(("127.0.0.1", g.port)) as s:
                 s.sendall(f"CONNECT h{i}{'x' * 110}:99999999 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-                assert b" 400 " in _closed_within(s, 3)
+                assert _closed_within(s, 3).startswith(b"HTTP/1.1 400 ")
     lines = capsys.readouterr().err.splitlines()
     kinds = [re.search(r"malformed request \((\w+)\): ", line).group(1) for line in lines]
     assert len(kinds) == len(set(kinds)) and 2 <= len(kinds) <= len(MALFORMED) + 1, lines  # one line per kind

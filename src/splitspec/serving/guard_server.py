@@ -30,7 +30,7 @@ import json
 import sys
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
@@ -110,7 +110,8 @@ class _CappedHandler(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """The answer to a request aiohttp could not hand to the guard (a malformed one: 400) or that the guard's
-        handler failed on (500; 504 for a TimeoutError): Triton's error shape, the connection closed after it."""
+        handler failed on (500; 504 for a TimeoutError): Triton's error shape, the connection closed after it, in an
+        HTTP/1.1 status line."""
         if status < 500:
             # the kind: the parser's error class (a place in aiohttp, never the client's bytes, which the reason
             # may quote: a CONNECT's authority is its whole message), named in the answer too
@@ -124,6 +125,9 @@ class _CappedHandler(RequestHandler):
         self.log.say(f"splitspec serve: HTTP guard: {status} to {request.remote}: {said}", key=key)
         if request.writer.output_size > 0:  # as aiohttp's own: part of an answer went out, another cannot follow
             raise ConnectionError("an answer was under way: no error answer can follow it")
+        # the stand-in aiohttp makes for a request it could not parse says HTTP/1.0 (the version is not known), and
+        # its answer's status line would; the guard's answers are HTTP/1.1
+        request._cache["version"] = HttpVersion11
         return error_response(status, answer, close=True)
 
     def log_exception(self, *args, **kw) -> None:
