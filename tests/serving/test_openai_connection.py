@@ -242,3 +242,22 @@ def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(shared_server):
             head, body = _answer(raw)
             assert closed and took < 2 and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
             assert body["error"]["message"].startswith("malformed HTTP request: ") and raw.count(b"HTTP/1.1") == 1, body
+
+
+#: Content-Length values neither door takes, the same way: 400 naming the header and the value (cut at 40 characters).
+ABSURD_LENGTHS = ("-1", str(2 ** 64 + 1), "9" * 300, "1e3", "5, 6")
+
+
+def test_an_absurd_content_length_is_400_naming_the_value(shared_server):
+    """2^64 + 1 was a 413 here (h11 takes 20 digits) and a 400 at the HTTP guard; h11's refusals did not say the
+    value."""
+    with _server(shared_server) as api:
+        for value in ABSURD_LENGTHS:
+            with _connect(api, 5) as sock:
+                sock.sendall(HEAD + b"Content-Length: %s\r\n\r\n{}" % value.encode())
+                raw, closed = _read_until_closed(sock)
+            head, body = _answer(raw)
+            message = body["error"]["message"]
+            shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+            assert closed and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
+            assert "Content-Length" in message and shown in message and len(message) < 120, message

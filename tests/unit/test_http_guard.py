@@ -360,3 +360,17 @@ def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(upstream):
             assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer
             error = json.loads(body)["error"]
             assert error.startswith("request body: ") and why in error and "\n" not in error, error
+
+
+def test_an_absurd_content_length_is_400_naming_the_value(guard):
+    """As at the OpenAI front end (tests/serving/test_openai_connection.py): 2^64 + 1 and longer are 400, not 413."""
+    for value in ("-1", str(2 ** 64 + 1), "9" * 300, "1e3", "5, 6"):
+        with socket.create_connection(("127.0.0.1", guard.port)) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % value.encode())
+            answer = _closed_within(s, 3)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert "Content-Length" in error and value[:40] in error and len(error) < 170, error
+    with socket.create_connection(("127.0.0.1", guard.port)) as s:
+        s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{}" % (2 ** 64 - 1))
+        assert _closed_within(s, 3).startswith(b"HTTP/1.1 413 ")  # a count the parser takes: too large

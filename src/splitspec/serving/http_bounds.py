@@ -31,6 +31,10 @@ from splitspec.serving.server_limits import too_large_message
 MAX_JSON_DEPTH = 32
 #: The binary-tensor extension's header: the body's first N bytes are the JSON.
 JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
+#: The most characters of a header value the client chose quoted in a refusal (:func:`quoted`).
+QUOTED_CHARS = 40
+#: The largest ``Content-Length`` an HTTP parser takes (aiohttp's refuses more as an overflow; h11 takes 20 digits).
+MAX_CONTENT_LENGTH = 2 ** 64 - 1
 
 
 class Refusal(Exception):
@@ -41,6 +45,12 @@ class Refusal(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def quoted(value: str) -> str:
+    """A header ``value`` as a refusal quotes it: its ``repr``, cut to :data:`QUOTED_CHARS` characters (the cut
+    marked ``...``)."""
+    return repr(value[:QUOTED_CHARS]) + ("..." if len(value) > QUOTED_CHARS else "")
 
 
 def json_part(body: bytes, json_length: str | None) -> bytes:
