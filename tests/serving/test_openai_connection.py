@@ -261,3 +261,26 @@ def test_an_absurd_content_length_is_400_naming_the_value(shared_server):
             shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
             assert closed and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
             assert "Content-Length" in message and shown in message and len(message) < 120, message
+
+
+def test_a_stop_says_how_many_refusals_the_log_left_out(shared_server):
+    """The count of a burst's warnings left out waited for the next warning of its kind, which may never come: the
+    front end's stop logs it."""
+    from splitspec.serving.openai_connection import WARNING_LOG_LIMIT
+
+    log = logging.getLogger("uvicorn.error")
+    lines = _Lines()
+    try:
+        with _server(shared_server) as api:  # (uvicorn configures its loggers as it starts)
+            WARNING_LOG_LIMIT.flush()  # what earlier tests left out: said before this one listens
+            log.addHandler(lines)
+            for _ in range(5):
+                with _connect(api, 5) as sock:
+                    sock.sendall(HEAD + b"Content-Length: -1\r\n\r\n")
+                    assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+    finally:
+        log.removeHandler(lines)
+    invalid = [ln for ln in lines.lines if ln.startswith("Invalid HTTP request received.")]
+    counted = [1 + int(m.group(1)) if (m := re.search(r"\((\d+) more since the last line\)$", ln)) else 1
+               for ln in invalid]
+    assert sum(counted) == 5 and len(invalid) <= 3, invalid

@@ -317,13 +317,17 @@ def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(up
             with socket.create_connection(("127.0.0.1", g.port)) as s:
                 s.sendall(f"CONNECT h{i}{'x' * 110}:99999999 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
                 assert _closed_within(s, 3).startswith(b"HTTP/1.1 400 ")
-    lines = capsys.readouterr().err.splitlines()
+        lines = capsys.readouterr().err.splitlines()
     kinds = [re.search(r"malformed request \((\w+)\): ", line).group(1) for line in lines]
     assert len(kinds) == len(set(kinds)) and 2 <= len(kinds) <= len(MALFORMED) + 1, lines  # one line per kind
     assert not [r for r in caplog.records if r.name.startswith("aiohttp")]
     for line in lines:
         assert line.startswith("splitspec serve: HTTP guard: 400 to 127.0.0.1: malformed request (") and len(line) < 220, line
     assert sum(why in "".join(lines) for why in MALFORMED.values()) >= len(kinds) - 1  # each line names its reason
+    # the stop says what was left out since each kind's line: 50 requests in all
+    flushed = capsys.readouterr().err.splitlines()
+    counts = [re.search(r" \((\d+) more since the last line\)$", line) for line in flushed]
+    assert len(lines) + sum(1 + int(m.group(1)) if m else 1 for m in counts) == 5 * len(MALFORMED) + 20, flushed
 
 
 def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):

@@ -197,6 +197,8 @@ class HttpGuard:
                 pass
             loop.call_soon_threadsafe(loop.stop)
         thread.join(10.0)
+        if not thread.is_alive():  # its log is this thread's now
+            self.log.flush()  # what it left out and had not said yet
         self._loop = self._thread = None
 
     def __enter__(self) -> "HttpGuard":

@@ -81,27 +81,39 @@ class _WarningLogLimit(logging.Filter):
     (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`). A kind is the record's message template
     (``record.msg``: a place in uvicorn's code, never the client's bytes): :data:`UVICORN_INVALID_REQUEST` for every
     request h11 refuses, ``Unsupported upgrade request.`` and the WebSocket-library line for each request asking
-    ``Upgrade:`` (two lines per request, pipelined by the hundred, before). Records below WARNING pass unchanged."""
+    ``Upgrade:`` (two lines per request, pipelined by the hundred, before). Records below WARNING pass unchanged.
+    :meth:`flush` logs the counts not said yet (an OpenAI front end's stop calls it)."""
 
     def __init__(self, every_s: float = 1.0):
         super().__init__()
-        self._lock, self._passed = threading.Lock(), None
-        self._limit = RateLimitedLog(self._pass, every_s)
-
-    def _pass(self, line: str) -> None:
-        self._passed = line
+        self._lock, self._passed = threading.Lock(), []
+        self._limit = RateLimitedLog(self._passed.append, every_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or getattr(record, _FLUSHED, False):
             return True
         with self._lock:  # servers on several threads share it
-            self._passed = None
+            self._passed.clear()
             self._limit.say(record.getMessage(), key=str(record.msg)[:80])
-            passed = self._passed
+            passed = self._passed[-1] if self._passed else None
         if passed is None:
             return False
         record.msg, record.args = passed, ()
         return True
+
+    def flush(self) -> None:
+        """Log to ``uvicorn.error`` what was left out and not said yet
+        (:meth:`~splitspec.serving.rate_limited_log.RateLimitedLog.flush`), as WARNINGs this filter passes."""
+        with self._lock:
+            self._passed.clear()
+            self._limit.flush()
+            lines = list(self._passed)
+        for line in lines:
+            logging.getLogger("uvicorn.error").warning(line, extra={_FLUSHED: True})
+
+
+#: The attribute marking a record :meth:`_WarningLogLimit.flush` logs (passed unlimited).
+_FLUSHED = "splitspec_flushed"
 
 
 #: The one filter every OpenAI front end of this process adds (:func:`limit_warning_log`): one line a second at most
