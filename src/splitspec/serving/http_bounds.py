@@ -24,7 +24,7 @@ import re
 
 from splitspec.errors import ConfigError
 from splitspec.serving.json_body import nesting_depth
-from splitspec.serving.requests import check_generate_json
+from splitspec.serving.generate_json import check_generate_json
 from splitspec.serving.server_limits import too_large_message
 
 #: Deepest JSON nesting passed to tritonserver: its requests nest 4 deep, one more per dimension of a nested tensor.
@@ -124,7 +124,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 def check_generate(path: str, body: bytes) -> None:
     """Refuse a ``generate`` / ``generate_stream`` body that tritonserver would misread or fail on with a 500: one
     that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, or whose
-    string-list inputs Triton would flatten (:func:`splitspec.serving.requests.check_generate_json`). Runs after
+    string-list inputs Triton would flatten (:func:`splitspec.serving.generate_json.check_generate_json`). Runs after
     :func:`check_depth` (so parsing cannot recurse deeply).
 
     Raises:
