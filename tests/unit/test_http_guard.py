@@ -117,7 +117,9 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
     for path in ("generate", "generate_stream", "versions/1/generate"):  # Triton would flatten [["a"]] to ["a"]
         r = requests.post(f"{guard.url}/v2/models/ensemble/{path}", json={"text_input": "x", "stop_words": [["a"]]})
         assert r.status_code == 400 and r.json()["error"].startswith("stop_words: expected a string or an array of")
-    assert len(upstream.seen) == before
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", json={"text_input": "hi", "max_tokens": "ten"})
+    assert r.status_code == 400 and r.json() == {"error": "max_tokens: expected an integer (INT32), got a string"}
+    assert len(upstream.seen) == before  # tritonserver answered that with a 500
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", json={"text_input": "x", "stop_words": ["a"]})
     assert r.status_code == 201 and len(upstream.seen) == before + 1
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d: forwarded within the limit

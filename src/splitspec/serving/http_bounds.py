@@ -10,8 +10,9 @@ adds one level per tensor dimension). :func:`check_depth` measures the depth wit
 skipping bodies that hold no more opening brackets than the bound.
 
 **Generate inputs.** Triton 2.51's generate endpoints flatten a nested array into a string tensor (``"stop_words":
-[["a"]]`` reaches the models as ``["a"]``), so the string-list inputs are checked here, where the JSON is still
-seen (:func:`check_generate`).
+[["a"]]`` reaches the models as ``["a"]``) and answer a value they cannot convert to its input's type with a 500
+(``"max_tokens": "ten"``), so the string-list inputs and every input's JSON type are checked here, where the JSON is
+still seen (:func:`check_generate`).
 
 **Binary tensors.** With Triton's binary-tensor extension the header ``Inference-Header-Content-Length: N`` says
 the first N bytes are the JSON; the rest is raw tensor data, not parsed (:func:`json_part`).
@@ -123,9 +124,10 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def check_generate(path: str, body: bytes) -> None:
     """Refuse a ``generate`` / ``generate_stream`` body that tritonserver would misread or fail on with a 500: one
-    that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, or whose
-    string-list inputs Triton would flatten (:func:`splitspec.serving.generate_json.check_generate_json`). Runs after
-    :func:`check_depth` (so parsing cannot recurse deeply).
+    that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, whose
+    string-list inputs Triton would flatten, or with an input's value of a JSON type Triton cannot convert
+    (:func:`splitspec.serving.generate_json.check_generate_json`). Runs after :func:`check_depth` (so parsing cannot
+    recurse deeply).
 
     Raises:
         Refusal: 400 naming what is wrong.

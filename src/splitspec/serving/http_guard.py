@@ -25,7 +25,8 @@ forwarding a request it:
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
   4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
   (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing), and an empty ``POST`` to ``generate`` (which
-  tritonserver answers 500, ``document is empty``) with 400;
+  tritonserver answers 500, ``document is empty``) or one with an input's value of the wrong JSON type (500,
+  ``Unable to parse 'data'``; :mod:`splitspec.serving.generate_json`) with 400;
 - closes a connection that has not sent a whole request head within ``header_timeout_s`` (10 s) of opening, or of
   its previous answer (keep-alive): aiohttp's keep-alive timer, which fires only while the connection waits for a
   request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
