@@ -53,9 +53,17 @@ repo: engines
 	  $(if $(DEVICE_IDS),--target-device-ids $(DEVICE_IDS)) $(if $(DRAFT_DEVICE),--draft-device-id $(DRAFT_DEVICE)))
 
 # The OpenAI-compatible API (OPENAI_PORT, default 9000; empty: off) runs beside tritonserver in the same process.
-OPENAI_PORT ?= 9000
+# HTTP_PORT, GRPC_PORT, METRICS_PORT, HEALTH_PORT: the other ports (empty: splitspec serve's 8000, 8001, 8002,
+# 8003; 0: a free one).
+OPENAI_PORT  ?= 9000
+HTTP_PORT    ?=
+GRPC_PORT    ?=
+METRICS_PORT ?=
+HEALTH_PORT  ?=
 serve: repo
-	$(SPLITSPEC) serve --repo $(REPO) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT))
+	$(strip $(SPLITSPEC) serve --repo $(REPO) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT)) \
+	  $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) \
+	  $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) $(if $(HEALTH_PORT),--health-port $(HEALTH_PORT)))
 
 client: setup
 	$(SPLITSPEC) client --prompt "$(PROMPT)" $(if $(PROTOCOL),--protocol $(PROTOCOL)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS))

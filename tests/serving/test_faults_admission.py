@@ -225,9 +225,10 @@ def test_json_integers_beyond_int32(shared_server):
                                  "end_id": NEVER_END_ID})
     assert r.status_code == 200, r.text[:300]
     assert r.json()["num_output_tokens"] == 8  # 2^32 + 8 wraps to 8: not detectable in the model (documented)
-    for bad in (2**64 + 1, 1e3, "8"):  # beyond 64 bits, a float, a string: Triton refuses to read them
+    for bad in (2**64 + 1, 1e3, "8"):  # beyond 64 bits, a float, a string: Triton's 500, the guard's 400 before it
         r = _post(srv.generate_url, {"text_input": "def f(x):", "max_tokens": bad})
-        assert r.status_code == 500 and "Unable to parse 'data'" in r.json()["error"], r.text[:300]
+        assert r.status_code == 400 and r.json()["error"].startswith("max_tokens: expected an integer (INT32), got "), \
+            r.text[:300]
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused_in_every_door(shared_server):

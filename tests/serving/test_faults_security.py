@@ -37,7 +37,8 @@ from splitspec.serving.client import ask_grpc, ask_http
 from splitspec.serving.repo import render_repo
 from splitspec.engine.group import loopback_store
 from splitspec.errors import ConfigError
-from splitspec.serving.access import ADMIN_HEADER, admin_headers, check_admin_key, make_stub_region_private
+from splitspec.serving.access import (ADMIN_HEADER, NO_KEY_HEADER, admin_headers, check_admin_key,
+                                      make_stub_region_private)
 from splitspec.serving.seccomp import private_fchmod
 from splitspec.serving.tritonserver import TritonServer
 from splitspec.settings import ServeConfig
@@ -210,6 +211,9 @@ def test_http_control_api_is_refused_without_an_admin_key(server, tmp_path):
         got = {path: s.request(method, u + path, json=payload, headers=CLOSE, timeout=30) for method, path, payload in calls}
         refused = {p: r.status_code for p, r in got.items() if r.status_code != 403 or "restricted" not in r.text}
         assert not refused, {p: (got[p].status_code, got[p].text[:200]) for p in refused}
+        # the answer says how to open them (it named a header 'splitspec-admin-key:unset', like a placeholder)
+        assert got["/v2/repository/index"].json() == {"error": f"This API is restricted, expecting header '{NO_KEY_HEADER}'"}
+        assert "start splitspec serve with --admin-key" in NO_KEY_HEADER
         assert not marker.exists(), "the uploaded model.py ran"
         assert s.get(f"{u}/v2/models/ensemble/ready", headers=CLOSE, timeout=10).status_code == 200
         assert s.get(f"{u}/v2/models/evil/ready", headers=CLOSE, timeout=10).status_code != 200
@@ -241,7 +245,7 @@ def test_grpc_control_api_is_refused_without_an_admin_key(server, tmp_path):
             call()
             answered[name] = "accepted"
         except InferenceServerException as e:
-            if "restricted" not in (e.message() or ""):
+            if "restricted" not in (e.message() or "") or "--admin-key" not in e.message():
                 answered[name] = e.message()
     try:
         assert not answered, answered

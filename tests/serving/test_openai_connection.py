@@ -225,3 +225,62 @@ def test_framing_refusals_are_openai_errors_logged_once_a_second(shared_server):
     counted = [1 + int(m.group(1)) if (m := re.search(r"\((\d+) more since the last line\)$", ln)) else 1
                for ln in invalid[1:]]
     assert 2 <= len(invalid) <= took + 3 and sum(counted) == 300, invalid
+
+
+def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(shared_server):
+    """A malformed chunk arriving after the head and a first good chunk is refused at once (not after the body
+    timeout), in OpenAI's error shape, and the connection closed."""
+    with _server(shared_server, body_timeout_s=20) as api:
+        for later in (b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"):
+            with _connect(api, 5) as sock:
+                sock.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{\"\r\n")
+                time.sleep(0.1)  # the route is reading the body when the bad bytes arrive
+                t0 = time.monotonic()
+                sock.sendall(later)
+                raw, closed = _read_until_closed(sock)
+                took = time.monotonic() - t0
+            head, body = _answer(raw)
+            assert closed and took < 2 and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
+            assert body["error"]["message"].startswith("malformed HTTP request: ") and raw.count(b"HTTP/1.1") == 1, body
+
+
+#: Content-Length values neither door takes, the same way: 400 naming the header and the value (cut at 40 characters).
+ABSURD_LENGTHS = ("-1", str(2 ** 64 + 1), "9" * 300, "1e3", "5, 6")
+
+
+def test_an_absurd_content_length_is_400_naming_the_value(shared_server):
+    """2^64 + 1 was a 413 here (h11 takes 20 digits) and a 400 at the HTTP guard; h11's refusals did not say the
+    value."""
+    with _server(shared_server) as api:
+        for value in ABSURD_LENGTHS:
+            with _connect(api, 5) as sock:
+                sock.sendall(HEAD + b"Content-Length: %s\r\n\r\n{}" % value.encode())
+                raw, closed = _read_until_closed(sock)
+            head, body = _answer(raw)
+            message = body["error"]["message"]
+            shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+            assert closed and head.startswith(b"http/1.1 400") and b"connection: close" in head, raw
+            assert "Content-Length" in message and shown in message and len(message) < 120, message
+
+
+def test_a_stop_says_how_many_refusals_the_log_left_out(shared_server):
+    """The count of a burst's warnings left out waited for the next warning of its kind, which may never come: the
+    front end's stop logs it."""
+    from splitspec.serving.openai_connection import WARNING_LOG_LIMIT
+
+    log = logging.getLogger("uvicorn.error")
+    lines = _Lines()
+    try:
+        with _server(shared_server) as api:  # (uvicorn configures its loggers as it starts)
+            WARNING_LOG_LIMIT.flush()  # what earlier tests left out: said before this one listens
+            log.addHandler(lines)
+            for _ in range(5):
+                with _connect(api, 5) as sock:
+                    sock.sendall(HEAD + b"Content-Length: -1\r\n\r\n")
+                    assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+    finally:
+        log.removeHandler(lines)
+    invalid = [ln for ln in lines.lines if ln.startswith("Invalid HTTP request received.")]
+    counted = [1 + int(m.group(1)) if (m := re.search(r"\((\d+) more since the last line\)$", ln)) else 1
+               for ln in invalid]
+    assert sum(counted) == 5 and len(invalid) <= 3, invalid

@@ -312,10 +312,10 @@ HTTP_BAD = [
     ({"text_input": "x", "max_tokens": 8, "num_draft_tokens": 999}, 400, "num_draft_tokens"),
     ({"text_input": "x", "max_tokens": 8, "stop": [""]}, 400, "stop"),
     ({"text_input": "x", "max_tokens": 8, "max_new_tokens": 5}, 400, "unknown parameter 'max_new_tokens'"),
-    # Triton's own HTTP front end rejects JSON it cannot convert with status 500; the HTTP guard answers what it
-    # checks itself (the string-list inputs' form, JSON that does not parse) with 400
-    ({"text_input": "x", "max_tokens": "ten"}, 500, "Unable to parse"),
-    ({"text_input": "x", "max_tokens": 8, "temperature": "hot"}, 500, "Unable to parse"),
+    # Triton's own HTTP front end rejects JSON it cannot convert with status 500; the HTTP guard answers that (a
+    # value of the wrong type, the string-list inputs' form, JSON that does not parse) with 400 before it
+    ({"text_input": "x", "max_tokens": "ten"}, 400, "max_tokens: expected an integer (INT32), got a string"),
+    ({"text_input": "x", "max_tokens": 8, "temperature": "hot"}, 400, "temperature: expected a number (FP32)"),
     ({"text_input": "x", "max_tokens": 8, "stop": 5}, 400, "stop: expected a string or an array of strings"),
     ("{not json", 400, "not valid JSON"),
 ]

@@ -43,6 +43,14 @@ def test_content_length_is_checked_before_reading():
     with pytest.raises(Refusal) as e:
         body.check_length("101")
     assert e.value.status == 413 and e.value.message.startswith("request body of 101 bytes exceeds the limit of 100")
+    with pytest.raises(Refusal) as e:
+        body.check_length(str(2 ** 64 - 1))  # a count an HTTP parser takes: too large, not malformed
+    assert e.value.status == 413
+    for absurd in (str(2 ** 64 + 1), "9" * 5000):  # past what aiohttp's parser takes; the second past int()'s too
+        with pytest.raises(Refusal) as e:
+            body.check_length(absurd)
+        shown = repr(absurd) if len(absurd) <= 40 else repr(absurd[:40]) + "..."
+        assert (e.value.status, e.value.message) == (400, f"Content-Length: {shown}: more than 2^64 - 1 bytes")
 
 
 def test_a_body_is_read_whole_within_its_bounds():

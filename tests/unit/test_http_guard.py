@@ -117,7 +117,9 @@ def test_refusals_are_triton_errors_and_never_reach_upstream(guard, upstream):
     for path in ("generate", "generate_stream", "versions/1/generate"):  # Triton would flatten [["a"]] to ["a"]
         r = requests.post(f"{guard.url}/v2/models/ensemble/{path}", json={"text_input": "x", "stop_words": [["a"]]})
         assert r.status_code == 400 and r.json()["error"].startswith("stop_words: expected a string or an array of")
-    assert len(upstream.seen) == before
+    r = requests.post(f"{guard.url}/v2/models/ensemble/generate", json={"text_input": "hi", "max_tokens": "ten"})
+    assert r.status_code == 400 and r.json() == {"error": "max_tokens: expected an integer (INT32), got a string"}
+    assert len(upstream.seen) == before  # tritonserver answered that with a 500
     r = requests.post(f"{guard.url}/v2/models/ensemble/generate", json={"text_input": "x", "stop_words": ["a"]})
     assert r.status_code == 201 and len(upstream.seen) == before + 1
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d: forwarded within the limit
@@ -298,7 +300,7 @@ MALFORMED = {b"Content-Length: -1\r\n\r\n{}": "Invalid character in Content-Leng
 
 def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(upstream, capsys, caplog):
     """aiohttp answered these with a text/plain 400 echoing the bytes, and logged each with a traceback: 530 bytes
-    of log a request, 16.5 KB for the 8 KB header."""
+    of log a request, 16.5 KB for the 8 KB header. Its status line said HTTP/1.0 (the request's version unknown)."""
     with HttpGuard(0, upstream.port, LIMIT) as g:
         g.log.every_s = 60  # one line per kind, however slow the machine
         for head, why in MALFORMED.items():
@@ -308,21 +310,26 @@ def test_malformed_requests_are_one_line_json_errors_logged_one_line_a_second(up
                     answer = _closed_within(s, 3)  # the guard closes the connection after it
                 status, _, rest = answer.partition(b"\r\n")
                 headers, _, body = rest.partition(b"\r\n\r\n")
-                assert status.endswith(b" 400 Bad Request") and b"Content-Type: application/json" in headers, answer
+                assert status == b"HTTP/1.1 400 Bad Request" and b"Content-Type: application/json" in headers, answer
+                assert b"Connection: close" in headers, answer
                 error = json.loads(body)["error"]
                 assert re.match(r"malformed HTTP request \(\w+\): ", error) and why in error and len(error) <= 170, error
         # a reason that is all the client's text (a CONNECT's authority) makes no kind of its own
         for i in range(20):
             with socket.create_connection(("127.0.0.1", g.port)) as s:
                 s.sendall(f"CONNECT h{i}{'x' * 110}:99999999 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-                assert b" 400 " in _closed_within(s, 3)
-    lines = capsys.readouterr().err.splitlines()
+                assert _closed_within(s, 3).startswith(b"HTTP/1.1 400 ")
+        lines = capsys.readouterr().err.splitlines()
     kinds = [re.search(r"malformed request \((\w+)\): ", line).group(1) for line in lines]
     assert len(kinds) == len(set(kinds)) and 2 <= len(kinds) <= len(MALFORMED) + 1, lines  # one line per kind
     assert not [r for r in caplog.records if r.name.startswith("aiohttp")]
     for line in lines:
         assert line.startswith("splitspec serve: HTTP guard: 400 to 127.0.0.1: malformed request (") and len(line) < 220, line
     assert sum(why in "".join(lines) for why in MALFORMED.values()) >= len(kinds) - 1  # each line names its reason
+    # the stop says what was left out since each kind's line: 50 requests in all
+    flushed = capsys.readouterr().err.splitlines()
+    counts = [re.search(r" \((\d+) more since the last line\)$", line) for line in flushed]
+    assert len(lines) + sum(1 + int(m.group(1)) if m else 1 for m in counts) == 5 * len(MALFORMED) + 20, flushed
 
 
 def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):
@@ -334,3 +341,42 @@ def test_loop_errors_are_logged_one_line_a_second_at_most(capsys):
     lines = capsys.readouterr().err.splitlines()
     line = "splitspec serve: HTTP guard: socket.accept() out of system resource: OSError: [Errno 24] Too many open files"
     assert lines == [line, f"{line} (2 more since the last line)"]
+
+
+#: Chunked bodies going bad after a first good chunk, in a later packet → the parser's reason.
+BROKEN_LATER = {b"zz\r\n{}\r\n0\r\n\r\n": "Invalid character in chunk size",
+                b"2\r\n{}XX0\r\n\r\n": "Expected LF after chunk data",
+                b"2\r\n{}\r\n0\r\n\x01bad\r\n\r\n": "Invalid header token"}
+
+
+def test_a_chunk_going_bad_in_a_later_packet_is_400_at_once(upstream):
+    """aiohttp's C parser dropped a body whose chunk went bad after it had started, without ending it: the request
+    waited for the 408 of the body timeout (30 s)."""
+    with HttpGuard(0, upstream.port, LIMIT, body_timeout_s=20) as g:
+        for later, why in BROKEN_LATER.items():
+            with socket.create_connection(("127.0.0.1", g.port)) as s:
+                s.sendall(b"POST /v2/models/ensemble/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          b"2\r\n{}\r\n")
+                time.sleep(0.1)  # the body has started when the bad bytes arrive
+                t0 = time.monotonic()
+                s.sendall(later)
+                answer = _closed_within(s, 5)
+                assert time.monotonic() - t0 < 2
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer
+            error = json.loads(body)["error"]
+            assert error.startswith("request body: ") and why in error and "\n" not in error, error
+
+
+def test_an_absurd_content_length_is_400_naming_the_value(guard):
+    """As at the OpenAI front end (tests/serving/test_openai_connection.py): 2^64 + 1 and longer are 400, not 413."""
+    for value in ("-1", str(2 ** 64 + 1), "9" * 300, "1e3", "5, 6"):
+        with socket.create_connection(("127.0.0.1", guard.port)) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % value.encode())
+            answer = _closed_within(s, 3)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert "Content-Length" in error and value[:40] in error and len(error) < 170, error
+    with socket.create_connection(("127.0.0.1", guard.port)) as s:
+        s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{}" % (2 ** 64 - 1))
+        assert _closed_within(s, 3).startswith(b"HTTP/1.1 413 ")  # a count the parser takes: too large

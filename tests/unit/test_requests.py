@@ -11,8 +11,8 @@ import pytest
 from splitspec.errors import ConfigError, ServerBusy
 from splitspec.runtime.sampling import SamplingParams
 from splitspec.serving.requests import (ENSEMBLE_INPUTS, INT32_HINT, MAX_STOP_CHARS, MAX_STOP_STRINGS, SPEC_DECODE_INPUTS,
-                                        UNSUPPORTED, StreamOptions, cancel_stream_id, check_capacity, check_generate_json,
-                                        check_parameters, parse_request, prompt_text, scalar, strings)
+                                        UNSUPPORTED, StreamOptions, cancel_stream_id, check_capacity, check_parameters,
+                                        parse_request, prompt_text, scalar, strings)
 
 LIMIT = 4096
 
@@ -187,30 +187,6 @@ def test_bad_words_are_refused_and_empty_stop_words_ignored():
     many = [b"w%d" % i for i in range(MAX_STOP_STRINGS)]
     with pytest.raises(ConfigError, match=rf"^stop and stop_words: {MAX_STOP_STRINGS + 1} strings, at most"):
         parse_request(_batched(stop_words=many, stop=[b"x"]), LIMIT)
-
-
-FLAT = 'expected a string or an array of strings (e.g. ["\\n\\n", "done"])'
-
-
-@pytest.mark.parametrize("body,message", [
-    ({"stop_words": [["a"]]}, f"stop_words: {FLAT}, got an array whose element 0 is an array"),
-    ({"stop_words": ["a", ["b"]]}, f"stop_words: {FLAT}, got an array whose element 1 is an array"),
-    ({"bad_words": [[["x"]]]}, f"bad_words: {FLAT}, got an array whose element 0 is an array"),
-    ({"stop": {"x": 1}}, f"stop: {FLAT}, got an object"),
-    ({"stop_words": [1]}, f"stop_words: {FLAT}, got an array whose element 0 is a number"),
-    ({"stop_words": None}, f"stop_words: {FLAT}, got null"),
-])
-def test_generate_json_string_lists_must_be_flat(body, message):
-    """Triton's HTTP generate flattens nested arrays ([["a"]] reaches spec_decode as the tensor of ["a"], measured) and
-    answers a number or object with a 500: the JSON is checked where it is read, naming the input and the form."""
-    with pytest.raises(ConfigError) as e:
-        check_generate_json({"text_input": "x", "max_tokens": 4, **body})
-    assert str(e.value) == message
-
-
-def test_generate_json_flat_string_lists_pass():
-    for body in ({"stop_words": ["\n\n", "done"], "bad_words": [], "stop": "x"}, {"stop_words": ""}, {"text_input": [["x"]]}):
-        check_generate_json(body)  # text_input and scalars: Triton's own checks and the models' (one value) hold
 
 
 def test_end_id_and_statistics_switches():

@@ -10,7 +10,8 @@ Triton's restricted-API mechanism (``--http-restricted-api`` / ``--grpc-restrict
 "This API is restricted"). Health, metadata, model configuration, statistics and inference stay open.
 
 Without an admin key the header is one no client can send (its name holds a ``:``, which ends a header name in
-HTTP/1.1 and is refused in HTTP/2's), so the control APIs are off. With ``splitspec serve --admin-key KEY`` a
+HTTP/1.1 and is refused in HTTP/2's), so the control APIs are off; its name is written to read as the answer's
+reason (:data:`NO_KEY_HEADER`). With ``splitspec serve --admin-key KEY`` a
 request carrying ``splitspec-admin-key: KEY`` (HTTP) or the metadata ``triton-grpc-protocol-splitspec-admin-key:
 KEY`` (gRPC: Triton prefixes the name) is let through (:func:`admin_headers`). The key is on tritonserver's
 command line, which other local users can read in the process list: it guards the ports against remote clients,
@@ -45,7 +46,9 @@ GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 #: The control APIs restricted (tritonserver's names, the same for HTTP and gRPC).
 CONTROL_APIS = ("model-repository", "shared-memory", "logging", "trace")
 #: Header name required when no admin key is set: the ``:`` makes it one that no HTTP or gRPC request can carry.
-NO_KEY_HEADER = f"{ADMIN_HEADER}:unset"
+#: tritonserver's refusal quotes it (``This API is restricted, expecting header '...'``), so it says how to open the
+#: API (no ``=`` or ``,``: tritonserver's option syntax).
+NO_KEY_HEADER = f"{ADMIN_HEADER}: none; start splitspec serve with --admin-key KEY to open this API"
 #: Admin keys: 16 or more characters that are valid in an HTTP header value and in gRPC metadata, and not
 #: ``,``, ``:`` or ``=``, which tritonserver's option syntax uses.
 ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")

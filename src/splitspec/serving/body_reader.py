@@ -27,7 +27,7 @@ import asyncio
 from typing import AsyncIterable
 
 from splitspec.serving.content_encoding import Decoder, check_encoding
-from splitspec.serving.http_bounds import Refusal, check_length, check_read
+from splitspec.serving.http_bounds import MAX_CONTENT_LENGTH, Refusal, check_length, check_read, quoted
 from splitspec.serving.server_limits import BODY_TIMEOUT_S
 
 
@@ -54,14 +54,17 @@ class BodyReader:
         bounds the body as it arrives).
 
         Raises:
-            Refusal: 400, ``header`` is not a number of bytes; 413, it exceeds ``limit``
-                (:func:`~splitspec.serving.http_bounds.check_length`).
+            Refusal: 400, ``header`` is not a number of bytes, or one over
+                :data:`~splitspec.serving.http_bounds.MAX_CONTENT_LENGTH` (as the HTTP guard's parser refuses it);
+                413, it exceeds ``limit`` (:func:`~splitspec.serving.http_bounds.check_length`).
         """
         if header is None:
             return
         n = header.strip()
         if not (n.isascii() and n.isdigit()):
-            raise Refusal(400, f"Content-Length: expected a number of bytes, got {header[:40]!r}")
+            raise Refusal(400, f"Content-Length: expected a number of bytes, got {quoted(header)}")
+        if len(n) > len(str(MAX_CONTENT_LENGTH)) or int(n) > MAX_CONTENT_LENGTH:
+            raise Refusal(400, f"Content-Length: {quoted(n)}: more than 2^64 - 1 bytes")
         check_length(int(n), self.limit, self.max_prompt_bytes)
 
     def check_encoding(self, header: str | None) -> None:

@@ -16,6 +16,11 @@ through :class:`QuietLog` (one line a second per kind; the kind is the parser's 
 ``InvalidURLError``, never text the client chose). A reason quoting the client's bytes shows at most
 :data:`SHOWN_CHARS` characters of it, non-printable ones as ``?``. An error inside the guard's own handler (a fault
 of its own, not the client's) is answered 500 and logged the same way, as are aiohttp's other errors.
+
+**A body going bad.** When a chunked body goes bad after it started (a malformed chunk in a later packet than the
+head), aiohttp's C parser drops the body without ending it and queues the error as a request of its own, behind the
+one whose body it was: that request waited for its body until the 408 of the body timeout (30 s). The handler ends
+such a body with the parser's error (:meth:`_CappedHandler.data_received`), which the guard answers 400 at once.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import json
 import sys
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from splitspec.serving.rate_limited_log import RateLimitedLog
 from splitspec.serving.server_limits import MAX_CONNECTIONS
@@ -78,7 +83,7 @@ class _CappedHandler(RequestHandler):
     """aiohttp's connection handler, which closes its connection at once when its server holds its cap already, and
     answers and logs errors in one line each (module docstring)."""
 
-    __slots__ = ("log",)
+    __slots__ = ("log", "_body")
 
     def connection_made(self, transport) -> None:
         server = self._manager
@@ -89,10 +94,24 @@ class _CappedHandler(RequestHandler):
             return
         super().connection_made(transport)
 
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's, then: a parse error met in the body being read ends that body with it (module docstring)."""
+        parsed = len(self._messages)
+        super().data_received(data)
+        for message, payload in list(self._messages)[parsed:]:
+            if not isinstance(message, _ErrInfo):
+                self._body = payload  # the body the parser reads next
+            elif getattr(self, "_body", None) is not None and not self._body.is_eof():
+                error = web.RequestPayloadError(message.message)
+                error.__cause__ = message.exc
+                self._body.set_exception(error, message.exc)
+                self._body = None
+
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """The answer to a request aiohttp could not hand to the guard (a malformed one: 400) or that the guard's
-        handler failed on (500; 504 for a TimeoutError): Triton's error shape, the connection closed after it."""
+        handler failed on (500; 504 for a TimeoutError): Triton's error shape, the connection closed after it, in an
+        HTTP/1.1 status line."""
         if status < 500:
             # the kind: the parser's error class (a place in aiohttp, never the client's bytes, which the reason
             # may quote: a CONNECT's authority is its whole message), named in the answer too
@@ -106,6 +125,9 @@ class _CappedHandler(RequestHandler):
         self.log.say(f"splitspec serve: HTTP guard: {status} to {request.remote}: {said}", key=key)
         if request.writer.output_size > 0:  # as aiohttp's own: part of an answer went out, another cannot follow
             raise ConnectionError("an answer was under way: no error answer can follow it")
+        # the stand-in aiohttp makes for a request it could not parse says HTTP/1.0 (the version is not known), and
+        # its answer's status line would; the guard's answers are HTTP/1.1
+        request._cache["version"] = HttpVersion11
         return error_response(status, answer, close=True)
 
     def log_exception(self, *args, **kw) -> None:

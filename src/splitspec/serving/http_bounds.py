@@ -10,8 +10,9 @@ adds one level per tensor dimension). :func:`check_depth` measures the depth wit
 skipping bodies that hold no more opening brackets than the bound.
 
 **Generate inputs.** Triton 2.51's generate endpoints flatten a nested array into a string tensor (``"stop_words":
-[["a"]]`` reaches the models as ``["a"]``), so the string-list inputs are checked here, where the JSON is still
-seen (:func:`check_generate`).
+[["a"]]`` reaches the models as ``["a"]``) and answer a value they cannot convert to its input's type with a 500
+(``"max_tokens": "ten"``), so the string-list inputs and every input's JSON type are checked here, where the JSON is
+still seen (:func:`check_generate`).
 
 **Binary tensors.** With Triton's binary-tensor extension the header ``Inference-Header-Content-Length: N`` says
 the first N bytes are the JSON; the rest is raw tensor data, not parsed (:func:`json_part`).
@@ -24,13 +25,17 @@ import re
 
 from splitspec.errors import ConfigError
 from splitspec.serving.json_body import nesting_depth
-from splitspec.serving.requests import check_generate_json
+from splitspec.serving.generate_json import check_generate_json
 from splitspec.serving.server_limits import too_large_message
 
 #: Deepest JSON nesting passed to tritonserver: its requests nest 4 deep, one more per dimension of a nested tensor.
 MAX_JSON_DEPTH = 32
 #: The binary-tensor extension's header: the body's first N bytes are the JSON.
 JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
+#: The most characters of a header value the client chose quoted in a refusal (:func:`quoted`).
+QUOTED_CHARS = 40
+#: The largest ``Content-Length`` an HTTP parser takes (aiohttp's refuses more as an overflow; h11 takes 20 digits).
+MAX_CONTENT_LENGTH = 2 ** 64 - 1
 
 
 class Refusal(Exception):
@@ -41,6 +46,12 @@ class Refusal(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def quoted(value: str) -> str:
+    """A header ``value`` as a refusal quotes it: its ``repr``, cut to :data:`QUOTED_CHARS` characters (the cut
+    marked ``...``)."""
+    return repr(value[:QUOTED_CHARS]) + ("..." if len(value) > QUOTED_CHARS else "")
 
 
 def json_part(body: bytes, json_length: str | None) -> bytes:
@@ -113,9 +124,10 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def check_generate(path: str, body: bytes) -> None:
     """Refuse a ``generate`` / ``generate_stream`` body that tritonserver would misread or fail on with a 500: one
-    that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, or whose
-    string-list inputs Triton would flatten (:func:`splitspec.serving.requests.check_generate_json`). Runs after
-    :func:`check_depth` (so parsing cannot recurse deeply).
+    that is empty (tritonserver: ``document is empty``), not UTF-8 JSON, has a key twice in one object, whose
+    string-list inputs Triton would flatten, or with an input's value of a JSON type Triton cannot convert
+    (:func:`splitspec.serving.generate_json.check_generate_json`). Runs after :func:`check_depth` (so parsing cannot
+    recurse deeply).
 
     Raises:
         Refusal: 400 naming what is wrong.

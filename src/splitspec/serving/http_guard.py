@@ -25,7 +25,8 @@ forwarding a request it:
 - refuses JSON nesting deeper than :data:`~splitspec.serving.http_bounds.MAX_JSON_DEPTH` (32; Triton's requests nest
   4) with 400, in the whole body or, with the binary-tensor extension, in its JSON part
   (:mod:`splitspec.serving.http_bounds`: a linear scan, no parsing), and an empty ``POST`` to ``generate`` (which
-  tritonserver answers 500, ``document is empty``) with 400;
+  tritonserver answers 500, ``document is empty``) or one with an input's value of the wrong JSON type (500,
+  ``Unable to parse 'data'``; :mod:`splitspec.serving.generate_json`) with 400;
 - closes a connection that has not sent a whole request head within ``header_timeout_s`` (10 s) of opening, or of
   its previous answer (keep-alive): aiohttp's keep-alive timer, which fires only while the connection waits for a
   request, never during one (a stream in flight is not cut). Before, idle and half-sent connections stayed open for
@@ -71,7 +72,7 @@ from yarl import URL
 
 from splitspec.errors import ConfigError, SplitspecError
 from splitspec.serving.body_reader import BodyReader
-from splitspec.serving.guard_server import CappedServer, QuietLog, error_response
+from splitspec.serving.guard_server import CappedServer, QuietLog, error_response, reason
 from splitspec.serving.http_bounds import JSON_LENGTH_HEADER, MAX_JSON_DEPTH, Refusal, check_body
 from splitspec.serving.server_limits import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, repo_body_limit,
                                              repo_max_prompt_bytes)
@@ -197,6 +198,8 @@ class HttpGuard:
                 pass
             loop.call_soon_threadsafe(loop.stop)
         thread.join(10.0)
+        if not thread.is_alive():  # its log is this thread's now
+            self.log.flush()  # what it left out and had not said yet
         self._loop = self._thread = None
 
     def __enter__(self) -> "HttpGuard":
@@ -295,9 +298,8 @@ class HttpGuard:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             return await body.read(request.content.iter_any())
-        except web.RequestPayloadError as e:  # broken chunks
-            why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's parse error, when it names one
-            raise Refusal(400, f"request body: {' '.join(str(why).split())}") from None
+        except web.RequestPayloadError as e:  # broken chunks (guard_server: also those the C parser drops)
+            raise Refusal(400, f"request body: {reason(e.__cause__, str(e))}") from None
 
     async def _forward(self, request: web.BaseRequest, body: bytes | None) -> web.StreamResponse:
         head = request.method == "HEAD"  # asked as GET: tritonserver's answer to HEAD has a body, breaking the connection

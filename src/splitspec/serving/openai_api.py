@@ -48,7 +48,8 @@ from splitspec.serving import openai_errors as api_errors
 from splitspec.serving import openai_schema as schema
 from splitspec.serving.client import merge
 from splitspec.serving.ensemble_stream import EnsembleStream
-from splitspec.serving.openai_connection import bounded_protocol, limit_warning_log, single_framing
+from splitspec.serving.openai_connection import (WARNING_LOG_LIMIT, bounded_protocol, limit_warning_log,
+                                                  single_framing)
 from splitspec.serving.openai_http import BODY_TIMEOUT_S, Gate, error_response, read_body
 from splitspec.serving.repo import repo_setting
 from splitspec.serving.server_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, request_body_limit
@@ -332,6 +333,7 @@ class OpenAIServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)
+            WARNING_LOG_LIMIT.flush()  # the counts of uvicorn's warnings left out, not said yet
         self._server = self._thread = None
 
     def __enter__(self) -> "OpenAIServer":

@@ -16,12 +16,13 @@ this on its own:
   idle connections up to the limit would have made every real request a 503. :class:`BoundedH11Protocol` instead
   closes a connection past ``max_connections`` as soon as it is accepted, as the HTTP guard does
   (:data:`~splitspec.serving.server_limits.MAX_CONNECTIONS`).
-- **Framing refusals.** h11 refuses a malformed request (``Content-Length: -1``, a bad chunk, a head still
-  incomplete past 16 KiB) and uvicorn answered it as ``text/plain`` ``Invalid HTTP request received.``;
-  :class:`BoundedH11Protocol` answers it in OpenAI's error shape naming h11's reason, with the status h11 suggests
-  (400; 431 for a head too long, 501 for a transfer coding other than chunked), and closes the connection. uvicorn
-  logs each one as a WARNING: :data:`WARNING_LOG_LIMIT` lets one a second through (:func:`limit_warning_log`), as it
-  does each other kind of uvicorn warning (a request asking ``Upgrade:`` logged two).
+- **Framing refusals.** h11 refuses a malformed request (``Content-Length: -1``, a bad chunk, a head still incomplete
+  past 16 KiB) and uvicorn answered it as ``text/plain`` ``Invalid HTTP request received.``;
+  :class:`BoundedH11Protocol` answers it in OpenAI's error shape naming h11's reason (and a bad ``Content-Length``'s
+  value, which h11's reason leaves out), with the status h11 suggests (400; 431 for a head too long, 501 for a
+  transfer coding other than chunked), and closes the connection. uvicorn logs each one as a WARNING:
+  :data:`WARNING_LOG_LIMIT` lets one a second through (:func:`limit_warning_log`), as it does each other kind of
+  uvicorn warning (a request asking ``Upgrade:`` logged two).
 
 The protocol overrides methods of uvicorn's ``H11Protocol`` (``connection_made``, ``data_received``,
 ``on_response_complete``, ``send_400_response``) and reads its ``conn`` (the h11 connection), ``cycle`` and
@@ -35,12 +36,14 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import threading
 
 import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from splitspec.serving.http_bounds import quoted
 from splitspec.serving.openai_errors import APIError
 from splitspec.serving.openai_http import error_response
 from splitspec.serving.rate_limited_log import RateLimitedLog
@@ -78,27 +81,39 @@ class _WarningLogLimit(logging.Filter):
     (:class:`~splitspec.serving.rate_limited_log.RateLimitedLog`). A kind is the record's message template
     (``record.msg``: a place in uvicorn's code, never the client's bytes): :data:`UVICORN_INVALID_REQUEST` for every
     request h11 refuses, ``Unsupported upgrade request.`` and the WebSocket-library line for each request asking
-    ``Upgrade:`` (two lines per request, pipelined by the hundred, before). Records below WARNING pass unchanged."""
+    ``Upgrade:`` (two lines per request, pipelined by the hundred, before). Records below WARNING pass unchanged.
+    :meth:`flush` logs the counts not said yet (an OpenAI front end's stop calls it)."""
 
     def __init__(self, every_s: float = 1.0):
         super().__init__()
-        self._lock, self._passed = threading.Lock(), None
-        self._limit = RateLimitedLog(self._pass, every_s)
-
-    def _pass(self, line: str) -> None:
-        self._passed = line
+        self._lock, self._passed = threading.Lock(), []
+        self._limit = RateLimitedLog(self._passed.append, every_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or getattr(record, _FLUSHED, False):
             return True
         with self._lock:  # servers on several threads share it
-            self._passed = None
+            self._passed.clear()
             self._limit.say(record.getMessage(), key=str(record.msg)[:80])
-            passed = self._passed
+            passed = self._passed[-1] if self._passed else None
         if passed is None:
             return False
         record.msg, record.args = passed, ()
         return True
+
+    def flush(self) -> None:
+        """Log to ``uvicorn.error`` what was left out and not said yet
+        (:meth:`~splitspec.serving.rate_limited_log.RateLimitedLog.flush`), as WARNINGs this filter passes."""
+        with self._lock:
+            self._passed.clear()
+            self._limit.flush()
+            lines = list(self._passed)
+        for line in lines:
+            logging.getLogger("uvicorn.error").warning(line, extra={_FLUSHED: True})
+
+
+#: The attribute marking a record :meth:`_WarningLogLimit.flush` logs (passed unlimited).
+_FLUSHED = "splitspec_flushed"
 
 
 #: The one filter every OpenAI front end of this process adds (:func:`limit_warning_log`): one line a second at most
@@ -112,16 +127,30 @@ def limit_warning_log() -> None:
     logging.getLogger("uvicorn.error").addFilter(WARNING_LOG_LIMIT)
 
 
+#: A ``Content-Length`` header line of a request head: its value.
+_CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*([^\r\n]*?)[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
+
+
+def content_lengths(head: bytes) -> str:
+    """The ``Content-Length`` values of the request head that starts ``head`` (raw bytes), joined with ``, ``."""
+    head = head.split(b"\r\n\r\n", 1)[0]
+    return ", ".join(v.decode("latin-1") for v in _CONTENT_LENGTH.findall(head))
+
+
 class _Parser(h11.Connection):
-    """h11's server side, keeping the last error it found in what the client sent (:attr:`error`)."""
+    """h11's server side, keeping the last error it found in what the client sent (:attr:`error`) and, when that
+    was in a request head, the bytes it was found in (:attr:`head`: h11's errors do not quote them)."""
 
     error: h11.RemoteProtocolError | None = None
+    head: bytes = b""
 
     def next_event(self):
+        waiting = self.their_state is h11.IDLE  # what is buffered starts with a request head
+        head = self.trailing_data[0] if waiting else b""
         try:
             return super().next_event()
         except h11.RemoteProtocolError as e:
-            self.error = e
+            self.error, self.head = e, head
             raise
 
 
@@ -197,6 +226,8 @@ class BoundedH11Protocol(H11Protocol):
             message = f"request line and headers exceed {self.head_limit} bytes"
         else:
             message = f"malformed HTTP request: {error.args[0] if error is not None and error.args else msg}"
+            if "Content-Length" in message and (value := content_lengths(self.conn.head)):
+                message += f": {quoted(value)}"  # as the HTTP guard's parser quotes it
         body = json.dumps(APIError(status, message, "invalid_request_error", None, None).body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]

@@ -17,8 +17,8 @@ name ``random_seed``) seeds the sampler, ``end_id`` replaces the end-of-sequence
 convention this server does not implement (:data:`UNSUPPORTED`, ``bad_words``) are accepted at their neutral
 value and refused, naming the input, at any other.
 
-:func:`check_generate_json` checks what only the JSON of an HTTP ``generate`` request shows (string arrays nested
-where Triton flattens them), for whatever reads that JSON before tritonserver.
+What only the JSON of an HTTP ``generate`` request shows is checked before tritonserver reads it, by
+:mod:`splitspec.serving.generate_json`.
 
 Sampling values are range-checked by the engine when it takes the request (``SamplingParams.check``); a
 request it refuses comes back as a ``"rejected"`` event.
@@ -211,42 +211,6 @@ def check_stop(stop: list[str], name: str = "stop") -> None:
         if len(s) > MAX_STOP_CHARS:
             raise ConfigError(f"{name}: a string of {len(s)} characters, at most {MAX_STOP_CHARS}")
 
-
-#: Inputs that hold a list of strings (TYPE_STRING, dims [-1]).
-STRING_LIST_INPUTS = ("stop", "stop_words", "bad_words")
-
-
-def _json_kind(v) -> str:
-    return "null" if v is None else {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-                                     list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
-
-
-def check_generate_json(body: Mapping) -> None:
-    """Check the JSON body of an HTTP ``generate`` / ``generate_stream`` request where Triton does not: each of
-    :data:`STRING_LIST_INPUTS` it carries must be a string or a flat array of strings. Triton 2.51 takes a nested
-    array's shape from its outer length and its strings in order, so ``"stop_words": [["a"]]`` reaches the models as
-    ``["a"]`` and ``[["a"], ["b"]]`` as ``["a", "b"]`` (the same tensors: the models cannot refuse them), and answers
-    a number, object or null with a 500 (``Unable to parse JSON bytes array``). Only what reads the JSON before
-    tritonserver can apply this; over gRPC, Triton itself refuses a tensor of another rank (INVALID_ARG,
-    ``unexpected shape for input 'stop_words'``). Looks one level into each value only: safe at any nesting.
-
-    Raises:
-        ConfigError: naming the input, what it holds and the expected form.
-    """
-    for name in STRING_LIST_INPUTS:
-        if name not in body:
-            continue
-        v = body[name]
-        if isinstance(v, list):
-            bad = next((i for i, s in enumerate(v) if not isinstance(s, str)), None)
-            if bad is None:
-                continue
-            got = f"an array whose element {bad} is {_json_kind(v[bad])}"
-        elif isinstance(v, str):
-            continue
-        else:
-            got = _json_kind(v)
-        raise ConfigError(f'{name}: expected a string or an array of strings (e.g. ["\\n\\n", "done"]), got {got}')
 
 
 def check_unsupported(inputs: Inputs) -> None:

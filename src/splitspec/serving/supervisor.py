@@ -217,6 +217,12 @@ class Supervisor:
 
     def _watch(self) -> None:
         check_failed = RateLimitedLog(self.say)  # a check that raised is retried every tick: said once a second
+        try:
+            self._watch_with(check_failed)
+        finally:
+            check_failed.flush()  # the failures it left out and had not said yet
+
+    def _watch_with(self, check_failed: RateLimitedLog) -> None:
         while not self._stop.wait(self.check_s):
             if self.state != "serving":
                 continue
