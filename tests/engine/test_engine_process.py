@@ -192,22 +192,66 @@ def test_load_error_is_the_engines(tmp_path):
         EngineProcess(ServeConfig(tmp_path), lambda *a: None, lambda m: None)
 
 
+def _hold_sockets(pid: int) -> list[int]:
+    """Copies in this process of every socket of process ``pid`` (pidfd_getfd(2)), so that its connections outlive it,
+    as when a child it forked still holds them: a peer blocked in a collective with it then waits for the collective
+    timeout instead of failing at once. Empty where the kernel refuses (before Linux 5.6, or ptrace not allowed)."""
+    import ctypes
+
+    libc, held = ctypes.CDLL(None, use_errno=True), []
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return held
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+            except OSError:
+                continue
+            fd = libc.syscall(438, pidfd, int(name), 0)  # SYS_pidfd_getfd (x86-64 and arm64 alike)
+            if fd < 0:
+                break
+            held.append(fd)
+    finally:
+        os.close(pidfd)
+    return held
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_dead_worker_fails_the_engine_once_with_its_pid(built_engines, tok, overlap):
+    """The worker dies while rank 0 waits for it inside a collective, and its sockets stay open (held here): the
+    engine process fails the request at once, naming the worker, not after the collective timeout; once the
+    collective fails too (the sockets closed), the loop's own error events for it are dropped."""
     ev = Events()
     proc = EngineProcess(ServeConfig(built_engines, num_draft_tokens=3), ev.on_cycle, ev.failed.append, overlap_output=overlap)
+    held: list[int] = []
     try:
         proc.submit(1, Request(tok.encode(PROMPTS[0]), 200, stop_token_ids=set()))
         pid = proc.info["worker_pids"][0]
+        for _ in range(3000):  # its first token: rank 0 now runs a cycle after another with the worker
+            if ev.by_sid.get(1):
+                break
+            threading.Event().wait(0.01)
+        os.kill(pid, signal.SIGSTOP)  # rank 0 blocks in the cycle's next collective with it
+        held = _hold_sockets(pid)
+        threading.Event().wait(0.2)
         os.kill(pid, signal.SIGKILL)
-        last = ev.wait(1)[-1]
-        assert last.finish_reason == "error"
-        assert ev.failed == [f"target worker rank 1 (pid {pid}) exited with status -9"]
+        last = ev.wait(1, timeout_s=30)[-1]
+        why = f"target worker rank 1 (pid {pid}) exited with status -9"
+        assert last.finish_reason == "error" and last.error == why and ev.failed == [why]
         with pytest.raises(EngineError, match="exited with status -9"):
             proc.submit(2, Request(tok.encode("x"), 4))
+        for fd in held:  # the blocked collective fails now
+            os.close(fd)
+        held = []
     finally:
+        for fd in held:
+            os.close(fd)
         proc.close()
     assert not proc.alive()
+    assert [e.finished for e in ev.by_sid[1]].count(True) == 1 and ev.by_sid[1][-1] is last
 
 
 def test_dead_engine_process_is_reported_once_and_takes_its_workers(built_engines, tok):

@@ -194,11 +194,17 @@ class Group:
     def limits(self) -> dict:
         return self.rank0.limits
 
-    def check_workers(self) -> None:
-        """Raise EngineError if any worker process has exited."""
-        for r, p in enumerate(self.procs, start=1):
-            if p.poll() is not None:
-                raise EngineError(f"target worker rank {r} (pid {p.pid}) exited with status {p.returncode}")
+    def check_workers(self, wait_s: float = 0.0) -> None:
+        """Raise EngineError if any worker process has exited. ``wait_s``: seconds to keep looking (after a collective
+        failed: a killed worker's sockets close a moment before it can be reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    raise EngineError(f"target worker rank {r} (pid {p.pid}) exited with status {p.returncode}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def run(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:
         """Execute one cycle on every rank and return rank 0's output. A change of placement (``plan.draft_tp``)

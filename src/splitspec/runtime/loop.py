@@ -13,10 +13,16 @@ from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request, RequestOutput
 
 
+#: Seconds a failed cycle looks for a dead worker to name (its sockets close a moment before it can be reaped).
+DEAD_WORKER_WAIT_S = 1.0
+
+
 class EngineLoop:
-    """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit` and :meth:`cancel` are
-    thread-safe. Callbacks run on the loop thread. If the engine fails (a worker died), every active and
-    queued request gets an error event, :attr:`healthy` turns False, and later submits raise EngineError.
+    """Runs :meth:`SpeculativeEngine.step` in a background thread; :meth:`submit`, :meth:`cancel` and :meth:`fail`
+    are thread-safe. Callbacks run on the loop thread (and, for the final error events, on the thread that calls
+    :meth:`fail`). If the engine fails (a cycle raises: a worker died, the group broke; or :meth:`fail` is called),
+    every active and queued request gets one final error event, :attr:`healthy` turns False, and later submits raise
+    EngineError.
 
     ``after_step``: called on the loop thread after every cycle (after its callbacks), e.g. to pass the
     cycle's events on in one message. ``heartbeat(busy)``: called on the loop thread before every cycle (True) and,
@@ -50,6 +56,27 @@ class EngineLoop:
         with self._wake:
             self._wake.notify()
 
+    def fail(self, message: str) -> None:
+        """Stop serving: every active and queued request ends now with one final error event carrying ``message``
+        (:meth:`SpeculativeEngine.fail_requests`), without waiting for the loop thread, which may be blocked in a
+        cycle (a collective with a worker that died, until the collective timeout): what that cycle yields when it
+        returns or raises is dropped, and the loop thread then exits. The first failure's message is kept."""
+        with self._wake:
+            if self.healthy:
+                self.healthy, self.error = False, message
+            self._wake.notify()
+        self.engine.fail_requests(self.error)
+
+    def _why(self, e: Exception) -> str:
+        """What a failed cycle says: a dead worker first (clearer than the collective error it caused)."""
+        if isinstance(e, EngineError):
+            return str(e)
+        try:
+            self.engine.group.check_workers(wait_s=DEAD_WORKER_WAIT_S)
+        except EngineError as dead:
+            return str(dead)
+        return f"{type(e).__name__}: {e}"
+
     def _run(self) -> None:
         device = self.engine.group.devices[0]
         if device.startswith("cuda"):  # a new thread's current device is GPU 0, whatever the loading thread set
@@ -57,24 +84,28 @@ class EngineLoop:
         beat = self.heartbeat or (lambda busy: None)
         while True:
             with self._wake:
-                while not self._stop and not self.engine.has_work():
+                while not self._stop and self.healthy and not self.engine.has_work():
                     beat(False)
                     self._wake.wait(self.beat_s if self.heartbeat else None)
                 if self._stop:
                     return
+            if not self.healthy:  # failed from another thread: its requests have had their final events
+                self.engine.fail_all(self.error)
+                return
             beat(True)
             try:
                 self.engine.step()
                 if self.after_step is not None:
                     self.after_step()
             except Exception as e:  # a dead worker or broken group: fail everything, stop serving
-                self.healthy, self.error = False, f"{type(e).__name__}: {e}"
+                self.fail(self._why(e))
                 self.engine.fail_all(self.error)
                 return
 
     def stop(self) -> None:
-        """Stop the loop thread (the engine stays open; call ``engine.close()``)."""
+        """Stop the loop thread (the engine stays open; call ``engine.close()``). After a failure the loop thread may
+        still be blocked in a cycle: it is given a second, not 30."""
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=30 if self.healthy else 1)

@@ -23,7 +23,7 @@ import torch
 
 from splitspec.engine.group import Group
 from splitspec.models.kv import BlockAllocator
-from splitspec.engine.plan import CyclePlan, SeqWork
+from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
@@ -74,6 +74,8 @@ class SpeculativeEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[RequestOutput], None]] = {}
+        self._emitting = threading.Lock()  # held while events go to callbacks: a request's final event is its last
+        self.failed: str | None = None  # why the engine stopped serving (fail_requests)
         self.k_by_batch: dict[int, int] = {}
         self.draft_tp_by_batch: dict[int, int] = {}  # several placements loaded: which drafts per batch bucket
         self.switch_after = SWITCH_AFTER_CYCLES
@@ -188,6 +190,8 @@ class SpeculativeEngine:
 
             detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
         with self._lock:
+            if self.failed is not None:
+                raise EngineError(f"engine is not ready: {self.failed}")
             seq = Sequence(next(self._ids), req, k, stops, detok)
             seq.stats.synthetic = self.synthetic is not None
             self.seqs[seq.id] = seq
@@ -212,16 +216,26 @@ class SpeculativeEngine:
                 if seq.deadline is not None and now >= seq.deadline and not seq.cancelled:
                     seq.cancelled, seq.cancel_reason = True, "timeout"
 
+    def fail_requests(self, message: str) -> None:
+        """The engine cannot go on: end every running and queued request at once with one final error event carrying
+        ``message`` (the first failure's, if called again). Thread-safe, and it does not wait for the stepping thread,
+        which may be blocked in a cycle (a collective with a worker that died): events of a cycle that ends later
+        are dropped, as are later calls' (nothing is left to end). Later submits raise EngineError."""
+        with self._emitting:
+            with self._lock:
+                self.failed = self.failed or message
+                callbacks, self._callbacks = self._callbacks, {}
+                stats = {rid: seq.stats for rid, seq in self.seqs.items()}
+            for rid, cb in callbacks.items():
+                cb(RequestOutput(rid, [], "", True, "error", stats.get(rid), self.failed))
+
     def fail_all(self, message: str) -> None:
-        """End every running and queued request with an error event carrying ``message`` (the engine cannot go on:
-        :class:`~splitspec.runtime.loop.EngineLoop` calls this when a cycle fails)."""
+        """:meth:`fail_requests`, then forget the running and queued sequences: on the stepping thread, which owns them
+        (:class:`~splitspec.runtime.loop.EngineLoop` calls this when a cycle fails)."""
+        self.fail_requests(message)
         with self._lock:
-            seqs, self.running = list(self.running), []
-        seqs += self.queue.drain()
-        for seq in seqs:
-            cb = self._callbacks.pop(seq.id, None)
-            if cb:
-                cb(RequestOutput(seq.id, [], "", True, "error", seq.stats, message))
+            self.running = []
+        self.queue.drain()
 
     def has_work(self) -> bool:
         return bool(self.queue or self.running)
@@ -289,10 +303,11 @@ class SpeculativeEngine:
             self._finished_ids = []
             out = self.group.run(plan, self.on_launched)
             events += self._decide(work, out, self.group.draft_tp if drafting else 0, switched)
-        for e in events:
-            cb = self._callbacks.pop(e.request_id, None) if e.finished else self._callbacks.get(e.request_id)
-            if cb:
-                cb(e)
+        with self._emitting:  # not while fail_requests ends the requests: their events from here on are dropped
+            for e in events:
+                cb = self._callbacks.pop(e.request_id, None) if e.finished else self._callbacks.get(e.request_id)
+                if cb:
+                    cb(e)
         return events
 
     def _decide(self, work: list[SeqWork], out, draft_tp: int, switched: bool) -> list[RequestOutput]:

@@ -32,7 +32,10 @@ Messages (pickled tuples)::
                     ("cycle", [event tuple], CycleStats tuple | None, gauges)   one per cycle (with
                                                                       overlap_output, sent during the next), and
                                                                       one per refused submit
-                    ("failed", message)   the engine stopped serving (a target worker died)
+                    ("failed", message)   the engine stopped serving (a target worker died); a cycle message
+                                          with every open request's final error event follows at once, sent by
+                                          the main thread, whose health check noticed: the loop thread may be
+                                          blocked in a collective with the dead worker (:meth:`EngineLoop.fail`)
 
 Signals (from ``splitspec serve``'s supervisor, for a graceful stop, :class:`~splitspec.serving.engine_shutdown.ShutdownSignals`): SIGUSR1 stops admitting;
 SIGTERM also ends every request in flight with ``finish_reason`` ``"shutdown"``.
@@ -232,7 +235,8 @@ class EngineProcess:
     # ------------------------------------------------------------------ stopping
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the engine (its worker processes exit) and the process. Idempotent."""
+        """Stop the engine (its worker processes exit) and the process; every message the engine sent has been passed
+        on when it returns (unless called from a callback). Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -249,6 +253,8 @@ class EngineProcess:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self._kill()
+        if threading.current_thread() is not self._reader:  # it reads what the engine sent before it exited
+            self._reader.join(timeout=5)
         self.conn.close()
 
     def _kill(self) -> None:
@@ -307,9 +313,14 @@ def serve(conn: Connection) -> int:
         with send_lock:
             conn.send_bytes(data)
 
-    def send_cycle(content) -> None:  # a cycle message of (events, stats); None: nothing to send
-        if content is not None:
-            send(("cycle", *content, gauges()))
+    def send_cycle(take: Callable[[], tuple | None]) -> None:
+        """Send the cycle message of ``take()``'s (events, stats), if any. Taken under the send lock: the loop thread
+        and the main thread (a request's final error event, :meth:`EngineLoop.fail`) may both send, and a request's
+        events must leave in the order they were taken."""
+        with send_lock:
+            content = take()
+            if content is not None:
+                conn.send_bytes(pickle.dumps(("cycle", *content, gauges()), pickle.HIGHEST_PROTOCOL))
 
     def on_event(sid: int, ev) -> None:  # the loop thread
         msgs.add(pack_event(sid, ev, not ev.finished and ev.request_id not in eng.seqs))
@@ -321,11 +332,11 @@ def serve(conn: Connection) -> int:
                 "kv_total": eng.alloc.num_blocks}
 
     eng.on_cycle = lambda cs: msgs.set_stats(pack_cycle_stats(cs))
-    eng.on_launched = lambda: send_cycle(msgs.launched())  # the GPU is busy: what waited goes now
+    eng.on_launched = lambda: send_cycle(msgs.launched)  # the GPU is busy: what waited goes now
     heart = engine_heartbeat(cfg.run_dir)  # None without a run folder
-    loop = EngineLoop(eng, after_step=lambda: send_cycle(msgs.after_step(eng.has_work())),
+    loop = EngineLoop(eng, after_step=lambda: send_cycle(lambda: msgs.after_step(eng.has_work())),
                       heartbeat=heart.beat if heart else None)
-    failed = drained = False
+    failed = False
     stopping = ShutdownSignals()
     try:
         send(("ready", {"max_draft_len": eng.max_draft_len, "max_batch_size": eng.max_batch_size,
@@ -347,7 +358,8 @@ def serve(conn: Connection) -> int:
                     except Exception as e:  # its one event: refused, or the engine stopped serving
                         reason = "error" if isinstance(e, EngineError) else "rejected"
                         why = str(e) if isinstance(e, SplitspecError) else f"not a valid request: {type(e).__name__}: {e}"
-                        send_cycle(([pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)], None))
+                        refusal = ([pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)], None)
+                        send_cycle(lambda: refusal)
                     else:
                         rids[sid] = rid
                         if rid not in eng.seqs:  # already finished (its final event popped nothing)
@@ -361,22 +373,23 @@ def serve(conn: Connection) -> int:
             if stopping.cancel_now():  # SIGTERM: what is in flight ends now, with a final event
                 for rid in list(rids.values()):
                     loop.cancel(rid, "shutdown")
-            if not drained and time.monotonic() >= next_check:
+            if not failed and time.monotonic() >= next_check:
                 next_check = time.monotonic() + HEALTH_CHECK_S
-                reason = None if failed else _worker_failure(eng, loop)
+                reason = _worker_failure(eng, loop)
                 if reason is not None:
                     failed = True
                     send(("failed", reason))
-                if failed and not loop.healthy:  # the loop failed its requests (maybe after a dead worker was seen):
-                    loop.stop()  # once it has exited, pass their error events on
-                    send_cycle(msgs.take())
-                    drained = True
+                    # every request still open ends now, named after the dead worker, from this thread: the loop
+                    # thread may be blocked in a collective with that worker (until the collective timeout if the
+                    # worker's sockets outlive it); what its cycle yields later is dropped
+                    loop.fail(reason)
+                    send_cycle(msgs.take)
     except (EOFError, OSError):  # the host went away
         pass
     finally:
         loop.stop()
         try:  # what was left waiting for a next cycle
-            send_cycle(msgs.take())
+            send_cycle(msgs.take)
         except OSError:
             pass
         eng.close()
