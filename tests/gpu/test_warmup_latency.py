@@ -1,5 +1,5 @@
 """Ready means ready on GPUs: the engine process warms up every batch bucket and k before ``spec_decode`` reports
-ready (:func:`splitspec.serving.engine_process.warm_up`), so the first request after ready, alone or as a full batch,
+ready (:func:`splitspec.serving.warm_up.warm_up`), so the first request after ready, alone or as a full batch,
 takes at most twice as long as the same request once the server is steady (before: 42 s against tens of ms on an
 H200, compilation and graph capture running at the first request). Needs CUDA and the served stack (tritonserver
 with a stub whose Python has the GPU torch: the project's GPU set-up); skipped elsewhere.

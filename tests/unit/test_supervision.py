@@ -34,7 +34,7 @@ from splitspec.serving.supervisor import Supervisor
     ("/r/_backends/python/triton_python_backend_stub /r/spec_decode/1/model.py splitspec_1_2_x 1048576 1048576 9 "
      "/r/_backends/python 336 spec_decode_0_0 DEFAULT", "spec_decode stub"),
     ("/r/_backends/python/triton_python_backend_stub /r/post processing/1/model.py", None),  # not a model folder name
-    ("/v/bin/python3 -m splitspec.serving.engine_process --fd 5", "engine process"),
+    ("/v/bin/python3 -m splitspec.serving.engine_process_main --fd 5", "engine process"),
     ("/v/bin/python3 -m splitspec.engine.worker --engines /e --rank 3 --world 4", "target worker rank 3"),
     ("/site-packages/pytriton/tritonserver/bin/tritonserver --model-repository /r", "tritonserver"),
     ("/usr/bin/python3 -m pytest", None),
@@ -59,7 +59,7 @@ def test_a_dead_process_is_told_from_a_live_one_and_from_a_reused_pid():
 def test_pipeline_processes_names_the_children_it_knows():
     code = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", code, sys.executable, "-c", "import time; time.sleep(60)",
-                               "splitspec.serving.engine_process"])
+                               "splitspec.serving.engine_process_main"])
     try:
         for _ in range(100):
             found = pipeline_processes(parent.pid)

@@ -2,7 +2,7 @@
 
 Below ``splitspec serve`` run ``tritonserver``, one Python backend stub per model instance
 (``triton_python_backend_stub <repo>/<model>/1/model.py …``), the engine process that ``spec_decode``'s stub starts
-(``python -m splitspec.serving.engine_process``) and the target's worker ranks that the engine process starts
+(``python -m splitspec.serving.engine_process_main``) and the target's worker ranks that the engine process starts
 (``python -m splitspec.engine.worker … --rank N``). :func:`pipeline_processes` names each by its role;
 :class:`Watched` tells a process that died (or became a zombie) from one that lives, and one stopped (SIGSTOP,
 SIGTSTP, a debugger: state ``T`` or ``t``, field 3) from one that runs, and is not fooled by a pid reused by a later
@@ -76,7 +76,7 @@ def role_of(cmdline: str) -> str | None:
     m = _STUB.search(cmdline)
     if m:
         return f"{m.group(1)} stub"
-    if "splitspec.serving.engine_process" in cmdline:
+    if "splitspec.serving.engine_process_main" in cmdline:
         return "engine process"
     if "splitspec.engine.worker" in cmdline:
         m = _RANK.search(cmdline)
