@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from splitspec import quant
-from splitspec.models.fp8_tiles import (FACTORS, MODE_DOT, MODE_F32, check_mode, fp8_tile, is_dot, jit, tl, triton,
-                                        weight_view)
+from splitspec.models.fp8_tiles import (FACTORS, MODE_DOT, MODE_F32, check_mode, fp8_tile, is_dot, jit, sum_splits, tl,
+                                        triton, weight_view)
 from splitspec.models.fused_moe import on_device
 
 #: (MODE, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the Triton linear by token count: the entry
@@ -141,15 +141,6 @@ def _linear(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, k_per_split, stride_x, stride
 
 
 @jit
-def _sum_splits(ws_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # in split order: the same bits every call
-        acc += tl.load(ws_ptr + s * size + i, mask=i < size, other=0.0)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < size)
-
-
-@jit
 def _quant_act(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_s, GROUPS: tl.constexpr, GROUP: tl.constexpr):
     t = tl.program_id(0)  # rows t ≥ T pad the matrix: zeros with scale 1
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -186,7 +177,7 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
                                              s.stride(0), T * N, block[0], block[1], x_mul, out_mul, MODE=mode,
                                              BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         if split > 1:
-            _sum_splits[(triton.cdiv(T * N, 1024),)](dst, out, T * N, SPLITS=split, BLOCK=1024, num_warps=4)
+            sum_splits(dst, out)
         return out
 
 

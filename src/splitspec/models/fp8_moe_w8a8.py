@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.models.fp8_tiles import jit, quantize_e4m3, tl, triton
+from splitspec.models.fp8_tiles import jit, quantize_e4m3, sum_splits, tl, triton
 
 
 @jit
@@ -151,17 +151,8 @@ def down(aq_ptr, ap_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr,
     y = tl.sum(acc, axis=1)
     if SPLIT == 1:
         tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
-    else:  # float32 partial sums [SPLIT, T, H], added by _sum_parts
+    else:  # float32 partial sums [SPLIT, T, H], added by fp8_tiles.sum_splits
         tl.store(out_ptr + (tl.program_id(2) * T + t) * H + n, y, mask=nmask)
-
-
-@jit
-def _sum_parts(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    y = tl.load(part_ptr + i, mask=i < size, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        y += tl.load(part_ptr + s * size + i, mask=i < size, other=0.0)
-    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=i < size)
 
 
 def run_down(out: torch.Tensor, aq: torch.Tensor, ap: torch.Tensor, *args, shared: bool, split: int, block_n: int,
@@ -174,4 +165,4 @@ def run_down(out: torch.Tensor, aq: torch.Tensor, ap: torch.Tensor, *args, share
                                               SHARED=shared, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
                                               num_warps=num_warps, num_stages=num_stages)
     if split > 1:
-        _sum_parts[(triton.cdiv(T * H, 1024),)](dest, out, T * H, SPLIT=split, BLOCK=1024, num_warps=4)
+        sum_splits(dest, out)

@@ -119,3 +119,19 @@ def quantize_e4m3(v):
     r · p ≈ v, p = :func:`pow2_scale` of max |v| and r = v / p rounded to nearest even (:func:`round_e4m3`)."""
     p, inv = pow2_scale(tl.max(tl.abs(v), axis=0))
     return round_e4m3(v * inv), p
+
+
+@jit
+def _sum_splits(ws_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # in split order: the same bits every call
+        acc += tl.load(ws_ptr + s * size + i, mask=i < size, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < size)
+
+
+def sum_splits(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """out (any float dtype, contiguous) = Σ_s parts[s] (float32 [S, *out.shape], contiguous), added in split order
+    in float32: the split-K / split-slot partial sums of the FP8 kernels, deterministic."""
+    size = out.numel()
+    _sum_splits[(triton.cdiv(size, 1024),)](parts, out, size, SPLITS=parts.shape[0], BLOCK=1024, num_warps=4)
