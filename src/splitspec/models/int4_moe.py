@@ -13,11 +13,9 @@ token, ``silu(gate) · up``; ``down``, one program per (token, block of hidden r
 slots' down rows times their activation and routing weight, summed. Pairs routed to another rank (ids outside
 [0, E_local)) read nothing. Without K or slot splits each token's result depends on that token only. The
 kernels run on CUDA tensors, and on CPU under ``TRITON_INTERPRET=1``. Variants (:class:`Kernel`; which one the
-engine takes is :data:`splitspec.models.int4_routed.TABLE`):
+engine takes is :func:`splitspec.models.int4_routed.kernel_for`):
 
-- ``fma``: CUDA cores, float32. Per packed word one load of the word and its scale, then per nibble a shift, a
-  mask, an OR of the exponent of 2^23 (the nibble becomes a float's mantissa, no int-to-float conversion), a
-  subtraction and a multiply-add; the offset of 8 is taken out once per word (``_int4_dot``). Any float x.
+- ``fma``: CUDA cores, float32, any float x (:mod:`splitspec.models.int4_fma`).
 - ``mma``, ``mma_asm``: tensor cores, bf16 x. The packed words are read as int16, four nibbles each; nibble position
   j of a tile [BLOCK_N rows, BLOCK_K/4 int16] is its own bf16 tile and its own ``tl.dot`` against the activations at
   columns 4w + j (a sum over k may take k in any order). The weights are the left operand (rows in M), the
@@ -29,8 +27,19 @@ engine takes is :data:`splitspec.models.int4_routed.TABLE`):
   operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
   activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
   partial gate and up sums that ``_silu_mul`` adds and puts through silu; down's programs may each take a share of
-  the slots, adding into a float32 output with atomics. The activations are rounded to bf16 for the tensor cores,
-  as the bf16 engine's grouped GEMMs round them.
+  the slots, adding into a float32 output with atomics. Or down's programs take all of a token's slots in one
+  dot (form 1 of :class:`Kernel`): the left operand stacks BLOCK_N rows of each slot's expert, the right one holds
+  slot c's activations in column c (where the other forms repeat one pair's over 16 columns), and entry
+  (slot s's rows, column s) is slot s's share — one K loop per program, the pipeline never drained between slots,
+  a program's warps on different slots. The activations are rounded to bf16 for the tensor cores, as the bf16
+  engine's grouped GEMMs round them.
+
+Numerics: every tensor-core configuration (blocks, splits, down's form) computes the same products — x and the
+activations rounded to bf16, each weight (nibble − 8) · scale rounded to bf16 — and differs from another only in
+the order of its float32 sums (over K steps, K splits, slots); so does ``grouped`` / ``grouped_asm``. A token's
+result with one configuration alone and with another inside a k + 1-token verify therefore agree up to float32
+sum order, as :data:`splitspec.models.fused_moe.FP8_CONFIGS` requires of its per-shard forms. ``fma`` keeps the
+weights and activations in float32: another form, not to be mixed with the tensor-core ones within a shard.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitspec.models import int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
 
 VARIANTS = ("fma", "mma", "mma_asm")
@@ -53,6 +63,9 @@ class Kernel:
     (BLOCK_N, BLOCK_K, num_warps, num_stages, split) — split: gate_up's share of H, down's of the slots, in programs
     (0: enough for :data:`FILL` programs per multiprocessor; ``fma`` takes 1). BLOCK_K is a multiple of the
     group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma).
+    ``down`` of a tensor-core variant may take a sixth entry, its form: 0 (default) a loop over the token's slots,
+    1 the slots side by side in one dot (``_down_columns``: no slot loop, no split; rows per program
+    next_power_of_2(top_k) · BLOCK_N, so BLOCK_N = 16 · num_warps / 8 at Kimi's 8 slots).
     Grouped variants: (BLOCK_M pairs, BLOCK_N, BLOCK_K, num_warps, num_stages); ``dequant``: no config, ()."""
     variant: str
     gate_up: tuple[int, ...]
@@ -129,61 +142,6 @@ def k_mask(w, K, EVEN_K: tl.constexpr):
 def column0(acc):
     """Column 0 of a [rows, 16] tile, as [rows]."""
     return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
-
-
-@jit
-def _int4_dot(x_row, packed, scales, r, rmask, K, k0, stride_pn, stride_sn, G: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``fma``: [len(r), BLOCK_K // 8] float32, rows r of the INT4 linear times x over columns k0..k0+BLOCK_K, one
-    entry per packed word (summed by the caller)."""
-    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    wmask = w < K // 8
-    mask = rmask[:, None] & wmask[None, :]
-    rows = r[:, None].to(tl.int64)
-    words = tl.load(packed + rows * stride_pn + w[None, :], mask=mask, other=0)
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    xsum = tl.zeros(w.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        xj = tl.load(x_row + w * 8 + j, mask=wmask, other=0.0).to(tl.float32)
-        nib = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        acc += nib * xj[None, :]
-        xsum += xj
-    s = tl.load(scales + rows * stride_sn + (w * 8 // G)[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (acc - 8.0 * xsum[None, :]) * s
-
-
-@jit
-def _gate_up_fma(x_ptr, ids_ptr, p_ptr, s_ptr, act_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se, stride_sn,
-                 G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)  # a (token, slot) pair
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if (e >= 0) & (e < E):
-        x_row = x_ptr + (p // top_k) * H
-        packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            acc_g += _int4_dot(x_row, packed, scales, n, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
-            acc_u += _int4_dot(x_row, packed, scales, n + I, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
-        g = tl.sum(acc_g, axis=1)
-        tl.store(act_ptr + p * I + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < I)
-
-
-@jit
-def _down_fma(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se,
-              stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    for j in range(0, top_k):
-        p = t * top_k + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if (e >= 0) & (e < E):
-            wt = tl.load(wt_ptr + p)
-            for k0 in range(0, I, BLOCK_K):
-                acc += wt * _int4_dot(act_ptr + p * I, p_ptr + e * stride_pe, s_ptr + e * stride_se, n, n < H, I, k0,
-                                      stride_pn, stride_sn, G, BLOCK_K)
-    tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 @jit
@@ -264,6 +222,39 @@ def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slo
         tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+@jit
+def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pn, stride_sn, G: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
+                  MODE: tl.constexpr):
+    """``down`` with a token's slots side by side in one dot: row m = slot·BLOCK_N + r of the left operand is row
+    n0 + r of that slot's expert (``packed`` and ``scales`` contiguous: expert e's row n is row e·H + n), column c
+    of the right operand is slot c's activations (zero past top_k and for another rank's pairs); entry
+    (m, slot(m)) of the product is what the slot adds to row n0 + r, times its routing weight."""
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    m = tl.arange(0, SLOTS * BLOCK_N)
+    slot, c = m // BLOCK_N, tl.arange(0, 16)
+    e = tl.load(ids_ptr + t * top_k + slot, mask=slot < top_k, other=-1).to(tl.int64)
+    ok = (e >= 0) & (e < E) & (slot < top_k)
+    rows = tl.where(ok, e, 0) * H + n0 + m % BLOCK_N
+    rmask = ok & (n0 + m % BLOCK_N < H)
+    ec = tl.load(ids_ptr + t * top_k + c, mask=c < top_k, other=-1)
+    cok = (ec >= 0) & (ec < E) & (c < top_k)
+    acc = tl.zeros([SLOTS * BLOCK_N, 16], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        v, sc = weight_tile(p_ptr, s_ptr, rows, rmask, k0, I, stride_pn, stride_sn, G, SLOTS * BLOCK_N, BLOCK_K, EVEN_K)
+        w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        for jn in tl.static_range(4):
+            a = tl.load(a_ptr + (t * top_k + c)[None, :] * I + jn * (I // 4) + w[:, None],
+                        mask=k_mask(w, I, EVEN_K)[:, None] & cok[None, :], other=0.0)
+            acc = tl.dot(dequant(v, sc, jn, MODE), operand(a, MODE), acc)
+    wt = tl.load(wt_ptr + t * top_k + slot, mask=ok, other=0.0)
+    y = tl.sum(tl.reshape(tl.sum(tl.where(c[None, :] == slot[:, None], acc, 0.0), axis=1) * wt, [SLOTS, BLOCK_N]), axis=0)
+    n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
 def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
                        hidden: int, group: int) -> tuple[int, int]:
     """Check the stacked INT4 expert tensors against each other; returns (E, I).
@@ -302,50 +293,73 @@ def split_count(split: int, programs: int, most: int, device: torch.device) -> i
     return max(1, min(split, most))
 
 
+def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, group: int, variant: str,
+                 config: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """act [P, I] for ids [T, top_k] int32 (P = T·top_k; contiguous arguments): ``gate_up`` (and, split over H,
+    ``_silu_mul``). float32 for ``fma`` and under the interpreter, else bf16."""
+    T, H = x.shape
+    top_k, P = ids.shape[1], ids.numel()
+    E, I = p13.shape[0], p13.shape[1] // 2
+    gu_n, gu_k, gu_w, gu_s, gu_split = config[:5]
+    gu_k = min(gu_k, triton.next_power_of_2(H))
+    if variant == "fma":
+        return int4_fma.gate_up(x, ids, p13, s13, group, gu_n, gu_k, gu_w, gu_s)
+    mode = unpack_mode(variant, x)
+    q13 = p13.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
+    blocks = triton.cdiv(I, gu_n)
+    gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
+    steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
+    gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
+    act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
+    part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
+    _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0),
+                                  q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
+                                  PARTIAL=gs > 1, EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
+    if gs > 1:
+        _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
+    return act
+
+
+def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor,
+              dtype: torch.dtype, group: int, variant: str, config: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """out [T, H] in ``dtype`` from :func:`gate_up_call`'s act, ids [T, top_k] int32, wts [T, top_k] float32
+    (contiguous arguments): ``down`` (split over the slots: into float32 by atomics, then cast)."""
+    T, top_k = ids.shape
+    E, H, I = p2.shape[0], p2.shape[1], p2.shape[2] * 8
+    dn_n, dn_k, dn_w, dn_s, dn_split, *form = config
+    dn_k = min(dn_k, triton.next_power_of_2(I))
+    if variant == "fma":
+        return int4_fma.down(act, ids, wts, p2, s2, dtype, group, dn_n, dn_k, dn_w, dn_s)
+    mode = unpack_mode(variant, act)
+    q2 = p2.view(torch.int16)
+    if form and form[0] == 1:  # slots side by side in one dot
+        out = torch.empty(T, H, dtype=dtype, device=act.device)
+        _down_columns[(T, triton.cdiv(H, dn_n))](act, ids, wts, q2, s2, out, H, I, E, top_k, q2.stride(1), s2.stride(1),
+                                                 G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
+                                                 SLOTS=triton.next_power_of_2(top_k), EVEN_K=I % dn_k == 0, MODE=mode,
+                                                 num_warps=dn_w, num_stages=dn_s)
+        return out
+    ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, act.device)
+    slots = triton.cdiv(top_k, ds)
+    ds = triton.cdiv(top_k, slots)
+    out = torch.zeros(T, H, dtype=torch.float32, device=act.device) if ds > 1 else torch.empty(T, H, dtype=dtype,
+                                                                                               device=act.device)
+    _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
+                                             q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
+                                             BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
+                                             num_warps=dn_w, num_stages=dn_s)
+    return out.to(dtype)
+
+
 @torch.library.custom_op("splitspec::int4_experts", mutates_args=())
 def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13_packed: torch.Tensor,
                      w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, group: int, variant: str,
                      gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
     with on_device(x):
-        T, H = x.shape
-        top_k, P = local.shape[1], local.numel()
-        E, I = w13_packed.shape[0], w13_packed.shape[1] // 2
         x, ids, wts = x.contiguous(), local.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
         p13, s13, p2, s2 = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-        (gu_n, gu_k, gu_w, gu_s, gu_split), (dn_n, dn_k, dn_w, dn_s, dn_split) = gate_up_config, down_config
-        gu_k, dn_k = min(gu_k, triton.next_power_of_2(H)), min(dn_k, triton.next_power_of_2(I))
-        if variant == "fma":
-            act, out = torch.empty(P, I, dtype=torch.float32, device=x.device), torch.empty_like(x)
-            _gate_up_fma[(P, triton.cdiv(I, gu_n))](x, ids, p13, s13, act, H, I, E, top_k, p13.stride(0), p13.stride(1),
-                                                    s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
-                                                    num_warps=gu_w, num_stages=gu_s)
-            _down_fma[(T, triton.cdiv(H, dn_n))](act, ids, wts, p2, s2, out, H, I, E, top_k, p2.stride(0), p2.stride(1),
-                                                 s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                                                 num_warps=dn_w, num_stages=dn_s)
-            return out
-        mode = unpack_mode(variant, x)
-        xb = x.to(torch.bfloat16)
-        q13, q2 = p13.view(torch.int16), p2.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
-        blocks = triton.cdiv(I, gu_n)
-        gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
-        steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
-        gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
-        act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
-        part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
-        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0), q13.stride(1),
-                                      s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k, PARTIAL=gs > 1,
-                                      EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
-        if gs > 1:
-            _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
-        ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, x.device)
-        slots = triton.cdiv(top_k, ds)
-        ds = triton.cdiv(top_k, slots)
-        out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if ds > 1 else torch.empty_like(x)
-        _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
-                                                 q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
-                                                 BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
-                                                 num_warps=dn_w, num_stages=dn_s)
-        return out.to(x.dtype) if ds > 1 else out
+        act = gate_up_call(x, ids, p13, s13, group, variant, gate_up_config)
+        return down_call(act, ids, wts, p2, s2, x.dtype, group, variant, down_config)
 
 
 @_int4_experts_op.register_fake
@@ -362,12 +376,17 @@ def check_kernel(kernel: Kernel, group: int) -> None:
     if kernel.variant not in VARIANTS:
         raise ValueError(f"INT4 experts: variant {kernel.variant!r} is not one of {', '.join(VARIANTS)}")
     for name, cfg in (("gate_up", kernel.gate_up), ("down", kernel.down)):
-        if len(cfg) != 5:
-            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split)")
+        if len(cfg) != 5 and not (name == "down" and len(cfg) == 6):
+            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split)"
+                             + (" or with a sixth entry, the form" if name == "down" else ""))
         if cfg[1] % group:
             raise ValueError(f"INT4 experts: {name} BLOCK_K {cfg[1]} must be a multiple of the group size {group}")
         if kernel.variant != "fma" and (cfg[0] < 16 or cfg[1] < 64):
             raise ValueError(f"INT4 experts: {name} config {cfg}: tensor-core variants need BLOCK_N ≥ 16, BLOCK_K ≥ 64")
+    form = kernel.down[5] if len(kernel.down) == 6 else 0
+    if form not in (0, 1) or (form == 1 and (kernel.variant == "fma" or kernel.down[4] > 1)):
+        raise ValueError(f"INT4 experts: down config {kernel.down}: form {form} must be 0 (a loop over the slots) or 1 "
+                         "(slots side by side: tensor-core variants, split 0 or 1)")
 
 
 def int4_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13_packed: torch.Tensor,
