@@ -4,7 +4,7 @@
 
 1. copy bandwidth (the bounds' denominator);
 2. decode kernels (:mod:`splitspec.models.int4_moe`) at T = 1, 4, 16 tokens, TP1 and TP8-shard shapes: ``fma`` (the
-   first kernels), ``mma_asm`` swept over gate_up blocks, then down blocks, then K / slot splits, ``mma`` (no PTX)
+   first kernels), ``mma_asm`` swept over gate_up blocks, then down blocks and forms, then K / slot splits, ``mma`` (no PTX)
    at the best blocks; the bf16 fused kernels on the same experts dequantised (their own bytes and bound);
 3. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert as the engine runs it) at TP1 and
    the TP8 shard, T = 1, 4, 16, with the first kernels and the best decode ones;
@@ -80,7 +80,8 @@ OK = 0.03
 GU = [(32, 256, 2, 3, 0)] if DRY else [
     (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 512, 2, 3, 0), (32, 256, 2, 4, 0), (64, 256, 4, 3, 0), (128, 256, 8, 3, 0)]
 DN = [(32, 128, 2, 3, 0)] if DRY else [
-    (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 128, 2, 4, 0), (16, 512, 1, 3, 0), (64, 256, 4, 3, 0)]
+    (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 128, 2, 4, 0), (16, 512, 1, 3, 0), (64, 256, 4, 3, 0),
+    (16, 256, 8, 3, 0, 1), (8, 512, 4, 2, 0, 1)]  # the last two: slots side by side (form 1)
 SPLITS = [(2, 2)] if DRY else [(g, d) for g in (1, 2, 4, 8) for d in (1, 2, 4)]
 # --one: gate_up blocks (fewer stages or a K split: more programs resident per multiprocessor), down in its three
 # forms (one program per token's rows, slot splits with atomics, all slots side by side in one dot), then K splits
