@@ -14,7 +14,7 @@
    shard "narrow") and :data:`splitspec.models.int4_routed.TABLE` for the fastest kernels found.
 
 ``--one``: one token only, each shard on its own (its own best configuration, the engine keys them apart): gate_up
-candidates, then down candidates (the slot loop with and without slot splits, and the slots side by side in one
+candidates (among them K slices inside a program), then down candidates (the slot loop with and without slot splits, and the slots side by side in one
 dot, ``_down_columns``), then K splits; each kernel of the best alone against its own bound (gate_up, down); then
 the whole layer at 1, 4, 16 tokens with the best one-token kernels and :data:`~splitspec.models.int4_routed.DECODE`'s
 many-token ones. About 150 s on an H200:
@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from lab.gpu_kernels import bandwidth, timed_graph  # noqa: E402
 from splitspec import quant  # noqa: E402
 from splitspec.measure.machine import git_commit  # noqa: E402
-from splitspec.models import fused_moe, fused_route, grouped_moe, int4_moe, int4_routed  # noqa: E402
+from splitspec.models import fused_moe, fused_route, grouped_moe, int4_down, int4_moe, int4_routed  # noqa: E402
 from splitspec.models.int4_moe import Kernel  # noqa: E402
 from splitspec.models.layers import gated_mlp  # noqa: E402
 
@@ -83,11 +83,12 @@ DN = [(32, 128, 2, 3, 0)] if DRY else [
     (16, 256, 1, 3, 0), (32, 256, 2, 3, 0), (32, 128, 2, 4, 0), (16, 512, 1, 3, 0), (64, 256, 4, 3, 0),
     (16, 256, 8, 3, 0, 1), (8, 512, 4, 2, 0, 1)]  # the last two: slots side by side (form 1)
 SPLITS = [(2, 2)] if DRY else [(g, d) for g in (1, 2, 4, 8) for d in (1, 2, 4)]
-# --one: gate_up blocks (fewer stages or a K split: more programs resident per multiprocessor), down in its three
+# --one: gate_up blocks (fewer stages, a K split or K slices: more warps per multiprocessor), down in its three
 # forms (one program per token's rows, slot splits with atomics, all slots side by side in one dot), then K splits
-GU1 = [(32, 128, 2, 3, 0)] if DRY else [
+GU1 = [(32, 128, 2, 3, 0), (16, 128, 2, 1, 0, 2)] if DRY else [
     (32, 512, 2, 3, 0), (32, 256, 2, 3, 2), (32, 256, 2, 2, 1), (32, 512, 2, 2, 1), (16, 256, 1, 3, 2),
-    (32, 1024, 2, 2, 1), (16, 512, 1, 4, 1), (32, 256, 2, 4, 1)]
+    (32, 1024, 2, 2, 1), (16, 512, 1, 4, 1), (32, 512, 4, 3, 1, 2), (32, 1024, 8, 2, 1, 4), (16, 512, 4, 3, 1, 4),
+    (16, 1024, 8, 2, 1, 8)]  # the last four: each K step in 2-8 slices, one warp group each (a batched dot)
 DN1 = [(32, 64, 2, 1, 0), (32, 64, 4, 1, 0, 1)] if DRY else [
     (16, 512, 1, 3, 0), (16, 256, 8, 3, 0, 1), (16, 512, 1, 3, 2), (8, 512, 4, 2, 0, 1), (16, 256, 8, 2, 0, 1),
     (16, 256, 1, 3, 4), (8, 256, 4, 3, 0, 1), (16, 128, 8, 4, 0, 1), (16, 512, 8, 2, 0, 1), (8, 256, 4, 4, 0, 1)]
@@ -201,7 +202,7 @@ def best(section: str, candidates: list[Kernel], shapes) -> Kernel:
 
 def with_split(k: Kernel, gs: int, ds: int | None) -> Kernel:
     """k with gate_up's split gs and down's ds (None: down as it is)."""
-    return Kernel(k.variant, k.gate_up[:4] + (gs,), k.down if ds is None else k.down[:4] + (ds,))
+    return Kernel(k.variant, k.gate_up[:4] + (gs,) + k.gate_up[5:], k.down if ds is None else k.down[:4] + (ds,))
 
 
 BW = 1.0 if DRY else bandwidth()["copy_GBps_read_plus_write"] * 1e6  # bytes per ms
@@ -306,7 +307,7 @@ def parts(kernel: Kernel, tp: int) -> dict:
            "gate_up_ms": timed([lambda x=x, i=i: int4_moe.gate_up_call(x, i, p13, s13, G, kernel.variant, kernel.gate_up)
                                 for x, i, _ in probs]),
            "gate_up_bound_ms": distinct * (p13[0].nbytes + s13[0].nbytes) / BW,
-           "down_ms": timed([lambda a=a, i=i, w=w: int4_moe.down_call(a, i, w, p2, s2, torch.bfloat16, G, kernel.variant,
+           "down_ms": timed([lambda a=a, i=i, w=w: int4_down.down_call(a, i, w, p2, s2, torch.bfloat16, G, kernel.variant,
                                                                        kernel.down) for a, (_, i, w) in zip(acts, probs)]),
            "down_bound_ms": distinct * (p2[0].nbytes + s2[0].nbytes) / BW}
     row["gate_up_ratio"], row["down_ratio"] = (row["gate_up_ms"] / row["gate_up_bound_ms"],

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from splitspec.models import grouped_moe, int4_fma, int4_moe
+from splitspec.models import grouped_moe, int4_down, int4_fma, int4_moe
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = {"x_ptr": "*bf16", "xp_ptr": "*bf16", "ids_ptr": "*i32", "p_ptr": "*i16", "s_ptr": "*bf16",
@@ -33,8 +33,8 @@ POINTERS = {"x_ptr": "*bf16", "xp_ptr": "*bf16", "ids_ptr": "*i32", "p_ptr": "*i
 KERNELS = {  # kernel → (function, pointer types of its own, weights per loop iteration from (BLOCK_N, BLOCK_K))
     "fma gate_up": (int4_fma._gate_up_fma, {"p_ptr": "*i32", "act_ptr": "*fp32"}, lambda n, k: 2 * n * k),
     "mma gate_up": (int4_moe._gate_up_mma, {"out_ptr": "*bf16"}, lambda n, k: 2 * n * k),
-    "mma down": (int4_moe._down_mma, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: n * k),
-    "columns down": (int4_moe._down_columns, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: 8 * n * k),
+    "mma down": (int4_down._down_mma, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: n * k),
+    "columns down": (int4_down._down_columns, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: 8 * n * k),
     "grouped gate_up": (grouped_moe._gate_up_grouped, {"act_ptr": "*bf16"}, lambda n, k: 2 * n * k),
     "grouped down": (grouped_moe._down_grouped, {"act_ptr": "*bf16", "out_ptr": "*fp32"}, lambda n, k: n * k),
 }

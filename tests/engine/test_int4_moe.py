@@ -17,7 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
 from splitspec import quant
-from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed
+from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed, int4_tiles
 from splitspec.models.int4_moe import Kernel
 
 # H and I multiples of the group (as the format requires) but not of every row block or K step; pairs of another
@@ -29,6 +29,8 @@ KERNELS = {  # each: several row blocks, a partial K step (H = 96 in steps of 64
     "mma": Kernel("mma", (32, 64, 2, 1, 1), (64, 64, 4, 1, 1)),
     # gate_up's K split in two (partial sums, then _silu_mul), down's three slots in three programs (atomic adds)
     "mma_asm-split": Kernel("mma_asm", (16, 64, 1, 1, 2), (32, 64, 2, 1, 3)),
+    # gate_up's K step of 128 (one, partial: H = 96) in two slices of 64 (a batched dot)
+    "mma-slices": Kernel("mma", (16, 128, 2, 1, 1, 2), (16, 64, 1, 1, 1)),
     # down's slots side by side in one dot (form 1): 4 slot row blocks (3 used), rows past H masked
     "mma_asm-columns": Kernel("mma_asm", (32, 64, 2, 1, 1), (64, 64, 4, 1, 0, 1)),
     "grouped": Kernel("grouped", (16, 32, 64, 2, 1), (16, 64, 64, 4, 1)),
@@ -127,8 +129,8 @@ def test_unpacking_constants_bit_for_bit(j):
     pairs = (((words >> (4 * j)) & 0x000F000F) | 0x43004300).view(torch.bfloat16)
     assert torch.equal(pairs.float() * torch.tensor(0x3F80, dtype=torch.int16).view(torch.bfloat16).float()
                        + torch.tensor(0xC308 - 0x10000, dtype=torch.int16).view(torch.bfloat16).float(), want.float())
-    assert f"shr.b32 t, $1, {4 * j};" in int4_moe._asm(j) if j else "mov.b32 t, $1;" in int4_moe._asm(j)
-    assert all(c in int4_moe._asm(j) for c in ("0x000F000F", "0x43004300", "0xEA", "0x3F803F80", "0xC308C308"))
+    assert f"shr.b32 t, $1, {4 * j};" in int4_tiles._asm(j) if j else "mov.b32 t, $1;" in int4_tiles._asm(j)
+    assert all(c in int4_tiles._asm(j) for c in ("0x000F000F", "0x43004300", "0xEA", "0x3F803F80", "0xC308C308"))
     packed = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
     cols = quant.unpack_int4(packed, 32)
     nib = ((packed.view(torch.int16).int() >> (4 * j)) & 0xF) - 8
@@ -175,8 +177,8 @@ def test_decode_table_keeps_one_numerics_per_shard():
 
 def test_one_token_alone_equals_it_inside_a_verify(monkeypatch):
     """A token through one-token kernels alone and through many-token kernels with two more tokens (the configs
-    differ in blocks, splits and down's form): the same result up to float32 sum order."""
-    one = Kernel("mma_asm", (16, 64, 1, 1, 2), (64, 64, 4, 1, 0, 1))
+    differ in blocks, K slices, splits and down's form): the same result up to float32 sum order."""
+    one = Kernel("mma_asm", (16, 128, 2, 1, 1, 2), (64, 64, 4, 1, 0, 1))
     many = Kernel("mma_asm", (32, 64, 2, 1, 1), (32, 64, 2, 1, 3))
     monkeypatch.setattr(int4_routed, "DECODE", {("one", "wide"): one, ("many", "wide"): many})
     assert int4_routed.kernel_for(1, torch.bfloat16, 2048) == one and int4_routed.kernel_for(T, torch.bfloat16, 2048) == many

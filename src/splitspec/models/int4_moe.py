@@ -26,7 +26,9 @@ engine takes is :func:`splitspec.models.int4_routed.kernel_for`):
   OR 0x43004300) and fma.bf16x2, three instructions for two weights; ``mma`` writes the same in Triton bit
   operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
   activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
-  partial gate and up sums that ``_silu_mul`` adds and puts through silu; down's programs may each take a share of
+  partial gate and up sums that ``_silu_mul`` adds and puts through silu, or cut each K step into slices that
+  different warps of one program take (a batched dot, the slices' sums added at the end: more warps on one token's
+  rows without a second kernel); down's programs may each take a share of
   the slots, adding into a float32 output with atomics. Or down's programs take all of a token's slots in one
   dot (form 1 of :class:`Kernel`): the left operand stacks BLOCK_N rows of each slot's expert, the right one holds
   slot c's activations in column c (where the other forms repeat one pair's over 16 columns), and entry
@@ -36,7 +38,7 @@ engine takes is :func:`splitspec.models.int4_routed.kernel_for`):
 
 Numerics: every tensor-core configuration (blocks, splits, down's form) computes the same products — x and the
 activations rounded to bf16, each weight (nibble − 8) · scale rounded to bf16 — and differs from another only in
-the order of its float32 sums (over K steps, K splits, slots); so does ``grouped`` / ``grouped_asm``. A token's
+the order of its float32 sums (over K steps, K splits and slices, slots); so does ``grouped`` / ``grouped_asm``. A token's
 result with one configuration alone and with another inside a k + 1-token verify therefore agree up to float32
 sum order, as :data:`splitspec.models.fused_moe.FP8_CONFIGS` requires of its per-shard forms. ``fma`` keeps the
 weights and activations in float32: another form, not to be mixed with the tensor-core ones within a shard.
@@ -44,16 +46,15 @@ weights and activations in float32: another form, not to be mixed with the tenso
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from splitspec.models import int4_fma
+from splitspec.models import int4_down, int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
+from splitspec.models.int4_tiles import column0, dequant, k_mask, load_k, operand, split_count, unpack_mode, weight_tile
 
 VARIANTS = ("fma", "mma", "mma_asm")
-FILL = 2  # a split of 0 ("auto") splits until the grid has this many programs per multiprocessor
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,10 @@ class Kernel:
     (BLOCK_N, BLOCK_K, num_warps, num_stages, split) — split: gate_up's share of H, down's of the slots, in programs
     (0: enough for :data:`FILL` programs per multiprocessor; ``fma`` takes 1). BLOCK_K is a multiple of the
     group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma).
-    ``down`` of a tensor-core variant may take a sixth entry, its form: 0 (default) a loop over the token's slots,
+    ``gate_up`` of a tensor-core variant may take a sixth entry, K slices: each K step cut into that many slices
+    (a power of two; BLOCK_K / slices ≥ 64), one batched dot over them, so num_warps = slices · BLOCK_N / 16 warps
+    share a program's rows (:func:`_sliced_sums`). ``down`` of a tensor-core variant may take a sixth entry, its
+    form: 0 (default) a loop over the token's slots,
     1 the slots side by side in one dot (``_down_columns``: no slot loop, no split; rows per program
     next_power_of_2(top_k) · BLOCK_N, so BLOCK_N = 16 · num_warps / 8 at Kimi's 8 slots).
     Grouped variants: (BLOCK_M pairs, BLOCK_N, BLOCK_K, num_warps, num_stages); ``dequant``: no config, ()."""
@@ -72,104 +76,72 @@ class Kernel:
     down: tuple[int, ...]
 
 
-def _asm(j: int) -> str:
-    """PTX: the 32-bit register $1 holds two int16; $0 gets their nibbles j as bf16 pair, minus 8 (exact)."""
-    shift = f"shr.b32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
-    return ("{ .reg .b32 t, one, off; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-            "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; fma.rn.bf16x2 $0, t, one, off; }")
-
-
-if available():
-    _ASM0, _ASM1, _ASM2, _ASM3 = (tl.constexpr(_asm(j)) for j in range(4))
-
-
 @jit
-def dequant(v, s, J: tl.constexpr, MODE: tl.constexpr):
-    """bf16 tile: (nibble J (bits 4J..4J+3) of each int16 of v − 8) · s, rounded once (as
-    :func:`splitspec.quant.dequantize_int4`). MODE 2: PTX (``mma_asm``); 1: bit operations and a bitcast; 0: a
-    float32 tile, not rounded (the interpreter's: it cannot run PTX, and keeps bf16 as raw 16-bit integers, which
-    its bitcasts, arithmetic and tl.dot take for numbers)."""
-    if MODE == 2:
-        if J == 0:
-            q = tl.inline_asm_elementwise(_ASM0, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif J == 1:
-            q = tl.inline_asm_elementwise(_ASM1, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif J == 2:
-            q = tl.inline_asm_elementwise(_ASM2, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            q = tl.inline_asm_elementwise(_ASM3, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        return q * s
-    elif MODE == 1:
-        return ((((v >> (4 * J)) & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0) * s
-    else:
-        return (((v >> (4 * J)) & 0xF) - 8).to(tl.float32) * s.to(tl.float32)
-
-
-@jit
-def operand(v, MODE: tl.constexpr):
-    """v as the right operand of :func:`dequant`'s tiles: bf16, or float32 under the interpreter (MODE 0)."""
-    return v.to(tl.float32) if MODE == 0 else v.to(tl.bfloat16)
-
-
-@jit
-def weight_tile(packed, scales, rows, rmask, k0, K, stride_pn, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """(int16 [BLOCK_N, BLOCK_K/4]: the packed columns k0..k0+BLOCK_K of ``rows``, read as int16 — ``packed`` points
-    to int16 — and bf16 [BLOCK_N, BLOCK_K/4]: each int16's group scale, 0 past K or outside ``rmask``). EVEN_K: K is
-    a multiple of BLOCK_K, no mask along K (a mask Triton cannot prove constant over 8 int16 halves the loads' width)."""
-    w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    g = k0 // G + tl.arange(0, BLOCK_K // G)
-    r = rows[:, None].to(tl.int64)
-    if EVEN_K:
-        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None], other=0)
-        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None], other=0.0)
-    else:
-        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None] & (w < K // 4)[None, :], other=0)
-        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None] & (g < K // G)[None, :], other=0.0)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // G, G // 4]), [BLOCK_N, BLOCK_K // 4])
-    return v, s
-
-
-@jit
-def k_mask(w, K, EVEN_K: tl.constexpr):
-    """Columns w (int16 index) inside K: w < K / 4, or every one when EVEN_K."""
-    if EVEN_K:
-        return w >= 0
-    return w < K // 4
-
-
-@jit
-def column0(acc):
-    """Column 0 of a [rows, 16] tile, as [rows]."""
-    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
+def _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride_sn, G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr, EVEN_K: tl.constexpr,
+                 MODE: tl.constexpr):
+    """(gate [BLOCK_N], up [BLOCK_N]) float32 sums of rows n (and n + I) against x over K steps kb_lo..kb_hi, each
+    step's BLOCK_K columns cut into KS slices of C = BLOCK_K / KS: tiles [KS, BLOCK_N, C/4] and one batched dot per
+    nibble position, so a program's warps can take different slices (a K split inside the program: no partial
+    sums in memory, no second kernel); the KS slices' sums are added at the end."""
+    C: tl.constexpr = BLOCK_K // KS
+    sl = tl.arange(0, KS)[:, None, None]
+    r = n[None, :, None].to(tl.int64)
+    acc_g = tl.zeros([KS, BLOCK_N, 16], dtype=tl.float32)
+    acc_u = tl.zeros([KS, BLOCK_N, 16], dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k0 = kb * BLOCK_K
+        w = k0 // 4 + sl * (C // 4) + tl.arange(0, C // 4)[None, None, :]  # [KS, 1, C/4]
+        g = k0 // G + sl * (C // G) + tl.arange(0, C // G)[None, None, :]
+        rm = (n < I)[None, :, None]
+        vg = load_k(packed + r * stride_pn + w, rm, w < H // 4, 0, EVEN_K)
+        vu = load_k(packed + (r + I) * stride_pn + w, rm, w < H // 4, 0, EVEN_K)
+        sg = load_k(scales + r * stride_sn + g, rm, g < H // G, 0.0, EVEN_K)
+        su = load_k(scales + (r + I) * stride_sn + g, rm, g < H // G, 0.0, EVEN_K)
+        sg = tl.reshape(tl.broadcast_to(sg[:, :, :, None], [KS, BLOCK_N, C // G, G // 4]), [KS, BLOCK_N, C // 4])
+        su = tl.reshape(tl.broadcast_to(su[:, :, :, None], [KS, BLOCK_N, C // G, G // 4]), [KS, BLOCK_N, C // 4])
+        wx = tl.reshape(w, [KS, C // 4])
+        for j in tl.static_range(4):
+            xj = operand(tl.load(x_row + 4 * wx + j, mask=k_mask(wx, H, EVEN_K), other=0.0), MODE)
+            b = tl.broadcast_to(xj[:, :, None], [KS, C // 4, 16])
+            acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
+            acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
+    return column0(tl.sum(acc_g, axis=0)), column0(tl.sum(acc_u, axis=0))
 
 
 @jit
 def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, stride_pe, stride_pn,
                  stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
+                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, KS: tl.constexpr = 1):
     """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
     [splits, pairs, 2, I] (gate, up) for
-    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w)."""
+    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w).
+    KS > 1: each K step in KS slices (:func:`_sliced_sums`)."""
     p, s = tl.program_id(0), tl.program_id(2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + p).to(tl.int64)
     if (e >= 0) & (e < E):
         x_row = x_ptr + (p // top_k) * H
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-        acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for kb in range(s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))):  # this split's K steps
-            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
-            vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-            vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-            w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            for j in tl.static_range(4):
-                xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
-                b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
-                acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
-                acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
-        g, u = column0(acc_g), column0(acc_u)
+        kb_lo, kb_hi = s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))  # this split's K steps
+        if KS == 1:
+            acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
+                vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+                vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                     EVEN_K)
+                w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                for j in tl.static_range(4):
+                    xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
+                    b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
+                    acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
+                    acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
+            g, u = column0(acc_g), column0(acc_u)
+        else:
+            g, u = _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                KS, EVEN_K, MODE)
         col = (n % 4) * (I // 4) + n // 4
         if not PARTIAL:
             tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
@@ -195,66 +167,6 @@ def _silu_mul(part_ptr, ids_ptr, act_ptr, pairs, I, E, splits, BLOCK: tl.constex
     tl.store(act_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
-def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slot_share, stride_pe, stride_pn,
-              stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
-    t, sp = tl.program_id(0), tl.program_id(2)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for j in range(sp * slot_share, tl.minimum(sp * slot_share + slot_share, top_k)):
-        p = t * top_k + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if (e >= 0) & (e < E):
-            packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-            acc_e = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                v, sc = weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-                w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                for jn in tl.static_range(4):
-                    a = operand(tl.load(a_ptr + p * I + jn * (I // 4) + w, mask=k_mask(w, I, EVEN_K), other=0.0), MODE)
-                    acc_e = tl.dot(dequant(v, sc, jn, MODE), tl.broadcast_to(a[:, None], [BLOCK_K // 4, 16]), acc_e)
-            acc += tl.load(wt_ptr + p) * acc_e
-    y = column0(acc)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + t * H + n, y, mask=n < H)
-    else:
-        tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
-
-
-@jit
-def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pn, stride_sn, G: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
-                  MODE: tl.constexpr):
-    """``down`` with a token's slots side by side in one dot: row m = slot·BLOCK_N + r of the left operand is row
-    n0 + r of that slot's expert (``packed`` and ``scales`` contiguous: expert e's row n is row e·H + n), column c
-    of the right operand is slot c's activations (zero past top_k and for another rank's pairs); entry
-    (m, slot(m)) of the product is what the slot adds to row n0 + r, times its routing weight."""
-    t = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    m = tl.arange(0, SLOTS * BLOCK_N)
-    slot, c = m // BLOCK_N, tl.arange(0, 16)
-    e = tl.load(ids_ptr + t * top_k + slot, mask=slot < top_k, other=-1).to(tl.int64)
-    ok = (e >= 0) & (e < E) & (slot < top_k)
-    rows = tl.where(ok, e, 0) * H + n0 + m % BLOCK_N
-    rmask = ok & (n0 + m % BLOCK_N < H)
-    ec = tl.load(ids_ptr + t * top_k + c, mask=c < top_k, other=-1)
-    cok = (ec >= 0) & (ec < E) & (c < top_k)
-    acc = tl.zeros([SLOTS * BLOCK_N, 16], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(I, BLOCK_K)):
-        k0 = kb * BLOCK_K
-        v, sc = weight_tile(p_ptr, s_ptr, rows, rmask, k0, I, stride_pn, stride_sn, G, SLOTS * BLOCK_N, BLOCK_K, EVEN_K)
-        w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-        for jn in tl.static_range(4):
-            a = tl.load(a_ptr + (t * top_k + c)[None, :] * I + jn * (I // 4) + w[:, None],
-                        mask=k_mask(w, I, EVEN_K)[:, None] & cok[None, :], other=0.0)
-            acc = tl.dot(dequant(v, sc, jn, MODE), operand(a, MODE), acc)
-    wt = tl.load(wt_ptr + t * top_k + slot, mask=ok, other=0.0)
-    y = tl.sum(tl.reshape(tl.sum(tl.where(c[None, :] == slot[:, None], acc, 0.0), axis=1) * wt, [SLOTS, BLOCK_N]), axis=0)
-    n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
-
-
 def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
                        hidden: int, group: int) -> tuple[int, int]:
     """Check the stacked INT4 expert tensors against each other; returns (E, I).
@@ -278,21 +190,6 @@ def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_pac
     return E, I
 
 
-def unpack_mode(variant: str, x: torch.Tensor) -> int:
-    """:func:`dequant`'s MODE for a tensor-core variant on x's device (CPU tensors: the interpreter's)."""
-    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 2 if variant.endswith("_asm") else 1
-
-
-def split_count(split: int, programs: int, most: int, device: torch.device) -> int:
-    """A config's split (0: automatic) for a grid of ``programs`` programs before splitting, at most ``most``."""
-    if split <= 0:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        split = -(-FILL * sms // max(programs, 1))
-    return max(1, min(split, most))
-
-
 def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, group: int, variant: str,
                  config: list[int] | tuple[int, ...]) -> torch.Tensor:
     """act [P, I] for ids [T, top_k] int32 (P = T·top_k; contiguous arguments): ``gate_up`` (and, split over H,
@@ -300,7 +197,7 @@ def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: tor
     T, H = x.shape
     top_k, P = ids.shape[1], ids.numel()
     E, I = p13.shape[0], p13.shape[1] // 2
-    gu_n, gu_k, gu_w, gu_s, gu_split = config[:5]
+    gu_n, gu_k, gu_w, gu_s, gu_split, *slices = config
     gu_k = min(gu_k, triton.next_power_of_2(H))
     if variant == "fma":
         return int4_fma.gate_up(x, ids, p13, s13, group, gu_n, gu_k, gu_w, gu_s)
@@ -314,41 +211,11 @@ def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: tor
     part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
     _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0),
                                   q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
-                                  PARTIAL=gs > 1, EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
+                                  PARTIAL=gs > 1, EVEN_K=H % gu_k == 0, MODE=mode, KS=slices[0] if slices else 1,
+                                  num_warps=gu_w, num_stages=gu_s)
     if gs > 1:
         _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
     return act
-
-
-def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor,
-              dtype: torch.dtype, group: int, variant: str, config: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """out [T, H] in ``dtype`` from :func:`gate_up_call`'s act, ids [T, top_k] int32, wts [T, top_k] float32
-    (contiguous arguments): ``down`` (split over the slots: into float32 by atomics, then cast)."""
-    T, top_k = ids.shape
-    E, H, I = p2.shape[0], p2.shape[1], p2.shape[2] * 8
-    dn_n, dn_k, dn_w, dn_s, dn_split, *form = config
-    dn_k = min(dn_k, triton.next_power_of_2(I))
-    if variant == "fma":
-        return int4_fma.down(act, ids, wts, p2, s2, dtype, group, dn_n, dn_k, dn_w, dn_s)
-    mode = unpack_mode(variant, act)
-    q2 = p2.view(torch.int16)
-    if form and form[0] == 1:  # slots side by side in one dot
-        out = torch.empty(T, H, dtype=dtype, device=act.device)
-        _down_columns[(T, triton.cdiv(H, dn_n))](act, ids, wts, q2, s2, out, H, I, E, top_k, q2.stride(1), s2.stride(1),
-                                                 G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                                                 SLOTS=triton.next_power_of_2(top_k), EVEN_K=I % dn_k == 0, MODE=mode,
-                                                 num_warps=dn_w, num_stages=dn_s)
-        return out
-    ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, act.device)
-    slots = triton.cdiv(top_k, ds)
-    ds = triton.cdiv(top_k, slots)
-    out = torch.zeros(T, H, dtype=torch.float32, device=act.device) if ds > 1 else torch.empty(T, H, dtype=dtype,
-                                                                                               device=act.device)
-    _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
-                                             q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
-                                             BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
-                                             num_warps=dn_w, num_stages=dn_s)
-    return out.to(dtype)
 
 
 @torch.library.custom_op("splitspec::int4_experts", mutates_args=())
@@ -359,7 +226,7 @@ def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         x, ids, wts = x.contiguous(), local.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
         p13, s13, p2, s2 = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
         act = gate_up_call(x, ids, p13, s13, group, variant, gate_up_config)
-        return down_call(act, ids, wts, p2, s2, x.dtype, group, variant, down_config)
+        return int4_down.down_call(act, ids, wts, p2, s2, x.dtype, group, variant, down_config)
 
 
 @_int4_experts_op.register_fake
@@ -376,13 +243,18 @@ def check_kernel(kernel: Kernel, group: int) -> None:
     if kernel.variant not in VARIANTS:
         raise ValueError(f"INT4 experts: variant {kernel.variant!r} is not one of {', '.join(VARIANTS)}")
     for name, cfg in (("gate_up", kernel.gate_up), ("down", kernel.down)):
-        if len(cfg) != 5 and not (name == "down" and len(cfg) == 6):
-            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split)"
-                             + (" or with a sixth entry, the form" if name == "down" else ""))
+        if len(cfg) not in (5, 6):
+            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split"
+                             f"[, {'form' if name == 'down' else 'K slices'}])")
         if cfg[1] % group:
             raise ValueError(f"INT4 experts: {name} BLOCK_K {cfg[1]} must be a multiple of the group size {group}")
         if kernel.variant != "fma" and (cfg[0] < 16 or cfg[1] < 64):
             raise ValueError(f"INT4 experts: {name} config {cfg}: tensor-core variants need BLOCK_N ≥ 16, BLOCK_K ≥ 64")
+    ks = kernel.gate_up[5] if len(kernel.gate_up) == 6 else 1
+    if ks < 1 or ks & (ks - 1) or (ks > 1 and (kernel.variant == "fma" or kernel.gate_up[1] // ks < max(64, group)
+                                               or (kernel.gate_up[1] // ks) % group)):
+        raise ValueError(f"INT4 experts: gate_up config {kernel.gate_up}: K slices {ks} must be a power of two, > 1 "
+                         "only for tensor-core variants, each slice (BLOCK_K / slices) ≥ 64 and a multiple of the group")
     form = kernel.down[5] if len(kernel.down) == 6 else 0
     if form not in (0, 1) or (form == 1 and (kernel.variant == "fma" or kernel.down[4] > 1)):
         raise ValueError(f"INT4 experts: down config {kernel.down}: form {form} must be 0 (a loop over the slots) or 1 "
