@@ -40,8 +40,10 @@ KERNELS = {  # kernel → (function, pointer types of its own, weights per loop 
 }
 CASES = [  # (kernel, constexprs, num_warps, num_stages)
     ("fma gate_up", {"G": 32, "BLOCK_N": 8, "BLOCK_K": 1024}, 4, 4),
-    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": mode}, n // 16, 3)
-      for mode in (2, 1) for n, k in ((16, 256), (32, 256), (32, 512), (64, 256))],
+    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": mode, "KS": 1},
+       n // 16, 3) for mode in (2, 1) for n, k in ((16, 256), (32, 256), (32, 512), (64, 256))],
+    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": 2, "KS": ks},
+       ks * n // 16, st) for n, k, ks, st in ((32, 512, 2, 3), (32, 1024, 4, 2), (16, 1024, 8, 2))],
     *[("mma down", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "ATOMIC": False, "EVEN_K": True, "MODE": mode}, n // 16, 3)
       for mode in (2, 1) for n, k in ((16, 256), (32, 256), (16, 512))],
     *[("columns down", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "SLOTS": 8, "EVEN_K": True, "MODE": 2}, w, 3)
