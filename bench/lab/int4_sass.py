@@ -25,24 +25,29 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from splitspec.models import grouped_moe, int4_moe
+from splitspec.models import grouped_moe, int4_down, int4_fma, int4_moe
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = {"x_ptr": "*bf16", "xp_ptr": "*bf16", "ids_ptr": "*i32", "p_ptr": "*i16", "s_ptr": "*bf16",
             "wt_ptr": "*fp32", "order_ptr": "*i32", "bexp_ptr": "*i32", "bfirst_ptr": "*i32", "bcount_ptr": "*i32"}
 KERNELS = {  # kernel → (function, pointer types of its own, weights per loop iteration from (BLOCK_N, BLOCK_K))
-    "fma gate_up": (int4_moe._gate_up_fma, {"p_ptr": "*i32", "act_ptr": "*fp32"}, lambda n, k: 2 * n * k),
+    "fma gate_up": (int4_fma._gate_up_fma, {"p_ptr": "*i32", "act_ptr": "*fp32"}, lambda n, k: 2 * n * k),
     "mma gate_up": (int4_moe._gate_up_mma, {"out_ptr": "*bf16"}, lambda n, k: 2 * n * k),
-    "mma down": (int4_moe._down_mma, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: n * k),
+    "mma down": (int4_down._down_mma, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: n * k),
+    "columns down": (int4_down._down_columns, {"a_ptr": "*bf16", "out_ptr": "*bf16"}, lambda n, k: 8 * n * k),
     "grouped gate_up": (grouped_moe._gate_up_grouped, {"act_ptr": "*bf16"}, lambda n, k: 2 * n * k),
     "grouped down": (grouped_moe._down_grouped, {"act_ptr": "*bf16", "out_ptr": "*fp32"}, lambda n, k: n * k),
 }
 CASES = [  # (kernel, constexprs, num_warps, num_stages)
     ("fma gate_up", {"G": 32, "BLOCK_N": 8, "BLOCK_K": 1024}, 4, 4),
-    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": mode}, n // 16, 3)
-      for mode in (2, 1) for n, k in ((16, 256), (32, 256), (32, 512), (64, 256))],
+    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": mode, "KS": 1},
+       n // 16, 3) for mode in (2, 1) for n, k in ((16, 256), (32, 256), (32, 512), (64, 256))],
+    *[("mma gate_up", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "PARTIAL": False, "EVEN_K": True, "MODE": 2, "KS": ks},
+       ks * n // 16, st) for n, k, ks, st in ((32, 512, 2, 3), (32, 1024, 4, 2), (16, 1024, 8, 2))],
     *[("mma down", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "ATOMIC": False, "EVEN_K": True, "MODE": mode}, n // 16, 3)
       for mode in (2, 1) for n, k in ((16, 256), (32, 256), (16, 512))],
+    *[("columns down", {"G": 32, "BLOCK_N": n, "BLOCK_K": k, "SLOTS": 8, "EVEN_K": True, "MODE": 2}, w, 3)
+      for n, k, w in ((16, 256, 8), (16, 512, 8), (8, 512, 4))],
     *[("grouped gate_up", {"G": 32, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 256, "EVEN_K": True, "MODE": 2}, w, 3)
       for m, n, w in ((16, 32, 2), (64, 64, 4))],
     *[("grouped down", {"G": 32, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 256, "EVEN_K": True, "MODE": 2}, w, 3)

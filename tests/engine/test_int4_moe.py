@@ -17,7 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
 from splitspec import quant
-from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed
+from splitspec.models import fused_moe, grouped_moe, int4_moe, int4_routed, int4_tiles
 from splitspec.models.int4_moe import Kernel
 
 # H and I multiples of the group (as the format requires) but not of every row block or K step; pairs of another
@@ -29,6 +29,10 @@ KERNELS = {  # each: several row blocks, a partial K step (H = 96 in steps of 64
     "mma": Kernel("mma", (32, 64, 2, 1, 1), (64, 64, 4, 1, 1)),
     # gate_up's K split in two (partial sums, then _silu_mul), down's three slots in three programs (atomic adds)
     "mma_asm-split": Kernel("mma_asm", (16, 64, 1, 1, 2), (32, 64, 2, 1, 3)),
+    # gate_up's K step of 128 (one, partial: H = 96) in two slices of 64 (a batched dot)
+    "mma-slices": Kernel("mma", (16, 128, 2, 1, 1, 2), (16, 64, 1, 1, 1)),
+    # down's slots side by side in one dot (form 1): 4 slot row blocks (3 used), rows past H masked
+    "mma_asm-columns": Kernel("mma_asm", (32, 64, 2, 1, 1), (64, 64, 4, 1, 0, 1)),
     "grouped": Kernel("grouped", (16, 32, 64, 2, 1), (16, 64, 64, 4, 1)),
 }
 
@@ -125,8 +129,8 @@ def test_unpacking_constants_bit_for_bit(j):
     pairs = (((words >> (4 * j)) & 0x000F000F) | 0x43004300).view(torch.bfloat16)
     assert torch.equal(pairs.float() * torch.tensor(0x3F80, dtype=torch.int16).view(torch.bfloat16).float()
                        + torch.tensor(0xC308 - 0x10000, dtype=torch.int16).view(torch.bfloat16).float(), want.float())
-    assert f"shr.b32 t, $1, {4 * j};" in int4_moe._asm(j) if j else "mov.b32 t, $1;" in int4_moe._asm(j)
-    assert all(c in int4_moe._asm(j) for c in ("0x000F000F", "0x43004300", "0xEA", "0x3F803F80", "0xC308C308"))
+    assert f"shr.b32 t, $1, {4 * j};" in int4_tiles._asm(j) if j else "mov.b32 t, $1;" in int4_tiles._asm(j)
+    assert all(c in int4_tiles._asm(j) for c in ("0x000F000F", "0x43004300", "0xEA", "0x3F803F80", "0xC308C308"))
     packed = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
     cols = quant.unpack_int4(packed, 32)
     nib = ((packed.view(torch.int16).int() >> (4 * j)) & 0xF) - 8
@@ -147,14 +151,45 @@ def test_expert_blocks_cover_this_ranks_pairs_once():
     assert sorted(seen) == [p for p, e in enumerate(local.flatten().tolist()) if 0 <= e < E]
 
 
-def test_table_lookup_and_dtype_fallback(monkeypatch):
+def test_table_lookup_by_shard_and_dtype_fallback(monkeypatch):
     a = Kernel("mma_asm", (32, 256, 2, 3, 0), (32, 256, 2, 3, 0))
     b = Kernel("mma", (16, 256, 1, 3, 0), (16, 256, 1, 3, 0))
+    n1, n2 = Kernel("mma_asm", (16, 64, 1, 3, 0), (16, 64, 1, 3, 0)), Kernel("mma", (16, 64, 1, 3, 2), (16, 64, 1, 3, 0))
     c = Kernel("grouped_asm", (16, 32, 256, 2, 3), (16, 32, 256, 2, 3))
-    monkeypatch.setattr(int4_routed, "TABLE", ((1, a), (16, b), (None, c)))
-    assert [int4_routed.kernel_for(t, torch.bfloat16) for t in (1, 2, 16, 17, 4096)] == [a, b, b, c, c]
-    assert int4_routed.kernel_for(1, torch.float32) == int4_moe.DEFAULT  # the tensor cores take bf16 only
-    assert int4_routed.kernel_for(17, torch.float32) == int4_routed.DEQUANT
+    monkeypatch.setattr(int4_routed, "DECODE", {("one", "wide"): a, ("many", "wide"): b, ("one", "narrow"): n1,
+                                                ("many", "narrow"): n2})
+    monkeypatch.setattr(int4_routed, "TABLE", ((None, c),))
+    assert [int4_routed.kernel_for(t, torch.bfloat16, 2048) for t in (1, 2, 16, 17, 4096)] == [a, b, b, c, c]
+    assert [int4_routed.kernel_for(t, torch.bfloat16, 256) for t in (1, 2, 16, 17)] == [n1, n2, n2, c]
+    assert int4_routed.kernel_for(1, torch.float32, 2048) == int4_moe.DEFAULT  # the tensor cores take bf16 only
+    assert int4_routed.kernel_for(17, torch.float32, 256) == int4_routed.DEQUANT
+
+
+def test_decode_table_keeps_one_numerics_per_shard():
+    """Each shard's one- and many-token kernels are tensor-core variants (bf16 operands, float32 sums) like the
+    grouped ones past MAX_TOKENS, and valid configs; so a one-token decode and a verify agree up to sum order."""
+    assert set(int4_routed.DECODE) == {(n, w) for n in ("one", "many") for w in ("wide", "narrow")}
+    for kernel in int4_routed.DECODE.values():
+        assert kernel.variant in ("mma", "mma_asm"), kernel
+        int4_moe.check_kernel(kernel, G)
+    assert all(k.variant in grouped_moe.GROUPED_VARIANTS for _, k in int4_routed.TABLE)
+
+
+def test_one_token_alone_equals_it_inside_a_verify(monkeypatch):
+    """A token through one-token kernels alone and through many-token kernels with two more tokens (the configs
+    differ in blocks, K slices, splits and down's form): the same result up to float32 sum order."""
+    one = Kernel("mma_asm", (16, 128, 2, 1, 1, 2), (64, 64, 4, 1, 0, 1))
+    many = Kernel("mma_asm", (32, 64, 2, 1, 1), (32, 64, 2, 1, 3))
+    monkeypatch.setattr(int4_routed, "DECODE", {("one", "wide"): one, ("many", "wide"): many})
+    assert int4_routed.kernel_for(1, torch.bfloat16, 2048) == one and int4_routed.kernel_for(T, torch.bfloat16, 2048) == many
+    x, local, weights, p13, s13, p2, s2 = problem(seed=11)
+    alone = run(one, x[:1], local[:1], weights[:1], p13, s13, p2, s2)
+    batch = run(many, x, local, weights, p13, s13, p2, s2)
+    a, b = alone[0].float(), batch[0].float()
+    if DEVICE == "cpu":  # the interpreter keeps the activations in float32: one bf16 output ulp
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-4 * batch.float().abs().max())
+    else:  # a different float32 sum may round an activation to the neighbouring bf16 value
+        assert ((a - b).norm() / b.norm()).item() < 4e-3
 
 
 def test_bad_shapes_and_configs_name_the_field():

@@ -71,7 +71,8 @@ FP8_CONFIGS = {("one", "wide"): ((64, 128, 4, 4, 4), (64, 128, 4, 4, 4, 3)),
 
 
 def fp8_class(tokens: int, intermediate: int) -> tuple[str, str]:
-    """The :data:`FP8_CONFIGS` key of ``tokens`` tokens through experts of ``intermediate`` rows (this rank's)."""
+    """The :data:`FP8_CONFIGS` key of ``tokens`` tokens through experts of ``intermediate`` rows (this rank's); INT4
+    experts' decode kernels are keyed the same way (:data:`splitspec.models.int4_routed.DECODE`)."""
     return "one" if tokens == 1 else "many", "narrow" if intermediate <= NARROW_I else "wide"
 
 

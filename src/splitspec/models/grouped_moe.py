@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitspec.models import int4_moe
+from splitspec.models import int4_moe, int4_tiles
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
 
 
@@ -82,7 +82,7 @@ def pairs_by_expert(xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tenso
 # in registers as ``int4_moe``'s tensor-core variants do (nibble position j against the activations at columns
 # 4w + j), the block's tokens as the right operand. Each expert's weights are read once per block of its pairs.
 
-GROUPED_VARIANTS = ("grouped", "grouped_asm")  # unpack in Triton bit operations / in PTX (int4_moe.dequant's MODE 1 / 2)
+GROUPED_VARIANTS = ("grouped", "grouped_asm")  # unpack in Triton bit operations / in PTX (int4_tiles.dequant's MODE 1 / 2)
 
 
 def expert_blocks(local: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -129,17 +129,17 @@ def _gate_up_grouped(xp_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, p_ptr,
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            vg, sg = int4_moe.weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+            vg, sg = int4_tiles.weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
                                           EVEN_K)
-            vu, su = int4_moe.weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+            vu, su = int4_tiles.weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
                                           EVEN_K)
             w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            kmask = int4_moe.k_mask(w, H, EVEN_K)
+            kmask = int4_tiles.k_mask(w, H, EVEN_K)
             for j in tl.static_range(4):
                 xb = tl.load(x_cols + j * (H // 4) + w[:, None], mask=kmask[:, None] & pm[None, :], other=0.0)
-                xb = int4_moe.operand(xb, MODE)
-                acc_g = tl.dot(int4_moe.dequant(vg, sg, j, MODE), xb, acc_g)
-                acc_u = tl.dot(int4_moe.dequant(vu, su, j, MODE), xb, acc_u)
+                xb = int4_tiles.operand(xb, MODE)
+                acc_g = tl.dot(int4_tiles.dequant(vg, sg, j, MODE), xb, acc_g)
+                acc_u = tl.dot(int4_tiles.dequant(vu, su, j, MODE), xb, acc_u)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         col = (n % 4) * (I // 4) + n // 4
         tl.store(act_ptr + pair[None, :] * I + col[:, None], act.to(act_ptr.dtype.element_ty),
@@ -159,14 +159,14 @@ def _down_grouped(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, 
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            v, sc = int4_moe.weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+            v, sc = int4_tiles.weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
                                          EVEN_K)
             w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            kmask = int4_moe.k_mask(w, I, EVEN_K)
+            kmask = int4_tiles.k_mask(w, I, EVEN_K)
             for j in tl.static_range(4):
                 ab = tl.load(act_ptr + pair[None, :] * I + j * (I // 4) + w[:, None], mask=kmask[:, None] & pm[None, :],
                              other=0.0)
-                acc = tl.dot(int4_moe.dequant(v, sc, j, MODE), int4_moe.operand(ab, MODE), acc)
+                acc = tl.dot(int4_tiles.dequant(v, sc, j, MODE), int4_tiles.operand(ab, MODE), acc)
         wt = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(out_ptr + pair[None, :] * H + n[:, None], acc * wt[None, :], mask=(n < H)[:, None] & pm[None, :])
 
@@ -179,7 +179,7 @@ def _int4_grouped_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
         T, H = x.shape
         top_k, P = local.shape[1], local.numel()
         E, I = w13_packed.shape[0], w13_packed.shape[1] // 2
-        mode = int4_moe.unpack_mode(variant, x)
+        mode = int4_tiles.unpack_mode(variant, x)
         xp = x.to(torch.bfloat16).reshape(T, H // 4, 4).transpose(1, 2).contiguous()
         q13, q2 = w13_packed.contiguous().view(torch.int16), w2_packed.contiguous().view(torch.int16)
         s13, s2, wts = w13_scale.contiguous(), w2_scale.contiguous(), weights.to(torch.float32).contiguous()

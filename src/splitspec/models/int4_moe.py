@@ -13,11 +13,9 @@ token, ``silu(gate) · up``; ``down``, one program per (token, block of hidden r
 slots' down rows times their activation and routing weight, summed. Pairs routed to another rank (ids outside
 [0, E_local)) read nothing. Without K or slot splits each token's result depends on that token only. The
 kernels run on CUDA tensors, and on CPU under ``TRITON_INTERPRET=1``. Variants (:class:`Kernel`; which one the
-engine takes is :data:`splitspec.models.int4_routed.TABLE`):
+engine takes is :func:`splitspec.models.int4_routed.kernel_for`):
 
-- ``fma``: CUDA cores, float32. Per packed word one load of the word and its scale, then per nibble a shift, a
-  mask, an OR of the exponent of 2^23 (the nibble becomes a float's mantissa, no int-to-float conversion), a
-  subtraction and a multiply-add; the offset of 8 is taken out once per word (``_int4_dot``). Any float x.
+- ``fma``: CUDA cores, float32, any float x (:mod:`splitspec.models.int4_fma`).
 - ``mma``, ``mma_asm``: tensor cores, bf16 x. The packed words are read as int16, four nibbles each; nibble position
   j of a tile [BLOCK_N rows, BLOCK_K/4 int16] is its own bf16 tile and its own ``tl.dot`` against the activations at
   columns 4w + j (a sum over k may take k in any order). The weights are the left operand (rows in M), the
@@ -28,22 +26,35 @@ engine takes is :data:`splitspec.models.int4_routed.TABLE`):
   OR 0x43004300) and fma.bf16x2, three instructions for two weights; ``mma`` writes the same in Triton bit
   operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
   activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
-  partial gate and up sums that ``_silu_mul`` adds and puts through silu; down's programs may each take a share of
-  the slots, adding into a float32 output with atomics. The activations are rounded to bf16 for the tensor cores,
-  as the bf16 engine's grouped GEMMs round them.
+  partial gate and up sums that ``_silu_mul`` adds and puts through silu, or cut each K step into slices that
+  different warps of one program take (a batched dot, the slices' sums added at the end: more warps on one token's
+  rows without a second kernel); down's programs may each take a share of
+  the slots, adding into a float32 output with atomics. Or down's programs take all of a token's slots in one
+  dot (form 1 of :class:`Kernel`): the left operand stacks BLOCK_N rows of each slot's expert, the right one holds
+  slot c's activations in column c (where the other forms repeat one pair's over 16 columns), and entry
+  (slot s's rows, column s) is slot s's share — one K loop per program, the pipeline never drained between slots,
+  a program's warps on different slots. The activations are rounded to bf16 for the tensor cores, as the bf16
+  engine's grouped GEMMs round them.
+
+Numerics: every tensor-core configuration (blocks, splits, down's form) computes the same products — x and the
+activations rounded to bf16, each weight (nibble − 8) · scale rounded to bf16 — and differs from another only in
+the order of its float32 sums (over K steps, K splits and slices, slots); so does ``grouped`` / ``grouped_asm``. A token's
+result with one configuration alone and with another inside a k + 1-token verify therefore agree up to float32
+sum order, as :data:`splitspec.models.fused_moe.FP8_CONFIGS` requires of its per-shard forms. ``fma`` keeps the
+weights and activations in float32: another form, not to be mixed with the tensor-core ones within a shard.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from splitspec.models import int4_down, int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
+from splitspec.models.int4_tiles import column0, dequant, k_mask, load_k, operand, split_count, unpack_mode, weight_tile
 
 VARIANTS = ("fma", "mma", "mma_asm")
-FILL = 2  # a split of 0 ("auto") splits until the grid has this many programs per multiprocessor
 
 
 @dataclass(frozen=True)
@@ -53,165 +64,84 @@ class Kernel:
     (BLOCK_N, BLOCK_K, num_warps, num_stages, split) — split: gate_up's share of H, down's of the slots, in programs
     (0: enough for :data:`FILL` programs per multiprocessor; ``fma`` takes 1). BLOCK_K is a multiple of the
     group size; for the tensor-core variants BLOCK_N is 16 · num_warps (mma.sync) or 64 · num_warps / 4 (wgmma).
+    ``gate_up`` of a tensor-core variant may take a sixth entry, K slices: each K step cut into that many slices
+    (a power of two; BLOCK_K / slices ≥ 64), one batched dot over them, so num_warps = slices · BLOCK_N / 16 warps
+    share a program's rows (:func:`_sliced_sums`). ``down`` of a tensor-core variant may take a sixth entry, its
+    form: 0 (default) a loop over the token's slots,
+    1 the slots side by side in one dot (``_down_columns``: no slot loop, no split; rows per program
+    next_power_of_2(top_k) · BLOCK_N, so BLOCK_N = 16 · num_warps / 8 at Kimi's 8 slots).
     Grouped variants: (BLOCK_M pairs, BLOCK_N, BLOCK_K, num_warps, num_stages); ``dequant``: no config, ()."""
     variant: str
     gate_up: tuple[int, ...]
     down: tuple[int, ...]
 
 
-def _asm(j: int) -> str:
-    """PTX: the 32-bit register $1 holds two int16; $0 gets their nibbles j as bf16 pair, minus 8 (exact)."""
-    shift = f"shr.b32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
-    return ("{ .reg .b32 t, one, off; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-            "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; fma.rn.bf16x2 $0, t, one, off; }")
-
-
-if available():
-    _ASM0, _ASM1, _ASM2, _ASM3 = (tl.constexpr(_asm(j)) for j in range(4))
-
-
 @jit
-def dequant(v, s, J: tl.constexpr, MODE: tl.constexpr):
-    """bf16 tile: (nibble J (bits 4J..4J+3) of each int16 of v − 8) · s, rounded once (as
-    :func:`splitspec.quant.dequantize_int4`). MODE 2: PTX (``mma_asm``); 1: bit operations and a bitcast; 0: a
-    float32 tile, not rounded (the interpreter's: it cannot run PTX, and keeps bf16 as raw 16-bit integers, which
-    its bitcasts, arithmetic and tl.dot take for numbers)."""
-    if MODE == 2:
-        if J == 0:
-            q = tl.inline_asm_elementwise(_ASM0, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif J == 1:
-            q = tl.inline_asm_elementwise(_ASM1, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif J == 2:
-            q = tl.inline_asm_elementwise(_ASM2, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            q = tl.inline_asm_elementwise(_ASM3, "=r,r", [v], dtype=tl.bfloat16, is_pure=True, pack=2)
-        return q * s
-    elif MODE == 1:
-        return ((((v >> (4 * J)) & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0) * s
-    else:
-        return (((v >> (4 * J)) & 0xF) - 8).to(tl.float32) * s.to(tl.float32)
-
-
-@jit
-def operand(v, MODE: tl.constexpr):
-    """v as the right operand of :func:`dequant`'s tiles: bf16, or float32 under the interpreter (MODE 0)."""
-    return v.to(tl.float32) if MODE == 0 else v.to(tl.bfloat16)
-
-
-@jit
-def weight_tile(packed, scales, rows, rmask, k0, K, stride_pn, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """(int16 [BLOCK_N, BLOCK_K/4]: the packed columns k0..k0+BLOCK_K of ``rows``, read as int16 — ``packed`` points
-    to int16 — and bf16 [BLOCK_N, BLOCK_K/4]: each int16's group scale, 0 past K or outside ``rmask``). EVEN_K: K is
-    a multiple of BLOCK_K, no mask along K (a mask Triton cannot prove constant over 8 int16 halves the loads' width)."""
-    w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    g = k0 // G + tl.arange(0, BLOCK_K // G)
-    r = rows[:, None].to(tl.int64)
-    if EVEN_K:
-        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None], other=0)
-        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None], other=0.0)
-    else:
-        v = tl.load(packed + r * stride_pn + w[None, :], mask=rmask[:, None] & (w < K // 4)[None, :], other=0)
-        s = tl.load(scales + r * stride_sn + g[None, :], mask=rmask[:, None] & (g < K // G)[None, :], other=0.0)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // G, G // 4]), [BLOCK_N, BLOCK_K // 4])
-    return v, s
-
-
-@jit
-def k_mask(w, K, EVEN_K: tl.constexpr):
-    """Columns w (int16 index) inside K: w < K / 4, or every one when EVEN_K."""
-    if EVEN_K:
-        return w >= 0
-    return w < K // 4
-
-
-@jit
-def column0(acc):
-    """Column 0 of a [rows, 16] tile, as [rows]."""
-    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
-
-
-@jit
-def _int4_dot(x_row, packed, scales, r, rmask, K, k0, stride_pn, stride_sn, G: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``fma``: [len(r), BLOCK_K // 8] float32, rows r of the INT4 linear times x over columns k0..k0+BLOCK_K, one
-    entry per packed word (summed by the caller)."""
-    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    wmask = w < K // 8
-    mask = rmask[:, None] & wmask[None, :]
-    rows = r[:, None].to(tl.int64)
-    words = tl.load(packed + rows * stride_pn + w[None, :], mask=mask, other=0)
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    xsum = tl.zeros(w.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        xj = tl.load(x_row + w * 8 + j, mask=wmask, other=0.0).to(tl.float32)
-        nib = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        acc += nib * xj[None, :]
-        xsum += xj
-    s = tl.load(scales + rows * stride_sn + (w * 8 // G)[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (acc - 8.0 * xsum[None, :]) * s
-
-
-@jit
-def _gate_up_fma(x_ptr, ids_ptr, p_ptr, s_ptr, act_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se, stride_sn,
-                 G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)  # a (token, slot) pair
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if (e >= 0) & (e < E):
-        x_row = x_ptr + (p // top_k) * H
-        packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            acc_g += _int4_dot(x_row, packed, scales, n, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
-            acc_u += _int4_dot(x_row, packed, scales, n + I, n < I, H, k0, stride_pn, stride_sn, G, BLOCK_K)
-        g = tl.sum(acc_g, axis=1)
-        tl.store(act_ptr + p * I + n, g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1), mask=n < I)
-
-
-@jit
-def _down_fma(act_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pe, stride_pn, stride_se,
-              stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    for j in range(0, top_k):
-        p = t * top_k + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if (e >= 0) & (e < E):
-            wt = tl.load(wt_ptr + p)
-            for k0 in range(0, I, BLOCK_K):
-                acc += wt * _int4_dot(act_ptr + p * I, p_ptr + e * stride_pe, s_ptr + e * stride_se, n, n < H, I, k0,
-                                      stride_pn, stride_sn, G, BLOCK_K)
-    tl.store(out_ptr + t * H + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < H)
+def _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride_sn, G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr, EVEN_K: tl.constexpr,
+                 MODE: tl.constexpr):
+    """(gate [BLOCK_N], up [BLOCK_N]) float32 sums of rows n (and n + I) against x over K steps kb_lo..kb_hi, each
+    step's BLOCK_K columns cut into KS slices of C = BLOCK_K / KS: tiles [KS, BLOCK_N, C/4] and one batched dot per
+    nibble position, so a program's warps can take different slices (a K split inside the program: no partial
+    sums in memory, no second kernel); the KS slices' sums are added at the end."""
+    C: tl.constexpr = BLOCK_K // KS
+    sl = tl.arange(0, KS)[:, None, None]
+    r = n[None, :, None].to(tl.int64)
+    acc_g = tl.zeros([KS, BLOCK_N, 16], dtype=tl.float32)
+    acc_u = tl.zeros([KS, BLOCK_N, 16], dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k0 = kb * BLOCK_K
+        w = k0 // 4 + sl * (C // 4) + tl.arange(0, C // 4)[None, None, :]  # [KS, 1, C/4]
+        g = k0 // G + sl * (C // G) + tl.arange(0, C // G)[None, None, :]
+        rm = (n < I)[None, :, None]
+        vg = load_k(packed + r * stride_pn + w, rm, w < H // 4, 0, EVEN_K)
+        vu = load_k(packed + (r + I) * stride_pn + w, rm, w < H // 4, 0, EVEN_K)
+        sg = load_k(scales + r * stride_sn + g, rm, g < H // G, 0.0, EVEN_K)
+        su = load_k(scales + (r + I) * stride_sn + g, rm, g < H // G, 0.0, EVEN_K)
+        sg = tl.reshape(tl.broadcast_to(sg[:, :, :, None], [KS, BLOCK_N, C // G, G // 4]), [KS, BLOCK_N, C // 4])
+        su = tl.reshape(tl.broadcast_to(su[:, :, :, None], [KS, BLOCK_N, C // G, G // 4]), [KS, BLOCK_N, C // 4])
+        wx = tl.reshape(w, [KS, C // 4])
+        for j in tl.static_range(4):
+            xj = operand(tl.load(x_row + 4 * wx + j, mask=k_mask(wx, H, EVEN_K), other=0.0), MODE)
+            b = tl.broadcast_to(xj[:, :, None], [KS, C // 4, 16])
+            acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
+            acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
+    return column0(tl.sum(acc_g, axis=0)), column0(tl.sum(acc_u, axis=0))
 
 
 @jit
 def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, stride_pe, stride_pn,
                  stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
+                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, KS: tl.constexpr = 1):
     """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
     [splits, pairs, 2, I] (gate, up) for
-    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w)."""
+    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w).
+    KS > 1: each K step in KS slices (:func:`_sliced_sums`)."""
     p, s = tl.program_id(0), tl.program_id(2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + p).to(tl.int64)
     if (e >= 0) & (e < E):
         x_row = x_ptr + (p // top_k) * H
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-        acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for kb in range(s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))):  # this split's K steps
-            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
-            vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-            vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-            w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            for j in tl.static_range(4):
-                xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
-                b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
-                acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
-                acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
-        g, u = column0(acc_g), column0(acc_u)
+        kb_lo, kb_hi = s * steps, tl.minimum(s * steps + steps, tl.cdiv(H, BLOCK_K))  # this split's K steps
+        if KS == 1:
+            acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                k0 = kb * BLOCK_K  # (a multiple of BLOCK_K Triton can see: whole-width vector loads)
+                vg, sg = weight_tile(packed, scales, n, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
+                vu, su = weight_tile(packed, scales, n + I, n < I, k0, H, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                     EVEN_K)
+                w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                for j in tl.static_range(4):
+                    xj = operand(tl.load(x_row + 4 * w + j, mask=k_mask(w, H, EVEN_K), other=0.0), MODE)
+                    b = tl.broadcast_to(xj[:, None], [BLOCK_K // 4, 16])
+                    acc_g = tl.dot(dequant(vg, sg, j, MODE), b, acc_g)
+                    acc_u = tl.dot(dequant(vu, su, j, MODE), b, acc_u)
+            g, u = column0(acc_g), column0(acc_u)
+        else:
+            g, u = _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
+                                KS, EVEN_K, MODE)
         col = (n % 4) * (I // 4) + n // 4
         if not PARTIAL:
             tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
@@ -237,33 +167,6 @@ def _silu_mul(part_ptr, ids_ptr, act_ptr, pairs, I, E, splits, BLOCK: tl.constex
     tl.store(act_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
-def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slot_share, stride_pe, stride_pn,
-              stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
-    t, sp = tl.program_id(0), tl.program_id(2)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for j in range(sp * slot_share, tl.minimum(sp * slot_share + slot_share, top_k)):
-        p = t * top_k + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if (e >= 0) & (e < E):
-            packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
-            acc_e = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                v, sc = weight_tile(packed, scales, n, n < H, k0, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K, EVEN_K)
-                w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                for jn in tl.static_range(4):
-                    a = operand(tl.load(a_ptr + p * I + jn * (I // 4) + w, mask=k_mask(w, I, EVEN_K), other=0.0), MODE)
-                    acc_e = tl.dot(dequant(v, sc, jn, MODE), tl.broadcast_to(a[:, None], [BLOCK_K // 4, 16]), acc_e)
-            acc += tl.load(wt_ptr + p) * acc_e
-    y = column0(acc)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + t * H + n, y, mask=n < H)
-    else:
-        tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
-
-
 def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
                        hidden: int, group: int) -> tuple[int, int]:
     """Check the stacked INT4 expert tensors against each other; returns (E, I).
@@ -287,19 +190,32 @@ def check_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_pac
     return E, I
 
 
-def unpack_mode(variant: str, x: torch.Tensor) -> int:
-    """:func:`dequant`'s MODE for a tensor-core variant on x's device (CPU tensors: the interpreter's)."""
-    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 2 if variant.endswith("_asm") else 1
-
-
-def split_count(split: int, programs: int, most: int, device: torch.device) -> int:
-    """A config's split (0: automatic) for a grid of ``programs`` programs before splitting, at most ``most``."""
-    if split <= 0:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        split = -(-FILL * sms // max(programs, 1))
-    return max(1, min(split, most))
+def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, group: int, variant: str,
+                 config: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """act [P, I] for ids [T, top_k] int32 (P = T·top_k; contiguous arguments): ``gate_up`` (and, split over H,
+    ``_silu_mul``). float32 for ``fma`` and under the interpreter, else bf16."""
+    T, H = x.shape
+    top_k, P = ids.shape[1], ids.numel()
+    E, I = p13.shape[0], p13.shape[1] // 2
+    gu_n, gu_k, gu_w, gu_s, gu_split, *slices = config
+    gu_k = min(gu_k, triton.next_power_of_2(H))
+    if variant == "fma":
+        return int4_fma.gate_up(x, ids, p13, s13, group, gu_n, gu_k, gu_w, gu_s)
+    mode = unpack_mode(variant, x)
+    q13 = p13.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
+    blocks = triton.cdiv(I, gu_n)
+    gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
+    steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
+    gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
+    act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
+    part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
+    _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0),
+                                  q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
+                                  PARTIAL=gs > 1, EVEN_K=H % gu_k == 0, MODE=mode, KS=slices[0] if slices else 1,
+                                  num_warps=gu_w, num_stages=gu_s)
+    if gs > 1:
+        _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
+    return act
 
 
 @torch.library.custom_op("splitspec::int4_experts", mutates_args=())
@@ -307,45 +223,10 @@ def _int4_experts_op(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor
                      w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, group: int, variant: str,
                      gate_up_config: list[int], down_config: list[int]) -> torch.Tensor:
     with on_device(x):
-        T, H = x.shape
-        top_k, P = local.shape[1], local.numel()
-        E, I = w13_packed.shape[0], w13_packed.shape[1] // 2
         x, ids, wts = x.contiguous(), local.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
         p13, s13, p2, s2 = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-        (gu_n, gu_k, gu_w, gu_s, gu_split), (dn_n, dn_k, dn_w, dn_s, dn_split) = gate_up_config, down_config
-        gu_k, dn_k = min(gu_k, triton.next_power_of_2(H)), min(dn_k, triton.next_power_of_2(I))
-        if variant == "fma":
-            act, out = torch.empty(P, I, dtype=torch.float32, device=x.device), torch.empty_like(x)
-            _gate_up_fma[(P, triton.cdiv(I, gu_n))](x, ids, p13, s13, act, H, I, E, top_k, p13.stride(0), p13.stride(1),
-                                                    s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
-                                                    num_warps=gu_w, num_stages=gu_s)
-            _down_fma[(T, triton.cdiv(H, dn_n))](act, ids, wts, p2, s2, out, H, I, E, top_k, p2.stride(0), p2.stride(1),
-                                                 s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                                                 num_warps=dn_w, num_stages=dn_s)
-            return out
-        mode = unpack_mode(variant, x)
-        xb = x.to(torch.bfloat16)
-        q13, q2 = p13.view(torch.int16), p2.view(torch.int16)  # int32 [.., K/8] → int16 [.., K/4], low half first
-        blocks = triton.cdiv(I, gu_n)
-        gs = split_count(gu_split, P * blocks, triton.cdiv(H, gu_k), x.device)
-        steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
-        gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
-        act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
-        part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
-        _gate_up_mma[(P, blocks, gs)](xb, ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0), q13.stride(1),
-                                      s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k, PARTIAL=gs > 1,
-                                      EVEN_K=H % gu_k == 0, MODE=mode, num_warps=gu_w, num_stages=gu_s)
-        if gs > 1:
-            _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
-        ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, x.device)
-        slots = triton.cdiv(top_k, ds)
-        ds = triton.cdiv(top_k, slots)
-        out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if ds > 1 else torch.empty_like(x)
-        _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
-                                                 q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
-                                                 BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
-                                                 num_warps=dn_w, num_stages=dn_s)
-        return out.to(x.dtype) if ds > 1 else out
+        act = gate_up_call(x, ids, p13, s13, group, variant, gate_up_config)
+        return int4_down.down_call(act, ids, wts, p2, s2, x.dtype, group, variant, down_config)
 
 
 @_int4_experts_op.register_fake
@@ -362,12 +243,22 @@ def check_kernel(kernel: Kernel, group: int) -> None:
     if kernel.variant not in VARIANTS:
         raise ValueError(f"INT4 experts: variant {kernel.variant!r} is not one of {', '.join(VARIANTS)}")
     for name, cfg in (("gate_up", kernel.gate_up), ("down", kernel.down)):
-        if len(cfg) != 5:
-            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split)")
+        if len(cfg) not in (5, 6):
+            raise ValueError(f"INT4 experts: {name} config {cfg} must be (BLOCK_N, BLOCK_K, num_warps, num_stages, split"
+                             f"[, {'form' if name == 'down' else 'K slices'}])")
         if cfg[1] % group:
             raise ValueError(f"INT4 experts: {name} BLOCK_K {cfg[1]} must be a multiple of the group size {group}")
         if kernel.variant != "fma" and (cfg[0] < 16 or cfg[1] < 64):
             raise ValueError(f"INT4 experts: {name} config {cfg}: tensor-core variants need BLOCK_N ≥ 16, BLOCK_K ≥ 64")
+    ks = kernel.gate_up[5] if len(kernel.gate_up) == 6 else 1
+    if ks < 1 or ks & (ks - 1) or (ks > 1 and (kernel.variant == "fma" or kernel.gate_up[1] // ks < max(64, group)
+                                               or (kernel.gate_up[1] // ks) % group)):
+        raise ValueError(f"INT4 experts: gate_up config {kernel.gate_up}: K slices {ks} must be a power of two, > 1 "
+                         "only for tensor-core variants, each slice (BLOCK_K / slices) ≥ 64 and a multiple of the group")
+    form = kernel.down[5] if len(kernel.down) == 6 else 0
+    if form not in (0, 1) or (form == 1 and (kernel.variant == "fma" or kernel.down[4] > 1)):
+        raise ValueError(f"INT4 experts: down config {kernel.down}: form {form} must be 0 (a loop over the slots) or 1 "
+                         "(slots side by side: tensor-core variants, split 0 or 1)")
 
 
 def int4_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13_packed: torch.Tensor,

@@ -5,7 +5,11 @@ int32 [E_local, 2·I, H/8] with scales [E_local, 2·I, H/G], w2 packed int32 [E_
 [E_local, H, I/G]; weight = (nibble − 8) · scale, compressed-tensors ``pack-quantized`` as Kimi-K2-Thinking / K2.5
 publish it.
 
-On CUDA tensors :data:`TABLE` picks by token count (:func:`kernel_for`):
+On CUDA tensors :func:`kernel_for` picks by token count and shard: up to
+:data:`splitspec.models.fused_moe.MAX_TOKENS` tokens :data:`DECODE`, keyed as the FP8 experts' configs are
+(:func:`splitspec.models.fused_moe.fp8_class`: one token or many, the rank's experts "narrow" — at most
+:data:`splitspec.models.fused_moe.NARROW_I` intermediate rows, the TP8 shard of Kimi's 2048 — or "wide"); past it
+:data:`TABLE` by token count.
 
 - **Decode kernels** (:func:`splitspec.models.int4_moe.int4_experts`, W4A16; variants ``fma``, ``mma``,
   ``mma_asm``): each (token, slot) pair reads its expert's 4-bit weights once.
@@ -38,25 +42,39 @@ NAMES = ("mlp.experts.w13", "mlp.experts.w13.scale", "mlp.experts.w2", "mlp.expe
 CHUNK = 16  # experts dequantised at once by the dequantised path
 DEQUANT = Kernel("dequant", (), ())
 
-#: The engine's kernels for INT4 experts on a GPU, by token count T: the first row whose bound is ≥ T (None: any
-#: T). Set from ``bench/lab/int4_moe_bench.py``, whose output ends with this table for the kernels it measured
-#: fastest. Configs as :class:`splitspec.models.int4_moe.Kernel` says (decode: BLOCK_N, BLOCK_K, warps, stages,
-#: split; grouped: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Decode batches: ``mma_asm`` with the configuration
-#: that was best over TP1 and the TP8 shard together on an H200 (docs/lab/2026-12-02-h200-int4-mma-kernels: 1.76 /
-#: 1.34 / 1.43× the INT4 bound at 1 / 4 / 16 tokens at TP1); beyond, ``grouped_asm`` with the configurations
-#: fastest at 64–256 and at 1024 tokens (docs/lab/2026-12-02-h200-int4-grouped-full-depth: 1.52× the bound at
-#: 64 and 256 tokens at TP1, 120–190× faster than the dequantised path). The dequantised path stays for CPUs and
-#: float32 activations.
+#: The engine's decode kernels for INT4 experts on a GPU (at most MAX_TOKENS tokens), by
+#: :func:`splitspec.models.fused_moe.fp8_class` (one token or many, wide or narrow shard). Set from
+#: ``bench/lab/int4_moe_bench.py``, whose output ends with this dict and :data:`TABLE` for the kernels it measured
+#: fastest; configs as :class:`splitspec.models.int4_moe.Kernel` says (BLOCK_N, BLOCK_K, warps, stages, split[, form]).
+#: One numerics per shard: every row a tensor-core variant (``mma`` / ``mma_asm``, like the grouped ones past
+#: MAX_TOKENS: bf16 operands, float32 sums), so a verify of k + 1 tokens and a one-token decode of the same token
+#: differ only in the order of float32 sums (the module docstring of :mod:`splitspec.models.int4_moe`). Now:
+#: ``mma_asm`` with the configuration best over TP1 and the TP8 shard together on an H200 in every class
+#: (docs/lab/2026-12-02-h200-int4-fp8-full-depth, section 1).
+DECODE: dict[tuple[str, str], Kernel] = {
+    ("one", "wide"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
+    ("many", "wide"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
+    ("one", "narrow"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
+    ("many", "narrow"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
+}
+
+#: The engine's kernels past MAX_TOKENS, by token count T: the first row whose bound is ≥ T (None: any T).
+#: Grouped: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). ``grouped_asm`` with the configurations fastest at 64–256
+#: and at 1024 tokens (docs/lab/2026-12-02-h200-int4-grouped-full-depth: 1.52× the bound at 64 and 256 tokens at
+#: TP1, 120–190× faster than the dequantised path). The dequantised path stays for CPUs and float32 activations.
 TABLE: tuple[tuple[int | None, Kernel], ...] = (
-    (fused_moe.MAX_TOKENS, Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0))),
     (256, Kernel("grouped_asm", (16, 32, 256, 2, 3), (16, 32, 256, 2, 3))),
     (None, Kernel("grouped_asm", (32, 64, 256, 4, 3), (32, 64, 256, 4, 3))),
 )
 
 
-def kernel_for(tokens: int, dtype: torch.dtype) -> Kernel:
-    """:data:`TABLE`'s kernels for ``tokens`` tokens of activations in ``dtype`` (see the module docstring)."""
-    kernel = next((k for bound, k in TABLE if bound is None or tokens <= bound), DEQUANT)
+def kernel_for(tokens: int, dtype: torch.dtype, intermediate: int) -> Kernel:
+    """The kernels for ``tokens`` tokens of activations in ``dtype`` through this rank's experts of ``intermediate``
+    rows: :data:`DECODE` up to MAX_TOKENS, then :data:`TABLE` (see the module docstring)."""
+    if tokens <= fused_moe.MAX_TOKENS:
+        kernel = DECODE[fused_moe.fp8_class(tokens, intermediate)]
+    else:
+        kernel = next((k for bound, k in TABLE if bound is None or tokens <= bound), DEQUANT)
     if dtype != torch.bfloat16 and kernel.variant not in ("fma", "dequant"):
         return int4_moe.DEFAULT if tokens <= fused_moe.MAX_TOKENS else DEQUANT
     return kernel
@@ -100,7 +118,7 @@ def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, 
     (:data:`NAMES`). x [T, H] float; local [T, top_k] ids relative to this rank's first expert; weights [T, top_k]
     float32. Returns [T, H] in x's dtype."""
     if x.is_cuda and fused_moe.available():
-        kernel = kernel_for(x.shape[0], x.dtype)
+        kernel = kernel_for(x.shape[0], x.dtype, lw[NAMES[2]].shape[-1] * 8)
         if kernel.variant in grouped_moe.GROUPED_VARIANTS:
             return grouped_moe.int4_grouped_experts(x, local, weights, *(lw[n] for n in NAMES), group=group, kernel=kernel)
         if kernel.variant != "dequant":
