@@ -69,18 +69,19 @@ class GraphCache:
         needs more; pinned on CUDA, so its copy up does not wait for the device. Before handing it out again the host
         waits for the copy out of it that :meth:`run` queued last (long complete in a steady loop, whose host waits for
         the GPU once a cycle)."""
-        size = sum(math.prod(s) for s in shapes)
         flat, layouts, event = self.host.get(name, (None, None, None))
         if event is not None:
             event.synchronize()
-        if flat is None or flat.numel() < size:
-            flat = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
-            flat, layouts, event = self.host[name] = (flat, {}, torch.cuda.Event() if self.cuda else None)
+        laid = layouts.get(shapes) if layouts is not None else None  # the usual case: these shapes had it before
+        if laid is None:
+            size = sum(math.prod(s) for s in shapes)
+            if flat is None or flat.numel() < size:
+                flat = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+                flat, layouts, event = self.host[name] = (flat, {}, torch.cuda.Event() if self.cuda else None)
+            laid = layouts[shapes] = (flat[:size], field_views(flat.numpy(), shapes))
         if event is not None:
             self.staged.append(event)
-        if shapes not in layouts:
-            layouts[shapes] = (flat[:size], field_views(flat.numpy(), shapes))
-        return layouts[shapes]
+        return laid
 
     def _sent(self) -> None:
         """Mark the copies out of the staged buffers queued (on the device's current stream)."""

@@ -108,13 +108,13 @@ class RowFiller:
             b = next(b for b, s in enumerate(starts) if s + n > S)
             raise ValueError(f"padded batch: sequence {b} brings {n} tokens at {starts[b]} (window {S})")
         if real:
-            np.add(np.array(starts, dtype=np.int64)[:, None], np.arange(n, dtype=np.int64), out=pos[:real])
+            np.add(np.array(starts, dtype=np.int64)[:, None], self.arange(n), out=pos[:real])
         if real < B:
             pos[real:] = 0
         write[:] = table[self.arange(B)[:, None], pos]
 
     def arange(self, B: int) -> np.ndarray:
-        """0 .. B − 1, int64 (kept per B: the write rows' gather and the draft steps' logits rows)."""
+        """0 .. B − 1, int64 (kept per B: positions, the write rows' gather and the draft steps' logits rows)."""
         at = self.batch_rows.get(B)
         if at is None:
             at = self.batch_rows[B] = np.arange(B, dtype=np.int64)
