@@ -28,8 +28,7 @@ k = 1…5; both dtypes) take about two minutes::
 
     export PYTHONPATH=$PWD/src; python3 bench/lab/draft_profile.py --out draft_profile.json
 
-The batch-1 floor alone, the compiled drafter as the engine runs it on a GPU (about three minutes on one H200, most of it
-compiling)::
+The batch-1 floor alone (issue 31's target), the compiled drafter as the engine runs it on a GPU::
 
     python3 bench/lab/draft_profile.py --out draft_profile_b1.json --batches 1 --drafter-dtype float --compile on --reps 50
 
