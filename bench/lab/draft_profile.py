@@ -22,11 +22,15 @@ reports per (B, k):
   then k × (the layer's weights + ``lm_head``) — over the measured HBM bandwidth (a device-to-device copy,
   read + write bytes per second); ``kv_bytes`` (the K/V window each forward gathers) and ``bound_with_kv_ms`` beside it.
 
-Also the bare drafter step (one single-token forward + the greedy proposal over B sequences, a CUDA graph of its own)
+Also the bare drafter step (one single-token :meth:`Eagle3Drafter.draft` over B sequences, a CUDA graph of its own)
 with its profile and bound (layer + lm_head bytes). JSON to ``--out``. On one H200 the defaults (B = 1, 4, 16;
 k = 1…5; both dtypes) take about two minutes::
 
     export PYTHONPATH=$PWD/src; python3 bench/lab/draft_profile.py --out draft_profile.json
+
+The batch-1 floor alone (issue 31's target), the compiled drafter as the engine runs it on a GPU::
+
+    python3 bench/lab/draft_profile.py --out draft_profile_b1.json --batches 1 --drafter-dtype float --compile on --reps 50
 
 ``--small`` runs the same logic at the demo pair's widths (float32), on the CPU when there is no GPU (the profile is
 then of CPU operators, self time): ``python3 bench/lab/draft_profile.py --small --out /tmp/p.json``.
@@ -51,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # for lab.gpu_kernels, as int4_moe_bench does
 from lab.gpu_kernels import capture_graph  # noqa: E402
 TOP = 15
+TARGET = 1.25  # issue 31: the draft phase at batch 1 within 1.25 × its weight-bytes bound
 
 
 def sync(device: str) -> None:
@@ -220,7 +225,8 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
             rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, "host_ms": host,
                          "span_ms": gpu_span(phase, device), **prof,
                          "weight_bytes": read, "bound_ms": read / bw, "kv_bytes": k * kv,
-                         "bound_with_kv_ms": (read + k * kv) / bw, "gpu_over_bound": prof["gpu_ms"] / (read / bw)})
+                         "bound_with_kv_ms": (read + k * kv) / bw, "gpu_over_bound": prof["gpu_ms"] / (read / bw),
+                         "wall_over_bound": wall / (read / bw), "target_ms": TARGET * read / bw})
             print(f"B={B:<3} k={k}  wall {wall:7.3f} ms  event {_ms(event)}  host {host:6.3f} ms  span {_ms(rows[-1]['span_ms'])}  gpu {prof['gpu_ms']:7.3f} ms in "
                   f"{prof['kernels']:.0f} kernels  bound {read / bw:6.3f} ms (+KV {(read + k * kv) / bw:6.3f})", flush=True)
             for t in prof["top"]:
@@ -229,7 +235,7 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
         batch = padded([(list(range(b * per_seq, (b + 1) * per_seq)), position, [1]) for b in range(B)], window, device,
                        scratch_row=rank.scratch_row)
         hidden = torch.randn(B, cfg.hidden_size, dtype=m.dtype, device=device)
-        bare = lambda: m.propose(m.forward(batch, hidden, cache)[0])  # noqa: E731
+        bare = lambda: m.draft(batch, hidden, cache)[0]  # noqa: E731
         step = graphed(bare, device)
         wall, event, host = timed(step, device, reps)
         prof = profile(step, device, iters, eager=bare)
@@ -272,8 +278,17 @@ def dtypes(text: str) -> list[str]:
 
 
 def summary(result: dict) -> None:
-    """One line per (B, k): GPU time of the phase against its weight-bytes bound, for each drafter dtype."""
+    """Per drafter: one line per (B, k) — wall, host part, GPU time and kernels of the phase against its weight-bytes
+    bound and issue 31's target (1.25 × bound); then the GPU time of every drafter dtype side by side."""
     names = list(result["drafters"])
+    for n in names:
+        print(f"\nsteady draft phase, {n}: ms (wall: synchronised call; host: until the call returns; gpu: kernels)")
+        print(f"{'B':>3} {'k':>2} {'wall':>7} {'host':>6} {'gpu':>7} {'kernels':>7} {'bound':>7} {'target':>7} {'wall/bd':>7} "
+              f"{'gpu/bd':>6}  wall<=target")
+        for x in result["drafters"][n]["rows"]:
+            print(f"{x['batch']:>3} {x['k']:>2} {x['wall_ms']:7.3f} {x['host_ms']:6.3f} {x['gpu_ms']:7.3f} {x['kernels']:7.0f} "
+                  f"{x['bound_ms']:7.3f} {x['target_ms']:7.3f} {x['wall_over_bound']:7.2f} {x['gpu_over_bound']:6.2f}  "
+                  f"{'yes' if x['wall_ms'] <= x['target_ms'] else 'no'}")
     print("\nsteady draft phase, GPU ms (profiler) / weight-bytes bound ms:")
     print(f"{'B':>3} {'k':>2}" + "".join(f"{n + ' gpu':>12}{'bound':>8}{'×':>6}" for n in names))
     base = result["drafters"][names[0]]["rows"]

@@ -28,6 +28,8 @@ def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
             assert [t["ms"] for t in x["top"]] == sorted((t["ms"] for t in x["top"]), reverse=True)
             assert x["bound_ms"] == pytest.approx(x["weight_bytes"] / (r["meta"]["copy_GBps_read_plus_write"] * 1e6))
         assert all(x["host_ms"] > 0 for x in d["rows"])
+        assert all(x["wall_over_bound"] == pytest.approx(x["wall_ms"] / x["bound_ms"]) and
+                   x["target_ms"] == pytest.approx(1.25 * x["bound_ms"]) for x in d["rows"])
         for x in d["rows"]:  # fc once, then k forwards of the layer and lm_head
             assert x["weight_bytes"] == p["fc"] + x["k"] * (p["layer"] + p["lm_head"]) and x["window"] == 256
             assert x["kv_bytes"] == x["k"] * 2 * 256 * 8 * 32 * 2 * 4  # B · window · kv heads · head_dim · K,V · float32
@@ -35,7 +37,9 @@ def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
     # FP8 linears: a quarter of float32's bytes plus a scale per 128×128 tile; lm_head stays float
     assert parts["fp8"]["lm_head"] == parts["float"]["lm_head"]
     assert 0.25 < parts["fp8"]["fc"] / parts["float"]["fc"] < 0.251 and parts["fp8"]["layer"] < 0.26 * parts["float"]["layer"]
-    assert "steady draft phase, GPU ms (profiler) / weight-bytes bound ms" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "steady draft phase, GPU ms (profiler) / weight-bytes bound ms" in printed
+    assert "steady draft phase, fp8: ms" in printed and "wall<=target" in printed
 
 
 def test_refusals_name_the_option(tmp_path, capsys):

@@ -86,7 +86,7 @@ def test_compiled_layers_match_eager(engines_for):
 
 def test_compiled_drafter_matches_eager(engines_for):
     """The drafter's torch.compile'd parts (the draft phase's CUDA-graph path) compute what the eager ones compute,
-    on an extend over 2 sequences of 3 tokens."""
+    on an extend over 2 sequences of 3 tokens; :meth:`Eagle3Drafter.draft` through them proposes the eager tokens."""
     group = Group(ServeConfig(engines_for(1)))
     r = group.rank0
     m, dc = r.drafter, r.dcache
@@ -105,6 +105,12 @@ def test_compiled_drafter_matches_eager(engines_for):
             fast = m.forward(pb, hidden, dc)
             assert counters["stats"]["unique_graphs"] >= compiled + 3, "a drafter part was not compiled"
             assert (fast[0] - eager[0]).abs().max() < 1e-4 and (fast[1] - eager[1]).abs().max() < 1e-4
+            # the draft phase's step: the compiled head with argmax and the map to target ids, on the last rows only
+            rows = torch.tensor([2, 5])
+            pb.logits_rows = rows
+            tokens, states = m.draft(pb, hidden, dc)
+            assert counters["stats"]["unique_graphs"] >= compiled + 4, "the proposing head was not compiled"
+            assert torch.equal(tokens, m.propose(eager[0][rows])) and (states - eager[1][rows]).abs().max() < 1e-4
     finally:
         group.close()
 

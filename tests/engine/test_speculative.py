@@ -136,6 +136,10 @@ class OracleDrafter:
         self.rows_pos = batch.positions[batch.logits_rows].tolist()
         return self.inner.forward(batch, hidden, cache)
 
+    def draft(self, batch, hidden, cache):  # the padded draft phase's step: this wrapper's forward and propose
+        logits, h = self.forward(batch, hidden, cache)
+        return self.propose(logits), h[batch.logits_rows]
+
     def propose(self, logits):
         out = []
         for p in self.rows_pos:

@@ -236,6 +236,10 @@ class CacheRecorder:
         self.last_pos = positions[-1]
         return self.inner.forward(batch, hidden, cache)
 
+    def draft(self, batch, hidden, cache):  # the padded draft phase's step: this wrapper's forward and propose
+        logits, h = self.forward(batch, hidden, cache)
+        return self.propose(logits), h[batch.logits_rows]
+
     def propose(self, logits):
         idx = self.last_pos + 2 - self.offset  # drafter row j predicts token j + 2
         right = self.cont[idx] if 0 <= idx < len(self.cont) else 0

@@ -13,6 +13,19 @@ from splitspec.models.batch import field_views
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw CUDA stream) -> its torch Stream object
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream`` of device ``index`` without building a Stream object per call: the raw stream is
+    looked up (one C call) and its Stream object kept (torch's streams live as long as the process)."""
+    key = (index, torch._C._cuda_getCurrentRawStream(index))  # the default stream is 0 on every device
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream
+
+
 def bucket(batch: int) -> int:
     """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows)."""
     return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= BATCH_BUCKETS[-1] else batch
@@ -35,9 +48,11 @@ class GraphCache:
         self.graphs: dict = {}
         self.host: dict = {}  # name -> (staging buffer, {shapes: (its head, field views)}, event after its last copy)
         self.staged: list = []  # the events of the buffers handed out since the last run
-        self.pool = self.capture_stream = None
+        self.pool = self.capture_stream = self.index = None
+        if self.cuda:
+            self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if self.on:
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(self.index):
                 self.pool = torch.cuda.graph_pool_handle()
                 self.capture_stream = torch.cuda.Stream()
 
@@ -54,31 +69,36 @@ class GraphCache:
         needs more; pinned on CUDA, so its copy up does not wait for the device. Before handing it out again the host
         waits for the copy out of it that :meth:`run` queued last (long complete in a steady loop, whose host waits for
         the GPU once a cycle)."""
-        size = sum(math.prod(s) for s in shapes)
         flat, layouts, event = self.host.get(name, (None, None, None))
         if event is not None:
             event.synchronize()
-        if flat is None or flat.numel() < size:
-            flat = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
-            flat, layouts, event = self.host[name] = (flat, {}, torch.cuda.Event() if self.cuda else None)
+        laid = layouts.get(shapes) if layouts is not None else None  # the usual case: these shapes had it before
+        if laid is None:
+            size = sum(math.prod(s) for s in shapes)
+            if flat is None or flat.numel() < size:
+                flat = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+                flat, layouts, event = self.host[name] = (flat, {}, torch.cuda.Event() if self.cuda else None)
+            laid = layouts[shapes] = (flat[:size], field_views(flat.numpy(), shapes))
         if event is not None:
             self.staged.append(event)
-        if shapes not in layouts:
-            layouts[shapes] = (flat[:size], field_views(flat.numpy(), shapes))
-        return layouts[shapes]
+        return laid
 
     def _sent(self) -> None:
         """Mark the copies out of the staged buffers queued (on the device's current stream)."""
-        for event in self.staged:
-            event.record(torch.cuda.current_stream(self.device))
-        self.staged.clear()
+        if self.staged:
+            stream = current_stream(self.index)
+            for event in self.staged:
+                event.record(stream)
+            self.staged.clear()
 
     def run(self, key, fn, *inputs):
         if not self.on:
             inputs = [x.to(self.device, non_blocking=True) for x in inputs]
             self._sent()
             return fn(*inputs)
-        with torch.cuda.device(self.device):
+        if torch.cuda.current_device() == self.index:  # the usual case: no device switch around the replay
+            return self._run(key, fn, *inputs)
+        with torch.cuda.device(self.index):
             return self._run(key, fn, *inputs)
 
     def _run(self, key, fn, *inputs):

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,11 +17,11 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
-from splitspec.engine.graphs import GraphCache, bucket
+from splitspec.engine.graphs import GraphCache, bucket, current_stream
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
-from splitspec.models.batch import ForwardBatch, field_views, fill_rows, padded_fields
+from splitspec.models.batch import ForwardBatch, RowFiller, field_views, padded_fields
 from splitspec.models.drafter import Eagle3Drafter
 from splitspec.models.drafters import drafter_cache, drafter_model, shard_drafter_weights
 from splitspec.models.layers import TPComm
@@ -53,16 +52,19 @@ class PhaseClock:
     def __init__(self, device: str):
         self.device, self.cuda = device, device.startswith("cuda")
         self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else ()
+        self.index = torch.device(device).index if self.cuda else None
+        if self.cuda and self.index is None:
+            self.index = torch.cuda.current_device()
         self.t0 = self.t1 = 0.0
 
     def start(self) -> None:
         self.t0 = self.t1 = time.perf_counter()
         if self.cuda:
-            self.events[0].record(torch.cuda.current_stream(self.device))
+            self.events[0].record(current_stream(self.index))
 
     def draft_done(self) -> None:
         if self.cuda:
-            self.events[1].record(torch.cuda.current_stream(self.device))
+            self.events[1].record(current_stream(self.index))
         else:
             self.t1 = time.perf_counter()
 
@@ -104,6 +106,7 @@ class RankRunner:
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
         rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
         self.scratch_row = self.kv_blocks * BLOCK_SIZE
+        self.fill = RowFiller(self.kv_blocks, self.scratch_row)  # the steady phases' row tables, positions, write rows
         self.window = -(-self.limits["max_seq_len"] // BLOCK_SIZE) * BLOCK_SIZE
         self.tcache = TargetKVCache(self.cfg, rows, self.dtype, device)
         self.rank, self.world = rank, world
@@ -234,45 +237,45 @@ class RankRunner:
 
     def draft_padded(self, plan: CyclePlan) -> torch.Tensor:
         """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
-        k+1 (padded) rows, then k−1 single-token steps whose positions and cache rows are computed on the device.
+        k+1 (padded) rows, then k−1 single-token steps, each step a :meth:`Eagle3Drafter.draft` (with the compiled parts
+        on one rank every op of a step is inside a compiled part; the greedy proposal and the map to target ids too).
         Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation. The host fills one pinned
-        buffer (:meth:`GraphCache.staging`; one copy up) and hands over the last verify's aux states as they are
-        (:meth:`AuxStates.batch_for`)."""
+        buffer (:meth:`GraphCache.staging`; one copy up) — the extend's inputs and every step's positions and cache rows
+        — and hands over the last verify's aux states as they are (:meth:`AuxStates.batch_for`). On CUDA graphs the
+        drafts are the graph's output tensor itself, not a copy: valid until the next draft of the same (bucket, k,
+        window), which work queued on the stream before that call reads whole."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
         m, dev = self.drafter, self.drafter.device
         S = self.window_for(plan)
         key = ("draft", self.draft_tp, Bp, k, S)
-        # extend ids [Bp, n], its positions, row table, write rows; each sequence's last extend row; step 1's position
-        shapes = ((Bp, n), *padded_fields(Bp, n, S), (Bp,), (Bp,))
-        flat, (ids, pos, table, rows, last, first_step) = self.draft_graphs.staging("draft", shapes)
+        # extend ids [Bp, n], its positions, row table, write rows; each sequence's last extend row; the steps'
+        # positions and write rows [k − 1, Bp] (step i at start − 1 + i); every row of a step [Bp]
+        shapes = ((Bp, n), *padded_fields(Bp, n, S), (Bp,), (k - 1, Bp), (k - 1, Bp), (Bp,))
+        flat, (ids, pos, table, rows, last, step_pos, step_rows, every) = self.draft_graphs.staging("draft", shapes)
         ext = [w.extend_tokens for w in ws]
         ids[:B] = [t + [0] * (n - len(t)) for t in ext]
-        ids[B:] = 0
-        fill_rows(pos, table, rows, [w.blocks for w in ws], [w.extend_start for w in ws], self.scratch_row)
-        last[:] = np.arange(0, Bp * n, n)
-        last[:B] += np.array([len(t) - 1 for t in ext])
-        first_step[:B] = [w.start for w in ws]
-        first_step[B:] = 0
+        last[:] = [b * n + len(t) - 1 for b, t in enumerate(ext)] + list(range(B * n, Bp * n, n))
+        if Bp > B:
+            ids[B:] = 0
+        self.fill(pos, table, rows, [w.blocks for w in ws], [w.extend_start for w in ws])
+        if k > 1:  # a padding sequence's steps: position 0, its table's scratch row
+            self.fill.rows(step_pos.T, step_rows.T, table, [w.start for w in ws])
+        every[:] = self.fill.arange(Bp)
         aux = self.aux.batch_for([w.sid for w in ws], Bp * n, dev)  # the target's hidden states, on the drafter's device
 
         def draft(flat, aux_in):
-            ids, pos, table, rows, last_rows, step_pos = field_views(flat, shapes)
-            logits, h = m.forward(ForwardBatch(ids.flatten(), pos.flatten(), [], [], last_rows, table, rows.flatten()),
-                                  m.fuse(aux_in), self.dcache)
-            out, h = [m.propose(logits)], h[last_rows]
-            every = torch.arange(Bp, device=ids.device)
-            for i in range(1, k):
-                # step i drafts at position start − 1 + i; a padding sequence's table row is all scratch rows
-                p = step_pos + (i - 1)
-                r = torch.gather(table, 1, p[:, None])[:, 0]
-                logits, h = m.forward(ForwardBatch(out[-1], p, [], [], every, table, r), h, self.dcache)
-                out.append(m.propose(logits))
-            return torch.stack(out, 1)
+            ids, pos, table, rows, last_rows, step_pos, step_rows, every = field_views(flat, shapes)
+            tokens, h = m.draft(ForwardBatch(ids.flatten(), pos.flatten(), [], [], last_rows, table, rows.flatten()),
+                                m.fuse(aux_in), self.dcache)
+            out = [tokens]
+            for i in range(k - 1):
+                tokens, h = m.draft(ForwardBatch(tokens, step_pos[i], [], [], every, table, step_rows[i]), h, self.dcache)
+                out.append(tokens)
+            return torch.stack(out, 1) if k > 1 else tokens[:, None]
 
-        drafts = self.draft_graphs.run(key, draft, flat, aux)
-        return drafts.clone()  # graph outputs are overwritten by the next replay
+        return self.draft_graphs.run(key, draft, flat, aux)
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Static-shape verify of a steady cycle: [last token] + k drafts per sequence (padding sequences: zeros).
@@ -286,10 +289,11 @@ class RankRunner:
         # positions, row table, write rows; each sequence's last known token; 1 for a real sequence, 0 for padding
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,))
         flat, (pos, table, rows, first, real) = self.graphs.staging("verify", shapes)
-        fill_rows(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws], self.scratch_row)
+        self.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])
         first[:B] = [w.tokens[0] for w in ws]
-        first[B:] = 0
-        real[:B], real[B:] = 1, 0
+        real[:B] = 1
+        if Bp > B:
+            first[B:], real[B:] = 0, 0
 
         def verify(flat, drafts):
             pos, table, rows, first, real = field_views(flat, shapes)

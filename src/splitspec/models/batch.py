@@ -69,29 +69,75 @@ def padded_fields(batch: int, n: int, window: int) -> tuple[tuple[int, ...], ...
     return (batch, n), (batch, window), (batch, n)
 
 
+class RowFiller:
+    """Fills the padded form's row table, positions and write rows (int64 numpy arrays, in place) for sequences whose KV
+    blocks are ids below ``num_blocks``, in a few numpy operations per call: the table through one lookup [num_blocks + 1,
+    block_size] (row j: the cache rows of block j; the last row, which block id −1 picks, all ``scratch_row``).
+    Made once per engine (the lookup holds one int64 per KV row); :func:`fill_rows` is the one-off form."""
+
+    def __init__(self, num_blocks: int, scratch_row: int, block_size: int = BLOCK_SIZE):
+        self.block_size, self.scratch_row = block_size, scratch_row
+        self.lookup = np.empty((num_blocks + 1, block_size), dtype=np.int64)
+        self.lookup[:num_blocks] = np.arange(num_blocks * block_size, dtype=np.int64).reshape(num_blocks, block_size)
+        self.lookup[num_blocks] = scratch_row
+        self.batch_rows: dict[int, np.ndarray] = {}  # B -> 0 .. B − 1 (:meth:`arange`)
+
+    def table(self, table: np.ndarray, blocks: list[list[int]]) -> None:
+        """Row table [B, S]: sequence b's row s is the cache row of its position s (``scratch_row`` past its blocks);
+        the rows past ``len(blocks)`` (padding sequences) all ``scratch_row``."""
+        B, S = table.shape
+        bs = self.block_size
+        per = -(-S // bs)
+        ids = []  # the first `per` blocks of each sequence, −1 past its blocks and for the padding sequences
+        for bl in blocks:
+            head = bl[:per]
+            ids += head
+            ids += [-1] * (per - len(head))
+        ids += [-1] * (per * (B - len(blocks)))
+        if per * bs == S:
+            np.take(self.lookup, np.array(ids, dtype=np.int64).reshape(B, per), axis=0, out=table.reshape(B, per, bs))
+        else:
+            table[:] = self.lookup[np.array(ids, dtype=np.int64)].reshape(B, per * bs)[:, :S]
+
+    def rows(self, pos: np.ndarray, write: np.ndarray, table: np.ndarray, starts: list[int]) -> None:
+        """Positions [B, n] (``starts[b]``.. for the ``len(starts)`` real sequences, 0 for the padding ones) and write
+        rows [B, n] (the table's rows at those positions) from a filled ``table`` [B, S].
+        Raises ValueError when a sequence's tokens reach past the window S."""
+        real, (B, n), S = len(starts), pos.shape, table.shape[1]
+        if real and max(starts) + n > S:
+            b = next(b for b, s in enumerate(starts) if s + n > S)
+            raise ValueError(f"padded batch: sequence {b} brings {n} tokens at {starts[b]} (window {S})")
+        if real:
+            np.add(np.array(starts, dtype=np.int64)[:, None], self.arange(n), out=pos[:real])
+        if real < B:
+            pos[real:] = 0
+        write[:] = table[self.arange(B)[:, None], pos]
+
+    def arange(self, B: int) -> np.ndarray:
+        """0 .. B − 1, int64 (kept per B: positions, the write rows' gather and the draft steps' logits rows)."""
+        at = self.batch_rows.get(B)
+        if at is None:
+            at = self.batch_rows[B] = np.arange(B, dtype=np.int64)
+        return at
+
+    def __call__(self, pos: np.ndarray, table: np.ndarray, write: np.ndarray, blocks: list[list[int]],
+                 starts: list[int]) -> None:
+        """:meth:`table`, then :meth:`rows` for n = pos.shape[1] tokens per sequence from ``starts``."""
+        self.table(table, blocks)
+        self.rows(pos, write, table, starts)
+
+
 def fill_rows(pos: np.ndarray, table: np.ndarray, write: np.ndarray, blocks: list[list[int]], starts: list[int],
               scratch_row: int, block_size: int = BLOCK_SIZE) -> None:
     """Fill the padded form's positions [B, n], row table [B, S] and write rows [B, n] (int64 arrays, in place) for
     ``len(blocks)`` ≤ B sequences, sequence b holding KV blocks ``blocks[b]`` and bringing n tokens at positions
     ``starts[b]``.. . Table rows hold the cache rows of positions 0..S−1 (``scratch_row`` past a sequence's blocks);
     the rows past the sequences pad the batch: positions 0, every table entry and write row ``scratch_row``.
+    One-off form of :class:`RowFiller` (whose lookup it builds for the blocks given).
     Raises ValueError when a sequence's tokens reach past the window S."""
-    real, (B, n), S = len(blocks), pos.shape, table.shape[1]
-    if max(starts, default=0) + n > S:
-        b = next(b for b, s in enumerate(starts) if s + n > S)
-        raise ValueError(f"padded batch: sequence {b} brings {n} tokens at {starts[b]} (window {S})")
-    per = -(-S // block_size)
-    ids = []  # the first `per` blocks of each sequence, −1 past its blocks and for the padding sequences
-    for bl in blocks:
-        head = bl[:per]
-        ids += head
-        ids += [-1] * (per - len(head))
-    ids += [-1] * (per * (B - real))
-    bt = np.array(ids, dtype=np.int64).reshape(B, per, 1)
-    table[:] = np.where(bt >= 0, bt * block_size + np.arange(block_size), scratch_row).reshape(B, per * block_size)[:, :S]
-    pos[:real] = np.array(starts, dtype=np.int64)[:, None] + np.arange(n)
-    pos[real:] = 0
-    write[:] = table[np.arange(B)[:, None], pos]
+    per = -(-table.shape[1] // block_size)
+    top = max((b for bl in blocks for b in bl[:per]), default=-1)
+    RowFiller(top + 1, scratch_row, block_size)(pos, table, write, blocks, starts)
 
 
 def padded(seqs: list[tuple[list[int], int, list[int]]], window: int, device="cpu", block_size: int = BLOCK_SIZE,

@@ -133,7 +133,7 @@ class Eagle3Drafter:
         self.fp8_scaled_mm = self.block is not None and fp8_linear.scaled_mm_supported(self.device)
         self.rotary = Rotary(cfg.rope, self.device)
         self.draft_to_target = weights["draft_to_target"]
-        self.fast = None  # compiled (attention_part, mlp_part, head_part), see compile()
+        self.fast = None  # compiled (attention_part, mlp_part, head_part, propose_part), see compile()
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [T, in] · weight ``name``ᵀ, float or FP8 with its ``scale_inv`` (:func:`splitspec.models.fp8_linear.linear`)."""
@@ -163,11 +163,11 @@ class Eagle3Drafter:
         raise NotImplementedError
 
     def compile(self) -> None:
-        """Use ``torch.compile``d parts (:meth:`attention_part`, :meth:`mlp_part`, :meth:`head_part`) for padded
-        batches, the CUDA-graph path: the norms, rotary, residual adds and casts between the matrix products fuse into
-        a few kernels per step (:func:`splitspec.models.layers.compile_parts`)."""
+        """Use ``torch.compile``d parts (:meth:`attention_part`, :meth:`mlp_part`, :meth:`head_part`,
+        :meth:`propose_part`) for padded batches, the CUDA-graph path: the norms, rotary, residual adds and casts between
+        the matrix products fuse into a few kernels per step (:func:`splitspec.models.layers.compile_parts`)."""
         cls = type(self)
-        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part)
+        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part, cls.propose_part)
 
     def attention_part(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> torch.Tensor:
         """Embedding, the two input norms and :meth:`attention`: [T, H] partial sum before the all-reduce."""
@@ -193,6 +193,15 @@ class Eagle3Drafter:
             last = rms_norm(h[rows], w["norm"], c.rms_norm_eps)
         return self._linear(last, "lm_head").float(), h
 
+    def propose_part(self, h: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`head_part` and :meth:`propose` in one (one rank: the whole draft vocabulary), for the rows at ``rows``
+        only: (draft tokens as target ids [R] int64, output states [R, H]). Compiled, the final norm, the float cast,
+        argmax and the map to target ids fuse around the lm_head GEMM (no float logits in memory)."""
+        c, w = self.cfg, self.w
+        h = (h + mlp)[rows]
+        last = rms_norm(h, w["norm"], c.rms_norm_eps)
+        return self.propose(self._linear(last, "lm_head").float()), last if c.norm_output else h
+
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over ``batch``.
 
@@ -204,7 +213,7 @@ class Eagle3Drafter:
             ``norm_output``).
         """
         cls = type(self)
-        attention, mlp, head = (self.fast if self.fast and batch.table is not None
+        attention, mlp, head = (self.fast[:3] if self.fast and batch.table is not None
                                 else (cls.attention_part, cls.mlp_part, cls.head_part))
         h, partial = mlp(self, hidden, self.comm.all_reduce(attention(self, batch, hidden, cache)))
         logits, h = head(self, h, self.comm.all_reduce(partial), batch.logits_rows)
@@ -213,6 +222,18 @@ class Eagle3Drafter:
     def propose(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens as target ids: logits [R, draft_vocab] → [R] int64."""
         return self.draft_to_target[logits.argmax(-1)]
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter step and its greedy proposal, for the padded draft phase: (draft tokens as target ids [R] int64,
+        output states [R, H] at ``batch.logits_rows``, the next step's ``hidden``). With the compiled parts on one rank
+        the head is :meth:`propose_part` (every op of the step inside a compiled part); otherwise :meth:`forward`, then
+        :meth:`propose`. Same tokens either way."""
+        if self.fast and batch.table is not None and self.comm.size == 1:
+            attention, mlp, _, propose = self.fast
+            h, partial = mlp(self, hidden, attention(self, batch, hidden, cache))
+            return propose(self, h, partial, batch.logits_rows)
+        logits, h = self.forward(batch, hidden, cache)
+        return self.propose(logits), h[batch.logits_rows]
 
 
 class DrafterModel(Eagle3Drafter):
