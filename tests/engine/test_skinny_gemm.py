@@ -89,3 +89,49 @@ def test_classes():
     assert skinny_gemm.shape_class(8, 36864, 18432) == (8, "wide", "long")
     assert skinny_gemm.config_for(2, 4608, 7168) == skinny_gemm.CONFIGS.get((2, "mid", "mid"), skinny_gemm.DEFAULT_CONFIG[2])
     assert not skinny_gemm.applies(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.bfloat16))  # CPU: never in the engine
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_target_layers_with_the_kernel(monkeypatch, tokens):
+    """A small bf16 target's dense and MoE layers (padded form) with skinny_gemm on — forced on for CPU tensors —
+    against the same layers off: the same residual streams and partial sums up to bf16 rounding, and the kernel took
+    the products it should (norm + add in fused_qkv_a and a dense w13, silu · up in every w2)."""
+    import dataclasses
+
+    from splitspec.build.synthetic import kimi_k2_target
+    from splitspec.config import Mapping
+    from splitspec.models.batch import padded
+    from splitspec.models.layers import TPComm
+    from splitspec.models.shapes import random_weights, target_shapes
+    from splitspec.models.target import TargetKVCache, TargetModel
+
+    cfg = dataclasses.replace(kimi_k2_target(2), vocab_size=64, hidden_size=96, intermediate_size=80, moe_intermediate_size=24,
+                              num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              rope=dataclasses.replace(kimi_k2_target(2).rope, dim=8))
+    w = random_weights(target_shapes(cfg, Mapping(1)), torch.bfloat16, DEVICE, seed=0)
+    model = TargetModel(cfg, Mapping(1), 0, w, TPComm(), skinny_gemm=True)
+    cache = TargetKVCache(cfg, 64, torch.bfloat16, DEVICE)
+    batch = padded([(list(range(16)), 5, [1] * tokens)], 16, DEVICE, scratch_row=40)
+    cos, sin = model.rotary.cos_sin(batch.positions)
+    h, pending = rand(tokens, 96, seed=20), rand(tokens, 96, seed=21)
+    calls = []
+    launch = skinny_gemm.launch
+    monkeypatch.setattr(skinny_gemm, "launch", lambda x, w, r=None, g=None, eps=0.0, act=False: calls.append(
+        (tuple(w.shape), r is not None, g is not None, act)) or launch(x, w, r, g, eps, act))
+
+    def layers(on: bool):
+        model.skinny_gemm = on
+        with monkeypatch.context() as m:
+            m.setattr(skinny_gemm, "applies", lambda x, w: x.shape[0] <= skinny_gemm.MAX_TOKENS and w.dtype == torch.bfloat16)
+            return [model.block(layer, h, pending, batch, cache, cos, sin) for layer in (0, 1)]
+
+    off, on = layers(False), layers(True)
+    for (h_off, out_off), (h_on, out_on) in zip(off, on):  # h after a layer holds its attention's (rounded) output
+        close(h_on, h_off.double())
+        close(out_on, out_off.double())
+    qkv_a, o_proj = (w["layers.0.attn.fused_qkv_a"].shape, True, True, False), (w["layers.0.attn.o_proj"].shape, False, False, False)
+    dense = [(w["layers.0.mlp.w13"].shape, True, True, False), (w["layers.0.mlp.w2"].shape, False, False, True)]
+    shared = [(w["layers.1.mlp.shared.w13"].shape, False, False, False), (w["layers.1.mlp.shared.w2"].shape, False, False, True)]
+    assert calls[:2] == [qkv_a, (w["layers.0.attn.q_b_proj"].shape, False, False, False)] and calls[2] == o_proj
+    assert calls[3:5] == dense and calls[-2:] == shared and len(calls) == 10

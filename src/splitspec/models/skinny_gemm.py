@@ -95,6 +95,8 @@ def _skinny(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, T, N, K, stride_x, stride_
     tmask = t < T
     if DOT:
         acc = tl.zeros([TP, BLOCK_N], dtype=tl.float32)
+    elif TP == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([TP, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([TP, BLOCK_K], dtype=tl.float32)
@@ -122,10 +124,14 @@ def _skinny(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, T, N, K, stride_x, stride_
             acc = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         elif DOT:
             acc = tl.dot(xv, tl.trans(w), acc)
+        elif TP == 1:  # one token: a 2-D accumulator
+            acc += w.to(tl.float32) * tl.sum(xv.to(tl.float32), axis=0)[None, :]
         else:
             acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
     if DOT:
         y = acc
+    elif TP == 1:
+        y = tl.sum(acc, axis=1)[None, :]
     else:
         y = tl.sum(acc, axis=2)
     if NORM:
