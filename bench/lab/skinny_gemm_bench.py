@@ -35,7 +35,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--out", default="results/skinny", help="folder for skinny_gemm_bench.json")
 ap.add_argument("--sweep-budget-s", type=float, default=150, help="start no new shape of the sweep after this many seconds")
 ap.add_argument("--tokens", default="1,2,4,8", help="comma list: tokens of the sweep")
-ap.add_argument("--layer-k", default="0,1", help="comma list: k of the layer timings (k + 1 tokens of one sequence)")
+ap.add_argument("--layer-k", default="0", help="comma list: k of the layer timings (k + 1 tokens of one sequence)")
 ap.add_argument("--no-layer", action="store_true", help="skip step 4 (the layers)")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
@@ -69,6 +69,36 @@ def candidates() -> list[tuple[int, int, int, int, int]]:
            if bn * bk <= 16384]
     dot = [(bn, bk, w, s, 1) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
     return fma + dot
+
+
+#: Compiles the kernel for some configurations into Triton's cache (run in a process of its own): arguments are the
+#: configurations and the token counts, as JSON. The shapes differ from the sweep's but specialise alike (every size
+#: and stride a multiple of 16, one token or more), so the sweep's launches find their kernels in the cache.
+WARM = """
+import json, sys, torch
+from splitspec.models import skinny_gemm
+w = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+for cfg in json.loads(sys.argv[1]):
+    for T in json.loads(sys.argv[2]):
+        try:
+            skinny_gemm.launch(torch.randn(T, 1024, device="cuda", dtype=torch.bfloat16), w, config=tuple(cfg))
+        except Exception:
+            pass
+torch.cuda.synchronize()
+"""
+
+
+def precompile(configs: list[tuple[int, ...]]) -> None:
+    """Compile every configuration at one token and at more, in parallel processes (a Triton compile takes seconds
+    and the sweep has ~100 of them)."""
+    import subprocess
+
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    procs = [subprocess.Popen([sys.executable, "-c", WARM, json.dumps(configs[i::workers]), "[1, 2]"])
+             for i in range(workers)]  # one token, and two: the multiply-add form's accumulator for 2; dot alike for 2–8
+    for p in procs:
+        p.wait()
+    print(f"precompiled {len(configs)} configurations in {workers} processes, {time.time() - T0:.0f} s in", flush=True)
 
 
 def shapes() -> list[tuple[str, int, int]]:
@@ -108,6 +138,8 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
     """Step 2 and 3: the rows, and the winners by shape class {key: (config, µs summed, shapes)}."""
     g = torch.Generator(device=DEV).manual_seed(0)
     rows, configs = [], candidates()
+    if not DRY:
+        precompile(configs)
     for label, N, K in shapes():
         if time.time() - T0 > A.sweep_budget_s:
             print(f"sweep budget spent: {label} and later shapes skipped", flush=True)
