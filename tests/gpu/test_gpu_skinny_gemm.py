@@ -55,7 +55,7 @@ def test_tp8_layers_on_match_off(monkeypatch):
     calls = []
     launch = skinny_gemm.launch
     monkeypatch.setattr(skinny_gemm, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    for n in (1, 2, 8):
+    for n in (1, 4):
         batch = padded([(list(range(16)), 100, [1] * n)], S, "cuda", scratch_row=4 * S)
         cos, sin = model.rotary.cos_sin(batch.positions)
         h = torch.randn(n, 7168, device="cuda", dtype=torch.bfloat16)
