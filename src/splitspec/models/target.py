@@ -157,8 +157,8 @@ class TargetModel:
 
     def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``prefix + "w13"`` [2·I, H] (gate rows first) / ``prefix + "w2"`` [H, I]
-        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]. With the skinny-GEMM
-        kernel on: x may instead be w13's output [T, 2·I] (``gate_up``), and silu · up is done inside w2's product."""
+        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]. Where w2 takes the
+        skinny-GEMM kernel (:meth:`skinny`) it reads w13's output [T, 2·I] and makes silu · up itself."""
         gate_up = self.linear(x, lw, prefix + "w13")
         if self.skinny(gate_up, lw, prefix + "w2"):
             return skinny_gemm.linear(gate_up, lw[prefix + "w2"], act=True)
