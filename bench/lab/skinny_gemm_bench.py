@@ -6,8 +6,8 @@
    shared expert, then the TP2 and TP1 shapes of the four large linears) and 1 / 2 / 4 / 8 tokens: torch's
    ``F.linear`` (cuBLAS) and every block configuration of the kernel, in µs against the weight's bytes / bandwidth;
    a kernel whose output differs from cuBLAS's by more than 2 % of its scale is never chosen;
-3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the configuration with the least summed time
-   over the class's shapes, printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
+3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the configuration with the least sum over the
+   class's shapes of its time / that shape's best time (each shape counts alike, whatever its size), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
 4. the TP8 shard's dense and MoE layer (compiled, CUDA graph) with the kernel off and on, through
    ``bench/gpu_bench.py``'s ``layer_costs`` (its rows, bounds and profiler tables).
 
@@ -178,7 +178,7 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
         group = list(group)
         common = set.intersection(*(set(r["kernel"]) for r in group))
         if common:
-            cfg = min(common, key=lambda c: sum(r["kernel"][c] for r in group))
+            cfg = min(common, key=lambda c: sum(r["kernel"][c] / r["best_us"] for r in group))  # each shape alike
             winners[key] = (tuple(int(v) for v in cfg.split(",")), sum(r["kernel"][cfg] for r in group),
                             sum(r["cublas_us"] for r in group), [r["shape"] for r in group])
     return rows, winners
