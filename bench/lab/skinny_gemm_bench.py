@@ -65,9 +65,11 @@ def candidates() -> list[tuple[int, int, int, int, int]]:
     is tokens × BLOCK_N × BLOCK_K), the tensor-core form for all."""
     if DRY:
         return [(16, 64, 4, 2, 0), (16, 64, 4, 2, 1)]
-    fma = [(bn, bk, w, s, 0) for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))
+    fma = [(bn, bk, w, s, 0) for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))
            if bn * bk <= 16384]
-    dot = [(bn, bk, w, s, 1) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
+    # the dot form's loads are pipelined through shared memory (num_stages deep); past 227 KB a launch fails and the
+    # configuration is dropped
+    dot = [(bn, bk, w, s, 1) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4))]
     return fma + dot
 
 

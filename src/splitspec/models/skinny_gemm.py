@@ -119,7 +119,8 @@ def _skinny(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, T, N, K, stride_x, stride_
                 sq += xv * xv
                 xv = xv * tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         xv = xv.to(w_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first")  # read once: keep L2 for x and what follows
         if DOT and UPCAST:
             acc = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         elif DOT:
