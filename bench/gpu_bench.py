@@ -84,11 +84,12 @@ def correctness() -> dict:
 
 
 def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict,
-                skinny: tuple[bool, ...] = (False,), drafter: bool = True) -> dict:
+                skinny: tuple[bool, ...] = (False,), drafter: bool = True,
+                profiled: tuple[tuple[int, int], ...] = ((0, 1), (1, 1), (1, 16))) -> dict:
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
-    + 2 all-reduces. Also the lm_head and (``drafter``) the TP1 drafter step. Kernel tables of the layers from the
-    profiler. Each row and table once per ``skinny`` setting (TargetModel's ``skinny_gemm``; rows say which)."""
+    + 2 all-reduces. Also the lm_head and (``drafter``) the TP1 drafter step. Kernel tables from the profiler of the
+    ``profiled`` (layer, tokens): layer 0 dense, 1 MoE. Each row and table once per ``skinny`` setting (TargetModel's ``skinny_gemm``; rows say which)."""
     from splitspec.models import fused_moe
     from splitspec.config import Mapping
     from splitspec.models.layers import TPComm, rms_norm
@@ -158,7 +159,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
         # every shard shape's kernel table (the TP8 shard's is where small kernels weigh most)
         from torch.profiler import ProfilerActivity, profile
 
-        for (layer, T), on in itertools.product(((0, 1), (1, 1), (1, 16)), skinny):
+        for (layer, T), on in itertools.product(profiled, skinny):
             if on and T > 8:  # past skinny_gemm.MAX_TOKENS: the same kernels as off
                 continue
             model.skinny_gemm = on

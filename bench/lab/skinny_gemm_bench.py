@@ -208,7 +208,7 @@ def main() -> None:
 
     print(f"\n== layers (TP8 shard, skinny_gemm off / on), {time.time() - T0:.0f} s in", flush=True)
     res["layers"] = gpu_bench.layer_costs([8], [1], [int(k) for k in A.layer_k.split(",")], bw, {}, skinny=(False, True),
-                                          drafter=False)
+                                          drafter=False, profiled=((0, 1), (1, 1)))
     print("\n| layer | tokens | compiled | skinny_gemm | µs | bound µs | ratio |\n|---|---|---|---|---|---|---|")
     for r in res["layers"]["rows"]:
         if r["layer"] != "lm_head" and not r["comparison"]:
