@@ -95,7 +95,8 @@ def test_classes():
 def test_target_layers_with_the_kernel(monkeypatch, tokens):
     """A small bf16 target's dense and MoE layers (padded form) with skinny_gemm on — forced on for CPU tensors —
     against the same layers off: the same residual streams and partial sums up to bf16 rounding, and the kernel took
-    the products it should (norm + add in fused_qkv_a and a dense w13, silu · up in every w2)."""
+    the products it should (norm + add in fused_qkv_a and a dense w13, the q_a norm in q_b_proj, silu · up in every
+    w2)."""
     import dataclasses
 
     from splitspec.build.synthetic import kimi_k2_target
@@ -133,5 +134,5 @@ def test_target_layers_with_the_kernel(monkeypatch, tokens):
     qkv_a, o_proj = (w["layers.0.attn.fused_qkv_a"].shape, True, True, False), (w["layers.0.attn.o_proj"].shape, False, False, False)
     dense = [(w["layers.0.mlp.w13"].shape, True, True, False), (w["layers.0.mlp.w2"].shape, False, False, True)]
     shared = [(w["layers.1.mlp.shared.w13"].shape, False, False, False), (w["layers.1.mlp.shared.w2"].shape, False, False, True)]
-    assert calls[:2] == [qkv_a, (w["layers.0.attn.q_b_proj"].shape, False, False, False)] and calls[2] == o_proj
+    assert calls[:2] == [qkv_a, (w["layers.0.attn.q_b_proj"].shape, False, True, False)] and calls[2] == o_proj
     assert calls[3:5] == dense and calls[-2:] == shared and len(calls) == 10

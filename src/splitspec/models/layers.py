@@ -150,7 +150,8 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
 
 
 def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads: int, rotary: Rotary, cos: torch.Tensor,
-                  sin: torch.Tensor, batch, kv: torch.Tensor, linear, qkv_a: torch.Tensor | None = None) -> torch.Tensor:
+                  sin: torch.Tensor, batch, kv: torch.Tensor, linear, qkv_a: torch.Tensor | None = None,
+                  norm_linear=None) -> torch.Tensor:
     """Multi-head Latent Attention (DeepSeek-V2/V3) in absorbed form over one layer's latent cache, for the target's
     layers and an MLA EAGLE-3 drafter's single layer alike.
 
@@ -163,13 +164,18 @@ def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads:
     ``batch.positions``. kv: [rows, kv_lora + rope] latent cache (latent then rope key per row; written here for the
     batch's tokens). linear(x, name): x Wᵀ for weight ``name`` of ``lw`` (float or FP8). qkv_a: ``linear(x,
     "attn.fused_qkv_a")`` [T, q_lora + kv_lora + rope] when the caller computed it (with the norm that makes x folded
-    in, :mod:`splitspec.models.skinny_gemm`); x is then not read (None).
+    in, :mod:`splitspec.models.skinny_gemm`); x is then not read (None). norm_linear(x, norm, name): rms_norm(x,
+    lw[norm]) · W[name]ᵀ, for ``q_a_layernorm`` → ``q_b_proj`` (default: the norm, then ``linear``).
     Returns [T, heads·v_head_dim], the input of ``o_proj``.
     """
     qkv_a = linear(x, "attn.fused_qkv_a") if qkv_a is None else qkv_a
     T = qkv_a.shape[0]
     qa, ckv, kpe = qkv_a.split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-    q = linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), "attn.q_b_proj").view(-1, heads, c.qk_head_dim)
+    if norm_linear is None:
+        q = linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), "attn.q_b_proj")
+    else:
+        q = norm_linear(qa, "attn.q_a_layernorm", "attn.q_b_proj")
+    q = q.view(-1, heads, c.qk_head_dim)
     q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
     q_pe = rotary.apply(q_pe, cos, sin)
     ckv = rms_norm(ckv, lw["attn.kv_a_layernorm"], c.rms_norm_eps)

@@ -87,7 +87,7 @@ class TargetModel:
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
         skinny_gemm: bf16 linears of at most :data:`splitspec.models.skinny_gemm.MAX_TOKENS` CUDA tokens through the
             skinny-GEMM kernel, with input_layernorm (and its residual add) folded into ``attn.fused_qkv_a``,
-            post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
+            ``attn.q_a_layernorm`` into ``attn.q_b_proj``, post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
             ``w2``; other linears, FP8 ones and more tokens as without it (``ServeConfig.skinny_gemm``).
 
     Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
@@ -140,8 +140,15 @@ class TargetModel:
             h = h if pending is None else h + pending
             x = rms_norm(h, lw["input_layernorm"], self.cfg.rms_norm_eps)
         o = mla_attention(x, lw, self.cfg, self.local_heads, self.rotary, cos, sin, batch, kv, lambda t, n: self.linear(t, lw, n),
-                          qkv_a)
+                          qkv_a, lambda t, norm, n: self.norm_linear(t, lw, norm, n))
         return h, self.linear(o, lw, "attn.o_proj")
+
+    def norm_linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], norm: str, name: str) -> torch.Tensor:
+        """rms_norm(x, ``lw[norm]``) · ``lw[name]``ᵀ: in one skinny-GEMM kernel where :meth:`skinny` says so, else the
+        norm, then :meth:`linear`. x: [T, K] (a view with unit column stride will do) → [T, N]."""
+        if self.skinny(x, lw, name):
+            return skinny_gemm.norm_linear(x, None, lw[norm], lw[name], self.cfg.rms_norm_eps)[0]
+        return self.linear(rms_norm(x, lw[norm], self.cfg.rms_norm_eps), lw, name)
 
     def skinny(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> bool:
         """Whether x · ``lw[name]``ᵀ goes through the skinny-GEMM kernel: switched on, a float weight the kernel
