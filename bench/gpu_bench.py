@@ -83,10 +83,13 @@ def correctness() -> dict:
     return {"passed": proc.returncode == 0 and " passed" in summary and "skipped" not in summary, "summary": summary}
 
 
-def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict) -> dict:
+def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: float, allreduce_us: dict,
+                skinny: tuple[bool, ...] = (False,), drafter: bool = True,
+                profiled: tuple[tuple[int, int], ...] = ((0, 1), (1, 1), (1, 16))) -> dict:
     """Per-layer decode/verify time of one Kimi-width rank (TP-N shard shapes on one GPU, collectives excluded and
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
-    + 2 all-reduces. Also the lm_head and the TP1 drafter step. Kernel table of the MoE layer from the profiler."""
+    + 2 all-reduces. Also the lm_head and (``drafter``) the TP1 drafter step. Kernel tables from the profiler of the
+    ``profiled`` (layer, tokens): layer 0 dense, 1 MoE. Each row and table once per ``skinny`` setting (TargetModel's ``skinny_gemm``; rows say which)."""
     from splitspec.models import fused_moe
     from splitspec.config import Mapping
     from splitspec.models.layers import TPComm, rms_norm
@@ -130,8 +133,9 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 # (compiled) the MoE layer's experts as grouped GEMMs
                 variants = [(compiled, fused_moe.MAX_TOKENS) for compiled in ((False, True) if k == 0 else (True,))]
                 grouped = [(True, 0)] if B * n <= fused_moe.MAX_TOKENS else []
-                for layer, name, nbytes in ((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)):
+                for (layer, name, nbytes), on in itertools.product(((0, "dense", dense), (1, "moe", moe_fixed + experts * per_expert)), skinny):
                     prev = pend if layer else None
+                    model.skinny_gemm = on
                     for compiled, max_fused in variants + (grouped if layer else []):
                         with patch.object(fused_moe, "MAX_TOKENS", max_fused):
                             model.fast = fast if compiled else None
@@ -139,7 +143,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                             bound = nbytes / bw + 2 * ar / 1e3
                             routed = ("fused" if B * n <= max_fused else "grouped") if layer else None
                             variant = "grouped GEMMs" if max_fused == 0 else None
-                            rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed,
+                            rows_out.append({"tp": tp, "layer": name, "compiled": compiled, "routed": routed, "skinny_gemm": on,
                                              "comparison": variant is not None, "variant": variant,
                                              "batch": B, "k": k, "tokens": B * n,
                                              "experts": experts if layer else 0, "ms": ms, "weight_bytes": nbytes, "allreduce_us": ar,
@@ -155,7 +159,10 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
         # every shard shape's kernel table (the TP8 shard's is where small kernels weigh most)
         from torch.profiler import ProfilerActivity, profile
 
-        for layer, T in ((0, 1), (1, 1), (1, 16)):
+        for (layer, T), on in itertools.product(profiled, skinny):
+            if on and T > 8:  # past skinny_gemm.MAX_TOKENS: the same kernels as off
+                continue
+            model.skinny_gemm = on
             batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=seqs_max * S)
             cos, sin = model.rotary.cos_sin(batch.positions)
             h = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
@@ -166,11 +173,13 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
                 for _ in range(5):
                     model.block(layer, h, prev, batch, cache, cos, sin)
                 torch.cuda.synchronize()
-            name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}"
+            name = f"tp{tp}_{'moe' if layer else 'dense'}_T{T}" + ("_skinny" if on else "")
             profiles[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
             print(profiles[name], flush=True)
         del model, w, cache
         torch.cuda.empty_cache()
+    if not drafter:
+        return {"window": S, "rows": rows_out, "profiles": profiles}
     dcfg = kimi_k2_drafter(2)
     dw = random_weights(drafter_shapes(dcfg), torch.bfloat16, "cuda", seed=1)
     dm = DrafterModel(dcfg, dw)
@@ -284,6 +293,8 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=48, help="steady cycles timed per configuration (sweep and tuner)")
     ap.add_argument("--layer-tp", default="1,2,8", help="comma list: TP shard shapes timed per layer (on one GPU)")
     ap.add_argument("--layer-k", default="0,1,3,5", help="comma list: k values of the per-layer timings")
+    ap.add_argument("--layer-skinny-gemm", default="0", help="comma list of 0/1: the per-layer timings with the target's "
+                    "skinny-GEMM kernel off and/or on (ServeConfig.skinny_gemm)")
     ap.add_argument("--moe-tp", default="1,2,8", help="comma list: TP shard shapes of the MoE kernel sweep; the block "
                     "configurations fastest summed over them serve the later sections (not run with --dry-run)")
     ap.add_argument("--tune", default="", metavar="TP,MOE_LAYERS", help="after that sweep, run `splitspec tune` on its engines and score it")
@@ -343,7 +354,8 @@ def main() -> None:
         ar = ({RESULTS["allreduce"].get("world", ngpu): RESULTS["allreduce"]["rows"][1]["graph_us"]}
               if "rows" in RESULTS.get("allreduce", {}) else {})
         section("layers", out)(layer_costs)([int(x) for x in a.layer_tp.split(",")], [int(x) for x in a.batches.split(",")],
-                                            [int(x) for x in a.layer_k.split(",")], bw, ar)
+                                            [int(x) for x in a.layer_k.split(",")], bw, ar,
+                                            tuple(x.strip() == "1" for x in a.layer_skinny_gemm.split(",")))
     if a.hang_dump_s:
         import faulthandler
 

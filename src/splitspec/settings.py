@@ -27,6 +27,7 @@ ENV_FIELDS = {
     "SPLITSPEC_PADDED": "padded",
     "SPLITSPEC_COMPILE": "compile",
     "SPLITSPEC_CUDA_GRAPHS": "cuda_graphs",
+    "SPLITSPEC_SKINNY_GEMM": "skinny_gemm",
     "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "collective_timeout_s",
     RUN_DIR_ENV: "run_dir",
 }
@@ -98,6 +99,9 @@ class ServeConfig:
         padded: run steady decode cycles in the static-shape form on the CPU too (always on GPUs).
         compile: ``torch.compile`` the target's layers and the drafter's parts on GPUs.
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
+        skinny_gemm: the target's bf16 linears of at most 8 tokens through the Triton skinny-GEMM kernel
+            (:mod:`splitspec.models.skinny_gemm`, the input norm and residual add folded into the product they
+            feed) instead of cuBLAS and separate norm kernels; off by default.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
@@ -130,6 +134,7 @@ class ServeConfig:
     padded: bool = False
     compile: bool = True
     cuda_graphs: bool = True
+    skinny_gemm: bool = False
     collective_timeout_s: int = 300
     trust_remote_code: bool = False
     max_prompt_bytes: int | None = None
@@ -184,7 +189,7 @@ class ServeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **fields) -> "ServeConfig":
         """``fields`` plus the engine switches from ``SPLITSPEC_*`` variables of ``env`` (default: this
         process's environment): ``SPLITSPEC_PADDED=1``, ``SPLITSPEC_COMPILE=0``, ``SPLITSPEC_CUDA_GRAPHS=0``,
-        ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
+        ``SPLITSPEC_SKINNY_GEMM=1``, ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
         over the environment."""
         env = os.environ if env is None else env
         for var, name in ENV_FIELDS.items():

@@ -85,11 +85,13 @@ class RankRunner:
             (sharded over the group); the first drafts until :meth:`switch_placement`.
         compile, cuda_graphs: on a GPU, ``torch.compile`` the target's layers and the drafter's parts / replay steady
             cycles from CUDA graphs (:class:`splitspec.settings.ServeConfig`).
+        skinny_gemm: the target's bf16 linears of a few tokens through the skinny-GEMM kernel (ServeConfig's switch,
+            :class:`splitspec.models.target.TargetModel`).
     """
 
     def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
                  draft_device: str | None = None, kv_tokens: int | None = None, compile: bool = True,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, skinny_gemm: bool = False):
         engines_dir = Path(engines_dir)
         meta = read_engine_meta(engines_dir / "target", "target")
         self.cfg = TargetConfig.from_dict(meta["config"])
@@ -98,7 +100,7 @@ class RankRunner:
         self.device = device
         weights = load_rank_weights(engines_dir / "target", rank, device, meta, target_shapes(self.cfg, self.mapping))
         self.dtype = weights["embed_tokens"].dtype
-        self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm)
+        self.target = TargetModel(self.cfg, self.mapping, rank, weights, comm, skinny_gemm=skinny_gemm)
         self.graphs = GraphCache(device, cuda_graphs)
         self.clock = PhaseClock(device)
         if self.graphs.on and compile:

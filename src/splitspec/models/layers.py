@@ -149,8 +149,9 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     return out.view(B, hk, g, n, dv).permute(0, 3, 1, 2, 4).reshape(B, n, hq, dv)
 
 
-def mla_attention(x: torch.Tensor, lw: dict[str, torch.Tensor], c, heads: int, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
-                  batch, kv: torch.Tensor, linear) -> torch.Tensor:
+def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads: int, rotary: Rotary, cos: torch.Tensor,
+                  sin: torch.Tensor, batch, kv: torch.Tensor, linear, qkv_a: torch.Tensor | None = None,
+                  norm_linear=None) -> torch.Tensor:
     """Multi-head Latent Attention (DeepSeek-V2/V3) in absorbed form over one layer's latent cache, for the target's
     layers and an MLA EAGLE-3 drafter's single layer alike.
 
@@ -161,11 +162,20 @@ def mla_attention(x: torch.Tensor, lw: dict[str, torch.Tensor], c, heads: int, r
     ``attn.w_uv`` [heads, v, kv_lora] (this rank's ``heads``). c: a config with q_lora_rank, kv_lora_rank,
     qk_nope_head_dim, qk_rope_head_dim, qk_head_dim, softmax_scale, rms_norm_eps. cos, sin: [T, rope/2] of
     ``batch.positions``. kv: [rows, kv_lora + rope] latent cache (latent then rope key per row; written here for the
-    batch's tokens). linear(x, name): x Wᵀ for weight ``name`` of ``lw`` (float or FP8).
+    batch's tokens). linear(x, name): x Wᵀ for weight ``name`` of ``lw`` (float or FP8). qkv_a: ``linear(x,
+    "attn.fused_qkv_a")`` [T, q_lora + kv_lora + rope] when the caller computed it (with the norm that makes x folded
+    in, :mod:`splitspec.models.skinny_gemm`); x is then not read (None). norm_linear(x, norm, name): rms_norm(x,
+    lw[norm]) · W[name]ᵀ, for ``q_a_layernorm`` → ``q_b_proj`` (default: the norm, then ``linear``).
     Returns [T, heads·v_head_dim], the input of ``o_proj``.
     """
-    qa, ckv, kpe = linear(x, "attn.fused_qkv_a").split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
-    q = linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), "attn.q_b_proj").view(-1, heads, c.qk_head_dim)
+    qkv_a = linear(x, "attn.fused_qkv_a") if qkv_a is None else qkv_a
+    T = qkv_a.shape[0]
+    qa, ckv, kpe = qkv_a.split([c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    if norm_linear is None:
+        q = linear(rms_norm(qa, lw["attn.q_a_layernorm"], c.rms_norm_eps), "attn.q_b_proj")
+    else:
+        q = norm_linear(qa, "attn.q_a_layernorm", "attn.q_b_proj")
+    q = q.view(-1, heads, c.qk_head_dim)
     q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
     q_pe = rotary.apply(q_pe, cos, sin)
     ckv = rms_norm(ckv, lw["attn.kv_a_layernorm"], c.rms_norm_eps)
@@ -179,13 +189,13 @@ def mla_attention(x: torch.Tensor, lw: dict[str, torch.Tensor], c, heads: int, r
     if B is not None:
         k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
         out = attend_padded(q_cat.view(B, -1, heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
-                            batch.positions.view(B, -1), c.softmax_scale).reshape(x.shape[0], heads, -1)
+                            batch.positions.view(B, -1), c.softmax_scale).reshape(T, heads, -1)
     else:
-        out = torch.empty(x.shape[0], heads, c.kv_lora_rank, dtype=x.dtype, device=x.device)
+        out = torch.empty(T, heads, c.kv_lora_rank, dtype=qkv_a.dtype, device=qkv_a.device)
         t = 0
         for (start, n), rows in zip(batch.segments, batch.slots):
             kv[rows[start:]] = new[t:t + n]
             k = kv[rows][:, None, :].expand(-1, heads, -1)
             out[t:t + n] = attend(q_cat[t:t + n], k, k[..., : c.kv_lora_rank], batch.positions[t:t + n], c.softmax_scale)
             t += n
-    return torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(x.shape[0], -1)
+    return torch.einsum("thc,hvc->thv", out, lw["attn.w_uv"]).reshape(T, -1)

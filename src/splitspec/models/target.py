@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fp8_linear, fused_moe, fused_route, int4_routed
+from splitspec.models import fp8_linear, fused_moe, fused_route, int4_routed, skinny_gemm
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, compile_parts, mla_attention, rms_norm
@@ -85,6 +85,10 @@ class TargetModel:
         cfg: the target config.
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
+        skinny_gemm: bf16 linears of at most :data:`splitspec.models.skinny_gemm.MAX_TOKENS` CUDA tokens through the
+            skinny-GEMM kernel, with input_layernorm (and its residual add) folded into ``attn.fused_qkv_a``,
+            ``attn.q_a_layernorm`` into ``attn.q_b_proj``, post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
+            ``w2``; other linears, FP8 ones and more tokens as without it (``ServeConfig.skinny_gemm``).
 
     Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
     and :meth:`mlp_half` (residual add, norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
@@ -93,8 +97,10 @@ class TargetModel:
     element-wise work between the matrix products removes most of a layer's small kernels.
     """
 
-    def __init__(self, cfg: TargetConfig, mapping: Mapping, rank: int, weights: dict[str, torch.Tensor], comm: TPComm):
+    def __init__(self, cfg: TargetConfig, mapping: Mapping, rank: int, weights: dict[str, torch.Tensor], comm: TPComm,
+                 skinny_gemm: bool = False):
         self.cfg, self.mapping, self.rank, self.w, self.comm = cfg, mapping, rank, weights, comm
+        self.skinny_gemm = skinny_gemm
         self.device = weights["embed_tokens"].device
         self.fp8_block = quant.block_size_of(weights)  # FP8 tile when the engine keeps FP8 linears (``build --dtype fp8``), else None
         self.int4_group = quant.group_size_of(weights)  # INT4 group when routed experts are kept packed (``--dtype int4``)
@@ -127,21 +133,43 @@ class TargetModel:
         in absorbed form over the layer's latent cache ``kv`` [rows, kv_lora + rope] (written here).
         lw: the layer's weights; h: [T, H] residual stream. Returns (h + pending, partial sum [T, H] before
         all-reduce)."""
-        if pending is not None:
-            h = h + pending
-        x = rms_norm(h, lw["input_layernorm"], self.cfg.rms_norm_eps)
-        o = mla_attention(x, lw, self.cfg, self.local_heads, self.rotary, cos, sin, batch, kv, lambda t, n: self.linear(t, lw, n))
+        x = qkv_a = None
+        if self.skinny(h, lw, "attn.fused_qkv_a"):  # norm and residual add inside the first product
+            qkv_a, h = skinny_gemm.norm_linear(h, pending, lw["input_layernorm"], lw["attn.fused_qkv_a"], self.cfg.rms_norm_eps)
+        else:
+            h = h if pending is None else h + pending
+            x = rms_norm(h, lw["input_layernorm"], self.cfg.rms_norm_eps)
+        o = mla_attention(x, lw, self.cfg, self.local_heads, self.rotary, cos, sin, batch, kv, lambda t, n: self.linear(t, lw, n),
+                          qkv_a, lambda t, norm, n: self.norm_linear(t, lw, norm, n))
         return h, self.linear(o, lw, "attn.o_proj")
+
+    def norm_linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], norm: str, name: str) -> torch.Tensor:
+        """rms_norm(x, ``lw[norm]``) · ``lw[name]``ᵀ: in one skinny-GEMM kernel where :meth:`skinny` says so, else the
+        norm, then :meth:`linear`. x: [T, K] (a view with unit column stride will do) → [T, N]."""
+        if self.skinny(x, lw, name):
+            return skinny_gemm.norm_linear(x, None, lw[norm], lw[name], self.cfg.rms_norm_eps)[0]
+        return self.linear(rms_norm(x, lw[norm], self.cfg.rms_norm_eps), lw, name)
+
+    def skinny(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> bool:
+        """Whether x · ``lw[name]``ᵀ goes through the skinny-GEMM kernel: switched on, a float weight the kernel
+        takes (:func:`splitspec.models.skinny_gemm.applies`)."""
+        return self.skinny_gemm and name + ".scale_inv" not in lw and skinny_gemm.applies(x, lw[name])
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles, executed in FP8 on the GPU
-        and dequantised on CPU (:func:`splitspec.models.fp8_linear.linear`)."""
+        and dequantised on CPU (:func:`splitspec.models.fp8_linear.linear`); or the skinny-GEMM kernel (:meth:`skinny`)."""
+        if self.skinny(x, lw, name):
+            return skinny_gemm.linear(x, lw[name])
         return fp8_linear.linear(x, lw[name], lw.get(name + ".scale_inv"), self.fp8_block, self.fp8_scaled_mm)
 
     def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``prefix + "w13"`` [2·I, H] (gate rows first) / ``prefix + "w2"`` [H, I]
-        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]."""
-        gate, up = self.linear(x, lw, prefix + "w13").chunk(2, dim=-1)
+        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]. Where w2 takes the
+        skinny-GEMM kernel (:meth:`skinny`) it reads w13's output [T, 2·I] and makes silu · up itself."""
+        gate_up = self.linear(x, lw, prefix + "w13")
+        if self.skinny(gate_up, lw, prefix + "w2"):
+            return skinny_gemm.linear(gate_up, lw[prefix + "w2"], act=True)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, lw, prefix + "w2")
 
     def moe(self, lw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +211,9 @@ class TargetModel:
     def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add of ``pending`` (the attention's reduced output [T, H]), post_attention_layernorm + dense MLP
         or MoE. h: [T, H]. Returns (h + pending, partial sum [T, H] before all-reduce)."""
+        if not moe and self.skinny(h, lw, "mlp.w13") and self.skinny(h, lw, "mlp.w2"):  # norm and add inside w13's product
+            gate_up, h = skinny_gemm.norm_linear(h, pending, lw["post_attention_layernorm"], lw["mlp.w13"], self.cfg.rms_norm_eps)
+            return h, skinny_gemm.linear(gate_up, lw["mlp.w2"], act=True)
         h = h + pending
         x = rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps)
         return h, self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
