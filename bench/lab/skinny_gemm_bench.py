@@ -7,7 +7,8 @@
    ``F.linear`` (cuBLAS) and every block configuration of the kernel, in µs against the weight's bytes / bandwidth;
    a kernel whose output differs from cuBLAS's by more than 2 % of its scale is never chosen;
 3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the configuration with the least sum over the
-   class's shapes of its time / that shape's best time (each shape counts alike, whatever its size), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
+   class's shapes of its time / that shape's best time (each shape counts alike, whatever its size; up to
+   ``FOLD_TOKENS`` tokens multiply-add configurations only, which the folded prologues need), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
 4. the TP8 shard's dense and MoE layer (compiled, CUDA graph) with the kernel off and on, through
    ``bench/gpu_bench.py``'s ``layer_costs`` (its rows, bounds and profiler tables).
 
@@ -179,6 +180,8 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
     for key, group in itertools.groupby(sorted(rows, key=lambda r: r["class"]), key=lambda r: tuple(r["class"])):
         group = list(group)
         common = set.intersection(*(set(r["kernel"]) for r in group))
+        if key[0] <= skinny_gemm.FOLD_TOKENS:  # these take the folded prologues: multiply-add configs only
+            common = {c for c in common if c.endswith(",0")}
         if common:
             cfg = min(common, key=lambda c: sum(r["kernel"][c] / r["best_us"] for r in group))  # each shape alike
             winners[key] = (tuple(int(v) for v in cfg.split(",")), sum(r["kernel"][cfg] for r in group),

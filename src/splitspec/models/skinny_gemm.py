@@ -44,9 +44,41 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #: Tokens the kernel serves; more go to cuBLAS (each program's x tile and accumulator grow with the tokens).
 MAX_TOKENS = 8
 
+#: Tokens up to which a norm, residual add or silu · up is folded into the product (the target's ``fold``). With the
+#: dot form (2+ tokens) a prologue made the product 2.5–7× slower on an H200, in the float32 multiply-add form
+#: (one token) it costs under 10% (docs/lab/2026-12-03-h200-branches-timed).
+FOLD_TOKENS = 1
+
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages, dot) by :func:`shape_class` (tokens rounded up to 1/2/4/8, N class,
-#: K class); a class missing here takes :data:`DEFAULT_CONFIG` (dot ≥ 2 tokens). Paste the sweep's lines here.
-CONFIGS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {}
+#: K class); a class missing here takes :data:`DEFAULT_CONFIG` (dot ≥ 2 tokens). From ``bench/lab/skinny_gemm_bench.py``
+#: on an H200 (kernel vs cuBLAS µs summed over the class's shapes); one token: multiply-add configs only (dot 0),
+#: which take the folded prologues.
+CONFIGS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
+    (1, "mid", "long"): (32, 512, 4, 2, 0),  # 96.9 vs 104.6 µs
+    (1, "mid", "mid"): (8, 512, 4, 2, 0),  # 69.2 vs 73.9 µs
+    (1, "mid", "short"): (16, 256, 8, 4, 0),  # 19.3 vs 21.2 µs
+    (1, "narrow", "mid"): (8, 2048, 8, 2, 0),  # 16.4 vs 21.5 µs
+    (1, "narrow", "short"): (8, 1024, 8, 4, 0),  # 4.0 vs 7.0 µs
+    (1, "wide", "mid"): (16, 512, 4, 2, 0),  # 181.5 vs 198.4 µs
+    (2, "mid", "long"): (64, 256, 4, 4, 1),  # 95.2 vs 104.4 µs
+    (2, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.6 vs 74.8 µs
+    (2, "mid", "short"): (64, 256, 4, 4, 1),  # 20.6 vs 21.1 µs
+    (2, "narrow", "mid"): (8, 1024, 4, 2, 0),  # 21.8 vs 21.2 µs
+    (2, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.9 vs 6.6 µs
+    (2, "wide", "mid"): (32, 128, 4, 3, 1),  # 184.1 vs 200.1 µs
+    (4, "mid", "long"): (64, 256, 4, 4, 1),  # 95.5 vs 105.5 µs
+    (4, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.7 vs 75.1 µs
+    (4, "mid", "short"): (64, 256, 4, 4, 1),  # 20.4 vs 21.5 µs
+    (4, "narrow", "mid"): (16, 1024, 4, 3, 1),  # 24.7 vs 21.3 µs
+    (4, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.8 vs 6.3 µs
+    (4, "wide", "mid"): (64, 128, 4, 3, 1),  # 185.3 vs 200.8 µs
+    (8, "mid", "long"): (64, 256, 4, 4, 1),  # 95.7 vs 107.6 µs
+    (8, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.9 vs 75.2 µs
+    (8, "mid", "short"): (64, 256, 4, 4, 1),  # 20.7 vs 21.0 µs
+    (8, "narrow", "mid"): (16, 1024, 4, 3, 1),  # 24.5 vs 21.4 µs
+    (8, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.9 vs 5.5 µs
+    (8, "wide", "mid"): (64, 128, 4, 3, 1),  # 187.2 vs 200.6 µs
+}
 DEFAULT_CONFIG = {1: (16, 512, 4, 4, 0), 2: (16, 256, 4, 4, 1), 4: (16, 256, 4, 4, 1), 8: (16, 256, 4, 4, 1)}
 
 #: N and K class edges: N ≤ 2560 "narrow" (fused_qkv_a, q_b_proj), ≤ 8192 "mid" (TP8's w13 / w2 / o_proj), else

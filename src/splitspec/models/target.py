@@ -86,8 +86,9 @@ class TargetModel:
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
         skinny_gemm: bf16 linears of at most :data:`splitspec.models.skinny_gemm.MAX_TOKENS` CUDA tokens through the
-            skinny-GEMM kernel, with input_layernorm (and its residual add) folded into ``attn.fused_qkv_a``,
-            ``attn.q_a_layernorm`` into ``attn.q_b_proj``, post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
+            skinny-GEMM kernel; at one token (:data:`splitspec.models.skinny_gemm.FOLD_TOKENS`) input_layernorm (and
+            its residual add) folded into ``attn.fused_qkv_a``, ``attn.q_a_layernorm`` into ``attn.q_b_proj``,
+            post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
             ``w2``; other linears, FP8 ones and more tokens as without it (``ServeConfig.skinny_gemm``).
 
     Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
@@ -134,7 +135,7 @@ class TargetModel:
         lw: the layer's weights; h: [T, H] residual stream. Returns (h + pending, partial sum [T, H] before
         all-reduce)."""
         x = qkv_a = None
-        if self.skinny(h, lw, "attn.fused_qkv_a"):  # norm and residual add inside the first product
+        if self.fold(h, lw, "attn.fused_qkv_a"):  # norm and residual add inside the first product
             qkv_a, h = skinny_gemm.norm_linear(h, pending, lw["input_layernorm"], lw["attn.fused_qkv_a"], self.cfg.rms_norm_eps)
         else:
             h = h if pending is None else h + pending
@@ -146,7 +147,7 @@ class TargetModel:
     def norm_linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], norm: str, name: str) -> torch.Tensor:
         """rms_norm(x, ``lw[norm]``) · ``lw[name]``ᵀ: in one skinny-GEMM kernel where :meth:`skinny` says so, else the
         norm, then :meth:`linear`. x: [T, K] (a view with unit column stride will do) → [T, N]."""
-        if self.skinny(x, lw, name):
+        if self.fold(x, lw, name):
             return skinny_gemm.norm_linear(x, None, lw[norm], lw[name], self.cfg.rms_norm_eps)[0]
         return self.linear(rms_norm(x, lw[norm], self.cfg.rms_norm_eps), lw, name)
 
@@ -154,6 +155,11 @@ class TargetModel:
         """Whether x · ``lw[name]``ᵀ goes through the skinny-GEMM kernel: switched on, a float weight the kernel
         takes (:func:`splitspec.models.skinny_gemm.applies`)."""
         return self.skinny_gemm and name + ".scale_inv" not in lw and skinny_gemm.applies(x, lw[name])
+
+    def fold(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> bool:
+        """Whether a norm, residual add or silu · up before x · ``lw[name]``ᵀ is folded into the skinny-GEMM kernel:
+        :meth:`skinny`, for at most :data:`splitspec.models.skinny_gemm.FOLD_TOKENS` tokens."""
+        return x.shape[0] <= skinny_gemm.FOLD_TOKENS and self.skinny(x, lw, name)
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles, executed in FP8 on the GPU
@@ -167,7 +173,7 @@ class TargetModel:
         of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]. Where w2 takes the
         skinny-GEMM kernel (:meth:`skinny`) it reads w13's output [T, 2·I] and makes silu · up itself."""
         gate_up = self.linear(x, lw, prefix + "w13")
-        if self.skinny(gate_up, lw, prefix + "w2"):
+        if self.fold(gate_up, lw, prefix + "w2"):
             return skinny_gemm.linear(gate_up, lw[prefix + "w2"], act=True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, lw, prefix + "w2")
@@ -211,7 +217,7 @@ class TargetModel:
     def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add of ``pending`` (the attention's reduced output [T, H]), post_attention_layernorm + dense MLP
         or MoE. h: [T, H]. Returns (h + pending, partial sum [T, H] before all-reduce)."""
-        if not moe and self.skinny(h, lw, "mlp.w13") and self.skinny(h, lw, "mlp.w2"):  # norm and add inside w13's product
+        if not moe and self.fold(h, lw, "mlp.w13") and self.fold(h, lw, "mlp.w2"):  # norm and add inside w13's product
             gate_up, h = skinny_gemm.norm_linear(h, pending, lw["post_attention_layernorm"], lw["mlp.w13"], self.cfg.rms_norm_eps)
             return h, skinny_gemm.linear(gate_up, lw["mlp.w2"], act=True)
         h = h + pending
