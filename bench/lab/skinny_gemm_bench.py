@@ -9,7 +9,8 @@
 3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the configuration with the least sum over the
    class's shapes of its time / that shape's best time (each shape counts alike, whatever its size; up to
    ``FOLD_TOKENS`` tokens multiply-add configurations only, which the folded prologues need), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
-4. the TP8 shard's dense and MoE layer (compiled, CUDA graph) with the kernel off and on, through
+4. each TP8-shard product at 1 and 2 tokens alone and with each prologue the target folds (norm, residual add +
+   norm, silu · up), then the TP8 shard's dense and MoE layer (compiled, CUDA graph) with the kernel off and on, through
    ``bench/gpu_bench.py``'s ``layer_costs`` (its rows, bounds and profiler tables).
 
 Each timing is a CUDA graph of calls that take turns over enough copies of the weight (≥ 160 MB in all) that no
@@ -189,6 +190,30 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
     return rows, winners
 
 
+def prologue_costs(tokens: list[int]) -> list[dict]:
+    """Step 4a: µs of each TP8-shard product with :data:`skinny_gemm.CONFIGS`'s configuration alone and with each
+    prologue the target folds (norm; residual add + norm; silu · up, x then [T, 2·K]); cuBLAS beside."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    rows = []
+    for label, N, K in shapes():
+        if not label.startswith("tp8.") and not DRY:
+            continue
+        copies = 1 if DRY else max(1, math.ceil(COLD_BYTES / (N * K * 2)))
+        ws = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16, generator=g) * K ** -0.5 for _ in range(copies)]
+        norm = torch.rand(K, device=DEV, dtype=torch.bfloat16, generator=g)
+        for T in tokens:
+            x, r, xa = (torch.randn(T, k, device=DEV, dtype=torch.bfloat16, generator=g) for k in (K, K, 2 * K))
+            calls = {"plain": lambda w: skinny_gemm.launch(x, w), "norm": lambda w: skinny_gemm.launch(x, w, None, norm, 1e-6),
+                     "add+norm": lambda w: skinny_gemm.launch(x, w, r, norm, 1e-6),
+                     "silu·up": lambda w: skinny_gemm.launch(xa, w, act=True), "cuBLAS": lambda w: F.linear(x, w)}
+            row = {"shape": label, "tokens": T, "config": skinny_gemm.config_for(T, N, K)}
+            row |= {name: timer(rotating(ws, call)) for name, call in calls.items()}
+            rows.append(row)
+            print(f"{label:>14} T={T} {row['config']}: " + "  ".join(f"{n} {row[n]:.1f}" for n in calls), flush=True)
+        del ws
+    return rows
+
+
 def main() -> None:
     out = Path(A.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,10 +228,12 @@ def main() -> None:
     for key, (cfg, us, cublas, labels) in winners.items():
         print(f"    {key!r}: {cfg!r},  # {us:.1f} vs {cublas:.1f} µs: {', '.join(labels)}")
     res["winners"] = {repr(k): {"config": v[0], "kernel_us": v[1], "cublas_us": v[2], "shapes": v[3]} for k, v in winners.items()}
+    skinny_gemm.CONFIGS.update({k: v[0] for k, v in winners.items()})
+    print(f"\n== prologues (µs; TP8 shard, CONFIGS), {time.time() - T0:.0f} s in", flush=True)
+    res["prologues"] = prologue_costs([1, 2])
     (out / "skinny_gemm_bench.json").write_text(json.dumps(res, indent=1))
     if A.no_layer or DRY:
         return
-    skinny_gemm.CONFIGS.update({k: v[0] for k, v in winners.items()})
     import gpu_bench
 
     print(f"\n== layers (TP8 shard, skinny_gemm off / on), {time.time() - T0:.0f} s in", flush=True)
