@@ -90,7 +90,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
     added to the bound from the measured all-reduce), against its bound: weight bytes read / measured bandwidth
     + 2 all-reduces. Also the lm_head and (``drafter``) the TP1 drafter step. Kernel tables from the profiler of the
     ``profiled`` (layer, tokens): layer 0 dense, 1 MoE. Each row and table once per ``skinny`` setting (TargetModel's ``skinny_gemm``; rows say which)."""
-    from splitspec.models import fused_moe
+    from splitspec.models import fused_moe, skinny_gemm
     from splitspec.config import Mapping
     from splitspec.models.layers import TPComm, rms_norm
     from splitspec.models.batch import padded
@@ -160,7 +160,7 @@ def layer_costs(tps: list[int], batches: list[int], ks: list[int], bw_GBps: floa
         from torch.profiler import ProfilerActivity, profile
 
         for (layer, T), on in itertools.product(profiled, skinny):
-            if on and T > 8:  # past skinny_gemm.MAX_TOKENS: the same kernels as off
+            if on and T > skinny_gemm.MAX_TOKENS:  # the same kernels as off
                 continue
             model.skinny_gemm = on
             batch = padded([(list(range(b * 16, b * 16 + 16)), start, [1]) for b in range(T)], S, "cuda", scratch_row=seqs_max * S)

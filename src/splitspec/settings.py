@@ -100,8 +100,8 @@ class ServeConfig:
         compile: ``torch.compile`` the target's layers and the drafter's parts on GPUs.
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
         skinny_gemm: the target's bf16 linears of at most 8 tokens through the Triton skinny-GEMM kernel
-            (:mod:`splitspec.models.skinny_gemm`, the input norm and residual add folded into the product they
-            feed) instead of cuBLAS and separate norm kernels; off by default.
+            (:mod:`splitspec.models.skinny_gemm`; at one token the norms, residual adds and silu · up folded into the
+            products they feed) instead of cuBLAS and separate kernels; off by default.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the

@@ -26,6 +26,12 @@ def current_stream(index: int) -> torch.cuda.Stream:
     return stream
 
 
+def device_index(device) -> int:
+    """The CUDA device index of ``device`` ("cuda", "cuda:N" or a torch.device); "cuda" alone: the current device."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def bucket(batch: int) -> int:
     """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows)."""
     return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= BATCH_BUCKETS[-1] else batch
@@ -50,7 +56,7 @@ class GraphCache:
         self.staged: list = []  # the events of the buffers handed out since the last run
         self.pool = self.capture_stream = self.index = None
         if self.cuda:
-            self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.index = device_index(self.device)
         if self.on:
             with torch.cuda.device(self.index):
                 self.pool = torch.cuda.graph_pool_handle()

@@ -17,7 +17,7 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
-from splitspec.engine.graphs import GraphCache, bucket, current_stream
+from splitspec.engine.graphs import GraphCache, bucket, current_stream, device_index
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
@@ -52,9 +52,7 @@ class PhaseClock:
     def __init__(self, device: str):
         self.device, self.cuda = device, device.startswith("cuda")
         self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else ()
-        self.index = torch.device(device).index if self.cuda else None
-        if self.cuda and self.index is None:
-            self.index = torch.cuda.current_device()
+        self.index = device_index(device) if self.cuda else None
         self.t0 = self.t1 = 0.0
 
     def start(self) -> None:

@@ -170,9 +170,12 @@ class TargetModel:
 
     def mlp(self, x: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """SwiGLU w2 · (silu(x W1ᵀ) ⊙ x W3ᵀ) over ``prefix + "w13"`` [2·I, H] (gate rows first) / ``prefix + "w2"`` [H, I]
-        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]. Where w2 takes the
-        skinny-GEMM kernel (:meth:`skinny`) it reads w13's output [T, 2·I] and makes silu · up itself."""
-        gate_up = self.linear(x, lw, prefix + "w13")
+        of ``lw`` (dense or shared expert), float or FP8 (:meth:`linear`). x: [T, H] → [T, H]."""
+        return self.down(self.linear(x, lw, prefix + "w13"), lw, prefix)
+
+    def down(self, gate_up: torch.Tensor, lw: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """``prefix + "w2"`` · (silu(gate) ⊙ up) from w13's output [T, 2·I] (gate columns first) → [T, H]; where it
+        folds (:meth:`fold`) the skinny-GEMM kernel makes silu · up itself."""
         if self.fold(gate_up, lw, prefix + "w2"):
             return skinny_gemm.linear(gate_up, lw[prefix + "w2"], act=True)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -219,7 +222,7 @@ class TargetModel:
         or MoE. h: [T, H]. Returns (h + pending, partial sum [T, H] before all-reduce)."""
         if not moe and self.fold(h, lw, "mlp.w13") and self.fold(h, lw, "mlp.w2"):  # norm and add inside w13's product
             gate_up, h = skinny_gemm.norm_linear(h, pending, lw["post_attention_layernorm"], lw["mlp.w13"], self.cfg.rms_norm_eps)
-            return h, skinny_gemm.linear(gate_up, lw["mlp.w2"], act=True)
+            return h, self.down(gate_up, lw, "mlp.")
         h = h + pending
         x = rms_norm(h, lw["post_attention_layernorm"], self.cfg.rms_norm_eps)
         return h, self.moe(lw, x) if moe else self.mlp(x, lw, "mlp.")
