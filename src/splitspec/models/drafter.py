@@ -167,7 +167,7 @@ class Eagle3Drafter:
         :meth:`propose_part`) for padded batches, the CUDA-graph path: the norms, rotary, residual adds and casts between
         the matrix products fuse into a few kernels per step (:func:`splitspec.models.layers.compile_parts`)."""
         cls = type(self)
-        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part, cls.propose_part)
+        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part, cls.propose_part, static=self.w.values())
 
     def attention_part(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> torch.Tensor:
         """Embedding, the two input norms and :meth:`attention`: [T, H] partial sum before the all-reduce."""

@@ -118,7 +118,8 @@ class TargetModel:
     def compile(self) -> None:
         """Use ``torch.compile``d layer halves for padded batches (see the class docstring;
         :func:`splitspec.models.layers.compile_parts`)."""
-        self.fast = compile_parts(TargetModel.attention_half, TargetModel.mlp_half)
+        self.fast = compile_parts(TargetModel.attention_half, TargetModel.mlp_half,
+                                  static=[t for lw in self.layer_w for t in lw.values()])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
