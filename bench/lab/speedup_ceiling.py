@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-from splitspec.errors import CheckpointError  # noqa: E402
-from splitspec.files import read_json  # noqa: E402
+from splitspec.errors import CheckpointError
+from splitspec.files import read_json
 
 
 def expected_tokens(profile: list[float], k: int) -> float:
