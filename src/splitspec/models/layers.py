@@ -82,14 +82,15 @@ def compile_parts(*functions, static=()):
     of 8 a function would silently run eagerly (one graph per token-count class, and more when a benchmark switches
     kernels off and on). Pass the class's functions, called with self: compiled bound methods would hold self, and
     self the compiled functions, a reference cycle that keeps a dropped engine's weights on the GPU until the garbage
-    collector next runs. ``static``: tensors whose shapes are fixed for the engine's life (weights), marked static so
-    that only the activations' sizes are symbolic (less to trace; the weights' sizes known to inductor). Returns the
-    compiled functions, in order."""
+    collector next runs. Less to trace: floats (eps, softmax scale: constants of the engine) are specialised, and
+    ``static`` tensors, whose shapes are fixed for the engine's life (weights), marked static, so that only the
+    activations' sizes are symbolic. Returns the compiled functions, in order."""
     import torch._dynamo
 
     for t in static:
         torch._dynamo.mark_static(t)
     torch._dynamo.config.suppress_errors = True
+    torch._dynamo.config.specialize_float = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return tuple(torch.compile(f, dynamic=True) for f in functions)
 
