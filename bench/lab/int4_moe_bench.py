@@ -6,8 +6,9 @@
 2. decode kernels (:mod:`splitspec.models.int4_moe`) at T = 1, 4, 16 tokens, TP1 and TP8-shard shapes: ``fma`` (the
    first kernels), ``mma_asm`` swept over gate_up blocks, then down blocks and forms, then K / slot splits, ``mma`` (no PTX)
    at the best blocks; the bf16 fused kernels on the same experts dequantised (their own bytes and bound);
-3. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert as the engine runs it) at TP1 and
-   the TP8 shard, T = 1, 4, 16, with the first kernels and the best decode ones;
+3. the whole INT4 MoE layer (routing kernels, routed experts, bf16 shared expert) at TP1 and the TP8 shard, T = 1,
+   4, 16, with the first kernels and the best decode ones: on one stream, and as the engine runs it (``+side``: the
+   shared expert on a side stream, :func:`splitspec.models.int4_layer.moe_layer`);
 4. W4A16 grouped kernels (:mod:`splitspec.models.grouped_moe`) at T = 64, 256, 1024 and 4, 16: configs, the
    dequantise-per-call path and bf16 grouped GEMMs on pre-dequantised weights;
 5. :data:`splitspec.models.int4_routed.DECODE` (keyed by one token or many and the shard, TP1 "wide" and the TP8
@@ -38,6 +39,7 @@ Prints tables and writes ``int4_moe_bench.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -62,7 +64,7 @@ import torch  # noqa: E402
 from lab.gpu_kernels import bandwidth, timed_graph  # noqa: E402
 from splitspec import quant  # noqa: E402
 from splitspec.measure.machine import git_commit  # noqa: E402
-from splitspec.models import fused_moe, fused_route, grouped_moe, int4_down, int4_moe, int4_routed  # noqa: E402
+from splitspec.models import fused_moe, fused_route, grouped_moe, int4_down, int4_layer, int4_moe, int4_routed  # noqa: E402
 from splitspec.models.int4_moe import Kernel  # noqa: E402
 from splitspec.models.layers import gated_mlp  # noqa: E402
 
@@ -344,18 +346,21 @@ for tp, I in ({} if A.no_layer else TPS).items():
         nbytes = (sum(c.unique().numel() for c in chosen) / len(chosen) * sum(t[0].nbytes for t in packed)
                   + sw13.nbytes + sw2.nbytes + gate.nbytes + bias.nbytes)
 
-        def layer(x):
+        def layer(x):  # one stream, eager
             w, ids = fused_route.route(x, gate, bias, TOP_K, 2.827, True)
             return int4_routed.routed_experts(x, ids, w, lw, G) + gated_mlp(x, sw13, sw2)
 
-        for name, kernel in layer_kernels(T, tp):
+        def beside(x):  # the engine's form: the shared expert on a side stream (models.int4_layer)
+            return int4_layer.moe_layer(x, gate, bias, TOP_K, 2.827, True, 0, tuple(packed), (sw13, sw2), G)
+
+        for (name, kernel), (form, fn) in itertools.product(layer_kernels(T, tp), (("", layer), (" +side", beside))):
             if not in_budget() or kernel is None:
                 break
             saved = int4_routed.DECODE
             int4_routed.DECODE = {cls: kernel for cls in saved}
             try:
-                row = {"tp": tp, "tokens": T, "routed": name, "kernel": str(kernel), "bound_ms": nbytes / BW,
-                       "ms": timed([lambda x=x: layer(x) for x, _, _ in probs])}
+                row = {"tp": tp, "tokens": T, "routed": name + form, "kernel": str(kernel), "bound_ms": nbytes / BW,
+                       "ms": timed([lambda x=x: fn(x) for x, _, _ in probs])}
             finally:
                 int4_routed.DECODE = saved
             row["ratio"] = row["ms"] / row["bound_ms"]

@@ -211,3 +211,30 @@ def test_bad_shapes_and_configs_name_the_field():
             int4_moe.int4_experts(*args, group=G, kernel=kernel)
     with pytest.raises(ValueError, match=r"down config \(8, 64, 64, 1, 1\) must be \(BLOCK_M ≥ 16"):
         grouped_moe.int4_grouped_experts(*args, group=G, kernel=Kernel("grouped", (16, 16, 64, 1, 1), (8, 64, 64, 1, 1)))
+
+
+def test_layer_with_the_shared_expert_beside_matches_float64():
+    """splitspec.models.int4_layer.moe_layer (router kernels, INT4 experts, bf16 shared expert on a side stream on
+    CUDA) against the layer computed in float64 here: routing by noaux_tc (one group), experts dequantised by hand."""
+    from splitspec.models import int4_layer
+
+    x, _, _, p13, s13, p2, s2 = problem(seed=5)
+    g = torch.Generator().manual_seed(5)
+    gate = (torch.randn(E + 2, H, generator=g) / H ** 0.5).bfloat16()  # two experts on another rank (start 2)
+    bias = torch.randn(E + 2, generator=g) * 0.1
+    sw13 = (torch.randn(2 * 48, H, generator=g) / H ** 0.5).bfloat16()
+    sw2 = (torch.randn(H, 48, generator=g) / 48 ** 0.5).bfloat16()
+    start, scaling = 2, 2.5
+    args = [t.to(DEVICE) for t in (x, gate, bias)]
+    out = int4_layer.moe_layer(*args, TOP_K, scaling, True, start, tuple(t.to(DEVICE) for t in (p13, s13, p2, s2)),
+                               (sw13.to(DEVICE), sw2.to(DEVICE)), G).cpu()
+    scores = (x.double() @ gate.double().T).sigmoid()
+    ids = (scores + bias.double()).topk(TOP_K, dim=-1).indices
+    w = scores.gather(1, ids)
+    w = w / w.sum(-1, keepdim=True) * scaling
+    want = reference(x, ids - start, w, by_hand(p13, s13), by_hand(p2, s2))
+    gate_up = x.double() @ sw13.double().T
+    want += (F.silu(gate_up[:, :48]) * gate_up[:, 48:]) @ sw2.double().T
+    assert ((ids - start < 0) | (ids - start >= E)).any() and (ids - start >= 0).any()  # both kinds of pair present
+    err = (out.double() - want).abs().max() / want.abs().max()
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H) and err < 2e-2, err.item()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fp8_linear, fused_moe, fused_route, int4_routed, skinny_gemm
+from splitspec.models import fp8_linear, fused_moe, fused_route, int4_layer, int4_routed, skinny_gemm
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, compile_parts, mla_attention, rms_norm
@@ -190,14 +190,20 @@ class TargetModel:
         which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise
         :func:`noaux_tc_route`, the shared expert as a SwiGLU and the routed ones as grouped GEMMs
         (:func:`grouped_experts`), FP8-kept experts dequantised per call. INT4-kept experts: the same routing, the
-        shared expert as a SwiGLU, the routed ones by :func:`splitspec.models.int4_routed.routed_experts`."""
+        shared expert as a SwiGLU, the routed ones by :func:`splitspec.models.int4_routed.routed_experts`; for a few
+        CUDA tokens and a bf16 shared expert all in :func:`splitspec.models.int4_layer.moe_layer` (shared expert on a
+        side stream)."""
         c = self.cfg
         gate, bias = lw["mlp.gate"], lw["mlp.e_score_correction_bias"]
         experts = ("mlp.experts.w13", "mlp.experts.w2")
         if self.int4_group:
-            one_group = c.n_group == 1 or c.topk_group >= c.n_group
+            fused = fused_moe.use_fused(x) and (c.n_group == 1 or c.topk_group >= c.n_group)
+            if fused and c.n_shared_experts and "mlp.shared.w13.scale_inv" not in lw:  # shared expert on a side stream
+                return int4_layer.moe_layer(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
+                                            self.expert_start, tuple(lw[n] for n in int4_routed.NAMES),
+                                            (lw["mlp.shared.w13"], lw["mlp.shared.w2"]), self.int4_group)
             weights, ids = (fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
-                            if fused_moe.use_fused(x) and one_group else noaux_tc_route(x, gate, bias, c))
+                            if fused else noaux_tc_route(x, gate, bias, c))
             y = int4_routed.routed_experts(x, ids - self.expert_start, weights, lw, self.int4_group)
             return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else y
         if not fused_moe.use_fused(x):
