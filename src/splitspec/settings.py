@@ -101,7 +101,8 @@ class ServeConfig:
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
         skinny_gemm: the target's bf16 linears of at most 8 tokens through the Triton skinny-GEMM kernel
             (:mod:`splitspec.models.skinny_gemm`; at one token the norms, residual adds and silu · up folded into the
-            products they feed) instead of cuBLAS and separate kernels; off by default.
+            products they feed) instead of cuBLAS and separate kernels; off by default, and not lossless in bf16
+            (a one-token decode and a verify round the folded norms differently: docs/architecture.md).
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
