@@ -70,9 +70,16 @@ def main() -> None:
     ap.add_argument("--json", help="write the tables here")
     a = ap.parse_args()
     try:
-        res = ceilings(read_json(Path(a.tune)), read_json(Path(a.draft)), a.batch, [float(q) for q in a.ratios.split(",")])
-    except (CheckpointError, KeyError) as e:
+        ratios = [float(q) for q in a.ratios.split(",")]
+    except ValueError:
+        sys.exit(f"speedup_ceiling: --ratios {a.ratios!r}: expected a comma list of numbers")
+    try:
+        res = ceilings(read_json(Path(a.tune)), read_json(Path(a.draft)), a.batch, ratios)
+    except CheckpointError as e:
         sys.exit(f"speedup_ceiling: {e}")
+    except (KeyError, TypeError) as e:
+        sys.exit(f"speedup_ceiling: {a.tune} / {a.draft}: field {e} missing: expected a gpu_bench.py --tune result and a "
+                 "draft_profile.py result")
     for form, table in res.items():
         cols = [c for c in table[0] if c.startswith("×bound")]
         print(f"\nbatch {a.batch}, verify {form}: speed-up over no speculation")
