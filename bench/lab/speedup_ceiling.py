@@ -20,13 +20,13 @@ its bound. Prints one table per verify form; ``--json`` writes them.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from splitspec.errors import CheckpointError
-from splitspec.files import read_json
+from splitspec.files import read_json, write_json
 
 
 def expected_tokens(profile: list[float], k: int) -> float:
@@ -38,25 +38,60 @@ def expected_tokens(profile: list[float], k: int) -> float:
     return total
 
 
-def ceilings(tune: dict, draft: dict, batch: int, ratios: list[float]) -> dict:
-    """{"width free" | "verify as measured": [{"k", "E", "r": speed-up, …}]} (see the module docstring)."""
+def _number(value, where: str) -> float:
+    """``value`` as a finite float, else CheckpointError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CheckpointError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def bounds_of(draft: dict, drafter: str | None) -> dict[tuple[int, int], float]:
+    """{(batch, k): bound_ms} of one drafter of a draft_profile.py result (``drafter``: its name; None: the only one)."""
+    drafters = draft.get("drafters")
+    if not isinstance(drafters, dict) or not drafters:
+        raise CheckpointError("the draft file has no 'drafters' object (expected a draft_profile.py result)")
+    if drafter is None and len(drafters) > 1:
+        raise CheckpointError(f"the draft file profiles {len(drafters)} drafters: pick one with --drafter "
+                              f"({', '.join(map(repr, drafters))})")
+    name = drafter if drafter is not None else next(iter(drafters))
+    if name not in drafters:
+        raise CheckpointError(f"--drafter {name!r}: the draft file has {', '.join(map(repr, drafters))}")
+    return {(r["batch"], r["k"]): _number(r["bound_ms"], f"draft {name!r} batch {r['batch']} k {r['k']} bound_ms")
+            for r in drafters[name]["rows"]}
+
+
+def ceilings(tune: dict, draft: dict, batch: int, ratios: list[float], drafter: str | None = None) -> dict:
+    """{"width free" | "verify as measured": [{"k", "E", "×bound r": speed-up, …}]} (see the module docstring);
+    "measured" is the row's pooled tokens/s over the k = 0 row's (the tuner's own ratio)."""
     rows = {r["k"]: r for r in tune["tune"]["tuner_rows"] if r["batch"] == batch and r["draft_tp"] == 1}
-    profile = tune["tune"]["choice"]["synthetic_acceptance"]
-    bounds = {r["k"]: r["bound_ms"] for d in draft["drafters"].values() for r in d["rows"] if r["batch"] == batch}
-    if 0 not in rows or not bounds:
-        raise CheckpointError(f"batch {batch}: the tune file needs its k = 0 row and the draft file its bounds")
+    profile = [_number(p, "synthetic_acceptance") for p in tune["tune"]["choice"]["synthetic_acceptance"]]
+    bounds = {k: b for (b_, k), b in bounds_of(draft, drafter).items() if b_ == batch}
+    ks = sorted(set(rows) & set(bounds) - {0})
+    if 0 not in rows or not ks:
+        raise CheckpointError(f"batch {batch}: the tune file needs its k = 0 row and a k > 0 that the draft file bounds "
+                              f"(tune k {sorted(rows)}, draft k {sorted(bounds)})")
+
+    def field(r: dict, name: str) -> float:
+        v = _number(r.get(name, r["tokens_per_s"]) if name == "tokens_per_s_pooled" else r[name],
+                    f"tune batch {batch} k {r['k']} {name}")
+        if v <= 0 and name != "draft_ms":
+            raise CheckpointError(f"tune batch {batch} k {r['k']} {name}: expected > 0, got {v}")
+        return v
+
     base = rows[0]
     out = {}
     for form in ("width free", "verify as measured"):
         table = []
-        for k in sorted(set(rows) & set(bounds) - {0}):
+        for k in ks:
             r = rows[k]
-            rest = r["cycle_ms"] - r["verify_ms"] - r["draft_ms"]
-            verify = base["verify_ms"] if form == "width free" else r["verify_ms"]
+            rest = field(r, "cycle_ms") - field(r, "verify_ms") - field(r, "draft_ms")
+            if rest < 0:
+                raise CheckpointError(f"tune batch {batch} k {k}: cycle_ms is less than verify_ms + draft_ms")
+            verify = field(base, "verify_ms") if form == "width free" else field(r, "verify_ms")
             e = expected_tokens(profile, k)
             table.append({"k": k, "E": e, "draft_bound_ms": bounds[k], "verify_ms": verify, "rest_ms": rest,
-                          "measured": r["tokens_per_s"] / base["tokens_per_s"]}
-                         | {f"×bound {q:g}": e * base["cycle_ms"] / (q * bounds[k] + verify + rest) for q in ratios})
+                          "measured": field(r, "tokens_per_s_pooled") / field(base, "tokens_per_s_pooled")}
+                         | {f"×bound {q:g}": e * field(base, "cycle_ms") / (q * bounds[k] + verify + rest) for q in ratios})
         out[form] = table
     return out
 
@@ -65,21 +100,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tune", required=True, help="bench/gpu_bench.py --tune result (JSON)")
     ap.add_argument("--draft", required=True, help="bench/lab/draft_profile.py result (JSON) at the same batch")
+    ap.add_argument("--drafter", help="the draft file's drafter to take the bounds of (needed when it holds several)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ratios", default="1,1.25", help="comma list: the draft phase at these multiples of its bound")
     ap.add_argument("--json", help="write the tables here")
     a = ap.parse_args()
     try:
         ratios = [float(q) for q in a.ratios.split(",")]
+        if not all(math.isfinite(q) and q > 0 for q in ratios):
+            raise ValueError
     except ValueError:
-        sys.exit(f"speedup_ceiling: --ratios {a.ratios!r}: expected a comma list of numbers")
+        sys.exit(f"speedup_ceiling: --ratios {a.ratios!r}: expected a comma list of positive numbers")
     try:
-        res = ceilings(read_json(Path(a.tune)), read_json(Path(a.draft)), a.batch, ratios)
+        res = ceilings(read_json(Path(a.tune)), read_json(Path(a.draft)), a.batch, ratios, a.drafter)
     except CheckpointError as e:
         sys.exit(f"speedup_ceiling: {e}")
-    except (KeyError, TypeError) as e:
-        sys.exit(f"speedup_ceiling: {a.tune} / {a.draft}: field {e} missing: expected a gpu_bench.py --tune result and a "
-                 "draft_profile.py result")
+    except (KeyError, TypeError, AttributeError) as e:
+        sys.exit(f"speedup_ceiling: {a.tune} / {a.draft}: not a gpu_bench.py --tune result and a draft_profile.py "
+                 f"result ({type(e).__name__}: {e})")
     for form, table in res.items():
         cols = [c for c in table[0] if c.startswith("×bound")]
         print(f"\nbatch {a.batch}, verify {form}: speed-up over no speculation")
@@ -91,7 +129,10 @@ def main() -> None:
             best = max(table, key=lambda r: r[c])
             print(f"  best with the draft phase at {c[7:]} × its bound: ×{best[c]:.3f} at k {best['k']}")
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        try:
+            write_json(res, Path(a.json))
+        except OSError as e:
+            sys.exit(f"speedup_ceiling: --json {a.json}: cannot write ({e.strerror or e})")
 
 
 if __name__ == "__main__":

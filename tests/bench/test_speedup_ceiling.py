@@ -25,3 +25,18 @@ def test_expected_tokens_and_ceiling_by_hand():
     assert measured[1]["×bound 2"] == pytest.approx(1.75 / 2.9) and free[1]["measured"] == pytest.approx(0.9)
     with pytest.raises(speedup_ceiling.CheckpointError, match="batch 4"):
         speedup_ceiling.ceilings(tune, draft, 4, [1.0])
+
+
+def test_refuses_ambiguous_or_impossible_inputs():
+    row = {"batch": 1, "draft_tp": 1, "k": 0, "cycle_ms": 1.0, "verify_ms": 0.9, "draft_ms": 0.0, "tokens_per_s": 1.0}
+    tune = {"tune": {"choice": {"synthetic_acceptance": [0.5]},
+                     "tuner_rows": [row, row | {"k": 1, "cycle_ms": 1.0, "verify_ms": 1.2, "draft_ms": 0.5}]}}
+    rows = [{"batch": 1, "k": 1, "bound_ms": 0.4}]
+    two = {"drafters": {"float": {"rows": rows}, "fp8": {"rows": rows}}}
+    with pytest.raises(speedup_ceiling.CheckpointError, match="2 drafters: pick one with --drafter"):
+        speedup_ceiling.ceilings(tune, two, 1, [1.0])
+    with pytest.raises(speedup_ceiling.CheckpointError, match="k 1: cycle_ms is less than verify_ms"):
+        speedup_ceiling.ceilings(tune, two, 1, [1.0], drafter="fp8")
+    nan = {"drafters": {"float": {"rows": [rows[0] | {"bound_ms": float("nan")}]}}}
+    with pytest.raises(speedup_ceiling.CheckpointError, match="bound_ms: expected a finite number"):
+        speedup_ceiling.ceilings(tune, nan, 1, [1.0])
