@@ -173,6 +173,9 @@ class TargetConfig(MLAHeads):
         for k in ints:
             if vals[k] <= 0 and k not in ("first_k_dense_replace", "n_shared_experts"):
                 raise CheckpointError(f"{where}: field '{k}' = {vals[k]}, expected a positive integer")
+        if vals["num_experts_per_tok"] > vals["n_routed_experts"]:
+            raise CheckpointError(f"{where}: field 'num_experts_per_tok' = {vals['num_experts_per_tok']}, expected at most "
+                                  f"n_routed_experts ({vals['n_routed_experts']})")
         if cfg.get("num_key_value_heads", vals["num_attention_heads"]) != vals["num_attention_heads"]:
             raise CheckpointError(f"{where}: num_key_value_heads must equal num_attention_heads for MLA")
         return TargetConfig(

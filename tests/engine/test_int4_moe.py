@@ -238,3 +238,10 @@ def test_layer_with_the_shared_expert_beside_matches_float64():
     assert ((ids - start < 0) | (ids - start >= E)).any() and (ids - start >= 0).any()  # both kinds of pair present
     err = (out.double() - want).abs().max() / want.abs().max()
     assert out.dtype == torch.bfloat16 and out.shape == (T, H) and err < 2e-2, err.item()
+
+
+def test_dequantised_path_with_no_token_returns_an_empty_result():
+    x, local, weights, p13, s13, p2, s2 = problem(seed=6)
+    lw = dict(zip(int4_routed.NAMES, (p13, s13, p2, s2)))
+    out = int4_routed.dequantised_experts(x[:0], local[:0], weights[:0], lw, G)
+    assert out.shape == (0, H) and out.dtype == x.dtype

@@ -17,6 +17,7 @@ import pytest
 from splitspec import quant
 from splitspec.config import TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.errors import CheckpointError
 from splitspec.convert.describe import aux_readings, inspect_checkpoint
 from splitspec.convert.layout import index_for, target_layout
 from splitspec.convert.plan import plan_split
@@ -199,3 +200,10 @@ def test_inspect_describes_the_published_mla_drafter():
                  "kv_lora 512, nope 128 / rope 64 / v 128), intermediate 18432", "fc: [7168, 21504] over 3 × target hidden 7168",
                  "vocabulary: the full 163840 ids", "aux layer ids [2, 30, 58]: convention UNKNOWN", "embedding: none (uses the target's)"]:
         assert fact in out, (fact, out)
+
+
+def test_more_experts_per_token_than_experts_is_refused():
+    cfg = read_json(PUB / "kimi-k2-instruct" / "config.json") | {"num_experts_per_tok": 385}
+    with pytest.raises(CheckpointError, match=r"config.json: field 'num_experts_per_tok' = 385, expected at most "
+                                              r"n_routed_experts \(384\)"):
+        TargetConfig.from_hf(cfg)

@@ -110,7 +110,7 @@ def dequantised_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Ten
         w2 = quant.dequantize_int4(p2[e], s2[e], I, group, x.dtype)
         part = grouped_experts(x, sub - i, weights, w13, w2)
         y = part if y is None else y + part
-    return y
+    return torch.zeros_like(x) if y is None else y  # no token: no slot
 
 
 def routed_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lw: dict[str, torch.Tensor],
