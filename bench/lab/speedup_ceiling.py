@@ -71,27 +71,32 @@ def ceilings(tune: dict, draft: dict, batch: int, ratios: list[float], drafter: 
         raise CheckpointError(f"batch {batch}: the tune file needs its k = 0 row and a k > 0 that the draft file bounds "
                               f"(tune k {sorted(rows)}, draft k {sorted(bounds)})")
 
-    def field(r: dict, name: str) -> float:
-        v = _number(r.get(name, r["tokens_per_s"]) if name == "tokens_per_s_pooled" else r[name],
-                    f"tune batch {batch} k {r['k']} {name}")
-        if v <= 0 and name != "draft_ms":
-            raise CheckpointError(f"tune batch {batch} k {r['k']} {name}: expected > 0, got {v}")
-        return v
+    def measured(k: int) -> dict[str, float]:
+        """The tuner row's figures this uses, each checked once: finite, > 0 (draft_ms ≥ 0), the cycle ≥ its parts."""
+        r, got = rows[k], {}
+        for name in ("cycle_ms", "verify_ms", "draft_ms", "tokens_per_s_pooled"):
+            v = _number(r.get(name, r.get("tokens_per_s")) if name == "tokens_per_s_pooled" else r[name],
+                        f"tune batch {batch} k {k} {name}")
+            if v < 0 or (v == 0 and name != "draft_ms"):
+                raise CheckpointError(f"tune batch {batch} k {k} {name}: expected > 0, got {v}")
+            got[name] = v
+        if got["cycle_ms"] < got["verify_ms"] + got["draft_ms"]:
+            raise CheckpointError(f"tune batch {batch} k {k}: cycle_ms is less than verify_ms + draft_ms")
+        return got
 
-    base = rows[0]
+    m = {k: measured(k) for k in (0, *ks)}
+    base = m[0]
     out = {}
     for form in ("width free", "verify as measured"):
         table = []
         for k in ks:
-            r = rows[k]
-            rest = field(r, "cycle_ms") - field(r, "verify_ms") - field(r, "draft_ms")
-            if rest < 0:
-                raise CheckpointError(f"tune batch {batch} k {k}: cycle_ms is less than verify_ms + draft_ms")
-            verify = field(base, "verify_ms") if form == "width free" else field(r, "verify_ms")
+            r = m[k]
+            rest = r["cycle_ms"] - r["verify_ms"] - r["draft_ms"]
+            verify = base["verify_ms"] if form == "width free" else r["verify_ms"]
             e = expected_tokens(profile, k)
             table.append({"k": k, "E": e, "draft_bound_ms": bounds[k], "verify_ms": verify, "rest_ms": rest,
-                          "measured": field(r, "tokens_per_s_pooled") / field(base, "tokens_per_s_pooled")}
-                         | {f"×bound {q:g}": e * field(base, "cycle_ms") / (q * bounds[k] + verify + rest) for q in ratios})
+                          "measured": r["tokens_per_s_pooled"] / base["tokens_per_s_pooled"]}
+                         | {f"×bound {q:g}": e * base["cycle_ms"] / (q * bounds[k] + verify + rest) for q in ratios})
         out[form] = table
     return out
 
