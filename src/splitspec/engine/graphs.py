@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from splitspec.models.batch import field_views
+from splitspec.models.fused_moe import device_index
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -24,12 +25,6 @@ def current_stream(index: int) -> torch.cuda.Stream:
     if stream is None:
         stream = _STREAMS[key] = torch.cuda.current_stream(index)
     return stream
-
-
-def device_index(device) -> int:
-    """The CUDA device index of ``device`` ("cuda", "cuda:N" or a torch.device); "cuda" alone: the current device."""
-    index = torch.device(device).index
-    return torch.cuda.current_device() if index is None else index
 
 
 def bucket(batch: int) -> int:

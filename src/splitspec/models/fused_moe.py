@@ -243,6 +243,12 @@ def _down(act_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, out_ptr, H, I,
     tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+def device_index(device) -> int:
+    """The CUDA device index of ``device`` ("cuda", "cuda:N" or a torch.device); "cuda" alone: the current device."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def on_device(x: torch.Tensor):
     """Context making x's GPU current: Triton launches on the current device, whatever its arguments' device."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()

@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.models import fused_route, int4_routed
-from splitspec.models.fused_moe import on_device
+from splitspec.models.fused_moe import device_index, on_device
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """This process's side stream on ``device`` (one per GPU, made on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _SIDE:
         _SIDE[index] = torch.cuda.Stream(device=index)
     return _SIDE[index]
