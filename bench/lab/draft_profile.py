@@ -14,7 +14,8 @@ reports per (B, k):
 - ``wall_ms``: one draft phase as the engine calls it (host preparation, input copy, graph replay), synchronised,
   median; ``host_ms``: the host's part of it (until the call returns, the work queued); ``event_ms``: between CUDA
   events recorded around the call on the idle stream (the GPU's span, which includes waiting for the host's input
-  copy); ``span_ms``: from the phase's first kernel's start to its last one's end (kernels and the gaps between them);
+  copy); ``span_ms``: from the phase's first kernel's start to its last one's end (kernels and the gaps between them),
+  ``gap_ms`` the gaps summed and ``gaps`` the longest (:func:`gpu_span`);
 - ``gpu_ms``: the sum of the device time of every kernel (and memcpy/memset) of one phase under torch.profiler (CUDA
   activity), ``kernels``: their number per phase, ``top``: the 15 names with the most device time (ms and launches
   per phase, share of ``gpu_ms``);
@@ -31,6 +32,8 @@ k = 1…5; both dtypes) take about two minutes::
 The batch-1 floor alone (issue 31's target), the compiled drafter as the engine runs it on a GPU::
 
     python3 bench/lab/draft_profile.py --out draft_profile_b1.json --batches 1 --drafter-dtype float --compile on --reps 50
+
+``--pdl`` compiles the parts with programmatic dependent launch (``ServeConfig.pdl``).
 
 ``--small`` runs the same logic at the demo pair's widths (float32), on the CPU when there is no GPU (the profile is
 then of CPU operators, self time): ``python3 bench/lab/draft_profile.py --small --out /tmp/p.json``.
@@ -55,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # for lab.gpu_kernels, as int4_moe_bench does
 from lab.gpu_kernels import capture_graph  # noqa: E402
 TOP = 15
+GAPS = 5  # longest idle gaps between a phase's kernels reported
 TARGET = 1.25  # issue 31: the draft phase at batch 1 within 1.25 × its weight-bytes bound
 
 
@@ -109,12 +113,14 @@ def profile(fn, device: str, iters: int, eager=None) -> dict:
             "activity": "cuda" if cuda else "cpu (operators, self time)"}
 
 
-def gpu_span(fn, device: str) -> float | None:
-    """Milliseconds from the first kernel's start to the last one's end of one call of ``fn`` (torch.profiler's CUDA
-    activity): the kernels' time plus the gaps between them, without the host's part before the first. None on the
-    CPU or when the profiler sees no kernel."""
+def gpu_span(fn, device: str) -> dict:
+    """One call of ``fn`` on the device's timeline (torch.profiler's CUDA activity): ``span_ms``, from the first
+    kernel's start to the last one's end (the kernels' time plus the gaps between them, without the host's part before
+    the first); ``gap_ms``, the idle time between consecutive kernels summed; ``gaps``, the :data:`GAPS` longest, each
+    with its µs and the kernels before and after it (where a phase's fixed cost sits). Empty on the CPU or when the
+    profiler sees no kernel. Under PDL a kernel starts before its predecessor ends: overlaps count as no gap."""
     if not device.startswith("cuda"):
-        return None
+        return {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -123,8 +129,17 @@ def gpu_span(fn, device: str) -> float | None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync(device)
-    kernels = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return (max(r.end for r in kernels) - min(r.start for r in kernels)) / 1e3 if kernels else None
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return {}
+    gaps, end, last = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append({"us": start - end, "after": last[:80], "before": name[:80]})
+        if stop >= end:
+            end, last = stop, name
+    return {"span_ms": (max(k[1] for k in kernels) - kernels[0][0]) / 1e3, "gap_ms": sum(g["us"] for g in gaps) / 1e3,
+            "gaps": sorted(gaps, key=lambda g: -g["us"])[:GAPS]}
 
 
 def timed(fn, device: str, reps: int) -> tuple[float, float | None, float]:
@@ -194,14 +209,14 @@ def steady_plan(B: int, k: int, position: int, per_seq_blocks: int):
 
 
 def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], position: int, bw: float, reps: int,
-                    iters: int, compiled: bool) -> dict:
+                    iters: int, compiled: bool, pdl: bool = False) -> dict:
     from splitspec.engine.graphs import bucket
     from splitspec.engine.rank import RankRunner
     from splitspec.models.batch import padded
     from splitspec.models.kv import BLOCK_SIZE
     from splitspec.models.layers import TPComm
 
-    rank = RankRunner(eng, 0, 1, TPComm(), device, placements=(1,), compile=compiled)
+    rank = RankRunner(eng, 0, 1, TPComm(), device, placements=(1,), compile=compiled, pdl=pdl)
     m, cache = rank.drafter, rank.dcache
     parts = weight_bytes(m.w)
     cfg = m.cfg
@@ -222,8 +237,9 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
             S = rank.window_for(plan)
             kv = B * S * cfg.num_key_value_heads * cfg.head_dim * 2 * m.dtype.itemsize
             read = parts["fc"] + k * (parts["layer"] + parts["lm_head"])
+            timeline = gpu_span(phase, device)
             rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, "host_ms": host,
-                         "span_ms": gpu_span(phase, device), **prof,
+                         "span_ms": timeline.get("span_ms"), "gap_ms": timeline.get("gap_ms"), "gaps": timeline.get("gaps", []), **prof,
                          "weight_bytes": read, "bound_ms": read / bw, "kv_bytes": k * kv,
                          "bound_with_kv_ms": (read + k * kv) / bw, "gpu_over_bound": prof["gpu_ms"] / (read / bw),
                          "wall_over_bound": wall / (read / bw), "target_ms": TARGET * read / bw})
@@ -231,6 +247,10 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
                   f"{prof['kernels']:.0f} kernels  bound {read / bw:6.3f} ms (+KV {(read + k * kv) / bw:6.3f})", flush=True)
             for t in prof["top"]:
                 print(f"      {t['ms']:8.4f} ms {t['count']:5.1f}×  {t['share']:5.1%}  {t['name'][:100]}", flush=True)
+            if timeline:
+                print(f"      idle between kernels {timeline['gap_ms']:.3f} ms; longest:", flush=True)
+            for g in timeline.get("gaps", []):
+                print(f"      {g['us']:8.1f} µs  after {g['after'][:50]}  before {g['before'][:50]}", flush=True)
         window = min(rank.window, max(256, 1 << position.bit_length()))  # as RankRunner.window_for
         batch = padded([(list(range(b * per_seq, (b + 1) * per_seq)), position, [1]) for b in range(B)], window, device,
                        scratch_row=rank.scratch_row)
@@ -309,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of float (the engine's bfloat16; float32 with --small) and fp8 (linears block-scaled FP8)")
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="torch.compile the drafter's parts (as the engine does on a GPU): off (the eager kernels), on, or both")
+    ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the compiled parts (ServeConfig.pdl)")
     ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per configuration")
     ap.add_argument("--iters", type=int, default=5, help="profiled calls per configuration")
@@ -348,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = dtype + (" compiled" if compiled else "")
                 print(f"== drafter {name}", flush=True)
                 result["drafters"][name] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters,
-                                                           compiled)
+                                                           compiled, a.pdl and compiled)
                 Path(a.out).write_text(json.dumps(result, indent=1))
                 gc.collect()  # the rank and its graphs
                 if device.startswith("cuda"):

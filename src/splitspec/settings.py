@@ -28,6 +28,7 @@ ENV_FIELDS = {
     "SPLITSPEC_COMPILE": "compile",
     "SPLITSPEC_CUDA_GRAPHS": "cuda_graphs",
     "SPLITSPEC_SKINNY_GEMM": "skinny_gemm",
+    "SPLITSPEC_PDL": "pdl",
     "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "collective_timeout_s",
     RUN_DIR_ENV: "run_dir",
 }
@@ -103,6 +104,10 @@ class ServeConfig:
             (:mod:`splitspec.models.skinny_gemm`; at one token the norms, residual adds and silu · up folded into the
             products they feed) instead of cuBLAS and separate kernels; off by default, and not lossless in bf16
             (a one-token decode and a verify round the folded norms differently: docs/architecture.md).
+        pdl: programmatic dependent launch (Hopper and later) for the compiled parts' Triton kernels (inductor's
+            ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
+            for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by
+            default (measured: docs/performance.md); no effect without ``compile`` or on older GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
@@ -136,6 +141,7 @@ class ServeConfig:
     compile: bool = True
     cuda_graphs: bool = True
     skinny_gemm: bool = False
+    pdl: bool = False
     collective_timeout_s: int = 300
     trust_remote_code: bool = False
     max_prompt_bytes: int | None = None

@@ -28,10 +28,11 @@ def test_empty_parameters_mean_defaults():
 
 def test_environment_switches_and_explicit_fields_win():
     env = {"SPLITSPEC_PADDED": "1", "SPLITSPEC_COMPILE": "0", "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "60",
-           "SPLITSPEC_RUN_DIR": "/tmp/splitspec-8000-x", "SPLITSPEC_SKINNY_GEMM": "1"}
+           "SPLITSPEC_RUN_DIR": "/tmp/splitspec-8000-x", "SPLITSPEC_SKINNY_GEMM": "1", "SPLITSPEC_PDL": "1"}
     cfg = ServeConfig.from_env(env, engines_dir="e")
     assert (cfg.padded, cfg.compile, cfg.cuda_graphs, cfg.collective_timeout_s) == (True, False, True, 60)
     assert cfg.skinny_gemm and not ServeConfig.from_env({}, engines_dir="e").skinny_gemm
+    assert cfg.pdl and not ServeConfig.from_env({}, engines_dir="e").pdl
     assert cfg.run_dir == Path("/tmp/splitspec-8000-x") and ServeConfig.from_env({}, engines_dir="e").run_dir is None
     assert ServeConfig.from_env({"SPLITSPEC_RUN_DIR": ""}, engines_dir="e").run_dir is None
     assert ServeConfig.from_env(env, engines_dir="e", padded=False).padded is False

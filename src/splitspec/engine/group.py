@@ -93,7 +93,7 @@ class Group:
 
     Args:
         cfg: the deployment: engines_dir, target_device_ids (``()``: CPU), draft_device_id (a TP1 drafter's GPU; None:
-            rank 0's), kv_tokens and the switches padded, compile, cuda_graphs, skinny_gemm, collective_timeout_s.
+            rank 0's), kv_tokens and the switches padded, compile, cuda_graphs, skinny_gemm, pdl, collective_timeout_s.
         placements: the draft_tp values to load, 1 and/or the target's TP size (the first drafts until a plan names
             the other); None: ``(cfg.draft_tp or 1,)``.
         fake_peers: BENCHMARK ONLY — run rank 0 alone with no workers, its collectives no-ops (the module docstring);
@@ -148,7 +148,7 @@ class Group:
                      "--draft-tp", ",".join(map(str, self.placements)), "--kv-tokens", str(kv_tokens or 0),
                      "--collective-timeout-s", str(cfg.collective_timeout_s)]
                     + ["--no-compile"] * (not cfg.compile) + ["--no-cuda-graphs"] * (not cfg.cuda_graphs)
-                    + ["--skinny-gemm"] * cfg.skinny_gemm, env=env))
+                    + ["--skinny-gemm"] * cfg.skinny_gemm + ["--pdl"] * cfg.pdl, env=env))
             torch.set_num_threads(threads_per_rank(self.world))
             try:
                 # join only once every worker is up: init_process_group cannot notice a worker that died
@@ -162,7 +162,7 @@ class Group:
                 raise
         try:
             self.rank0 = RankRunner(self.engines_dir, 0, self.world, TPComm(0, self.world), self.devices[0], self.placements,
-                                    draft_device, kv_tokens, cfg.compile, cfg.cuda_graphs, cfg.skinny_gemm)
+                                    draft_device, kv_tokens, cfg.compile, cfg.cuda_graphs, cfg.skinny_gemm, cfg.pdl)
             if self.procs:
                 self._wait_for("ready", start_timeout_s)
         except BaseException:

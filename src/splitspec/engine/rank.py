@@ -86,11 +86,13 @@ class RankRunner:
             cycles from CUDA graphs (:class:`splitspec.settings.ServeConfig`).
         skinny_gemm: the target's bf16 linears of a few tokens through the skinny-GEMM kernel (ServeConfig's switch,
             :class:`splitspec.models.target.TargetModel`).
+        pdl: the compiled parts' Triton kernels with programmatic dependent launch (ServeConfig's switch,
+            :func:`splitspec.models.layers.compile_parts`).
     """
 
     def __init__(self, engines_dir: Path, rank: int, world: int, comm: TPComm, device: str, placements: tuple[int, ...],
                  draft_device: str | None = None, kv_tokens: int | None = None, compile: bool = True,
-                 cuda_graphs: bool = True, skinny_gemm: bool = False):
+                 cuda_graphs: bool = True, skinny_gemm: bool = False, pdl: bool = False):
         engines_dir = Path(engines_dir)
         meta = read_engine_meta(engines_dir / "target", "target")
         self.cfg = TargetConfig.from_dict(meta["config"])
@@ -103,7 +105,7 @@ class RankRunner:
         self.graphs = GraphCache(device, cuda_graphs)
         self.clock = PhaseClock(device)
         if self.graphs.on and compile:
-            self.target.compile()  # fused layer halves inside the CUDA graphs
+            self.target.compile(pdl)  # fused layer halves inside the CUDA graphs
         self.kv_blocks = kv_blocks_for(self.limits, kv_tokens)
         rows = (self.kv_blocks + 1) * BLOCK_SIZE  # one extra block: the scratch rows padded sequences write
         self.scratch_row = self.kv_blocks * BLOCK_SIZE
@@ -131,7 +133,7 @@ class RankRunner:
             graphs = GraphCache(ddev, cuda_graphs) if torch.device(ddev) != torch.device(device) else self.graphs
             model = drafter_model(dcfg, dw, comm if draft_tp > 1 else TPComm())
             if graphs.on and compile:
-                model.compile()  # fused drafter parts inside the draft phase's CUDA graphs
+                model.compile(pdl)  # fused drafter parts inside the draft phase's CUDA graphs
             self.slots[draft_tp] = (model, drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
         self._use(placements[0])
 

@@ -29,7 +29,7 @@ from splitspec.models.layers import TPComm  # noqa: E402
 
 def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, device: str, placements: tuple[int, ...],
                 kv_tokens: int | None = None, compile: bool = True, cuda_graphs: bool = True,
-                collective_timeout_s: int = 300, skinny_gemm: bool = False) -> None:
+                collective_timeout_s: int = 300, skinny_gemm: bool = False, pdl: bool = False) -> None:
     """Body of a worker rank: join the group, load its shards, execute plans until shutdown. The switches are
     the leader's :class:`ServeConfig`'s, passed on the worker's command line."""
     torch.set_num_threads(threads_per_rank(world))
@@ -42,7 +42,7 @@ def worker_loop(engines_dir: Path, rank: int, world: int, store_port: int, devic
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     runner = RankRunner(engines_dir, rank, world, TPComm(rank, world), device, placements, kv_tokens=kv_tokens,
-                        compile=compile, cuda_graphs=cuda_graphs, skinny_gemm=skinny_gemm)
+                        compile=compile, cuda_graphs=cuda_graphs, skinny_gemm=skinny_gemm, pdl=pdl)
     store.set(f"ready/{rank}", "1")
     with torch.inference_mode():
         while True:
@@ -80,12 +80,13 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="do not torch.compile the target's layers")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run steady cycles eagerly, without CUDA graphs")
     p.add_argument("--skinny-gemm", action="store_true", help="the target's bf16 linears of ≤ 8 tokens through the skinny-GEMM kernel")
+    p.add_argument("--pdl", action="store_true", help="compiled parts' Triton kernels with programmatic dependent launch")
     p.add_argument("--collective-timeout-s", type=int, default=300, help="how long a collective may wait, seconds")
     a = p.parse_args()
     try:
         worker_loop(Path(a.engines), a.rank, a.world, a.store_port, a.device, tuple(int(x) for x in a.draft_tp.split(",")),
                     a.kv_tokens or None, compile=not a.no_compile, cuda_graphs=not a.no_cuda_graphs,
-                    collective_timeout_s=a.collective_timeout_s, skinny_gemm=a.skinny_gemm)
+                    collective_timeout_s=a.collective_timeout_s, skinny_gemm=a.skinny_gemm, pdl=a.pdl)
     except RuntimeError as e:
         if "Connection closed by peer" not in str(e):
             raise

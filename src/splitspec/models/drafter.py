@@ -162,12 +162,14 @@ class Eagle3Drafter:
         """a: [T, 2·H] attention input → [T, H], this rank's part of o_proj's output (summed over ranks after)."""
         raise NotImplementedError
 
-    def compile(self) -> None:
+    def compile(self, pdl: bool = False) -> None:
         """Use ``torch.compile``d parts (:meth:`attention_part`, :meth:`mlp_part`, :meth:`head_part`,
         :meth:`propose_part`) for padded batches, the CUDA-graph path: the norms, rotary, residual adds and casts between
-        the matrix products fuse into a few kernels per step (:func:`splitspec.models.layers.compile_parts`)."""
+        the matrix products fuse into a few kernels per step (:func:`splitspec.models.layers.compile_parts`, ``pdl`` its
+        programmatic dependent launch)."""
         cls = type(self)
-        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part, cls.propose_part, static=self.w.values())
+        self.fast = compile_parts(cls.attention_part, cls.mlp_part, cls.head_part, cls.propose_part, static=self.w.values(),
+                                  pdl=pdl)
 
     def attention_part(self, batch: ForwardBatch, hidden: torch.Tensor, cache) -> torch.Tensor:
         """Embedding, the two input norms and :meth:`attention`: [T, H] partial sum before the all-reduce."""

@@ -75,7 +75,7 @@ class Rotary:
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def compile_parts(*functions, static=()):
+def compile_parts(*functions, static=(), pdl: bool = False):
     """``functions`` through ``torch.compile`` (dynamic shapes: one compilation per function and token-count class, not
     per batch bucket), for the padded (CUDA-graph) path of the target's layer halves and the drafter's parts. A
     function that fails to compile runs eagerly instead; dynamo's recompile limit is raised to 64, past its default
@@ -84,7 +84,8 @@ def compile_parts(*functions, static=()):
     self the compiled functions, a reference cycle that keeps a dropped engine's weights on the GPU until the garbage
     collector next runs. Less to trace: floats (eps, softmax scale: constants of the engine) are specialised, and
     ``static`` tensors, whose shapes are fixed for the engine's life (weights), marked static, so that only the
-    activations' sizes are symbolic. Returns the compiled functions, in order."""
+    activations' sizes are symbolic. ``pdl``: the generated Triton kernels launched with programmatic dependent launch
+    (inductor's ``triton.enable_pdl``; Hopper and later, ``ServeConfig.pdl``). Returns the compiled functions, in order."""
     import torch._dynamo
 
     for t in static:
@@ -92,7 +93,8 @@ def compile_parts(*functions, static=()):
     torch._dynamo.config.suppress_errors = True
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return tuple(torch.compile(f, dynamic=True) for f in functions)
+    options = {"triton.enable_pdl": True} if pdl else None
+    return tuple(torch.compile(f, dynamic=True, options=options) for f in functions)
 
 
 class TPComm:

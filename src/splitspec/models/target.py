@@ -115,11 +115,11 @@ class TargetModel:
         self.layer_w = [{n[len(p):]: t for n, t in weights.items() if n.startswith(p)} for p in prefixes]
         self.fast = None  # compiled (attention_half, mlp_half), see compile()
 
-    def compile(self) -> None:
+    def compile(self, pdl: bool = False) -> None:
         """Use ``torch.compile``d layer halves for padded batches (see the class docstring;
-        :func:`splitspec.models.layers.compile_parts`)."""
+        :func:`splitspec.models.layers.compile_parts`, ``pdl`` its programmatic dependent launch)."""
         self.fast = compile_parts(TargetModel.attention_half, TargetModel.mlp_half,
-                                  static=[t for lw in self.layer_w for t in lw.values()])
+                                  static=[t for lw in self.layer_w for t in lw.values()], pdl=pdl)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding lookup: ids [T] → [T, H] (summed over ranks)."""
