@@ -113,12 +113,14 @@ def profile(fn, device: str, iters: int, eager=None) -> dict:
             "activity": "cuda" if cuda else "cpu (operators, self time)"}
 
 
-def gpu_span(fn, device: str) -> dict:
+def gpu_span(fn, device: str, trace: Path | None = None) -> dict:
     """One call of ``fn`` on the device's timeline (torch.profiler's CUDA activity): ``span_ms``, from the first
     kernel's start to the last one's end (the kernels' time plus the gaps between them, without the host's part before
     the first); ``gap_ms``, the idle time between consecutive kernels summed; ``gaps``, the :data:`GAPS` longest, each
     with its µs and the kernels before and after it (where a phase's fixed cost sits). Empty on the CPU or when the
-    profiler sees no kernel. Under PDL a kernel starts before its predecessor ends: overlaps count as no gap."""
+    profiler sees no kernel. Under PDL a kernel starts before its predecessor ends: overlaps count as no gap.
+    ``trace``: also the host's side (CPU activity) of that call, as a Chrome trace file there (when the host launched
+    what the GPU waited for)."""
     if not device.startswith("cuda"):
         return {}
     from torch.autograd import DeviceType
@@ -126,9 +128,11 @@ def gpu_span(fn, device: str) -> dict:
 
     fn()
     sync(device)
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * (trace is not None)) as prof:
         fn()
         sync(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
     if not kernels:
         return {}
@@ -209,7 +213,9 @@ def steady_plan(B: int, k: int, position: int, per_seq_blocks: int):
 
 
 def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], position: int, bw: float, reps: int,
-                    iters: int, compiled: bool, pdl: bool = False) -> dict:
+                    iters: int, compiled: bool, pdl: bool = False, trace: Path | None = None) -> dict:
+    """Every (B, k) draft phase and each B's bare step (module docstring); ``trace``: a folder for one Chrome trace
+    per phase (host and device, :func:`gpu_span`)."""
     from splitspec.engine.graphs import bucket
     from splitspec.engine.rank import RankRunner
     from splitspec.models.batch import padded
@@ -237,7 +243,7 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
             S = rank.window_for(plan)
             kv = B * S * cfg.num_key_value_heads * cfg.head_dim * 2 * m.dtype.itemsize
             read = parts["fc"] + k * (parts["layer"] + parts["lm_head"])
-            timeline = gpu_span(phase, device)
+            timeline = gpu_span(phase, device, trace and trace / f"trace_B{B}_k{k}{'_pdl' if pdl else ''}.json")
             rows.append({"batch": B, "k": k, "window": S, "wall_ms": wall, "event_ms": event, "host_ms": host,
                          "span_ms": timeline.get("span_ms"), "gap_ms": timeline.get("gap_ms"), "gaps": timeline.get("gaps", []), **prof,
                          "weight_bytes": read, "bound_ms": read / bw, "kv_bytes": k * kv,
@@ -330,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="torch.compile the drafter's parts (as the engine does on a GPU): off (the eager kernels), on, or both")
     ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the compiled parts (ServeConfig.pdl)")
+    ap.add_argument("--trace", type=Path, default=None, help="folder: one Chrome trace (host and GPU) per draft phase")
     ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per configuration")
     ap.add_argument("--iters", type=int, default=5, help="profiled calls per configuration")
@@ -362,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                        "synthetic": "random weights at Kimi-K2 drafter width; outputs meaningless" if not a.small else "demo widths",
                        "copy_GBps_read_plus_write": bw / 1e6},
               "drafters": {}}
+    if a.trace:
+        a.trace.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="draft-profile-") as tmp:
         for dtype in a.drafter_dtype:
             eng = write_engines(Path(tmp) / dtype, dtype, a.small, max(a.batches))
@@ -369,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = dtype + (" compiled" if compiled else "")
                 print(f"== drafter {name}", flush=True)
                 result["drafters"][name] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters,
-                                                           compiled, a.pdl and compiled)
+                                                           compiled, a.pdl and compiled, a.trace)
                 Path(a.out).write_text(json.dumps(result, indent=1))
                 gc.collect()  # the rank and its graphs
                 if device.startswith("cuda"):
