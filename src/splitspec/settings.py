@@ -103,7 +103,8 @@ class ServeConfig:
         skinny_gemm: the target's bf16 linears of at most 8 tokens through the Triton skinny-GEMM kernel
             (:mod:`splitspec.models.skinny_gemm`; at one token the norms, residual adds and silu · up folded into the
             products they feed) instead of cuBLAS and separate kernels; off by default, and not lossless in bf16
-            (a one-token decode and a verify round the folded norms differently: docs/architecture.md).
+            (its one-token and 2–8-token forms sum in different orders, so a decode and a verify round a token's
+            products differently: docs/architecture.md).
         pdl: programmatic dependent launch (Hopper and later) for the compiled parts' Triton kernels (inductor's
             ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
             for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by
