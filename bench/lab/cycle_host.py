@@ -16,6 +16,13 @@ blocks of ``--max-seq-len`` tokens each), runs the two phases a few times, then 
 (``--reps`` timed calls), and with ``--profile`` a cProfile table of the functions with the most own time::
 
     PYTHONPATH=src python3 bench/lab/cycle_host.py --batches 1,4,16 --ks 1,5 --profile
+
+``--steps N``: whole scheduler steps instead (:meth:`SpeculativeEngine.step`: admission, the plan, both phases,
+acceptance, emitting), B greedy requests of N new tokens each through the same host-only graphs, µs per step for
+each k (0: no speculation): the host's part of a steady cycle, which on a GPU is the time between cycles plus the
+phases' preparation. The CPU row includes the verify's argmax over [B · (k + 1), V] logits (a kernel on a GPU)::
+
+    PYTHONPATH=src python3 bench/lab/cycle_host.py --steps 300 --batches 1,16 --ks 0,1,3
 """
 
 from __future__ import annotations
@@ -70,6 +77,55 @@ def runner(tmp: Path, max_batch: int, max_seq_len: int):
     return rank
 
 
+def draft_lengths(text: str) -> list[int]:
+    """--ks: a comma list of integers ≥ 0 (0 only with --steps, checked in :func:`main`)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers ≥ 0")
+    return out
+
+
+def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int) -> None:
+    """Print µs per :meth:`SpeculativeEngine.step` for B greedy requests of ``tokens`` new tokens (the module docstring),
+    every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare)."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.runtime.scheduler import SpeculativeEngine
+    from splitspec.runtime.types import Request
+    from splitspec.settings import ServeConfig
+
+    eng_dir = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max(batches), max_seq_len=4096,
+                                      max_draft_len=8, tiny=True)
+    with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches))) as eng:
+        rank = eng.group.rank0
+        rank.graphs = rank.draft_graphs = HostOnlyGraphs()
+        rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
+        rank._use(rank.draft_tp)
+        print(f"host µs per scheduler step, greedy, {tokens} tokens per request", flush=True)
+        print(f"{'B':>3} {'k':>2} {'steps':>6} {'µs per step':>12}", flush=True)
+        for B in batches:
+            for k in ks:
+                requests = lambda: [Request(list(range(5, 40)), tokens, num_draft_tokens=k, stop_token_ids=set())  # noqa: E731
+                                    for _ in range(B)]
+                eng.run(requests())  # graphs (here: first outputs) for every shape the run meets
+                times, step = [], eng.step
+
+                def timed_step():
+                    t = time.perf_counter()
+                    out = step()
+                    times.append(time.perf_counter() - t)
+                    return out
+
+                eng.step = timed_step
+                try:
+                    eng.run(requests())
+                finally:
+                    eng.step = step
+                print(f"{B:>3} {k:>2} {len(times):>6} {statistics.median(times) * 1e6:12.1f}", flush=True)
+
+
 def phases(rank, plan):
     """(draft, verify): the two phases of ``plan`` as callables of no argument; the drafts come from one draft."""
     drafts = rank.draft_padded(plan)
@@ -107,18 +163,23 @@ def profile_table(fn, calls: int, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=levels, default=[1, 4, 16])
-    ap.add_argument("--ks", type=levels, default=[1, 5], help="draft lengths (at most 8)")
+    ap.add_argument("--ks", type=draft_lengths, default=[1, 5], help="draft lengths (at most 8; 0 with --steps)")
     ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
     ap.add_argument("--max-seq-len", type=int, default=4096, help="the engine's max_seq_len: blocks per sequence")
     ap.add_argument("--reps", type=int, default=200, help="timed calls per phase")
     ap.add_argument("--profile", action="store_true", help="also a cProfile table per phase")
     ap.add_argument("--top", type=int, default=12, help="functions per profile table")
+    ap.add_argument("--steps", type=int, default=0, metavar="N", help="whole scheduler steps instead, requests of N tokens")
     a = ap.parse_args(argv)
-    if max(a.ks) > 8 or not a.max_seq_len - 9 >= a.position >= 9:
-        ap.error("--ks at most 8 and --position in 9 .. max_seq_len − 9")
+    if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1) or not a.max_seq_len - 9 >= a.position >= 9:
+        ap.error("--ks at most 8 (at least 1 without --steps) and --position in 9 .. max_seq_len − 9")
     torch.set_num_threads(1)
     from splitspec.models.kv import BLOCK_SIZE
 
+    if a.steps:
+        with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp:
+            engine_steps(Path(tmp), a.batches, a.ks, a.steps)
+        return 0
     with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp, torch.inference_mode():
         rank = runner(Path(tmp), max(a.batches), a.max_seq_len)
         per_seq = -(-a.max_seq_len // BLOCK_SIZE)

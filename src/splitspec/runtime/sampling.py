@@ -6,6 +6,10 @@ on rejection the token is drawn from norm(max(0, p_i − q_i)); if all k drafts 
 drawn from p_k. The emitted tokens are then distributed exactly as target-only sampling from p.
 Our drafter proposes greedily, so q_i is one-hot on d_i: accept with probability p_i(d_i), resample
 from p_i with d_i removed.
+
+Logits stay on the engine's device (the CPU or a GPU): every random number comes from the request's CPU generator
+(``Sequence.gen``, seeded by ``SamplingParams.seed``), and only what the decisions need crosses to the host — the k
+drafts' probabilities, and the index :func:`draw` finds by inverse transform on the device.
 """
 
 from __future__ import annotations
@@ -66,13 +70,25 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p
 
 
+def draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One index of ``weights`` [V] (≥ 0, not all 0, any device, not normalised) drawn with probability weights[i] /
+    Σ weights, by inverse transform sampling: a uniform u in [0, 1) from the CPU generator ``gen``, then the first i
+    whose cumulative sum (float64) exceeds u · Σ weights, searched where the weights are (one wait for the device, for
+    the index). A weight of 0 is never drawn (nor past the last positive one, should u · Σ round up to Σ)."""
+    c = weights.double().cumsum(0)
+    total = c[-1:]
+    u = torch.rand(1, generator=gen, dtype=torch.float64).to(c.device) * total
+    return int(torch.minimum(torch.searchsorted(c, u, right=True), torch.searchsorted(c, total)))
+
+
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None,
            best: list[int] | None = None) -> tuple[int, list[int]]:
     """Decide one sequence's cycle.
 
     Args:
-        logits: [k+1, V] target logits at the verified positions.
+        logits: [k+1, V] target logits at the verified positions, on any device.
         drafts: the k draft tokens (target ids), proposed greedily.
+        gen: the request's generator (CPU).
         best: the rows' argmax when already on the host (saves a device-to-host copy).
     Returns:
         (number of drafts accepted a, emitted tokens = drafts[:a] + [one target token]).
@@ -85,22 +101,28 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen:
             a += 1
         return a, drafts[:a] + [best[a]]
     p = target_probs(logits, params)
-    u = torch.rand(k, generator=gen, device="cpu") if k else None
+    u = torch.rand(k, generator=gen).tolist() if k else []
+    rows = torch.arange(k, device=p.device)
+    accept = p[rows, torch.tensor(drafts, dtype=torch.long, device=p.device)].tolist() if k else []  # p_i(d_i)
     for i, d in enumerate(drafts):
-        if u[i] < p[i, d]:
+        if u[i] < accept[i]:
             continue
         residual = p[i].clone()
         residual[d] = 0.0
-        return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
-    return k, drafts + [int(torch.multinomial(p[k], 1, generator=gen))]
+        return i, drafts[:i] + [draw(residual, gen)]
+    return k, drafts + [draw(p[k], gen)]
 
 
-def verify_synthetic(logits: torch.Tensor, drafts: list[int], profile: list[float], gen: torch.Generator) -> tuple[int, list[int]]:
-    """Benchmark-only: accept draft i with conditional probability ``profile[i]`` regardless of its value.
+def verify_synthetic(logits: torch.Tensor, drafts: list[int], profile: list[float], gen: torch.Generator,
+                     best: list[int] | None = None) -> tuple[int, list[int]]:
+    """Benchmark-only: accept draft i with conditional probability ``profile[i]`` regardless of its value; the token
+    after the accepted drafts is the target's argmax there, from ``best`` (the rows' argmax, already on the host) when
+    given — so that the benchmark's host work per cycle is the greedy path's, without a device-to-host wait per
+    sequence — else from ``logits``.
 
     Output tokens are NOT the target's; only the costs (cycle counts, KV use) are realistic.
     """
     a = 0
     while a < len(drafts) and float(torch.rand(1, generator=gen)) < profile[min(a, len(profile) - 1)]:
         a += 1
-    return a, drafts[:a] + [int(logits[a].argmax())]
+    return a, drafts[:a] + [best[a] if best is not None else int(logits[a].argmax())]

@@ -27,7 +27,7 @@ from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
-from splitspec.runtime.sampling import SamplingParams, target_probs, verify, verify_synthetic
+from splitspec.runtime.sampling import SamplingParams, draw, target_probs, verify, verify_synthetic
 from splitspec.runtime.sequence import Sequence
 from splitspec.runtime.types import CycleStats, GenerationResult, Request, RequestOutput
 from splitspec.settings import ServeConfig
@@ -326,7 +326,7 @@ class SpeculativeEngine:
                 logits = out.logits[row:row + 1]
                 row += 1
                 sp = seq.req.sampling
-                first = int(logits[0].argmax()) if sp.greedy else int(torch.multinomial(target_probs(logits.cpu(), sp)[0], 1, generator=seq.gen))
+                first = int(logits[0].argmax()) if sp.greedy else draw(target_probs(logits, sp)[0], seq.gen)
                 seq.tokens.append(first)
                 seq.extend_start, seq.keep_aux = 0, None
                 events += self._emit(seq, [first], None)
@@ -342,7 +342,7 @@ class SpeculativeEngine:
             seq.stats.draft_ms += out.draft_ms
             seq.stats.verify_ms += out.verify_ms
             if self.synthetic is not None and drafts:
-                a, new = verify_synthetic(logits, drafts, self.synthetic, seq.gen)
+                a, new = verify_synthetic(logits, drafts, self.synthetic, seq.gen, best)
             else:
                 a, new = verify(logits, drafts, seq.req.sampling, seq.gen, best)
             n = len(seq.tokens)

@@ -1,0 +1,28 @@
+"""bench/lab/cycle_host.py on the CPU: the two phases' host time per (B, k), and with --steps whole scheduler steps
+for each k including 0 (every step of the run timed, each row's step count that of its requests' tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab import cycle_host
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [line.split() for line in text.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def test_phases_and_steps_are_timed(capsys):
+    assert cycle_host.main(["--batches", "2", "--ks", "1", "--reps", "3", "--max-seq-len", "256"]) == 0
+    (row,) = _rows(capsys.readouterr().out)
+    assert row[:2] == ["2", "1"] and float(row[3]) > 0 and float(row[4]) > 0
+    assert cycle_host.main(["--steps", "12", "--batches", "2", "--ks", "0,2"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert [r[:2] for r in rows] == [["2", "0"], ["2", "2"]]
+    # k 0: one prefill step, then one token per step; k 2: fewer steps (each accepts at least its target token)
+    assert int(rows[0][2]) == 12 and 1 < int(rows[1][2]) <= 12 and all(float(r[3]) > 0 for r in rows)
+
+
+def test_k0_only_with_steps():
+    with pytest.raises(SystemExit):
+        cycle_host.main(["--ks", "0"])
