@@ -4,6 +4,7 @@ sampler's distribution on real logits: tests/engine/test_runtime.py; on a GPU's 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -40,3 +41,16 @@ def test_synthetic_verify_takes_the_host_argmax_when_given():
     assert verify_synthetic(logits, [3, 4], [0.0], gen, best=[7, 8, 9]) == (0, [7])
     assert verify_synthetic(logits, [3, 4], [1.0], gen, best=[7, 8, 9]) == (2, [3, 4, 9])
     assert verify_synthetic(logits, [3, 4], [0.0], gen) == (0, [5])
+
+
+def test_draw_refuses_weights_it_cannot_draw_from():
+    """NaN or inf logits make weights whose search would return an index past the vocabulary (a token id the engine
+    would then embed) or a zero weight: refused by name instead."""
+    gen = torch.Generator().manual_seed(0)
+    for bad in (torch.zeros(4), torch.tensor([1.0, float("nan"), 2.0]), torch.full((3,), float("nan")),
+                torch.tensor([1.0, float("inf")])):
+        with pytest.raises(ValueError, match="draw: weights sum to"):
+            draw(bad, gen)
+    for bad in (torch.zeros(0), torch.ones(2, 3), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="draw: weights of shape"):
+            draw(bad, gen)

@@ -74,11 +74,19 @@ def draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """One index of ``weights`` [V] (≥ 0, not all 0, any device, not normalised) drawn with probability weights[i] /
     Σ weights, by inverse transform sampling: a uniform u in [0, 1) from the CPU generator ``gen``, then the first i
     whose cumulative sum (float64) exceeds u · Σ weights, searched where the weights are (one wait for the device, for
-    the index). A weight of 0 is never drawn (nor past the last positive one, should u · Σ round up to Σ)."""
+    the index and Σ together). A weight of 0 is never drawn (nor past the last positive one, should u · Σ round up to
+    Σ). Raises ValueError when Σ is 0, NaN or infinite (NaN or inf in the logits): the search would then return an
+    index past the end, or a weight of 0."""
+    if weights.ndim != 1 or not weights.numel():
+        raise ValueError(f"draw: weights of shape {tuple(weights.shape)}, expected one non-empty row [V]")
     c = weights.double().cumsum(0)
     total = c[-1:]
     u = torch.rand(1, generator=gen, dtype=torch.float64).to(c.device) * total
-    return int(torch.minimum(torch.searchsorted(c, u, right=True), torch.searchsorted(c, total)))
+    i = torch.minimum(torch.searchsorted(c, u, right=True), torch.searchsorted(c, total))
+    index, s = torch.cat((i.double(), total)).tolist()  # the one copy to the host
+    if not 0 < s < float("inf"):
+        raise ValueError(f"draw: weights sum to {s}, expected a finite sum > 0 (NaN or inf in the logits?)")
+    return int(index)
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None,
