@@ -88,15 +88,19 @@ def draft_lengths(text: str) -> list[int]:
     return out
 
 
-def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int) -> None:
+STEPS_PROMPT = list(range(5, 40))  # --steps: every request's prompt
+
+
+def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int, max_seq_len: int = 4096) -> None:
     """Print µs per :meth:`SpeculativeEngine.step` for B greedy requests of ``tokens`` new tokens (the module docstring),
-    every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare)."""
+    every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare), on engines of ``max_seq_len``
+    (at least :data:`STEPS_PROMPT`'s length + ``tokens`` + max(ks) + 1, checked in :func:`main`)."""
     from splitspec.build.synthetic import write_synthetic_engines
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.runtime.types import Request
     from splitspec.settings import ServeConfig
 
-    eng_dir = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max(batches), max_seq_len=4096,
+    eng_dir = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max(batches), max_seq_len=max_seq_len,
                                       max_draft_len=8, tiny=True)
     with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches))) as eng:
         rank = eng.group.rank0
@@ -107,7 +111,7 @@ def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int) -> N
         print(f"{'B':>3} {'k':>2} {'steps':>6} {'µs per step':>12}", flush=True)
         for B in batches:
             for k in ks:
-                requests = lambda: [Request(list(range(5, 40)), tokens, num_draft_tokens=k, stop_token_ids=set())  # noqa: E731
+                requests = lambda: [Request(list(STEPS_PROMPT), tokens, num_draft_tokens=k, stop_token_ids=set())  # noqa: E731
                                     for _ in range(B)]
                 eng.run(requests())  # graphs (here: first outputs) for every shape the run meets
                 times, step = [], eng.step
@@ -171,14 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="functions per profile table")
     ap.add_argument("--steps", type=int, default=0, metavar="N", help="whole scheduler steps instead, requests of N tokens")
     a = ap.parse_args(argv)
-    if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1) or not a.max_seq_len - 9 >= a.position >= 9:
-        ap.error("--ks at most 8 (at least 1 without --steps) and --position in 9 .. max_seq_len − 9")
+    if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1):
+        ap.error("--ks at most 8 (at least 1 without --steps)")
+    if a.steps < 0:
+        ap.error(f"--steps {a.steps}: expected N ≥ 1 new tokens per request (0: the phases instead)")
+    if a.steps and len(STEPS_PROMPT) + a.steps + max(a.ks) + 1 > a.max_seq_len:
+        ap.error(f"--steps {a.steps}: a request's {len(STEPS_PROMPT)} prompt tokens + N + max(--ks) + 1 exceed "
+                 f"--max-seq-len {a.max_seq_len}")
+    if not a.steps and not a.max_seq_len - 9 >= a.position >= 9:
+        ap.error("--position in 9 .. max_seq_len − 9")
     torch.set_num_threads(1)
     from splitspec.models.kv import BLOCK_SIZE
 
     if a.steps:
         with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp:
-            engine_steps(Path(tmp), a.batches, a.ks, a.steps)
+            engine_steps(Path(tmp), a.batches, a.ks, a.steps, a.max_seq_len)
         return 0
     with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp, torch.inference_mode():
         rank = runner(Path(tmp), max(a.batches), a.max_seq_len)

@@ -26,3 +26,15 @@ def test_phases_and_steps_are_timed(capsys):
 def test_k0_only_with_steps():
     with pytest.raises(SystemExit):
         cycle_host.main(["--ks", "0"])
+
+
+def test_steps_refusals_name_the_option(capsys):
+    """--steps N < 0, or N too long for --max-seq-len (the engine's limit, which --steps uses), is a usage error, not a
+    ConfigError's stack trace from the first request."""
+    for bad, says in ((["--steps", "-5"], "--steps -5"), (["--steps", "5000"], "--max-seq-len 4096"),
+                      (["--steps", "100", "--max-seq-len", "128"], "--max-seq-len 128"), (["--ks", "9"], "--ks")):
+        with pytest.raises(SystemExit) as e:
+            cycle_host.main(["--batches", "1", "--ks", "1"] + bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    # --position does not apply to --steps; --max-seq-len does
+    assert cycle_host.main(["--steps", "4", "--batches", "1", "--ks", "1", "--max-seq-len", "128", "--position", "500"]) == 0
