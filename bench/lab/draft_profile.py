@@ -120,8 +120,15 @@ def gpu_span(fn, device: str, trace: Path | None = None) -> dict:
     with its µs and the kernels before and after it (where a phase's fixed cost sits). Empty on the CPU or when the
     profiler sees no kernel. Under PDL a kernel starts before its predecessor ends: overlaps count as no gap.
     ``trace``: also the host's side (CPU activity) of that call, as a Chrome trace file there (when the host launched
-    what the GPU waited for)."""
+    what the GPU waited for); on the CPU that file holds the host's side alone."""
     if not device.startswith("cuda"):
+        if trace is not None:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            fn()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            prof.export_chrome_trace(str(trace))
         return {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -214,8 +221,8 @@ def steady_plan(B: int, k: int, position: int, per_seq_blocks: int):
 
 def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], position: int, bw: float, reps: int,
                     iters: int, compiled: bool, pdl: bool = False, trace: Path | None = None) -> dict:
-    """Every (B, k) draft phase and each B's bare step (module docstring); ``trace``: a folder for one Chrome trace
-    per phase (host and device, :func:`gpu_span`)."""
+    """Every (B, k) draft phase and each B's bare step (module docstring); ``trace``: a folder (existing) for one
+    Chrome trace per phase (host and device, :func:`gpu_span`), ``trace_B{B}_k{k}[_pdl].json``."""
     from splitspec.engine.graphs import bucket
     from splitspec.engine.rank import RankRunner
     from splitspec.models.batch import padded
@@ -336,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="torch.compile the drafter's parts (as the engine does on a GPU): off (the eager kernels), on, or both")
     ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the compiled parts (ServeConfig.pdl)")
-    ap.add_argument("--trace", type=Path, default=None, help="folder: one Chrome trace (host and GPU) per draft phase")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="folder: one Chrome trace (host and GPU) per drafter and draft phase, DIR/<drafter>/trace_B*_k*.json")
     ap.add_argument("--position", type=int, default=100, help="every sequence's position (tokens known)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per configuration")
     ap.add_argument("--iters", type=int, default=5, help="profiled calls per configuration")
@@ -350,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--compile: the engine compiles the drafter on GPUs only")
     if max(a.ks) > 8 or max(a.batches) > 16 or not 9 <= a.position <= 1024 - 9:
         ap.error("--ks at most 8, --batches at most 16, --position in 9..1015 (the engines' limits)")
+    if a.pdl and a.compile == "off":
+        ap.error("--pdl: applies to the compiled parts only; pass --compile on or both")
+    if a.trace:
+        try:
+            a.trace.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--trace {a.trace}: cannot make that folder ({e.strerror})")
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     t0 = time.time()
@@ -369,16 +384,17 @@ def main(argv: list[str] | None = None) -> int:
                        "synthetic": "random weights at Kimi-K2 drafter width; outputs meaningless" if not a.small else "demo widths",
                        "copy_GBps_read_plus_write": bw / 1e6},
               "drafters": {}}
-    if a.trace:
-        a.trace.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="draft-profile-") as tmp:
         for dtype in a.drafter_dtype:
             eng = write_engines(Path(tmp) / dtype, dtype, a.small, max(a.batches))
             for compiled in {"off": (False,), "on": (True,), "both": (False, True)}[a.compile]:
                 name = dtype + (" compiled" if compiled else "")
                 print(f"== drafter {name}", flush=True)
+                trace = a.trace and a.trace / name.replace(" ", "-")  # one folder per drafter: the same phases' names
+                if trace:
+                    trace.mkdir(exist_ok=True)
                 result["drafters"][name] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters,
-                                                           compiled, a.pdl and compiled, a.trace)
+                                                           compiled, a.pdl and compiled, trace)
                 Path(a.out).write_text(json.dumps(result, indent=1))
                 gc.collect()  # the rank and its graphs
                 if device.startswith("cuda"):

@@ -43,9 +43,21 @@ def test_profiles_the_draft_phase_of_both_drafters(tmp_path, capsys):
 
 
 def test_refusals_name_the_option(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")  # --trace: a file where the folder would go
     for bad, says in ((["--ks", "9"], "--ks at most 8"), (["--batches", "0"], "--batches"),
                       (["--drafter-dtype", "int4"], "float, fp8"), (["--device", "cpu"], "--small"),
-                      (["--device", "cpu", "--compile", "on"], "--compile")):
+                      (["--device", "cpu", "--compile", "on"], "--compile"), (["--pdl"], "--pdl"),
+                      (["--trace", str(tmp_path / "a_file")], "--trace"), (["--pdl", "--compile", "off"], "--pdl")):
         with pytest.raises(SystemExit) as e:
             draft_profile.main(["--out", str(tmp_path / "p.json")] + (["--small"] if "--small" not in says else []) + bad)
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_trace_writes_one_file_per_drafter_and_phase(tmp_path):
+    """--trace DIR: each drafter's phases in its own folder (the same phases' names would overwrite each other); on the
+    CPU the host's side alone."""
+    out, trace = tmp_path / "p.json", tmp_path / "traces"
+    assert draft_profile.main(["--small", "--device", "cpu", "--batches", "1", "--ks", "1", "--reps", "1", "--iters", "1",
+                               "--out", str(out), "--trace", str(trace)]) == 0
+    assert sorted(str(p.relative_to(trace)) for p in trace.rglob("*.json")) == ["float/trace_B1_k1.json", "fp8/trace_B1_k1.json"]
+    assert all(json.loads(p.read_text())["traceEvents"] for p in trace.rglob("*.json"))
