@@ -108,7 +108,8 @@ class ServeConfig:
         pdl: programmatic dependent launch (Hopper and later) for the compiled parts' Triton kernels (inductor's
             ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
             for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by
-            default (measured: docs/performance.md); no effect without ``compile`` or on older GPUs.
+            default (measured: docs/performance.md); no effect without ``compile`` and ``cuda_graphs`` (the parts are
+            compiled for the CUDA-graph path only), on the CPU or on older GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
@@ -197,7 +198,7 @@ class ServeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **fields) -> "ServeConfig":
         """``fields`` plus the engine switches from ``SPLITSPEC_*`` variables of ``env`` (default: this
         process's environment): ``SPLITSPEC_PADDED=1``, ``SPLITSPEC_COMPILE=0``, ``SPLITSPEC_CUDA_GRAPHS=0``,
-        ``SPLITSPEC_SKINNY_GEMM=1``, ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
+        ``SPLITSPEC_SKINNY_GEMM=1``, ``SPLITSPEC_PDL=1``, ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
         over the environment."""
         env = os.environ if env is None else env
         for var, name in ENV_FIELDS.items():

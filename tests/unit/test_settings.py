@@ -74,3 +74,15 @@ def test_frozen_and_replace_validates():
     assert cfg.replace(num_draft_tokens=2).num_draft_tokens == 2
     with pytest.raises(ConfigError):
         cfg.replace(num_draft_tokens=-2)
+
+
+def test_every_switch_is_documented_where_it_is_read():
+    """from_env's docstring names every variable it reads; the worker's module docstring every switch option."""
+    import re
+
+    from splitspec.engine import worker
+    from splitspec.settings import ENV_FIELDS
+
+    assert [v for v in ENV_FIELDS if v not in ServeConfig.from_env.__doc__] == []
+    options = re.findall(r'add_argument\("(--[a-z-]+)", action="store_true"', Path(worker.__file__).read_text())
+    assert options and [o for o in options if f"``{o}``" not in worker.__doc__] == []

@@ -3,7 +3,7 @@ the group, loads this rank's shards and executes cycle plans until the shutdown 
 ``python -m splitspec.engine.worker --engines DIR --rank R --world N --store-port P [--device cuda:R] [--draft-tp 1,N]``.
 
 The leader's :class:`splitspec.settings.ServeConfig` switches arrive as options (``--no-compile``,
-``--no-cuda-graphs``, ``--skinny-gemm``, ``--collective-timeout-s``); a worker reads no ``SPLITSPEC_*`` variable."""
+``--no-cuda-graphs``, ``--skinny-gemm``, ``--pdl``, ``--collective-timeout-s``); a worker reads no ``SPLITSPEC_*`` variable."""
 
 import signal
 
