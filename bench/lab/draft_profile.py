@@ -120,7 +120,8 @@ def gpu_span(fn, device: str, trace: Path | None = None) -> dict:
     with its µs and the kernels before and after it (where a phase's fixed cost sits). Empty on the CPU or when the
     profiler sees no kernel. Under PDL a kernel starts before its predecessor ends: overlaps count as no gap.
     ``trace``: also the host's side (CPU activity) of that call, as a Chrome trace file there (when the host launched
-    what the GPU waited for); on the CPU that file holds the host's side alone."""
+    what the GPU waited for); on the CPU that file holds the host's side alone. Tracing the host slows it, so a
+    traced call's gaps are wider than an untraced one's: compare traced runs with traced runs."""
     if not device.startswith("cuda"):
         if trace is not None:
             from torch.profiler import ProfilerActivity, profile as torch_profile

@@ -109,7 +109,8 @@ class ServeConfig:
             ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
             for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by
             default (measured: docs/performance.md); no effect without ``compile`` and ``cuda_graphs`` (the parts are
-            compiled for the CUDA-graph path only), on the CPU or on older GPUs.
+            compiled for the CUDA-graph path only), on the CPU or on older GPUs. This switch decides for the engine's
+            parts, whatever torch's own ``TORCHINDUCTOR_ENABLE_PDL`` says.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the

@@ -15,9 +15,14 @@ def _norm_then_scale(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g).relu() + 1
 
 
+@pytest.mark.parametrize("torch_default", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_compiled_parts_launch_with_pdl_when_asked(pdl):
+def test_compiled_parts_launch_with_pdl_when_asked(pdl, torch_default, monkeypatch):
+    """The switch decides, whatever torch's own default (``TORCHINDUCTOR_ENABLE_PDL``) says."""
+    import torch._inductor.config
     from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(torch._inductor.config.triton, "enable_pdl", torch_default)
 
     from splitspec.models.layers import compile_parts
 

@@ -93,7 +93,7 @@ def compile_parts(*functions, static=(), pdl: bool = False):
     torch._dynamo.config.suppress_errors = True
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    options = {"triton.enable_pdl": True} if pdl else None
+    options = {"triton.enable_pdl": pdl}  # the switch decides, whatever TORCHINDUCTOR_ENABLE_PDL says
     return tuple(torch.compile(f, dynamic=True, options=options) for f in functions)
 
 
