@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import os
 import platform
 import statistics
 import subprocess
@@ -57,6 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # for lab.gpu_kernels, as int4_moe_bench does
 from lab.gpu_kernels import capture_graph  # noqa: E402
+from splitspec.files import write_json  # noqa: E402
 TOP = 15
 GAPS = 5  # longest idle gaps between a phase's kernels reported
 TARGET = 1.25  # issue 31: the draft phase at batch 1 within 1.25 × its weight-bytes bound
@@ -359,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--compile: the engine compiles the drafter on GPUs only")
     if max(a.ks) > 8 or max(a.batches) > 16 or not 9 <= a.position <= 1024 - 9:
         ap.error("--ks at most 8, --batches at most 16, --position in 9..1015 (the engines' limits)")
+    if a.reps < 1 or a.iters < 1:
+        ap.error("--reps and --iters: at least 1")
+    out_dir = Path(a.out).resolve().parent
+    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK) or Path(a.out).is_dir():
+        ap.error(f"--out {a.out}: expected a file path in a writable folder")
     if a.pdl and a.compile == "off":
         ap.error("--pdl: applies to the compiled parts only; pass --compile on or both")
     if a.trace:
@@ -396,13 +402,13 @@ def main(argv: list[str] | None = None) -> int:
                     trace.mkdir(exist_ok=True)
                 result["drafters"][name] = measure_drafter(eng, device, a.batches, a.ks, a.position, bw, a.reps, a.iters,
                                                            compiled, a.pdl and compiled, trace)
-                Path(a.out).write_text(json.dumps(result, indent=1))
+                write_json(result, a.out)
                 gc.collect()  # the rank and its graphs
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
     summary(result)
     result["meta"]["seconds"] = time.time() - t0
-    Path(a.out).write_text(json.dumps(result, indent=1))
+    write_json(result, a.out)
     print(f"wrote {a.out} in {result['meta']['seconds']:.0f} s", flush=True)
     return 0
 

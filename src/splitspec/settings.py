@@ -68,11 +68,13 @@ def parse_id(text: str, what: str) -> int | None:
 
 
 def _flag(name: str, raw: str) -> bool:
-    if raw.strip() in ("1", "true", "yes", "on"):
+    """An on/off value: 1, true, yes, on / 0, false, no, off or empty, in any case, spaces around ignored."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
         return True
-    if raw.strip() in ("0", "false", "no", "off", ""):
+    if value in ("0", "false", "no", "off", ""):
         return False
-    raise ConfigError(f"{name} = {raw!r}: expected 1 or 0")
+    raise ConfigError(f"{name} = {raw!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 
 def parameter_flag(params: Mapping[str, str], name: str, where: str) -> bool:

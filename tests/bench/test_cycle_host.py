@@ -23,9 +23,11 @@ def test_phases_and_steps_are_timed(capsys):
     assert int(rows[0][2]) == 12 and 1 < int(rows[1][2]) <= 12 and all(float(r[3]) > 0 for r in rows)
 
 
-def test_k0_only_with_steps():
+def test_k0_only_with_steps_and_at_least_one_rep():
     with pytest.raises(SystemExit):
         cycle_host.main(["--ks", "0"])
+    with pytest.raises(SystemExit):
+        cycle_host.main(["--reps", "0"])
 
 
 def test_steps_refusals_name_the_option(capsys):

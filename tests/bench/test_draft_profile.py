@@ -47,7 +47,9 @@ def test_refusals_name_the_option(tmp_path, capsys):
     for bad, says in ((["--ks", "9"], "--ks at most 8"), (["--batches", "0"], "--batches"),
                       (["--drafter-dtype", "int4"], "float, fp8"), (["--device", "cpu"], "--small"),
                       (["--device", "cpu", "--compile", "on"], "--compile"), (["--pdl"], "--pdl"),
-                      (["--trace", str(tmp_path / "a_file")], "--trace"), (["--pdl", "--compile", "off"], "--pdl")):
+                      (["--trace", str(tmp_path / "a_file")], "--trace"), (["--pdl", "--compile", "off"], "--pdl"),
+                      (["--reps", "0"], "--reps"), (["--out", str(tmp_path / "no" / "p.json")], "--out"),
+                      (["--out", str(tmp_path)], "--out")):
         with pytest.raises(SystemExit) as e:
             draft_profile.main(["--out", str(tmp_path / "p.json")] + (["--small"] if "--small" not in says else []) + bad)
         assert e.value.code == 2 and says in capsys.readouterr().err

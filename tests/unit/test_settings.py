@@ -36,8 +36,11 @@ def test_environment_switches_and_explicit_fields_win():
     assert cfg.run_dir == Path("/tmp/splitspec-8000-x") and ServeConfig.from_env({}, engines_dir="e").run_dir is None
     assert ServeConfig.from_env({"SPLITSPEC_RUN_DIR": ""}, engines_dir="e").run_dir is None
     assert ServeConfig.from_env(env, engines_dir="e", padded=False).padded is False
-    with pytest.raises(ConfigError, match="SPLITSPEC_PADDED = 'maybe'"):
+    with pytest.raises(ConfigError, match="SPLITSPEC_PADDED = 'maybe': expected 1 or 0 .or true/false"):
         ServeConfig.from_env({"SPLITSPEC_PADDED": "maybe"}, engines_dir="e")
+    for on, off in (("TRUE", "False"), (" Yes ", "OFF"), ("On", "no")):
+        assert ServeConfig.from_env({"SPLITSPEC_PDL": on}, engines_dir="e").pdl
+        assert not ServeConfig.from_env({"SPLITSPEC_PDL": off}, engines_dir="e").pdl
 
 
 @pytest.mark.parametrize("fields, message", [
