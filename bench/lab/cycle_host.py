@@ -63,18 +63,29 @@ class HostOnlyGraphs(GraphCache):
         return outputs
 
 
+def tiny_engines(tmp: Path, max_batch: int, max_seq_len: int) -> Path:
+    """Tiny synthetic engines (one layer, TP1, the demo pair's widths) in ``tmp``; their folder."""
+    from splitspec.build.synthetic import write_synthetic_engines
+
+    return write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max_batch, max_seq_len=max_seq_len,
+                                   max_draft_len=8, tiny=True)
+
+
+def host_only(rank):
+    """``rank`` (a :class:`RankRunner`) with one :class:`HostOnlyGraphs` for the target and every drafter slot."""
+    rank.graphs = HostOnlyGraphs()
+    rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
+    rank._use(rank.draft_tp)
+    return rank
+
+
 def runner(tmp: Path, max_batch: int, max_seq_len: int):
     """A CPU :class:`RankRunner` over tiny synthetic engines, its graph caches host-only."""
-    from splitspec.build.synthetic import write_synthetic_engines
     from splitspec.engine.rank import RankRunner
     from splitspec.models.layers import TPComm
 
-    eng = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max_batch, max_seq_len=max_seq_len,
-                                  max_draft_len=8, tiny=True)
-    rank = RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False)
-    rank.graphs = rank.draft_graphs = HostOnlyGraphs()
-    rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
-    return rank
+    eng = tiny_engines(tmp, max_batch, max_seq_len)
+    return host_only(RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False))
 
 
 def draft_lengths(text: str) -> list[int]:
@@ -95,18 +106,13 @@ def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int, max_
     """Print µs per :meth:`SpeculativeEngine.step` for B greedy requests of ``tokens`` new tokens (the module docstring),
     every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare), on engines of ``max_seq_len``
     (at least :data:`STEPS_PROMPT`'s length + ``tokens`` + max(ks) + 1, checked in :func:`main`)."""
-    from splitspec.build.synthetic import write_synthetic_engines
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.runtime.types import Request
     from splitspec.settings import ServeConfig
 
-    eng_dir = write_synthetic_engines(tmp, num_layers=1, tp_size=1, max_batch_size=max(batches), max_seq_len=max_seq_len,
-                                      max_draft_len=8, tiny=True)
+    eng_dir = tiny_engines(tmp, max(batches), max_seq_len)
     with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches))) as eng:
-        rank = eng.group.rank0
-        rank.graphs = rank.draft_graphs = HostOnlyGraphs()
-        rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
-        rank._use(rank.draft_tp)
+        host_only(eng.group.rank0)
         print(f"host µs per scheduler step, greedy, {tokens} tokens per request", flush=True)
         print(f"{'B':>3} {'k':>2} {'steps':>6} {'µs per step':>12}", flush=True)
         for B in batches:

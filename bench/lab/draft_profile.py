@@ -123,21 +123,15 @@ def gpu_span(fn, device: str, trace: Path | None = None) -> dict:
     ``trace``: also the host's side (CPU activity) of that call, as a Chrome trace file there (when the host launched
     what the GPU waited for); on the CPU that file holds the host's side alone. Tracing the host slows it, so a
     traced call's gaps are wider than an untraced one's: compare traced runs with traced runs."""
-    if not device.startswith("cuda"):
-        if trace is not None:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-
-            fn()
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                fn()
-            prof.export_chrome_trace(str(trace))
+    cuda = device.startswith("cuda")
+    if not cuda and trace is None:
         return {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
     sync(device)
-    with torch_profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * (trace is not None)) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA] * cuda + [ProfilerActivity.CPU] * (trace is not None)) as prof:
         fn()
         sync(device)
     if trace is not None:

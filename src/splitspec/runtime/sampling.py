@@ -110,8 +110,8 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen:
         return a, drafts[:a] + [best[a]]
     p = target_probs(logits, params)
     u = torch.rand(k, generator=gen).tolist() if k else []
-    rows = torch.arange(k, device=p.device)
-    accept = p[rows, torch.tensor(drafts, dtype=torch.long, device=p.device)].tolist() if k else []  # p_i(d_i)
+    # p_i(d_i) for the k drafts, in one copy to the host
+    accept = p[torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)].tolist() if k else []
     for i, d in enumerate(drafts):
         if u[i] < accept[i]:
             continue
