@@ -34,11 +34,17 @@ def bucket(batch: int) -> int:
 
 class GraphCache:
     """CUDA graphs of static-shape functions on one device, captured on first use per key (eager on CPU or when
-    not ``enabled``: ``ServeConfig.cuda_graphs``). Inputs are copied into the graph's static buffers before each replay
-    (host inputs, staged by :meth:`staging`, go up in that copy); outputs are the graph's static output tensors (valid
-    until the next replay of the same key). Capture and replay run with ``device`` current, whatever the calling
-    thread's current device, and capture on a stream
-    of this device: ``torch.cuda.graph``'s default capture stream is one per process, made on the device
+    not ``enabled``: ``ServeConfig.cuda_graphs``). Outputs are the graph's static output tensors (valid until the next
+    replay of the same key). Inputs, per kind:
+
+    - a host buffer from :meth:`staging` (pinned, one per key, the same at every call): its copy up is captured in
+      the graph, so a replay is one launch with no copy queued by the host before it;
+    - a buffer from :meth:`shared` (a device tensor other graphs of this cache write): read in place (another
+      tensor given in its place at a later call is copied into it);
+    - any other device tensor: copied by the host into the graph's static buffer before the replay.
+
+    Capture and replay run with ``device`` current, whatever the calling thread's current device, and capture on a
+    stream of this device: ``torch.cuda.graph``'s default capture stream is one per process, made on the device
     current at the first capture, and a graph captured on another device's stream records none of this
     device's kernels (its replays then return the capture-time outputs)."""
 
@@ -47,8 +53,9 @@ class GraphCache:
         self.on = self.cuda and enabled
         self.device = torch.device(device)
         self.graphs: dict = {}
-        self.host: dict = {}  # name -> (staging buffer, {shapes: (its head, field views)}, event after its last copy)
+        self.host: dict = {}  # key -> (staging buffer, its field views, event after the last call that read it)
         self.staged: list = []  # the events of the buffers handed out since the last run
+        self.buffers: dict = {}  # name -> a shared device buffer (:meth:`shared`)
         self.pool = self.capture_stream = self.index = None
         if self.cuda:
             self.index = device_index(self.device)
@@ -63,29 +70,37 @@ class GraphCache:
             torch.cuda.synchronize(self.device)
         self.graphs.clear()
 
-    def staging(self, name: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, list[np.ndarray]]:
-        """A host buffer for int64 input fields of ``shapes`` laid out back to back
-        (:func:`~splitspec.models.batch.field_views`): the flat tensor to pass to the next :meth:`run` and one numpy view
-        per field, to fill in place. One buffer per ``name`` (a phase), reused from call to call and grown when a call
-        needs more; pinned on CUDA, so its copy up does not wait for the device. Before handing it out again the host
-        waits for the copy out of it that :meth:`run` queued last (long complete in a steady loop, whose host waits for
-        the GPU once a cycle)."""
-        flat, layouts, event = self.host.get(name, (None, None, None))
+    def staging(self, key, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """The host buffer of graph ``key`` for int64 input fields of ``shapes`` laid out back to back
+        (:func:`~splitspec.models.batch.field_views`): the flat tensor to pass to :meth:`run` and one numpy view per
+        field, to fill in place. One buffer per key (a key's shapes are fixed), made at its first call and pinned on
+        CUDA: the graph's capture records its copy up from that address. Before handing it out again the host waits
+        for the last call that read it (long complete in a steady loop, whose host waits for the GPU once a
+        cycle)."""
+        entry = self.host.get(key)
+        if entry is None:
+            flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64, pin_memory=self.cuda)
+            entry = self.host[key] = (flat, field_views(flat.numpy(), shapes), torch.cuda.Event() if self.cuda else None)
+        elif entry[0].numel() != sum(math.prod(s) for s in shapes):
+            raise ValueError(f"graph {key}: staging shapes {shapes} differ from its first call's")
+        flat, views, event = entry
         if event is not None:
             event.synchronize()
-        laid = layouts.get(shapes) if layouts is not None else None  # the usual case: these shapes had it before
-        if laid is None:
-            size = sum(math.prod(s) for s in shapes)
-            if flat is None or flat.numel() < size:
-                flat = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
-                flat, layouts, event = self.host[name] = (flat, {}, torch.cuda.Event() if self.cuda else None)
-            laid = layouts[shapes] = (flat[:size], field_views(flat.numpy(), shapes))
-        if event is not None:
             self.staged.append(event)
-        return laid
+        return flat, views
+
+    def shared(self, name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A device buffer of ``shape`` kept under ``name`` (made at the first call, zeros), for one graph to write and
+        others to read in place; None when graphs are off (eager runs pass tensors as they are)."""
+        if not self.on:
+            return None
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return buf
 
     def _sent(self) -> None:
-        """Mark the copies out of the staged buffers queued (on the device's current stream)."""
+        """Mark the staged buffers read once the work queued so far (on the device's current stream) has run."""
         if self.staged:
             stream = current_stream(self.index)
             for event in self.staged:
@@ -102,10 +117,14 @@ class GraphCache:
         with torch.cuda.device(self.index):
             return self._run(key, fn, *inputs)
 
+    def _in_place(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and any(x is b for b in self.buffers.values())
+
     def _run(self, key, fn, *inputs):
         entry = self.graphs.get(key)
         if entry is None:
-            static = [x.to(self.device, copy=True) for x in inputs]
+            static = [x if self._in_place(x) else x.to(self.device, copy=True) for x in inputs]
+            host = [(buf, x) for buf, x in zip(static, inputs) if not x.is_cuda]  # staging buffers: copied in the graph
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -113,11 +132,17 @@ class GraphCache:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                for buf, x in host:
+                    buf.copy_(x, non_blocking=True)
                 outputs = fn(*static)
-            entry = self.graphs[key] = (graph, static, outputs)
-        graph, static, outputs = entry
-        for buf, x in zip(static, inputs):
-            buf.copy_(x, non_blocking=True)
-        self._sent()
+            entry = self.graphs[key] = (graph, static, [None if x.is_cuda else x for x in inputs], outputs)
+        graph, static, captured, outputs = entry
+        for buf, x, was in zip(static, inputs, captured):
+            if was is not None:
+                if x is not was:
+                    raise ValueError(f"graph {key}: a host input other than the staging buffer it was captured with")
+            elif x is not buf:  # a shared buffer given as another tensor: copied into it
+                buf.copy_(x, non_blocking=True)
         graph.replay()
+        self._sent()
         return outputs

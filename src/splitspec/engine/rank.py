@@ -115,6 +115,7 @@ class RankRunner:
         self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
         self.aux = AuxStates()
+        self.handed: dict[tuple[int, int], torch.Tensor] = {}  # (Bp, n) -> the aux states its handoff holds a copy of
         # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
         self.slots: dict[int, tuple[Eagle3Drafter, object, GraphCache]] = {}
         here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
@@ -242,11 +243,12 @@ class RankRunner:
         """Static-shape draft phase of a steady cycle, one CUDA graph per (batch bucket, k, window): extend over
         k+1 (padded) rows, then k−1 single-token steps, each step a :meth:`Eagle3Drafter.draft` (with the compiled parts
         on one rank every op of a step is inside a compiled part; the greedy proposal and the map to target ids too).
-        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation. The host fills one pinned
-        buffer (:meth:`GraphCache.staging`; one copy up) — the extend's inputs and every step's positions and cache rows
-        — and hands over the last verify's aux states as they are (:meth:`AuxStates.batch_for`). On CUDA graphs the
-        drafts are the graph's output tensor itself, not a copy: valid until the next draft of the same (bucket, k,
-        window), which work queued on the stream before that call reads whole."""
+        Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation. The host fills the key's
+        pinned buffer (:meth:`GraphCache.staging`, its copy up captured in the graph) — the extend's inputs and every
+        step's positions and cache rows — and the drafter reads the last verify's aux states where that verify's graph
+        wrote them (:meth:`handoff`; copied there first when the batch changed since): a replay is one launch. On
+        CUDA graphs the drafts are the graph's output tensor itself, not a copy: valid until the next draft of the
+        same (bucket, k, window), which work queued on the stream before that call reads whole."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
@@ -256,7 +258,7 @@ class RankRunner:
         # extend ids [Bp, n], its positions, row table, write rows; each sequence's last extend row; the steps'
         # positions and write rows [k − 1, Bp] (step i at start − 1 + i); every row of a step [Bp]
         shapes = ((Bp, n), *padded_fields(Bp, n, S), (Bp,), (k - 1, Bp), (k - 1, Bp), (Bp,))
-        flat, (ids, pos, table, rows, last, step_pos, step_rows, every) = self.draft_graphs.staging("draft", shapes)
+        flat, (ids, pos, table, rows, last, step_pos, step_rows, every) = self.draft_graphs.staging(key, shapes)
         ext = [w.extend_tokens for w in ws]
         ids[:B] = [t + [0] * (n - len(t)) for t in ext]
         last[:] = [b * n + len(t) - 1 for b, t in enumerate(ext)] + list(range(B * n, Bp * n, n))
@@ -267,6 +269,10 @@ class RankRunner:
             self.fill.rows(step_pos.T, step_rows.T, table, [w.start for w in ws])
         every[:] = self.fill.arange(Bp)
         aux = self.aux.batch_for([w.sid for w in ws], Bp * n, dev)  # the target's hidden states, on the drafter's device
+        handoff = self.handoff(Bp, n) if self.draft_graphs is self.graphs else None
+        if handoff is not None and self.handed.get((Bp, n)) is not aux:  # not what the handoff holds
+            handoff.copy_(aux)
+            self.handed[(Bp, n)] = aux
 
         def draft(flat, aux_in):
             ids, pos, table, rows, last_rows, step_pos, step_rows, every = field_views(flat, shapes)
@@ -278,7 +284,15 @@ class RankRunner:
                 out.append(tokens)
             return torch.stack(out, 1) if k > 1 else tokens[:, None]
 
-        return self.draft_graphs.run(key, draft, flat, aux)
+        return self.draft_graphs.run(key, draft, flat, aux if handoff is None else handoff)
+
+    def handoff(self, Bp: int, n: int) -> torch.Tensor | None:
+        """Where the verify graph of (batch bucket ``Bp``, ``n`` tokens per sequence) leaves its aux states
+        [Bp·n, len(capture)·H] for the next draft graph on this device to read in place (:meth:`GraphCache.shared`);
+        None when graphs are off or no drafter here drafts on the target's device."""
+        if not self.capture or not any(g is self.graphs for _, _, g in self.slots.values()):
+            return None
+        return self.graphs.shared(("aux", Bp, n), (Bp * n, len(self.capture) * self.cfg.hidden_size), self.dtype)
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Static-shape verify of a steady cycle: [last token] + k drafts per sequence (padding sequences: zeros).
@@ -291,18 +305,22 @@ class RankRunner:
         key = ("verify", Bp, n, S)
         # positions, row table, write rows; each sequence's last known token; 1 for a real sequence, 0 for padding
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,))
-        flat, (pos, table, rows, first, real) = self.graphs.staging("verify", shapes)
+        flat, (pos, table, rows, first, real) = self.graphs.staging(key, shapes)
         self.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])
         first[:B] = [w.tokens[0] for w in ws]
         real[:B] = 1
         if Bp > B:
             first[B:], real[B:] = 0, 0
+        handoff = self.handoff(Bp, n) if k else None
 
         def verify(flat, drafts):
             pos, table, rows, first, real = field_views(flat, shapes)
             ids = torch.cat((first[:, None], drafts * real[:, None]), 1).flatten()
-            return self.target.forward(ForwardBatch(ids, pos.flatten(), [], [], torch.arange(ids.numel(), device=ids.device),
-                                                    table, rows.flatten()), self.tcache, self.capture)
+            logits, aux = self.target.forward(ForwardBatch(ids, pos.flatten(), [], [], torch.arange(ids.numel(), device=ids.device),
+                                                           table, rows.flatten()), self.tcache, self.capture)
+            if handoff is not None:
+                handoff.copy_(aux)  # for the next draft graph (padding rows as computed, not zeroed: never read)
+            return logits, aux
 
         logits, aux = self.graphs.run(key, verify, flat, drafts.to(self.device))
         if aux is not None:
@@ -310,6 +328,8 @@ class RankRunner:
             if Bp > B:
                 whole[B * n:] = 0
             self.aux.keep_batch([w.sid for w in ws], whole, n)
+            if handoff is not None:
+                self.handed[(Bp, n)] = whole  # the verify's graph wrote its real rows there
         return logits[: B * n], aux
 
     def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,

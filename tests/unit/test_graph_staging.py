@@ -1,0 +1,32 @@
+"""The host side of :class:`splitspec.engine.graphs.GraphCache` (CPU: eager runs): one staging buffer per graph key,
+its fields laid out back to back and reused call after call, shapes fixed per key; no shared buffers off the GPU.
+The GPU side (the copy up inside the graph, shared buffers read in place): tests/gpu/test_gpu_graphs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.engine.graphs import GraphCache
+
+
+def test_one_staging_buffer_per_key_reused_and_fields_back_to_back():
+    cache = GraphCache("cpu")
+    flat, (a, b) = cache.staging(("draft", 1), ((2, 3), (4,)))
+    a[:] = 7
+    b[:] = [1, 2, 3, 4]
+    assert flat.tolist() == [7] * 6 + [1, 2, 3, 4]
+    again, (a2, _) = cache.staging(("draft", 1), ((2, 3), (4,)))
+    assert again.data_ptr() == flat.data_ptr() and a2.ctypes.data == a.ctypes.data
+    other, _ = cache.staging(("verify", 1), ((2, 3), (4,)))
+    assert other.data_ptr() != flat.data_ptr(), "each key its own buffer (a graph reads its own from its capture on)"
+    with pytest.raises(ValueError, match=r"\('draft', 1\).*differ from its first call"):
+        cache.staging(("draft", 1), ((2, 4), (4,)))
+
+
+def test_eager_run_moves_inputs_and_no_shared_buffers_off_the_gpu():
+    cache = GraphCache("cpu")
+    assert cache.shared("aux", (2, 2), torch.float32) is None
+    flat, (f,) = cache.staging("k", ((3,),))
+    f[:] = [1, 2, 3]
+    assert cache.run("k", lambda x: x * 2, flat).tolist() == [2, 4, 6]
