@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -456,6 +457,11 @@ def test_inspect_prints_what_a_checkpoint_is(fx, capsys):
         out = capsys.readouterr().out
         for e in expect:
             assert e in out, (args, e, out)
+    # the parameter count with a readable suffix and in full: the two agree
+    assert cli_main(["inspect", str(fx / "bf16")]) == 0
+    short, suffix, full = re.search(r"parameters: (\d+\.\d\d) ([KMBT]) \(([\d,]+)\)", capsys.readouterr().out).groups()
+    n = int(full.replace(",", ""))
+    assert abs(float(short) * {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[suffix] - n) <= 0.005 * n
 
 
 def test_streamed_files_are_standard_safetensors(tmp_path):

@@ -326,7 +326,7 @@ def check_build(cfg: TargetConfig, mapping: Mapping, dcfg: DrafterConfig, dtype:
     plan = plan_memory(cfg, fmt, Storage(scheme), dcfg, dep, "converted checkpoint", drafter_block=drafter_block)
     g = max(plan.gpus, key=lambda p: p.total)
     if budget is None:
-        return f"memory plan: GPU {g.gpu} needs {g.total / GIB:.2f} GiB (not checked: {source})"
+        return f"memory plan: {g.total / GIB:.2f} GiB on the deployment's fullest GPU, its GPU {g.gpu} (not checked: {source})"
     try:
         plan.check()
     except MemoryPlanError as e:

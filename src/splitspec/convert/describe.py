@@ -115,6 +115,14 @@ def _tensor_lines(reader: CheckpointReader) -> list[str]:
     return lines
 
 
+def _human_count(n: int) -> str:
+    """``n`` with a thousands suffix: 1026408226816 → '1.03 T (1,026,408,226,816)'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix} ({n:,})"
+    return str(n)
+
+
 def _param_count(reader: CheckpointReader) -> int:
     n = 0
     for name in reader.names():
@@ -151,7 +159,7 @@ def inspect_target(folder: Path, raw: dict) -> list[str]:
              f"rope: theta {cfg.rope.theta:g}" + (f", YaRN factor {cfg.rope.factor:g} (original {cfg.rope.original_max_position_embeddings}, "
                                                  f"beta_fast {cfg.rope.beta_fast:g}, beta_slow {cfg.rope.beta_slow:g})" if cfg.rope.factor > 1 else "")
              + f"; max positions {cfg.max_position_embeddings}",
-             f"parameters: {_param_count(reader) / 1e6:.2f} M (text model; INT4 counted as unpacked values)",
+             f"parameters: {_human_count(_param_count(reader))} (text model; INT4 counted as unpacked values)",
              f"quantisation: {scheme.describe()}"]
     if scheme.method == "fp8":
         fp8 = [n for n in names if n.endswith(".weight") and reader.info(n).dtype == quant.FP8_DTYPE]
