@@ -138,7 +138,9 @@ def test_steady_draft_over_the_kept_verify_batch_equals_per_sequence_states(tmp_
         for sid in sids:
             r.aux[sid] = torch.randn(k + 1, 3 * r.drafter.cfg.target_hidden_size, generator=g)
         first = plan(20)
-        _, aux = r.verify_padded(first, r.draft_padded(first))
+        drafts = r.draft_padded(first)
+        _, aux, verified = r.verify_padded(first, drafts)
+        assert torch.equal(verified, drafts), "the verify returns the drafts it verified"
         kept = r.aux.batch_for(sids, 4 * (k + 1), "cpu")
         assert kept is r.aux.whole and not kept[3 * (k + 1):].any()
         assert all(torch.equal(r.aux[sid], aux[b * (k + 1):(b + 1) * (k + 1)]) for b, sid in enumerate(sids))

@@ -34,8 +34,10 @@ def bucket(batch: int) -> int:
 
 class GraphCache:
     """CUDA graphs of static-shape functions on one device, captured on first use per key (eager on CPU or when
-    not ``enabled``: ``ServeConfig.cuda_graphs``). Outputs are the graph's static output tensors (valid until the next
-    replay of the same key). Inputs, per kind:
+    not ``enabled``: ``ServeConfig.cuda_graphs``). Outputs are the graph's static output tensors, valid until the next
+    replay of any graph of this cache: the graphs share one memory pool, and a graph captured later may hold its
+    outputs in memory an earlier one uses for its intermediates (a replay of that one overwrites them). Inputs, per
+    kind:
 
     - a host buffer from :meth:`staging` (pinned, one per key, the same at every call): its copy up is captured in
       the graph, so a replay is one launch with no copy queued by the host before it;

@@ -247,8 +247,9 @@ class RankRunner:
         pinned buffer (:meth:`GraphCache.staging`, its copy up captured in the graph) — the extend's inputs and every
         step's positions and cache rows — and the drafter reads the last verify's aux states where that verify's graph
         wrote them (:meth:`handoff`; copied there first when the batch changed since): a replay is one launch. On
-        CUDA graphs the drafts are the graph's output tensor itself, not a copy: valid until the next draft of the
-        same (bucket, k, window), which work queued on the stream before that call reads whole."""
+        CUDA graphs the drafts are the graph's output tensor itself, not a copy: valid until the next replay of a graph
+        of the same cache (:class:`GraphCache`) — the verify copies them into its own input before it runs, and
+        :meth:`verify_padded` returns that copy."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
@@ -294,10 +295,12 @@ class RankRunner:
             return None
         return self.graphs.shared(("aux", Bp, n), (Bp * n, len(self.capture) * self.cfg.hidden_size), self.dtype)
 
-    def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Static-shape verify of a steady cycle: [last token] + k drafts per sequence (padding sequences: zeros).
-        Returns logits [B·(k+1), V] and keeps each sequence's k+1 aux rows for the next extend (one tensor for the
-        batch, :meth:`AuxStates.keep_batch`)."""
+        Returns (logits [B·(k+1), V], the aux states [B_pad·(k+1), 3·H] or None, the drafts [B_pad, k] it verified: the
+        graph's own copy of ``drafts``, which outlives the replay — the draft graph's output need not, a graph captured
+        later in the shared pool may hold it in what this one frees, :class:`GraphCache`) and keeps each sequence's
+        k+1 aux rows for the next extend (one tensor for the batch, :meth:`AuxStates.keep_batch`)."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
@@ -320,9 +323,9 @@ class RankRunner:
                                                            table, rows.flatten()), self.tcache, self.capture)
             if handoff is not None:
                 handoff.copy_(aux)  # for the next draft graph (padding rows as computed, not zeroed: never read)
-            return logits, aux
+            return logits, aux, drafts
 
-        logits, aux = self.graphs.run(key, verify, flat, drafts.to(self.device))
+        logits, aux, verified = self.graphs.run(key, verify, flat, drafts.to(self.device))
         if aux is not None:
             whole = aux.clone()  # graph outputs are overwritten by the next replay
             if Bp > B:
@@ -330,7 +333,7 @@ class RankRunner:
             self.aux.keep_batch([w.sid for w in ws], whole, n)
             if handoff is not None:
                 self.handed[(Bp, n)] = whole  # the verify's graph wrote its real rows there
-        return logits[: B * n], aux
+        return logits[: B * n], aux, verified
 
     def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,
                        on_launched: Callable[[], None] | None = None) -> CycleOutput:
@@ -346,9 +349,9 @@ class RankRunner:
             if drafts is None:
                 drafts = self.draft_padded(plan) if k else torch.zeros(bucket(len(plan.work)), 0, dtype=torch.int64, device=self.device)
             self.clock.draft_done()
-        logits, _ = self.verify_padded(plan, drafts)
+        logits, _, drafts = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
-        both = torch.cat((logits.argmax(-1), drafts[:B].flatten().to(logits.device)))
+        both = torch.cat((logits.argmax(-1), drafts[:B].flatten()))
         if on_launched is not None:
             on_launched()
         host = both.tolist()  # the one copy to the host
