@@ -22,6 +22,8 @@ def test_one_staging_buffer_per_key_reused_and_fields_back_to_back():
     assert other.data_ptr() != flat.data_ptr(), "each key its own buffer (a graph reads its own from its capture on)"
     with pytest.raises(ValueError, match=r"\('draft', 1\).*differ from its first call"):
         cache.staging(("draft", 1), ((2, 4), (4,)))
+    with pytest.raises(ValueError, match="differ from its first call"):  # the same size, other fields
+        cache.staging(("draft", 1), ((3, 2), (4,)))
 
 
 def test_eager_run_moves_inputs_and_no_shared_buffers_off_the_gpu():

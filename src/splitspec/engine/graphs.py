@@ -55,7 +55,7 @@ class GraphCache:
         self.on = self.cuda and enabled
         self.device = torch.device(device)
         self.graphs: dict = {}
-        self.host: dict = {}  # key -> (staging buffer, its field views, event after the last call that read it)
+        self.host: dict = {}  # key -> (staging buffer, its field views, event after the last call that read it, shapes)
         self.staged: list = []  # the events of the buffers handed out since the last run
         self.buffers: dict = {}  # name -> a shared device buffer (:meth:`shared`)
         self.pool = self.capture_stream = self.index = None
@@ -82,10 +82,11 @@ class GraphCache:
         entry = self.host.get(key)
         if entry is None:
             flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64, pin_memory=self.cuda)
-            entry = self.host[key] = (flat, field_views(flat.numpy(), shapes), torch.cuda.Event() if self.cuda else None)
-        elif entry[0].numel() != sum(math.prod(s) for s in shapes):
-            raise ValueError(f"graph {key}: staging shapes {shapes} differ from its first call's")
-        flat, views, event = entry
+            entry = self.host[key] = (flat, field_views(flat.numpy(), shapes), torch.cuda.Event() if self.cuda else None,
+                                      tuple(map(tuple, shapes)))
+        elif entry[3] != tuple(map(tuple, shapes)):
+            raise ValueError(f"graph {key}: staging shapes {shapes} differ from its first call's {entry[3]}")
+        flat, views, event, _ = entry
         if event is not None:
             event.synchronize()
             self.staged.append(event)
@@ -143,7 +144,7 @@ class GraphCache:
             if was is not None:
                 if x is not was:
                     raise ValueError(f"graph {key}: a host input other than the staging buffer it was captured with")
-            elif x is not buf:  # a shared buffer given as another tensor: copied into it
+            elif x is not buf:  # a device input, unless it is the shared buffer the graph reads in place
                 buf.copy_(x, non_blocking=True)
         graph.replay()
         self._sent()
