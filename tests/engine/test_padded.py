@@ -150,3 +150,41 @@ def test_steady_draft_over_the_kept_verify_batch_equals_per_sequence_states(tmp_
             r.aux[sid] = r.aux[sid].clone()  # the same states, per sequence
         assert r.aux.batch_for(sids, 4 * (k + 1), "cpu") is not r.aux.whole
         assert torch.equal(r.draft_padded(after), batched)
+
+
+def test_handoff_bookkeeping_drafts_what_the_plain_path_drafts(tmp_path, monkeypatch):
+    """The verify → draft hand-off of aux states (:meth:`RankRunner.handoff`), which only exists with CUDA graphs,
+    forced on for the CPU's eager runs: over cycles where the batch keeps, shrinks, reorders and grows, every draft
+    equals the drafts of a runner without it, and both of its paths run (read in place; copied in first)."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.engine.graphs import bucket
+    from splitspec.engine.plan import CyclePlan, SeqWork
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.layers import TPComm
+
+    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=256, tiny=True)
+    g = torch.Generator().manual_seed(5)
+    k = 3
+    with torch.inference_mode():
+        runners = [RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False) for _ in range(2)]
+        graphs = runners[0].graphs
+        monkeypatch.setattr(graphs, "shared", lambda name, shape, dtype: graphs.buffers.setdefault(name, torch.zeros(shape, dtype=dtype)))
+        states = {sid: torch.randn(k + 1, 3 * runners[0].drafter.cfg.target_hidden_size, generator=g) for sid in (7, 2, 5, 9)}
+        for r in runners:
+            for sid, t in states.items():
+                r.aux[sid] = t.clone()
+        paths = []
+        for sids, start in [((7, 2, 5), 20), ((7, 2, 5), 24), ((7, 5), 28), ((7, 5), 32), ((5, 7), 36), ((5, 7), 40),
+                            ((5, 7, 9), 44), ((5, 7, 9), 48)]:
+            plan = CyclePlan([SeqWork(sid, single_blocks(b, 256), "decode", start + 9 * b, [11 + b], k=k,
+                                      extend_start=start + 9 * b - 2, extend_tokens=[3 + b, 11 + b], keep_aux=2)
+                              for b, sid in enumerate(sids)], padded_k=k)
+            key = (bucket(len(sids)), k + 1)
+            before = runners[0].handed.get(key)
+            drafts = [r.draft_padded(plan).clone() for r in runners]
+            paths.append("in place" if runners[0].handed.get(key) is before else "copied")
+            assert torch.equal(drafts[0][:len(sids)], drafts[1][:len(sids)]), (sids, start)
+            for r, d in zip(runners, drafts):
+                r.verify_padded(plan, d)
+        assert paths == ["copied", "in place", "copied", "in place", "copied", "in place", "copied", "in place"], paths
+        assert set(graphs.buffers) == {("aux", 4, k + 1), ("aux", 2, k + 1)} and not runners[1].graphs.buffers

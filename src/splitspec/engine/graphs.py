@@ -76,7 +76,8 @@ class GraphCache:
         """The host buffer of graph ``key`` for int64 input fields of ``shapes`` laid out back to back
         (:func:`~splitspec.models.batch.field_views`): the flat tensor to pass to :meth:`run` and one numpy view per
         field, to fill in place. One buffer per key (a key's shapes are fixed), made at its first call and pinned on
-        CUDA: the graph's capture records its copy up from that address. Before handing it out again the host waits
+        CUDA: the graph's capture records its copy up from that address (so pinned host memory grows with the keys in
+        use, as the graphs do). Before handing it out again the host waits
         for the last call that read it (long complete in a steady loop, whose host waits for the GPU once a
         cycle)."""
         entry = self.host.get(key)
@@ -93,8 +94,8 @@ class GraphCache:
         return flat, views
 
     def shared(self, name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A device buffer of ``shape`` kept under ``name`` (made at the first call, zeros), for one graph to write and
-        others to read in place; None when graphs are off (eager runs pass tensors as they are)."""
+        """A device buffer of ``shape`` kept under ``name`` (made at the first call, zeros), for graphs (or the host) to
+        write and other graphs to read in place; None when graphs are off (eager runs pass tensors as they are)."""
         if not self.on:
             return None
         buf = self.buffers.get(name)

@@ -115,7 +115,9 @@ class RankRunner:
         self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
         self.aux = AuxStates()
-        self.handed: dict[tuple[int, int], torch.Tensor] = {}  # (Bp, n) -> the aux states its handoff holds a copy of
+        # {(Bp, n): the aux states that handoff holds a copy of}, for the latest writer only (older states are never
+        # handed to a draft again: it gets the last verify's or a fresh concatenation)
+        self.handed: dict[tuple[int, int], torch.Tensor] = {}
         # per placement here: (drafter, its K/V cache, the graph cache it drafts on); none for a TP1 drafter off rank 0
         self.slots: dict[int, tuple[Eagle3Drafter, object, GraphCache]] = {}
         here = [d for d in dict.fromkeys(placements) if d == world or rank == 0]
@@ -245,8 +247,9 @@ class RankRunner:
         on one rank every op of a step is inside a compiled part; the greedy proposal and the map to target ids too).
         Returns drafts [B_pad, k] int64 on the drafter's device; no host synchronisation. The host fills the key's
         pinned buffer (:meth:`GraphCache.staging`, its copy up captured in the graph) — the extend's inputs and every
-        step's positions and cache rows — and the drafter reads the last verify's aux states where that verify's graph
-        wrote them (:meth:`handoff`; copied there first when the batch changed since): a replay is one launch. On
+        step's positions and cache rows — and a drafter on the target's GPU reads the last verify's aux states where
+        that verify's graph wrote them (:meth:`handoff`; copied there first when the batch changed since): a replay is
+        one launch (a TP1 drafter on a GPU of its own gets them copied into the graph's input first). On
         CUDA graphs the drafts are the graph's output tensor itself, not a copy: valid until the next replay of a graph
         of the same cache (:class:`GraphCache`) — the verify copies them into its own input before it runs, and
         :meth:`verify_padded` returns that copy."""
@@ -273,7 +276,7 @@ class RankRunner:
         handoff = self.handoff(Bp, n) if self.draft_graphs is self.graphs else None
         if handoff is not None and self.handed.get((Bp, n)) is not aux:  # not what the handoff holds
             handoff.copy_(aux)
-            self.handed[(Bp, n)] = aux
+            self.handed = {(Bp, n): aux}
 
         def draft(flat, aux_in):
             ids, pos, table, rows, last_rows, step_pos, step_rows, every = field_views(flat, shapes)
@@ -297,10 +300,11 @@ class RankRunner:
 
     def verify_padded(self, plan: CyclePlan, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Static-shape verify of a steady cycle: [last token] + k drafts per sequence (padding sequences: zeros).
-        Returns (logits [B·(k+1), V], the aux states [B_pad·(k+1), 3·H] or None, the drafts [B_pad, k] it verified: the
-        graph's own copy of ``drafts``, which outlives the replay — the draft graph's output need not, a graph captured
-        later in the shared pool may hold it in what this one frees, :class:`GraphCache`) and keeps each sequence's
-        k+1 aux rows for the next extend (one tensor for the batch, :meth:`AuxStates.keep_batch`)."""
+        Returns (logits [B·(k+1), V], the aux states [B_pad·(k+1), 3·H] or None — both the graph's outputs, padding
+        rows as computed —, the drafts [B_pad, k] it verified: on CUDA graphs the graph's own copy of ``drafts``, which
+        outlives the replay where the draft graph's output need not (a graph captured later in the shared pool may
+        hold it in what this one frees, :class:`GraphCache`); eagerly ``drafts`` itself) and keeps each sequence's
+        k+1 aux rows for the next extend (one tensor for the batch, padding rows zero, :meth:`AuxStates.keep_batch`)."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
@@ -322,7 +326,7 @@ class RankRunner:
             logits, aux = self.target.forward(ForwardBatch(ids, pos.flatten(), [], [], torch.arange(ids.numel(), device=ids.device),
                                                            table, rows.flatten()), self.tcache, self.capture)
             if handoff is not None:
-                handoff.copy_(aux)  # for the next draft graph (padding rows as computed, not zeroed: never read)
+                handoff.copy_(aux)  # for the next draft graph (padding rows as computed, not zeroed: their drafts are dropped)
             return logits, aux, drafts
 
         logits, aux, verified = self.graphs.run(key, verify, flat, drafts.to(self.device))
@@ -332,7 +336,7 @@ class RankRunner:
                 whole[B * n:] = 0
             self.aux.keep_batch([w.sid for w in ws], whole, n)
             if handoff is not None:
-                self.handed[(Bp, n)] = whole  # the verify's graph wrote its real rows there
+                self.handed = {(Bp, n): whole}  # the verify's graph wrote its real rows there
         return logits[: B * n], aux, verified
 
     def execute_padded(self, plan: CyclePlan, drafts: torch.Tensor | None, draft_timed: bool = False,
