@@ -4,12 +4,13 @@ cost the CPU before (and around) their CUDA-graph replays, per call and per func
 
 A synthetic engine at the demo pair's widths (:func:`splitspec.build.synthetic.write_synthetic_engines`, ``tiny``,
 float32) is loaded in a :class:`splitspec.engine.rank.RankRunner` on the CPU. Its graph caches are replaced by
-:class:`HostOnlyGraphs`, which does what :meth:`GraphCache.run` does on the host at a replay — copy every input into
-the captured static buffer and return the captured outputs — but runs no model: the first call per key computes the
-outputs once, eagerly, and later calls only copy. What remains of a call is the host's preparation (padded inputs,
-row tables, aux states, their staging for the copy up) plus the static copies: on a GPU the part during which the
-device waits for the host. The CUDA-only pieces (pinned allocation, events, the copy and graph launches) are not in
-it, and a copy into a static buffer is a CPU memcpy here, not a launch.
+:class:`HostOnlyGraphs`, which does what :meth:`GraphCache.run` does on the host at a replay — copy the device inputs
+the host copies (not the staging buffer, whose copy up is inside the graph, nor the aux hand-off, read in place) and
+return the captured outputs — but runs no model: the first call per key computes the outputs once, eagerly, and
+later calls only copy. What remains of a call is the host's preparation (padded inputs, row tables, aux states, the
+staging buffer's fill) plus those copies: on a GPU the part during which the device waits for the host. The
+CUDA-only pieces (pinned allocation, events, the graph launch) are not in it, and a copy is a CPU memcpy here, not a
+launch.
 
 For each batch B the script builds a steady plan (every sequence at ``--position``, k + 1 accepted rows, distinct
 blocks of ``--max-seq-len`` tokens each), runs the two phases a few times, then reports the median µs per call of each
@@ -47,19 +48,27 @@ from lab.draft_profile import levels, steady_plan
 
 class HostOnlyGraphs(GraphCache):
     """A CPU :class:`GraphCache` whose replay runs no model: per key, the inputs' static copies and the outputs of one
-    eager run at the first call; every call copies its inputs into the static buffers and returns those outputs."""
+    eager run at the first call; every call then does the host's part of a GPU replay — copies the inputs the host
+    copies there (not a staging buffer, whose copy up is inside the graph, nor a shared buffer, read in place) — and
+    returns those outputs. Shared buffers are handed out as on a GPU, so the verify → draft hand-off of aux states
+    (:meth:`RankRunner.handoff`) runs its bookkeeping and copies as there."""
 
     def __init__(self):
         super().__init__("cpu")
 
+    def shared(self, name, shape, dtype):
+        return self._buffer(name, shape, dtype)
+
     def run(self, key, fn, *inputs):
         entry = self.graphs.get(key)
         if entry is None:
-            static = [x.clone() for x in inputs]
+            static = [x if any(x is b for b in self.buffers.values()) else x.clone() for x in inputs]
             entry = self.graphs[key] = (static, fn(*static))
         static, outputs = entry
+        staged = [e[0] for e in self.host.values()]
         for buf, x in zip(static, inputs):
-            buf.copy_(x, non_blocking=True)
+            if x is not buf and not any(x is f for f in staged):
+                buf.copy_(x, non_blocking=True)
         return outputs
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,7 @@ def test_build_refuses_engines_over_the_budget_before_writing(fx, tmp_path):
     with pytest.raises(MemoryPlanError, match=r"refusing to build: GPU 0 needs .* over its 0\.0 GiB budget"):
         build_engines(tmp_path / "ckpt", tmp_path / "eng", dtype="fp8", progress=False, gpu_memory_gib=0.01)
     assert not (tmp_path / "eng").exists()
+    out = io.StringIO()  # a budget that fits: the plan line says which GPU of the deployment it is about
+    with contextlib.redirect_stdout(out):
+        build_engines(tmp_path / "ckpt", tmp_path / "eng", dtype="fp8", progress=False, gpu_memory_gib=64)
+    assert re.search(r"memory plan: [\d.]+ GiB of 64\.00 GiB on the deployment's fullest GPU, its GPU 0 \(", out.getvalue())

@@ -32,3 +32,12 @@ def test_eager_run_moves_inputs_and_no_shared_buffers_off_the_gpu():
     flat, (f,) = cache.staging("k", ((3,),))
     f[:] = [1, 2, 3]
     assert cache.run("k", lambda x: x * 2, flat).tolist() == [2, 4, 6]
+
+
+def test_a_shared_buffer_keeps_its_shape_and_dtype():
+    cache = GraphCache("cpu")
+    cache.on = True  # what a GPU cache with graphs does; the buffer's device does not matter here
+    a = cache.shared("x", (2, 2), torch.float32)
+    assert cache.shared("x", (2, 2), torch.float32) is a
+    with pytest.raises(ValueError, match=r"shared buffer x: \(3,\) torch.int64 differs from its first call's \(2, 2\)"):
+        cache.shared("x", (3,), torch.int64)

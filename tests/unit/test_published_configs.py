@@ -207,3 +207,12 @@ def test_more_experts_per_token_than_experts_is_refused():
     with pytest.raises(CheckpointError, match=r"config.json: field 'num_experts_per_tok' = 385, expected at most "
                                               r"n_routed_experts \(384\)"):
         TargetConfig.from_hf(cfg)
+
+
+def test_parameter_counts_read_in_the_unit_they_round_to():
+    from splitspec.convert.describe import _human_count
+
+    assert _human_count(1_026_408_235_864) == "1.03 T (1,026,408,235,864)"
+    assert _human_count(999_995) == "1.00 M (999,995)"  # not '1000.00 K'
+    assert _human_count(994_000) == "994.00 K (994,000)"
+    assert _human_count(1_000) == "1.00 K (1,000)" and _human_count(999) == "999" and _human_count(0) == "0"

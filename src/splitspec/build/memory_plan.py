@@ -333,4 +333,4 @@ def check_build(cfg: TargetConfig, mapping: Mapping, dcfg: DrafterConfig, dtype:
         plan.check()
     except MemoryPlanError as e:
         raise MemoryPlanError(f"refusing to build: {e} (budget: {source}; see 'splitspec plan')") from None
-    return f"memory plan: GPU {g.gpu} needs {g.total / GIB:.2f} GiB of {budget / GIB:.2f} GiB ({source})"
+    return f"memory plan: {g.total / GIB:.2f} GiB of {budget / GIB:.2f} GiB on the deployment's fullest GPU, its GPU {g.gpu} ({source})"

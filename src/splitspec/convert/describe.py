@@ -116,11 +116,12 @@ def _tensor_lines(reader: CheckpointReader) -> list[str]:
 
 
 def _human_count(n: int) -> str:
-    """``n`` with a thousands suffix: 1026408226816 → '1.03 T (1,026,408,226,816)'."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f} {suffix} ({n:,})"
-    return str(n)
+    """``n`` with a thousands suffix and in full: 1026408235864 → '1.03 T (1,026,408,235,864)', 999995 → '1.00 M
+    (999,995)'; under a thousand as it is."""
+    if n < 1000:
+        return str(n)
+    scale, suffix = next((s, x) for s, x in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")) if round(n / s, 2) >= 1)
+    return f"{n / scale:.2f} {suffix} ({n:,})"
 
 
 def _param_count(reader: CheckpointReader) -> int:

@@ -96,11 +96,15 @@ class GraphCache:
     def shared(self, name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A device buffer of ``shape`` kept under ``name`` (made at the first call, zeros), for graphs (or the host) to
         write and other graphs to read in place; None when graphs are off (eager runs pass tensors as they are)."""
-        if not self.on:
-            return None
+        return self._buffer(name, shape, dtype) if self.on else None
+
+    def _buffer(self, name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = self.buffers.get(name)
         if buf is None:
             buf = self.buffers[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            raise ValueError(f"shared buffer {name}: {tuple(shape)} {dtype} differs from its first call's "
+                             f"{tuple(buf.shape)} {buf.dtype}")
         return buf
 
     def _sent(self) -> None:
