@@ -156,3 +156,24 @@ def test_non_finite_sizes_are_refused_by_the_parser(capsys, args, expect):
     """nan / inf / absurd GiB never reach the arithmetic: one line naming the argument, no usage block."""
     rc, out, err = plan(capsys, K25, "--tp", "8", "--gpu-memory-gib", "141", *LIMITS, *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_plan_reads_a_config_only_download_with_its_index(tmp_path, capsys):
+    """A published folder with config.json and model.safetensors.index.json but no shard files (what
+    tests/fixtures/published/make_index.py writes, or a download of the JSON files only) is planned from its config;
+    one shard present of several is a partial download, refused naming the missing shard."""
+    import shutil
+
+    src = Path(__file__).parents[1] / "fixtures" / "published" / "kimi-k2.5"
+    folder = tmp_path / "k25"
+    folder.mkdir()
+    shutil.copy(src / "config.json", folder / "config.json")
+    write_json({"weight_map": {"language_model.model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                               "language_model.lm_head.weight": "model-00002-of-00002.safetensors"}},
+               folder / "model.safetensors.index.json")
+    args = ["plan", str(folder), "--tp", "8", "--gpu-memory-gib", "140", "--max-batch-size", "1", "--max-seq-len", "256"]
+    assert main(args) == 0
+    assert "(config only)" in capsys.readouterr().out
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert main(args) == 2
+    assert "names shard 'model-00002-of-00002.safetensors', which is missing" in capsys.readouterr().err

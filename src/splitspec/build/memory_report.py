@@ -13,7 +13,7 @@ from splitspec.build.weight_bytes import Storage, WeightFormat
 from splitspec.config import TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.drafter import drafter_scheme
-from splitspec.convert.safetensors import INDEX_NAME, CheckpointReader
+from splitspec.convert.safetensors import CheckpointReader
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json, write_json
 from splitspec.models.drafters import FP8_BLOCK
@@ -24,7 +24,9 @@ FORMAT_NOTES = {"int4": "INT4 routed experts as published (packed int32 + bf16 g
 
 
 def _has_shards(folder: Path) -> bool:
-    return (folder / INDEX_NAME).exists() or any(folder.glob("*.safetensors"))
+    """Any shard file here (an index alone, as in a config-only download, does not count; a partial download does
+    and is refused by :class:`CheckpointReader`, naming the missing shard)."""
+    return any(folder.glob("*.safetensors"))
 
 
 def open_target(folder: Path, dtype: str | None) -> tuple[TargetConfig, WeightFormat, Storage, str]:
