@@ -61,13 +61,13 @@ class HostOnlyGraphs(GraphCache):
 
     def run(self, key, fn, *inputs):
         entry = self.graphs.get(key)
-        if entry is None:
-            static = [x if any(x is b for b in self.buffers.values()) else x.clone() for x in inputs]
+        if entry is None:  # the key's staging buffer and shared buffers stand for themselves: never copied after
+            own = [e[0] for e in self.host.values()] + list(self.buffers.values())
+            static = [x if any(x is b for b in own) else x.clone() for x in inputs]
             entry = self.graphs[key] = (static, fn(*static))
         static, outputs = entry
-        staged = [e[0] for e in self.host.values()]
         for buf, x in zip(static, inputs):
-            if x is not buf and not any(x is f for f in staged):
+            if x is not buf:
                 buf.copy_(x, non_blocking=True)
         return outputs
 
