@@ -2,8 +2,9 @@
 """The full-depth rank's cost from short depths of the same engine form: fitted, carried to 61 layers, checked.
 
 Runs the rank of bench/full_depth_rank.py (rank 0 of a TP-N Kimi-K2.5 target at the published shapes, routed experts
-INT4, the rest bf16, random weights; fake peers; both draft placements) at a few short depths (``--fit-layers 2,4``:
-the first layer dense, the rest MoE, as in Kimi), then fits each (batch, k, placement)'s rank cycle, verify and draft
+INT4, the rest bf16, random weights; fake peers; both draft placements) at a few short depths (``--fit-layers 2,8,16``:
+the first layer dense, the rest MoE, as in Kimi; two depths as short as 2 and 8 overstate the batch-16 verify's
+per-layer cost at 61, docs/lab/2026-12-03-h200-b16-depth-old-new), then fits each (batch, k, placement)'s rank cycle, verify and draft
 ms along depth (``splitspec.measure.cost_model.fit_depth``):
 
     ms(layers) = fixed + per_moe_layer · (layers − 1)      fixed: the dense first layer, embedding, lm_head, drafter, host
@@ -19,7 +20,7 @@ depth after depth, each depth starting rows until an equal share of what is left
 every earlier depth has (a row at one depth fits nothing).
 
     export PYTHONPATH=$PWD/src
-    python3 bench/depth_fit.py --fit-layers 2,4 --tp 8 --batches 1,4,16 --ks 0-5 --budget-s 170 \\
+    python3 bench/depth_fit.py --fit-layers 2,8,16 --tp 8 --batches 1,4,16 --ks 0-5 --cycles 32 --budget-s 350 \\
         --measured results/full-depth/full_depth_rank.json --out results/depth-fit
     python3 bench/depth_fit.py --from results/depth-fit/depth_fit.json --measured results/full-depth/full_depth_rank.json
     python3 bench/depth_fit.py --dry-run --fit-layers 2,3 --batches 1 --ks 0,1 --out /tmp/df   # CPU check, tiny shapes
@@ -254,14 +255,14 @@ def load(path: Path, what: str, keys: tuple, row_keys: tuple = ()) -> dict:
 def main(argv: list[str] | None = None) -> int:
     fdr.START = time.monotonic()  # --budget-s counts from here (a caller's process may be old)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--fit-layers", default="2,4", help="comma list of the short depths measured (≥ 2 of them, each ≥ 2)")
+    ap.add_argument("--fit-layers", default="2,8,16", help="comma list of the short depths measured (≥ 2 of them, each ≥ 2)")
     ap.add_argument("--layers", type=int, default=61, help="depth predicted (without --measured; with it, the file's)")
     ap.add_argument("--tp", type=int, default=8, help="the target's TP size; rank 0 runs here")
     ap.add_argument("--batches", default="1,4,16", help="comma list of batch sizes")
     ap.add_argument("--ks", default="0-5", help="draft lengths: a comma list or a range A-B (0 must be among them)")
     ap.add_argument("--cycles", type=int, default=16, help="steady cycles timed per row")
     ap.add_argument("--max-seq-len", type=int, default=512, help="the engine's max_seq_len (KV: max batch × this)")
-    ap.add_argument("--budget-s", type=float, default=170, help="start no row after this many seconds of the script")
+    ap.add_argument("--budget-s", type=float, default=300, help="start no row after this many seconds of the script")
     ap.add_argument("--measured", type=Path, help="a bench/full_depth_rank.py result to check the prediction against")
     ap.add_argument("--from", dest="source", type=Path, help="an earlier OUT/depth_fit.json: report it, measure nothing")
     ap.add_argument("--resume", action="store_true", help="keep the rows of OUT/depth_fit.json (same --tp) and measure "
