@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import threading
 from pathlib import Path
-from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -28,12 +25,11 @@ from splitspec import quant
 
 from splitspec.testing import fixtures
 
-from splitspec.models import fp8_linear, fused_moe, fused_route
 from splitspec.build.engines import build_engines
 from splitspec.cli import main as cli_main
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.pair import convert_pair
-from splitspec.testing.engine_logits import engine_logits
+from splitspec.testing.engine_logits import assert_bf16_close, engine_logits
 from splitspec.testing.reference import load_hf_reference_target
 from splitspec.errors import ConfigError
 from splitspec.convert.safetensors import CheckpointReader
@@ -46,11 +42,6 @@ TIGHT = 2e-4  # float32 engine vs transformers on identical weights (see test_nu
 # ---------------------------------------------------------------- helpers
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory) -> Path:
-    return fixtures.make_fixtures(tmp_path_factory.mktemp("formats") / "fixtures")
-
-
-@pytest.fixture(scope="module")
 def master(fx) -> dict[str, torch.Tensor]:
     return load_file(str(fx / "master.safetensors"))
 
@@ -58,30 +49,6 @@ def master(fx) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def dmaster(fx) -> dict[str, torch.Tensor]:
     return load_file(str(fx / "drafter_master.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def prompt() -> list[int]:
-    return torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
-@pytest.fixture(scope="module")
-def built(fx, tmp_path_factory):
-    """``built(form, tp=1, dtype="float32", drafter="drafter", **convert kwargs)`` → engines folder (cached)."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("built")
-
-    def get(form: str, tp: int = 1, dtype: str = "float32", drafter: str = "drafter", **kw) -> Path:
-        key = (form, tp, dtype, drafter, tuple(sorted(kw.items())))
-        if key not in cache:
-            d = root / "_".join(map(str, key[:4])) / str(len(cache))
-            ckpt = d / "ckpt"
-            if not ckpt.exists():
-                convert_pair(fx / form, fx / drafter, ckpt, tp_size=tp, progress=False, **kw)
-            cache[key] = build_engines(ckpt, d / "engines", dtype=dtype, max_batch_size=1, max_seq_len=64, progress=False)
-        return cache[key]
-
-    return get
 
 
 def ref_dequant_fp8(w: torch.Tensor, s: torch.Tensor, block=(128, 128)) -> torch.Tensor:
@@ -260,59 +227,6 @@ def test_fp8_engine_keeps_fp8_weights_and_matches_dequantised_bf16_engine(built,
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not fused_moe.available(),
-                    reason="runs the CPU engine through Triton's interpreter")
-@pytest.mark.parametrize("tp,tokens", [(1, 1), (2, 2)])
-def test_fp8_engine_through_the_fused_kernels(built, prompt, tp, tokens):
-    """The FP8 engine's MoE layers with FP8 experts read by the fused kernels (forced on for CPU tensors; one
-    token: the FP8 shared expert too) against its grouped path, which dequantises them first. Each token is a program
-    row of its own in Triton's interpreter, which costs ~10 s a token at TP2: two take the multi-token path (configs
-    "many", the shared expert outside the kernels) as twelve would (the prompt's first two positions have top-2 logit
-    margins of 0.125 or more, against a fused-vs-grouped |Δ| of 0.04 at most)."""
-    eng = built("fp8", tp=tp, dtype="fp8")
-    ref, _ = engine_logits(eng, prompt[:tokens])
-    lock = threading.Lock()  # the interpreter's grid state is global: one launch at a time across the rank threads
-
-    def serial(fn):
-        def run(*a, **kw):
-            with lock:
-                return fn(*a, **kw)
-        return run
-
-    with patch.object(fused_moe, "use_fused", lambda x: x.shape[0] <= fused_moe.MAX_TOKENS), \
-            patch.object(fused_route, "route", serial(fused_route.route)), \
-            patch.object(fused_moe, "fused_experts", serial(fused_moe.fused_experts)):
-        got, _ = engine_logits(eng, prompt[:tokens])
-    print(f"fp8 TP{tp}, {tokens} tokens: fused vs grouped logits max |Δ| {(got - ref).abs().max():.3g}, mean {(got - ref).abs().mean():.3g}")
-    _assert_bf16_close(got, ref)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not fp8_linear.available(),
-                    reason="runs the CPU engine through Triton's interpreter")
-@pytest.mark.parametrize("tokens", [4])
-def test_fp8_engine_linears_through_the_triton_kernel(built, prompt, tokens):
-    """The FP8 engine's attention and dense linears (kept FP8 in 128 × 128 tiles, some ragged) through
-    fp8_linear's Triton kernel — forced on for CPU tensors, at the ≤ 16-token configuration (a dot mode) — against
-    the dequantising path they replace."""
-    eng = built("fp8", dtype="fp8")
-    ref, _ = engine_logits(eng, prompt[:tokens])
-    calls = []
-    op = fp8_linear._linear_op
-    with patch.object(fp8_linear, "use_kernels", lambda x: True), \
-            patch.object(fp8_linear, "_linear_op", lambda *a: calls.append(tuple(a[-1])) or op(*a)):
-        got, _ = engine_logits(eng, prompt[:tokens])
-    print(f"fp8 linears, {tokens} tokens: Triton vs dequantised logits max |Δ| {(got - ref).abs().max():.3g}, "
-          f"mean {(got - ref).abs().mean():.3g}; configs {sorted(set(calls))}")
-    assert len(calls) >= 3 * 4 and set(calls) == {fp8_linear.plan(tokens, 2048, 2048, (128, 128), False)[1]}
-    _assert_bf16_close(got, ref)
-
-
-def _assert_bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    """bf16-activation engines summing in a different order: close on average; a max is meaningless here because
-    a near-tied router score in this random toy MoE can flip one token's expert choice."""
-    assert (a - b).abs().mean() < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
-
-
 def test_fp8_tp2_slices_tiles_and_matches_tp1(fx, built, prompt, tmp_path):
     shards = _converted(fx, tmp_path, "fp8", tp=2)
     meta = read_json(tmp_path / "fp8" / "target" / "config.json")
@@ -326,7 +240,7 @@ def test_fp8_tp2_slices_tiles_and_matches_tp1(fx, built, prompt, tmp_path):
     print(f"fp8 TP2 vs TP1: float32 engines max |Δ| {(tp2 - tp1).abs().max():.3g}; fp8-kept (bf16 activations) engines "
           f"max |Δ| {(k2 - k1).abs().max():.3g}, mean |Δ| {(k2 - k1).abs().mean():.3g}")
     assert (tp2 - tp1).abs().max() < TIGHT
-    _assert_bf16_close(k2, k1)
+    assert_bf16_close(k2, k1)
 
 
 def test_fp8_tp4_split_inside_tiles_is_dequantised_with_a_notice(fx, master, built, prompt, tmp_path, capsys):
@@ -344,7 +258,7 @@ def test_fp8_tp4_split_inside_tiles_is_dequantised_with_a_notice(fx, master, bui
     tp1, _ = engine_logits(built("fp8", dtype="fp8"), prompt)
     print(f"fp8 TP4 (expert slices dequantised) vs TP1, fp8-kept engines: max |Δ| {(tp4 - tp1).abs().max():.3g}, "
           f"mean |Δ| {(tp4 - tp1).abs().mean():.3g}")
-    _assert_bf16_close(tp4, tp1)
+    assert_bf16_close(tp4, tp1)
 
 
 # ---------------------------------------------------------------- drafters

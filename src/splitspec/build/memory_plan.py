@@ -16,10 +16,10 @@ Per GPU g (target rank g):
   bucket Bp ≥ max_batch_size, n = max_draft_len + 1 tokens per sequence and the key window S = max_seq_len
   rounded to blocks. Target verify: window gather Bp·S·(kv_lora + rope), scores Bp·(heads/N)·n·S in float32
   (twice) and in the activation dtype, the MoE's grouped GEMM buffers T·top_k·(2H + 3·I_e/moe_tp) when T = Bp·n
-  is above the fused kernels' 16 tokens (with FP8-kept experts also their per-call dequantisation, 12 bytes per
-  element of the stacked w13; INT4-kept experts instead the W4A16 grouped kernels' T·top_k·(2·I_e/moe_tp + 4H) +
-  8·T·H, on a CPU the per-call dequantisation of the chosen ones, up to min(E_local, T·top_k) experts, 16 at a
-  time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H
+  is above the fused kernels' 16 tokens (FP8- and INT4-kept experts on a GPU instead the W8A16 / W4A16 grouped
+  kernels' T·top_k·(2·I_e/moe_tp + 4H) + 8·T·H; on a CPU FP8 adds its per-call dequantisation, 12 bytes per element
+  of the stacked w13, and INT4 the per-call dequantisation of the chosen experts, up to min(E_local, T·top_k), 16 at
+  a time: one chunk's weights in the activation dtype and float32 work), residual stream 6·T·H, captured aux 2·T·3H
   and the gathered logits 2·T·V float32.
   Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S (an FP8
   drafter's linears run in FP8 there, :mod:`splitspec.models.fp8_linear`: no dequantised copy).
@@ -147,12 +147,13 @@ def _moe_buffers(cfg: TargetConfig, mapping: Mapping, fmt: WeightFormat, tokens:
         return 0
     ie = cfg.moe_intermediate_size // mapping.moe_tp_size
     buffers = tokens * cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * ie) * act
-    if fmt.name == "fp8":  # quant.dequantize_fp8 of the stacked w13: float32 weight, expanded scales, product
-        buffers += 12 * (cfg.n_routed_experts // mapping.ep_size) * 2 * ie * cfg.hidden_size
-    if fmt.name == "int4" and on_gpu:  # models.grouped_moe.int4_grouped_experts: bf16 activations [P, I_e], float32
-        # per-pair outputs [P, H], x permuted [T, H] bf16, their sum [T, H] float32 and bf16 (P = T·top_k)
+    if fmt.name in ("int4", "fp8") and on_gpu:  # models.grouped_moe.int4_grouped_experts, models.fp8_grouped: bf16
+        # activations [P, I_e], float32 per-pair outputs [P, H], x as bf16 [T, H], their sum [T, H] float32 and bf16
+        # (P = T·top_k)
         pairs = tokens * cfg.num_experts_per_tok
         return pairs * (2 * ie + 4 * cfg.hidden_size) + 8 * tokens * cfg.hidden_size
+    if fmt.name == "fp8":  # CPU engines: quant.dequantize_fp8 of the stacked w13: float32 weight, expanded scales, product
+        buffers += 12 * (cfg.n_routed_experts // mapping.ep_size) * 2 * ie * cfg.hidden_size
     if fmt.name == "int4":  # models.int4_routed's dequantised path (CPU engines): one chunk of the chosen experts'
         # w13 and w2 in the activation dtype, plus the int32 nibbles, float32 values and scales of its w13
         chunk = min(cfg.n_routed_experts // mapping.ep_size, tokens * cfg.num_experts_per_tok, INT4_CHUNK)

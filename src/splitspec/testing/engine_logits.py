@@ -74,3 +74,9 @@ def engine_logits(engines: Path, ids: list[int], capture: tuple[int, ...] = ()) 
     if errors:
         raise errors[0]
     return results[0]
+
+
+def assert_bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16-activation engines summing in a different order: close on average; a max is meaningless here because
+    a near-tied router score in this random toy MoE can flip one token's expert choice."""
+    assert (a - b).abs().mean() < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""FP8-kept routed experts past the fused kernels' 16 tokens, on one GPU: the W8A16 grouped kernels
+(:mod:`splitspec.models.fp8_grouped`) against what they replace — every expert of the rank dequantised per call, then
+``grouped_experts``'s bf16 grouped GEMM — and against that grouped GEMM on weights already in bf16 (twice the bytes,
+no dequantisation). Synthetic weights at Kimi-K2's shapes (H 7168, 384 experts × I 2048 sliced ``--tp`` ways, top 8,
+128 × 128 tiles), random routing; per token count: median ms of ``--reps`` calls, the distinct experts chosen, the
+kernels' effective FP8 bandwidth (bytes of the chosen experts' weights and scales / time) and the largest relative
+difference from the dequantised path::
+
+    PYTHONPATH=src python3 bench/lab/fp8_grouped_bench.py --tp 8 --tokens 17,64,256,1024 --out results/fp8_grouped.json
+
+Writes ``--out`` (JSON) and prints a table. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from splitspec import quant
+from splitspec.models import fp8_grouped
+from splitspec.models.grouped_moe import grouped_experts
+
+H, I_FULL, E, TOP_K, BLOCK = 7168, 2048, 384, 8, (128, 128)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=8, help="expert-TP ways: each expert's intermediate width I / tp")
+    ap.add_argument("--tokens", default="17,64,256,1024", help="comma list of token counts (each > 16)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("fp8_grouped_bench: needs a CUDA GPU")
+    try:
+        tokens = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        sys.exit(f"fp8_grouped_bench: --tokens {a.tokens!r}: expected a comma list of integers")
+    if a.tp < 1 or I_FULL % (a.tp * BLOCK[0]) or a.reps < 1 or min(tokens) < 17:
+        sys.exit(f"fp8_grouped_bench: --tp {a.tp} must slice {I_FULL} into whole {BLOCK[0]}-row tiles, --reps ≥ 1, "
+                 f"--tokens each > 16")
+    I, dev, g = I_FULL // a.tp, "cuda", torch.Generator(device="cuda").manual_seed(0)
+    w13, s13 = quant.quantize_fp8(torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02, BLOCK)
+    w2, s2 = quant.quantize_fp8(torch.randn(E, H, I, device=dev, generator=g) * 0.02, BLOCK)
+    b13, b2 = (quant.dequantize_fp8(w, s, BLOCK, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
+    per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        local = torch.rand(T, E, device=dev, generator=g).topk(TOP_K, 1).indices.int()
+        wts = torch.rand(T, TOP_K, device=dev, generator=g)
+
+        def dequantised():
+            d13, d2 = (quant.dequantize_fp8(w, s, BLOCK, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
+            return grouped_experts(x, local, wts, d13, d2)
+
+        def kernels():
+            return fp8_grouped.fp8_grouped_experts(x, local, wts, w13, s13, w2, s2, BLOCK)
+
+        ref, got = dequantised().float(), kernels().float()
+        distinct = int(local.unique().numel())
+        row = {"tokens": T, "distinct_experts": distinct, "fp8_grouped_ms": timed(kernels, a.reps),
+               "dequantised_ms": timed(dequantised, a.reps),
+               "bf16_grouped_ms": timed(lambda: grouped_experts(x, local, wts, b13, b2), a.reps),
+               "max_rel_diff": float((got - ref).abs().max() / ref.abs().max())}
+        row["fp8_GBps"] = distinct * per_expert / row["fp8_grouped_ms"] / 1e6
+        rows.append(row)
+        print(f"T {T:5d}: {distinct:3d} experts; fp8 grouped {row['fp8_grouped_ms']:.3f} ms ({row['fp8_GBps']:.0f} GB/s), "
+              f"dequantised + grouped {row['dequantised_ms']:.3f} ms, bf16 grouped {row['bf16_grouped_ms']:.3f} ms; "
+              f"max rel diff {row['max_rel_diff']:.2e}", flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": a.tp, "I": I,
+                                 "configs": [fp8_grouped.GATE_UP, fp8_grouped.DOWN], "rows": rows}, indent=1))
+    print(f"→ {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

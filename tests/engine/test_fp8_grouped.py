@@ -1,0 +1,80 @@
+"""splitspec.models.fp8_grouped's W8A16 grouped kernels against experts computed in float64 from FP8 weights
+dequantised by hand here (value × its tile's scale_inv); on CPU through Triton's interpreter, on CUDA where there is
+one (the FP8 engine through them: test_fp8_engine_kernels)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
+
+from splitspec import quant
+from splitspec.models import fp8_grouped
+
+# I not a multiple of the row tile (a tile holds gate and up rows), H not of BLOCK_K's multiple 32 past one tile
+# column, pairs of another rank (−1 and E)
+T, H, I, E, TOP_K, BLOCK = 21, 96, 40, 5, 3, (16, 32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = ((16, 32, 32, 2, 1), (16, 16, 16, 1, 1))
+
+
+def by_hand(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float64 weight: each element × the scale_inv of its (row // B0, column // B1) tile."""
+    r = torch.arange(w.shape[1]) // BLOCK[0]
+    c = torch.arange(w.shape[2]) // BLOCK[1]
+    return w.double() * s.double()[:, r][:, :, c]
+
+
+def fp8_weights(g: torch.Generator, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(E, rows, cols, generator=g) * torch.rand(E, rows, 1, generator=g) * 0.3
+    return quant.quantize_fp8(w, BLOCK)
+
+
+def reference(x, local, weights, w13, s13, w2, s2) -> torch.Tensor:
+    a, b = by_hand(w13, s13), by_hand(w2, s2)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(TOP_K):
+            e = int(local[t, slot])
+            if 0 <= e < E:
+                h = a[e] @ x[t].double()
+                out[t] += float(weights[t, slot]) * (b[e] @ (F.silu(h[:I]) * h[I:]))
+    return out
+
+
+def inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    local = torch.randint(-1, E + 1, (T, TOP_K), generator=g)  # −1 and E: another rank's experts
+    local[0] = torch.tensor([0, 0, 0])  # one expert chosen by every slot of a token
+    weights = torch.rand(T, TOP_K, generator=g)
+    return (x, local, weights, *fp8_weights(g, 2 * I, H), *fp8_weights(g, H, I))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernels_match_hand_dequantised_float64(seed):
+    x, local, weights, w13, s13, w2, s2 = inputs(seed)
+    want = reference(x, local, weights, w13, s13, w2, s2)
+    dev = [t.to(DEVICE) for t in (x, local, weights, w13, s13, w2, s2)]
+    if DEVICE == "cuda":
+        dev[0] = dev[0].bfloat16()
+    got = fp8_grouped.fp8_grouped_experts(*dev, BLOCK, CONFIGS).cpu().double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (2e-2 if DEVICE == "cuda" else 1e-5), err
+
+
+def test_bad_weights_scales_and_configs_are_named():
+    x, local, weights, w13, s13, w2, s2 = inputs(0)
+    with pytest.raises(ValueError, match=r"w13 scale_inv \[5, 4, 3\], expected \[5, 5, 3\]"):
+        fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13[:, :4], w2, s2, BLOCK, CONFIGS)
+    with pytest.raises(ValueError, match="expected float8_e4m3fn"):
+        fp8_grouped.fp8_grouped_experts(x, local, weights, w13.float(), s13, w2, s2, BLOCK, CONFIGS)
+    with pytest.raises(ValueError, match="down config BLOCK_M 16, BLOCK_N 16, BLOCK_K 24"):
+        fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13, w2, s2, BLOCK, (CONFIGS[0], (16, 16, 24, 1, 1)))
+
