@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="functions per profile table")
     ap.add_argument("--steps", type=int, default=0, metavar="N", help="whole scheduler steps instead, requests of N tokens")
     a = ap.parse_args(argv)
-    if a.reps < 1:
-        ap.error(f"--reps {a.reps}: expected at least 1")
+    if a.reps < 1 or a.top < 1:
+        ap.error(f"--reps {a.reps}, --top {a.top}: expected at least 1 each")
     if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1):
         ap.error("--ks at most 8 (at least 1 without --steps)")
     if a.steps < 0:

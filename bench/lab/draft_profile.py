@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0, else cpu with --small)")
     a = ap.parse_args(argv)
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {device}: no CUDA GPU here (pass --small to check the logic on the CPU)")
     if not device.startswith("cuda") and not a.small:
         ap.error("no GPU here: pass --small to check the logic on the CPU")
     if a.compile != "off" and not device.startswith("cuda"):

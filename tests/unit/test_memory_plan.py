@@ -61,14 +61,15 @@ def test_k25_dequantised_to_bf16_is_refused_in_one_line(capsys, gib):
 
 def test_k2_instruct_fp8_tp8_fits_h200s_with_its_experts_read_as_fp8(capsys):
     """FP8-kept experts past the fused kernels' 16 tokens take the W8A16 grouped kernels on a GPU: a prefill chunk's
-    transients are its pairs' activations and outputs (T = 512 + 8 · 9 tokens, 8 pairs each: act 256 bf16 + out
-    7168 float32 per pair, plus 8 bytes per token and hidden unit), not the 12 bytes per element of every expert's
-    w13 that dequantising them would take (16.9 GB per GPU)."""
+    transients are its pairs' activations and outputs (T = 512 + 8 tokens: a prefill chunk and a decode step of
+    each sequence, no drafter; 8 pairs each: act 256 bf16 + out 7168 float32 per pair, plus 8 bytes per token and
+    hidden unit), not the 12 bytes per element of every expert's w13 that dequantising them would take (16.9 GB per
+    GPU)."""
     rc, out, err = plan(capsys, FIXTURES / "kimi-k2-instruct", "--tp", "8", "--gpu-memory-gib", "140",
                         "--max-batch-size", "8", "--max-seq-len", "4096")
     assert rc == 0, err
     assert "fp8 weights" in out and "fits: yes" in out
-    T = 512 + 8 * 9
+    T = 512 + 8
     grouped = T * 8 * (2 * 256 + 4 * 7168) + 8 * T * 7168
     assert grouped / GIB < row(out, "activations (eager peak)")[0] < 1.0
     rc, out, err = plan(capsys, FIXTURES / "kimi-k2-instruct", "--tp", "8", "--gpu-memory-gib", "95.5",

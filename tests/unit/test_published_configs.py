@@ -209,6 +209,14 @@ def test_more_experts_per_token_than_experts_is_refused():
         TargetConfig.from_hf(cfg)
 
 
+def test_inspect_names_a_missing_path_a_file_and_a_folder_without_a_config(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for path, why in ((tmp_path / "none", "not found"), (tmp_path / "f", "not a folder"),
+                      (tmp_path, "no config.json \\(or engine.json\\)")):
+        with pytest.raises(CheckpointError, match=f"^{path}: {why}"):
+            inspect_checkpoint(path)
+
+
 def test_parameter_counts_read_in_the_unit_they_round_to():
     from splitspec.convert.describe import _human_count
 

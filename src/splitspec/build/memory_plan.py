@@ -13,7 +13,7 @@ Per GPU g (target rank g):
   num_key_value_heads / draft_tp × head_dim × activation bytes.
 - **CUDA-graph pool** (estimate; :class:`splitspec.engine.graphs.GraphCache`, one pool per device shared by its
   graphs, so it holds the largest graph's intermediates plus every graph's outputs): steady cycles at the batch
-  bucket Bp ≥ max_batch_size, n = max_draft_len + 1 tokens per sequence and the key window S = max_seq_len
+  bucket Bp ≥ max_batch_size, n = max_draft_len + 1 tokens per sequence (1 without a drafter) and the key window S = max_seq_len
   rounded to blocks. Target verify: window gather Bp·S·(kv_lora + rope), scores Bp·(heads/N)·n·S in float32
   (twice) and in the activation dtype, the MoE's grouped GEMM buffers T·top_k·(2H + 3·I_e/moe_tp) when T = Bp·n
   is above the fused kernels' 16 tokens (FP8- and INT4-kept experts on a GPU instead the W8A16 / W4A16 grouped
@@ -169,9 +169,14 @@ def _target_forward(cfg: TargetConfig, mapping: Mapping, fmt: WeightFormat, toke
     return layer + 6 * tokens * H * act + 2 * logit_rows * cfg.vocab_size * 4
 
 
+def _tokens_per_sequence(dcfg, dep: Deployment) -> int:
+    """Tokens a steady cycle verifies per sequence: max_draft_len + 1, or 1 without a drafter (no speculation)."""
+    return dep.max_draft_len + 1 if dcfg is not None else 1
+
+
 def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> int:
     act, H, lat = _act_bytes(fmt), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    bp, n = _bucket(dep.max_batch_size), dep.max_draft_len + 1
+    bp, n = _bucket(dep.max_batch_size), _tokens_per_sequence(dcfg, dep)
     S = -(-dep.max_seq_len // BLOCK_SIZE) * BLOCK_SIZE
     T, heads = bp * n, cfg.num_attention_heads // mapping.tp_size
     attention = bp * S * lat * act + bp * heads * n * S * (8 + act)
@@ -190,7 +195,7 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> 
 def _eager(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool, on_gpu: bool, dequant: int = 0) -> tuple[int, int]:
     """(eager forward peak, aux states kept for the drafter) on one GPU."""
     act, H, L = _act_bytes(fmt), cfg.hidden_size, dep.max_seq_len
-    n, heads, c = dep.max_draft_len + 1, cfg.num_attention_heads // mapping.tp_size, min(dep.max_prefill_tokens, L)
+    n, heads, c = _tokens_per_sequence(dcfg, dep), cfg.num_attention_heads // mapping.tp_size, min(dep.max_prefill_tokens, L)
     lat = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     T = dep.max_prefill_tokens + dep.max_batch_size * n
     attention = 2 * L * heads * lat * 4 + 2 * heads * c * L * 4

@@ -279,6 +279,8 @@ def inspect_checkpoint(path: Path, target: Path | None = None, aux_convention: s
         CheckpointError: not a folder with a config this project reads.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: {'not a folder' if path.exists() else 'not found'} (expected a checkpoint folder)")
     for name in ("engine.json", "config.json"):
         if (path / name).exists():
             raw = read_json(path / name)

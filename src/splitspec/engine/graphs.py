@@ -82,6 +82,8 @@ class GraphCache:
         cycle)."""
         entry = self.host.get(key)
         if entry is None:
+            if any(d < 0 for shape in shapes for d in shape):
+                raise ValueError(f"graph {key}: staging shapes {shapes} have a negative dimension")
             flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64, pin_memory=self.cuda)
             entry = self.host[key] = (flat, field_views(flat.numpy(), shapes), torch.cuda.Event() if self.cuda else None,
                                       tuple(map(tuple, shapes)))
