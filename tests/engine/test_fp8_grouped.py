@@ -19,7 +19,7 @@ from splitspec.models import fp8_grouped
 
 # I not a multiple of the row tile (a tile holds gate and up rows), H not of BLOCK_K's multiple 32 past one tile
 # column, pairs of another rank (−1 and E)
-T, H, I, E, TOP_K, BLOCK = 21, 96, 40, 5, 3, (16, 32)
+T, H, I, E, TOP_K, BLOCK = 9, 96, 40, 5, 3, (16, 32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = ((16, 32, 32, 2, 1), (16, 16, 16, 1, 1))
 
@@ -57,9 +57,8 @@ def inputs(seed: int):
     return (x, local, weights, *fp8_weights(g, 2 * I, H), *fp8_weights(g, H, I))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_kernels_match_hand_dequantised_float64(seed):
-    x, local, weights, w13, s13, w2, s2 = inputs(seed)
+def test_kernels_match_hand_dequantised_float64():
+    x, local, weights, w13, s13, w2, s2 = inputs(0)
     want = reference(x, local, weights, w13, s13, w2, s2)
     dev = [t.to(DEVICE) for t in (x, local, weights, w13, s13, w2, s2)]
     if DEVICE == "cuda":

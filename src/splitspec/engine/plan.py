@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitspec.errors import SplitspecError
+
+if TYPE_CHECKING:  # the Triton stubs import this module: no torch there
+    import torch
 
 # Workers wait for the next cycle plan on a control group of their own: an idle server may wait for
 # requests indefinitely (a leader that dies closes the connection, which ends the wait at once).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
-from splitspec.models.grouped_moe import _block_pairs, expert_blocks
+from splitspec.models.grouped_moe import block_pairs, expert_blocks
 
 #: (BLOCK_M pairs, BLOCK_N rows, BLOCK_K columns, num_warps, num_stages) of the gate/up and down kernels.
 GATE_UP = (32, 64, 128, 4, 3)
@@ -45,22 +45,35 @@ def _scaled_rows(acc, w_ptr, s_ptr, rows, rmask, k0, K, xb, stride_wn, stride_sn
 
 
 @jit
+def _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M: tl.constexpr):
+    """This program's block: (expert, or −1 past the last block; its pair indices [BLOCK_M] int64 and mask; the
+    expert's weight and scale pointers)."""
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    pair, pm = block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
+    return e, pair, pm, w_ptr + tl.maximum(e, 0) * stride_we, s_ptr + tl.maximum(e, 0) * stride_se
+
+
+@jit
+def _rows_tile(a_ptr, rows, rmask, k0, K, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+    """Columns k0..k0+BLOCK_K of rows ``rows`` of a [*, K] tensor, transposed: the right operand [BLOCK_K, BLOCK_M]."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return _operand(tl.load(a_ptr + rows[None, :] * K + k[:, None], mask=(k < K)[:, None] & rmask[None, :], other=0.0), F32)
+
+
+@jit
 def _gate_up(x_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, act_ptr, H, I, top_k, stride_we, stride_wn,
              stride_se, stride_sn, B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, F32: tl.constexpr):
     """act [P, I] = silu(gate) · up of each pair (row t·top_k + slot); x [T, H]."""
-    b = tl.program_id(0)
+    e, pair, pm, w, s = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
+    nm = n < I
     if e >= 0:
-        pair, pm = _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
-        w, s, nm = w_ptr + e * stride_we, s_ptr + e * stride_se, n < I
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xb = tl.load(x_ptr + (pair // top_k)[None, :] * H + k[:, None], mask=(k < H)[:, None] & pm[None, :], other=0.0)
-            xb = _operand(xb, F32)
+            xb = _rows_tile(x_ptr, pair // top_k, pm, k0, H, BLOCK_K, F32)
             acc_g = _scaled_rows(acc_g, w, s, n, nm, k0, H, xb, stride_wn, stride_sn, B0, B1, BLOCK_K, F32)
             acc_u = _scaled_rows(acc_u, w, s, n + I, nm, k0, H, xb, stride_wn, stride_sn, B0, B1, BLOCK_K, F32)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -72,17 +85,14 @@ def _down(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, w_ptr, s
           stride_se, stride_sn, B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, F32: tl.constexpr):
     """out [P, H] float32: each pair's routing weight · W2[e] act, at row t·top_k + slot."""
-    b = tl.program_id(0)
+    e, pair, pm, w, s = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
+    nm = n < H
     if e >= 0:
-        pair, pm = _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
-        w, s, nm = w_ptr + e * stride_we, s_ptr + e * stride_se, n < H
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ab = tl.load(act_ptr + pair[None, :] * I + k[:, None], mask=(k < I)[:, None] & pm[None, :], other=0.0)
-            acc = _scaled_rows(acc, w, s, n, nm, k0, I, _operand(ab, F32), stride_wn, stride_sn, B0, B1, BLOCK_K, F32)
+            ab = _rows_tile(act_ptr, pair, pm, k0, I, BLOCK_K, F32)
+            acc = _scaled_rows(acc, w, s, n, nm, k0, I, ab, stride_wn, stride_sn, B0, B1, BLOCK_K, F32)
         wt = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(out_ptr + pair[None, :] * H + n[:, None], acc * wt[None, :], mask=nm[:, None] & pm[None, :])
 

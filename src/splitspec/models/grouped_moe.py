@@ -107,7 +107,7 @@ def expert_blocks(local: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 @jit
-def _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M: tl.constexpr):
+def block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M: tl.constexpr):
     """(pair indices [BLOCK_M] int64, mask) of block b."""
     m = tl.arange(0, BLOCK_M)
     mask = m < tl.load(bcount_ptr + b)
@@ -123,7 +123,7 @@ def _gate_up_grouped(xp_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, p_ptr,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
-        pair, pm = _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
+        pair, pm = block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
         x_cols = xp_ptr + (pair // top_k)[None, :] * H
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -155,7 +155,7 @@ def _down_grouped(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, 
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
-        pair, pm = _block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
+        pair, pm = block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
         packed, scales = p_ptr + e * stride_pe, s_ptr + e * stride_se
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):

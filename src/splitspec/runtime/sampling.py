@@ -14,45 +14,10 @@ drafts' probabilities, and the index :func:`draw` finds by inverse transform on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from splitspec.errors import ConfigError
-
-
-MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows float32: ask for greedy (0) instead
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding parameters.
-
-    temperature: 0 = greedy (token-for-token identical to target-only greedy decoding).
-    top_k: keep the k most likely tokens (0 = all). top_p: nucleus mass in (0, 1].
-    seed: seeds the request's generator (reproducible for a given deployment), None = random.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def check(self) -> None:
-        """Raise ConfigError naming the field unless every value has the right type and range."""
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-        if not num(self.temperature) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100):
-            raise ConfigError(f"temperature = {self.temperature!r}, expected 0 (greedy) or {MIN_TEMPERATURE}..100")
-        if not num(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p = {self.top_p!r}, expected a number with 0 < top_p ≤ 1")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ConfigError(f"top_k = {self.top_k!r}, expected an integer ≥ 0 (0 = no limit)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
-            raise ConfigError(f"seed = {self.seed!r}, expected an integer in [0, 2^63)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from splitspec.runtime.types import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -302,8 +302,7 @@ def parse_request(inputs: Inputs, max_tokens_limit: int, timeout_cap_s: float | 
         ConfigError: naming the input that is missing, empty, out of range, not one value, or set to a value
             this server does not support.
     """
-    from splitspec.runtime.sampling import SamplingParams
-    from splitspec.runtime.types import Request
+    from splitspec.runtime.types import Request, SamplingParams
 
     ids = inputs.get("input_ids")
     if ids is None:
