@@ -45,6 +45,7 @@ import argparse
 import gc
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -348,8 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0, else cpu with --small)")
     a = ap.parse_args(argv)
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        ap.error(f"--device {device}: expected cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {device}: no CUDA GPU here (pass --small to check the logic on the CPU)")
+        ap.error(f"--device {device}: no CUDA GPU here (--device cpu --small checks the logic on the CPU)")
     if not device.startswith("cuda") and not a.small:
         ap.error("no GPU here: pass --small to check the logic on the CPU")
     if a.compile != "off" and not device.startswith("cuda"):

@@ -50,15 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"))
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("fp8_grouped_bench: needs a CUDA GPU")
     try:
         tokens = [int(t) for t in a.tokens.split(",")]
     except ValueError:
-        sys.exit(f"fp8_grouped_bench: --tokens {a.tokens!r}: expected a comma list of integers")
-    if a.tp < 1 or I_FULL % (a.tp * BLOCK[0]) or a.reps < 1 or min(tokens) < 17:
-        sys.exit(f"fp8_grouped_bench: --tp {a.tp} must slice {I_FULL} into whole {BLOCK[0]}-row tiles, --reps ≥ 1, "
-                 f"--tokens each > 16")
+        ap.error(f"--tokens {a.tokens!r}: expected a comma list of integers")
+    if min(tokens) < 17:
+        ap.error(f"--tokens {a.tokens}: each above 16 (the fused kernels take up to 16)")
+    if a.tp < 1 or I_FULL % (a.tp * BLOCK[0]):
+        ap.error(f"--tp {a.tp}: expected a split of I = {I_FULL} into whole {BLOCK[0]}-row tiles (1, 2, 4, 8 or 16)")
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: expected at least 1")
+    if not torch.cuda.is_available():
+        sys.exit("fp8_grouped_bench: needs a CUDA GPU")
     I, dev, g = I_FULL // a.tp, "cuda", torch.Generator(device="cuda").manual_seed(0)
     w13, s13 = quant.quantize_fp8(torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02, BLOCK)
     w2, s2 = quant.quantize_fp8(torch.randn(E, H, I, device=dev, generator=g) * 0.02, BLOCK)

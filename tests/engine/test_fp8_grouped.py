@@ -68,12 +68,25 @@ def test_kernels_match_hand_dequantised_float64():
     assert err < (2e-2 if DEVICE == "cuda" else 1e-5), err
 
 
-def test_bad_weights_scales_and_configs_are_named():
+def test_bad_arguments_are_named_before_any_kernel_runs():
     x, local, weights, w13, s13, w2, s2 = inputs(0)
-    with pytest.raises(ValueError, match=r"w13 scale_inv \[5, 4, 3\], expected \[5, 5, 3\]"):
-        fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13[:, :4], w2, s2, BLOCK, CONFIGS)
-    with pytest.raises(ValueError, match="expected float8_e4m3fn"):
-        fp8_grouped.fp8_grouped_experts(x, local, weights, w13.float(), s13, w2, s2, BLOCK, CONFIGS)
-    with pytest.raises(ValueError, match="down config BLOCK_M 16, BLOCK_N 16, BLOCK_K 24"):
-        fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13, w2, s2, BLOCK, (CONFIGS[0], (16, 16, 24, 1, 1)))
-
+    good = dict(x=x, local=local, weights=weights, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, block=BLOCK, configs=CONFIGS)
+    cases = [
+        (dict(x=x[:, :-8]), r"x float32 \[9, 88\], expected a float \[T, 96\] \(w13's H\)"),
+        (dict(x=x.int()), r"x int32 \[9, 96\], expected a float"),
+        (dict(local=local[:5]), r"local int64 \[5, 3\], expected integer expert ids \[9, top_k\]"),
+        (dict(local=local.float()), "local float32"),
+        (dict(weights=weights[:, :2]), r"weights float32 \[9, 2\], expected float routing weights of local's shape"),
+        (dict(w13=w13.float()), r"w13 float32 \[5, 80, 96\], expected float8_e4m3fn \[E ≥ 1, 2·I, H\]"),
+        (dict(w2=w2[:, :, :8]), r"w2 float8_e4m3fn \[5, 96, 8\], expected float8_e4m3fn \[5, 96, 40\]"),
+        (dict(w13_scale=s13[:, :4]), r"w13 scale_inv float32 \[5, 4, 3\], expected float32 \[5, 5, 3\]"),
+        (dict(w2_scale=s2.half()), r"w2 scale_inv float16"),
+        (dict(block=(0, 32)), r"block \(0, 32\), expected two positive integers"),
+        (dict(block=(16.9, 32)), r"block \(16.9, 32\)"),
+        (dict(configs=(CONFIGS[0], (16, 16, 24, 1, 1))), r"down config \(16, 16, 24, 1, 1\)"),
+        (dict(configs=((24, 32, 32, 2, 1), CONFIGS[1])), r"gate_up config \(24, 32, 32, 2, 1\).*powers of two"),
+        (dict(configs=((16, 32, 32), CONFIGS[1])), r"gate_up config \(16, 32, 32\)"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match="^FP8 grouped experts: " + message):
+            fp8_grouped.fp8_grouped_experts(**(good | change))

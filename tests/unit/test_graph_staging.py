@@ -24,8 +24,9 @@ def test_one_staging_buffer_per_key_reused_and_fields_back_to_back():
         cache.staging(("draft", 1), ((2, 4), (4,)))
     with pytest.raises(ValueError, match="differ from its first call"):  # the same size, other fields
         cache.staging(("draft", 1), ((3, 2), (4,)))
-    with pytest.raises(ValueError, match=r"graph \('draft', 2\): staging shapes .* have a negative dimension"):
-        cache.staging(("draft", 2), ((2, -3), (4,)))
+    for bad in (((2, -3), (4,)), ((2.0, 3),), (("2", 3),), ((True, 3),)):
+        with pytest.raises(ValueError, match=r"graph \('draft', 2\): staging shapes .*, expected tuples of integers ≥ 0"):
+            cache.staging(("draft", 2), bad)
 
 
 def test_eager_run_moves_inputs_and_no_shared_buffers_off_the_gpu():

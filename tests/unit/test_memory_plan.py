@@ -131,6 +131,9 @@ def _broken(tmp_path: Path, drop: str) -> Path:
     ("tp", ["--tp", "3"], "num_attention_heads = 64 is not divisible by 3"),
     ("draft tp", ["--tp", "8", "--draft-tp", "2"], "draft-tp = 2: expected 1 (drafter on GPU 0) or the target's tp 8"),
     ("long", ["--tp", "8", "--max-seq-len", "300000"], "max-seq-len = 300000 exceeds the target's max_position_embeddings"),
+    ("negative k", ["--tp", "8", "--max-draft-len", "-1"], "max-draft-len = -1, expected an integer ≥ 0 (0: no speculation)"),
+    ("k 0 with a drafter", ["--tp", "8", "--drafter", str(DRAFTER), "--max-draft-len", "0"],
+     "max-draft-len = 0 with a drafter: expected at least 1"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, case, args, expect):
     target = _broken(tmp_path, "hidden_size") if case == "missing field" else K25

@@ -88,7 +88,8 @@ class Deployment:
         for name in ("tp", "ep", "max_batch_size", "max_seq_len", "max_draft_len", "max_prefill_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_draft_len" else 1):
-                raise ConfigError(f"{name.replace('_', '-')} = {v!r}, expected a positive integer")
+                want = "an integer ≥ 0 (0: no speculation)" if name == "max_draft_len" else "a positive integer"
+                raise ConfigError(f"{name.replace('_', '-')} = {v!r}, expected {want}")
         if self.draft_tp not in (1, self.tp):
             raise ConfigError(f"draft-tp = {self.draft_tp}: expected 1 (drafter on GPU 0) or the target's tp {self.tp}")
         if self.max_seq_len > cfg.max_position_embeddings:
@@ -259,6 +260,9 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
         ConfigError: a bad deployment field, or a TP/EP size that does not divide the config.
     """
     mapping = dep.check(cfg)
+    if dcfg is not None and dep.max_draft_len == 0:
+        raise ConfigError("max-draft-len = 0 with a drafter: expected at least 1 (build refuses engines that cannot "
+                          "draft; plan without --drafter for no speculation)")
     act, rows = _act_bytes(fmt), dep.kv_rows
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp

@@ -82,8 +82,8 @@ class GraphCache:
         cycle)."""
         entry = self.host.get(key)
         if entry is None:
-            if any(d < 0 for shape in shapes for d in shape):
-                raise ValueError(f"graph {key}: staging shapes {shapes} have a negative dimension")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for shape in shapes for d in shape):
+                raise ValueError(f"graph {key}: staging shapes {shapes}, expected tuples of integers ≥ 0")
             flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64, pin_memory=self.cuda)
             entry = self.host[key] = (flat, field_views(flat.numpy(), shapes), torch.cuda.Event() if self.cuda else None,
                                       tuple(map(tuple, shapes)))

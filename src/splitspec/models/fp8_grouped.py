@@ -97,23 +97,45 @@ def _down(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, w_ptr, s
         tl.store(out_ptr + pair[None, :] * H + n[:, None], acc * wt[None, :], mask=nm[:, None] & pm[None, :])
 
 
-def check(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: tuple[int, int],
-          configs: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
-    """Raise ValueError naming what disagrees: weights not float8_e4m3fn [E, 2I, H] / [E, H, I], scales not one per
-    tile, a config's BLOCK_K not dividing the tile's B1 or blocks under 16."""
+def _shape(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def check(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+          w2: torch.Tensor, s2: torch.Tensor, block, configs) -> tuple[int, int]:
+    """The tile (B0, B1) as ints, after checking every argument of :func:`fp8_grouped_experts`. Raises ValueError
+    naming the first that disagrees: x not float [T, H]; local not integer [T, top_k]; weights not float of local's
+    shape; w13 / w2 not float8_e4m3fn [E ≥ 1, 2·I, H] / [E, H, I]; a scale_inv not float32 one per tile; block not two
+    positive integers; a config not 5 positive integers with BLOCK_M, BLOCK_N, BLOCK_K powers of two ≥ 16 and
+    BLOCK_K dividing B1."""
+    err = lambda what: ValueError(f"FP8 grouped experts: {what}")  # noqa: E731
+    if w13.dim() != 3 or w13.dtype != torch.float8_e4m3fn or w13.shape[0] < 1 or w13.shape[1] % 2:
+        raise err(f"w13 {_shape(w13)}, expected float8_e4m3fn [E ≥ 1, 2·I, H]")
     E, I2, H = w13.shape
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn or I2 % 2 or tuple(w2.shape) != (E, H, I2 // 2):
-        raise ValueError(f"FP8 grouped experts: w13 {w13.dtype} {list(w13.shape)} and w2 {w2.dtype} {list(w2.shape)}, "
-                         f"expected float8_e4m3fn [E, 2·I, H] and [E, H, I]")
+    if w2.dtype != torch.float8_e4m3fn or tuple(w2.shape) != (E, H, I2 // 2):
+        raise err(f"w2 {_shape(w2)}, expected float8_e4m3fn {[E, H, I2 // 2]} (w13's E, H, I)")
+    if x.dim() != 2 or not x.is_floating_point() or x.shape[1] != H:
+        raise err(f"x {_shape(x)}, expected a float [T, {H}] (w13's H)")
+    if local.dim() != 2 or local.is_floating_point() or local.dtype == torch.bool or local.shape[0] != x.shape[0]:
+        raise err(f"local {_shape(local)}, expected integer expert ids [{x.shape[0]}, top_k] (x's T)")
+    if not weights.is_floating_point() or weights.shape != local.shape:
+        raise err(f"weights {_shape(weights)}, expected float routing weights of local's shape {list(local.shape)}")
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
+    if len(block) != 2 or not all(map(ok, block)):
+        raise err(f"block {tuple(block)!r}, expected two positive integers (the tile's rows, columns)")
     B0, B1 = block
-    for name, w, s in (("w13", w13, s13), ("w2", w2, s2)):
-        want = (E, -(-w.shape[1] // B0), -(-w.shape[2] // B1))
-        if tuple(s.shape) != want:
-            raise ValueError(f"FP8 grouped experts: {name} scale_inv {list(s.shape)}, expected {list(want)} ({B0}×{B1} tiles)")
-    for name, (bm, bn, bk, *_) in zip(("gate_up", "down"), configs):
-        if bm < 16 or bn < 16 or bk < 16 or B1 % bk:
-            raise ValueError(f"FP8 grouped experts: {name} config BLOCK_M {bm}, BLOCK_N {bn}, BLOCK_K {bk}: each ≥ 16, "
-                             f"BLOCK_K dividing the tile's {B1} columns")
+    for name, w, sc in (("w13", w13, s13), ("w2", w2, s2)):
+        want = [E, -(-w.shape[1] // B0), -(-w.shape[2] // B1)]
+        if sc.dtype != torch.float32 or list(sc.shape) != want:
+            raise err(f"{name} scale_inv {_shape(sc)}, expected float32 {want} (one per {B0}×{B1} tile)")
+    if len(configs) != 2:
+        raise err(f"configs {configs!r}, expected (gate_up, down)")
+    for name, c in zip(("gate_up", "down"), configs):
+        pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+        if len(c) != 5 or not all(map(ok, c)) or not all(map(pow2, c[:3])) or B1 % c[2]:
+            raise err(f"{name} config {tuple(c)!r}, expected (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): "
+                      f"positive integers, the blocks powers of two ≥ 16, BLOCK_K dividing the tile's {B1} columns")
+    return B0, B1
 
 
 @torch.library.custom_op("splitspec::fp8_grouped_experts", mutates_args=())
@@ -158,8 +180,7 @@ def fp8_grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Ten
     num_stages)."""
     if not available():
         raise RuntimeError("FP8 grouped experts need Triton (it comes with CUDA builds of PyTorch)")
-    block = (int(block[0]), int(block[1]))
-    check(w13, w13_scale, w2, w2_scale, block, configs)
+    block = check(x, local, weights, w13, w13_scale, w2, w2_scale, tuple(block), tuple(map(tuple, configs)))
     return _fp8_grouped_op(x, local, weights, w13, w13_scale, w2, w2_scale, list(block), list(configs[0]), list(configs[1]))
 
 
