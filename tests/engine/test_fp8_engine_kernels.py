@@ -70,9 +70,14 @@ def test_fp8_engine_moe_through_the_grouped_kernels(built, prompt):
     eng = built("fp8", dtype="fp8")
     ref, _ = engine_logits(eng, prompt[:2])
     calls = []
-    op = fp8_grouped.fp8_grouped_experts
-    with patch.object(fp8_grouped, "use_grouped", lambda x: True), \
-            patch.object(fp8_grouped, "fp8_grouped_experts", lambda *a, **kw: calls.append(a[0].shape[0]) or op(*a, **kw)):
+    real = fp8_grouped.unchecked
+
+    def counted(*args):  # the engine's arguments pass the public entry's checks too
+        fp8_grouped.check(*args, (fp8_grouped.GATE_UP, fp8_grouped.DOWN))
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    with patch.object(fp8_grouped, "use_grouped", lambda x: True), patch.object(fp8_grouped, "unchecked", counted):
         got, _ = engine_logits(eng, prompt[:2])
     print(f"fp8 grouped experts, 2 tokens: vs dequantised logits max |Δ| {(got - ref).abs().max():.3g}, "
           f"mean {(got - ref).abs().mean():.3g}")

@@ -190,7 +190,7 @@ class TargetModel:
         which read FP8-kept weights as FP8 (a shared expert left outside them goes through :meth:`mlp`). Otherwise
         :func:`noaux_tc_route`, the shared expert as a SwiGLU and the routed ones as grouped GEMMs
         (:func:`grouped_experts`); FP8-kept experts on a GPU as W8A16 grouped GEMMs
-        (:func:`splitspec.models.fp8_grouped.fp8_grouped_experts`), on the CPU dequantised per call. INT4-kept experts: the same routing, the
+        (:func:`splitspec.models.fp8_grouped.unchecked`), on the CPU dequantised per call. INT4-kept experts: the same routing, the
         shared expert as a SwiGLU, the routed ones by :func:`splitspec.models.int4_routed.routed_experts`; for a few
         CUDA tokens and a bf16 shared expert all in :func:`splitspec.models.int4_layer.moe_layer` (shared expert on a
         side stream)."""
@@ -211,7 +211,7 @@ class TargetModel:
             weights, ids = noaux_tc_route(x, gate, bias, c)
             y = self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else torch.zeros_like(x)
             if "mlp.experts.w13.scale_inv" in lw and fp8_grouped.use_grouped(x):
-                return y + fp8_grouped.fp8_grouped_experts(x, ids - self.expert_start, weights, *(
+                return y + fp8_grouped.unchecked(x, ids - self.expert_start, weights, *(
                     lw[n + s] for n in experts for s in ("", ".scale_inv")), self.fp8_block)
             w13, w2 = (quant.dequantize_fp8(lw[n], lw[n + ".scale_inv"], self.fp8_block, x.dtype) if n + ".scale_inv" in lw
                        else lw[n] for n in experts)
