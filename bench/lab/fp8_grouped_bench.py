@@ -3,9 +3,9 @@
 (:mod:`splitspec.models.fp8_grouped`) against what they replace — every expert of the rank dequantised per call, then
 ``grouped_experts``'s bf16 grouped GEMM — and against that grouped GEMM on weights already in bf16 (twice the bytes,
 no dequantisation). Synthetic weights at Kimi-K2's shapes (H 7168, 384 experts × I 2048 sliced ``--tp`` ways, top 8,
-128 × 128 tiles), random routing; per token count: median ms of ``--reps`` calls, the distinct experts chosen, the
-kernels' effective FP8 bandwidth (bytes of the chosen experts' weights and scales / time) and the largest relative
-difference from the dequantised path::
+128 × 128 tiles), random routing; per token count: median ms of a call (``--reps`` replays of a CUDA graph of two),
+the distinct experts chosen, the kernels' effective FP8 bandwidth (bytes of the chosen experts' weights and scales /
+time) and the largest relative difference from the dequantised path::
 
     PYTHONPATH=src python3 bench/lab/fp8_grouped_bench.py --tp 8 --tokens 17,64,256,1024 --out results/fp8_grouped.json
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,28 +25,17 @@ from splitspec import quant
 from splitspec.models import fp8_grouped
 from splitspec.models.grouped_moe import grouped_experts
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for lab.gpu_kernels
+from lab.gpu_kernels import timed_graph
+
 H, I_FULL, E, TOP_K, BLOCK = 7168, 2048, 384, 8, (128, 128)
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=8, help="expert-TP ways: each expert's intermediate width I / tp")
     ap.add_argument("--tokens", default="17,64,256,1024", help="comma list of token counts (each > 16)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="CUDA-graph replays timed per variant")
     ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"))
     a = ap.parse_args(argv)
     try:
@@ -82,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
         ref, got = dequantised().float(), kernels().float()
         distinct = int(local.unique().numel())
-        row = {"tokens": T, "distinct_experts": distinct, "fp8_grouped_ms": timed(kernels, a.reps),
-               "dequantised_ms": timed(dequantised, a.reps),
-               "bf16_grouped_ms": timed(lambda: grouped_experts(x, local, wts, b13, b2), a.reps),
+        row = {"tokens": T, "distinct_experts": distinct, "fp8_grouped_ms": timed_graph(kernels, 2, a.reps),
+               "dequantised_ms": timed_graph(dequantised, 2, a.reps),
+               "bf16_grouped_ms": timed_graph(lambda: grouped_experts(x, local, wts, b13, b2), 2, a.reps),
                "max_rel_diff": float((got - ref).abs().max() / ref.abs().max())}
         row["fp8_GBps"] = distinct * per_expert / row["fp8_grouped_ms"] / 1e6
         rows.append(row)
