@@ -45,8 +45,8 @@ engines: demo-models
 	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES) $(if $(DTYPE),--dtype $(DTYPE)); fi
 
 generate: engines
-	$(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check \
-	  $(if $(DEVICE_IDS),--device cuda:$(DEVICE_IDS))
+	$(strip $(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check \
+	  $(if $(DEVICE_IDS),--device cuda:$(DEVICE_IDS)))
 
 repo: engines
 	$(strip $(SPLITSPEC) repo --engines $(ENGINES) --out $(REPO) $(if $(K),-k $(K)) \

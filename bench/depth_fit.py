@@ -274,9 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         a.fit_layers = sorted({int(x) for x in a.fit_layers.split(",")})
     except ValueError:
         ap.error(f"--fit-layers {a.fit_layers!r}: expected integers, like 2,4")
-    if len(a.fit_layers) < 2 or a.fit_layers[0] < 2 or a.tp < 1 or a.cycles < 1 or a.layers < 2:
-        ap.error(f"--fit-layers {a.fit_layers}: two or more depths, each ≥ 2 (one dense layer, then MoE); --tp {a.tp}, "
-                 f"--cycles {a.cycles} ≥ 1; --layers {a.layers} ≥ 2")
+    for bad, why in ((len(a.fit_layers) < 2 or a.fit_layers[0] < 2,
+                      f"--fit-layers {a.fit_layers}: expected two or more depths, each ≥ 2 (one dense layer, then MoE)"),
+                     (a.tp < 1, f"--tp {a.tp}: expected an integer ≥ 1"),
+                     (a.cycles < 1, f"--cycles {a.cycles}: expected an integer ≥ 1"),
+                     (a.layers < 2, f"--layers {a.layers}: expected an integer ≥ 2")):
+        if bad:
+            ap.error(why)
     if a.out.exists() and not a.out.is_dir():
         ap.error(f"--out {a.out}: a file, expected a folder")
     measured = load(a.measured, "a bench/full_depth_rank.py result", ("layers", "tp", "rows", "full"),

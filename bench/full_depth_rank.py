@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -271,7 +272,8 @@ def measure_rows(a, res: dict, save, only=None) -> None:
     if not rows_to_do:
         return
     B_max, seq = max(a.batches), a.max_seq_len
-    eng_dir = write_synthetic_engines(Path(tempfile.mkdtemp()) / "engines", num_layers=a.layers, tp_size=a.tp, dtype="int4",
+    tmp = Path(tempfile.mkdtemp(prefix="full-depth-rank-"))
+    eng_dir = write_synthetic_engines(tmp / "engines", num_layers=a.layers, tp_size=a.tp, dtype="int4",
                                       max_batch_size=B_max, max_seq_len=seq, max_draft_len=max(8, max(a.ks)), tiny=a.dry_run)
     cfg = ServeConfig.from_env(engines_dir=eng_dir, target_device_ids=() if a.dry_run else (0,), padded=a.dry_run,
                                num_draft_tokens=0, max_batch_size=B_max, kv_tokens=B_max * seq,
@@ -304,6 +306,7 @@ def measure_rows(a, res: dict, save, only=None) -> None:
                 save()
     finally:
         group.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def parse_grid(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:

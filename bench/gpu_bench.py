@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -333,7 +334,7 @@ def main() -> None:
                 skip.add("experts" if name == "distinct_experts" else name)
         if "rows" in RESULTS.get("allreduce", {}):
             RESULTS["allreduce"]["rows"] = {int(n): v for n, v in RESULTS["allreduce"]["rows"].items()}
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     if "correctness" not in skip:
         section("correctness", out)(correctness)()
     if "bandwidth" not in skip:
@@ -372,6 +373,7 @@ def main() -> None:
                                                     [int(x) for x in a.k.split(",")], RESULTS[key]["rows"], a.cycles, a.tune_loads, a.dry_run)
                 section("switch_cost", out)(switch_cost)(tmp, tp, m, max(int(x) for x in a.batches.split(",")), 3, a.cycles,
                                                          dry_run=a.dry_run)
+    shutil.rmtree(tmp, ignore_errors=True)
     print("done", flush=True)
     os._exit(0)  # leftover NCCL/gloo threads must not hold the process open
 

@@ -7,6 +7,7 @@ failed or interrupted run leaves either the old output or the new one, never a h
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -99,6 +100,8 @@ def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> Non
     (None: the umask's default, like a plain ``open``). Raises OSError as the file system does; the
     temporary file is removed then."""
     path = Path(path)
+    if path.is_dir():  # os.replace would name the temporary file
+        raise IsADirectoryError(errno.EISDIR, "a folder, expected a file path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

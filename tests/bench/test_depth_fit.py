@@ -117,7 +117,8 @@ def test_dry_run_fits_two_depths_and_reports_against_a_measurement(tmp_path, cap
     (tmp_path / "tp4.json").write_text(json.dumps(measured_at(5, {(1, 0, None): 1.0}) | {"tp": 4}))
     for bad, says in ((["--fit-layers", "2"], "two or more depths"), (["--fit-layers", "1,2"], "each ≥ 2"),
                       (["--fit-layers", "2,x"], "expected integers"), (["--measured", str(tmp_path / "tp4.json")], "TP4"),
-                      (["--resume", "--tp", "4"], "holds TP8"), (["--out", str(meas)], "a file")):
+                      (["--resume", "--tp", "4"], "holds TP8"), (["--out", str(meas)], "a file"),
+                      (["--cycles", "0"], "--cycles 0: expected an integer ≥ 1"), (["--layers", "1"], "--layers 1: expected")):
         with pytest.raises(SystemExit):
             df.main(args + ["--out", str(out)] + bad)
         assert says in capsys.readouterr().err

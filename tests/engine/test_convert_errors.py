@@ -105,6 +105,9 @@ def test_failed_build_keeps_previous_engine(pair, tmp_path):
         build_engines(tmp_path / "ckpt", tmp_path / "eng")
     assert sorted(p.name for p in (tmp_path / "eng" / "target").iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".eng")]
+    with pytest.raises(ConfigError, match=r"^max_seq_len = 10, expected ≥ max_draft_len \+ 3 = 11"):
+        build_engines(tmp_path / "ckpt", tmp_path / "eng", max_seq_len=10)  # no request could be served
+    assert sorted(p.name for p in (tmp_path / "eng" / "target").iterdir()) == before
 
 
 def test_cli_prints_one_line_error(pair, capsys):

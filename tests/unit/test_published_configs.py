@@ -217,6 +217,16 @@ def test_inspect_names_a_missing_path_a_file_and_a_folder_without_a_config(tmp_p
             inspect_checkpoint(path)
 
 
+def test_inspect_points_into_a_pair_folder_and_refuses_a_foreign_engine_json(tmp_path):
+    for sub, name in (("target", "config.json"), ("drafter", "engine.json"), ("notes", "README")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}: no config.json .*; it holds drafter, target: inspect one"):
+        inspect_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'drafter' / 'engine.json'}: format None, expected 'splitspec-"):
+        inspect_checkpoint(tmp_path / "drafter")
+
+
 def test_parameter_counts_read_in_the_unit_they_round_to():
     from splitspec.convert.describe import _human_count
 

@@ -302,6 +302,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
     for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("max_draft_len", max_draft_len)):
         if v < 1:
             raise ConfigError(f"{name} = {v}, expected a positive integer")
+    if max_seq_len < max_draft_len + 3:  # Sequence.need_tokens: a one-token prompt, one new token, k + 1 verified
+        raise ConfigError(f"max_seq_len = {max_seq_len}, expected ≥ max_draft_len + 3 = {max_draft_len + 3} (or a smaller k)")
     tmeta = _read_checkpoint_config(checkpoints / "target", "target")
     dmeta = _read_checkpoint_config(checkpoints / "drafter", "drafter")
     tcfg, mapping = TargetConfig.from_dict(tmeta["config"]), Mapping.from_dict(tmeta["mapping"])

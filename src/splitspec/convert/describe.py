@@ -286,9 +286,14 @@ def inspect_checkpoint(path: Path, target: Path | None = None, aux_convention: s
             raw = read_json(path / name)
             break
     else:
-        raise CheckpointError(f"{path}: no config.json (or engine.json) — not a checkpoint folder")
+        inner = sorted(p.name for p in path.iterdir() if (p / "config.json").exists() or (p / "engine.json").exists())
+        hint = f"; it holds {', '.join(inner)}: inspect one of them" if inner else ""
+        raise CheckpointError(f"{path}: no config.json (or engine.json) — not a checkpoint folder{hint}")
     if str(raw.get("format", "")).startswith("splitspec-"):
         return inspect_converted(path, raw)
+    if name == "engine.json":
+        raise CheckpointError(f"{path / name}: format {raw.get('format')!r}, expected 'splitspec-…' (written by "
+                              "splitspec convert or build)")
     if (raw.get("architectures") or [None])[0] in DRAFTER_ARCHS:
         return inspect_drafter(path, raw, target, aux_convention)
     return inspect_target(path, raw)
