@@ -30,13 +30,13 @@ def row(out: str, label: str) -> list[float]:
     return [float(v) for v in line[len(label) + 2:].replace("GiB", "").replace("—", "nan").split()]
 
 
-@pytest.mark.parametrize("gib", [141, 96])
-def test_k25_int4_tp8_with_tp1_drafter_fits(capsys, gib, tmp_path):
-    rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", str(gib), *LIMITS,
-                        "--json", str(tmp_path / "plan.json"))
+@pytest.mark.parametrize("gib, batch", [(140.4, 8), (95.6, 4)])  # what an H200 and a "96 GB" card report
+def test_k25_int4_tp8_with_tp1_drafter_fits(capsys, gib, batch, tmp_path):
+    rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", str(gib),
+                        "--max-batch-size", str(batch), *LIMITS[2:], "--json", str(tmp_path / "plan.json"))
     assert rc == 0, err
     assert "int4 weights" in out and "drafter TP1 on GPU 0" in out and "fits: yes" in out
-    assert "KV budget: 32768 tokens (8 × 4096)" in out
+    assert f"KV budget: {batch * 4096} tokens ({batch} × 4096)" in out
     # the drafter lives on GPU 0 only: its rows are empty ("—") on the other GPUs
     gpu0, others = row(out, "drafter embeddings")
     assert gpu0 == pytest.approx(163840 * 7168 * 2 / GIB, abs=0.01) and others != others
@@ -44,7 +44,21 @@ def test_k25_int4_tp8_with_tp1_drafter_fits(capsys, gib, tmp_path):
     assert doc["fits"] is True and len(doc["gpus"]) == 8
     assert all(g["total"] <= gib * GIB for g in doc["gpus"])
     assert doc["gpus"][0]["total"] > doc["gpus"][1]["total"]  # GPU 0 carries the drafter and its cache
-    assert doc["gpus"][0]["kv_tokens_fit"] >= 32768
+    assert doc["gpus"][0]["kv_tokens_fit"] >= batch * 4096
+
+
+def test_graph_pool_holds_every_k_up_to_max_draft_len(capsys):
+    """Requests choose k ≤ max_draft_len and a steady batch of each k captures graphs of its own: raising the limit
+    from 3 to 8 adds, on a GPU without the drafter, at least the new graphs' outputs — logits V float32 and aux 3H
+    bf16 per row, rows b·(k + 1) for every bucket b ≤ 8 and k 4..8, in each of the 5 key windows 256..4096."""
+    pools = []
+    for k in ("3", "8"):
+        rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", "200",
+                            "--max-batch-size", "8", "--max-seq-len", "4096", "--max-draft-len", k)
+        assert rc == 0, err
+        pools.append(row(out, "CUDA-graph pool")[1])
+    added = (1 + 2 + 4 + 8) * sum(range(5, 10)) * (163840 * 4 + 3 * 7168 * 2) * 5 / GIB
+    assert pools[1] - pools[0] >= added - 0.01 and added > 1.5
 
 
 @pytest.mark.parametrize("gib", [141, 96])

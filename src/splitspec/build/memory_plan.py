@@ -23,9 +23,10 @@ Per GPU g (target rank g):
   and the gathered logits 2·T·V float32.
   Drafter: its K and V window gathers 2·Bp·S·(kv_heads/draft_tp)·head_dim, scores Bp·(heads/draft_tp)·n·S (an FP8
   drafter's linears run in FP8 there, :mod:`splitspec.models.fp8_linear`: no dequantised copy).
-  Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp and window (powers of two
-  from 256 up to S), one k per bucket (``tuning.json`` chooses one); on a GPU that drafts, one more b·n·3H per
-  bucket where the verify leaves its aux states for the draft (:meth:`splitspec.engine.rank.RankRunner.handoff`).
+  Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp, window (powers of two
+  from 256 up to S) and k ≤ max_draft_len (n = k + 1: a steady batch of every sequence at one k captures graphs of
+  its own, whichever k the requests ask for); on a GPU that drafts, one more b·n·3H per bucket and k where the
+  verify leaves its aux states for the draft (:meth:`splitspec.engine.rank.RankRunner.handoff`).
 - **activations** (estimate; eager forwards, memory the caching allocator keeps): the larger of a prefill forward
   (max_prefill_tokens chunk + max_batch_size·n decode tokens: per-sequence attention over max_seq_len keys with
   float32 scores, :func:`splitspec.models.layers.attend`, and the MoE buffers as above) and the drafter's first
@@ -183,9 +184,10 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> 
     attention = bp * S * lat * act + bp * heads * n * S * (8 + act)
     peak = _target_forward(cfg, mapping, fmt, T, T, attention, act, True) + 2 * T * 3 * H * act
     windows = {S} | {w for w in (256 * 2 ** i for i in range(20)) if w < S}
-    outputs = sum(b * n * (cfg.vocab_size * 4 + 3 * H * act) for b in BATCH_BUCKETS if b <= bp) * len(windows)
+    ns = n * (n + 1) // 2  # 1 + 2 + … + n: a steady batch of each k ≤ max_draft_len captures graphs of its own
+    outputs = sum(b * ns * (cfg.vocab_size * 4 + 3 * H * act) for b in BATCH_BUCKETS if b <= bp) * len(windows)
     if drafts_here and dcfg is not None and dep.max_draft_len:
-        outputs += sum(b * n * 3 * H * act for b in BATCH_BUCKETS if b <= bp)  # the verify → draft aux hand-off
+        outputs += sum(b * ns * 3 * H * act for b in BATCH_BUCKETS if b <= bp)  # the verify → draft aux hand-off
         d = dep.draft_tp
         kv, nq = dcfg.num_key_value_heads // d, dcfg.num_attention_heads // d
         draft = 2 * bp * S * kv * dcfg.head_dim * act + bp * nq * n * S * (8 + act) + 2 * T * dcfg.draft_vocab_size * 4
