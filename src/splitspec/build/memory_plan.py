@@ -135,7 +135,14 @@ class GpuPlan:
 
 
 def _bucket(batch: int) -> int:
-    return next((b for b in BATCH_BUCKETS if b >= batch), batch)
+    """:func:`splitspec.engine.graphs.bucket` (checked equal in the tests)."""
+    top = BATCH_BUCKETS[-1]
+    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
+
+
+def _buckets_upto(bp: int) -> list[int]:
+    """Every batch bucket ≤ ``bp``: the batch sizes graphs are captured at."""
+    return [b for b in BATCH_BUCKETS if b <= bp] + list(range(2 * BATCH_BUCKETS[-1], bp + 1, BATCH_BUCKETS[-1]))
 
 
 def _act_bytes(fmt: WeightFormat) -> int:
@@ -185,9 +192,9 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> 
     peak = _target_forward(cfg, mapping, fmt, T, T, attention, act, True) + 2 * T * 3 * H * act
     windows = {S} | {w for w in (256 * 2 ** i for i in range(20)) if w < S}
     ns = n * (n + 1) // 2  # 1 + 2 + … + n: a steady batch of each k ≤ max_draft_len captures graphs of its own
-    outputs = sum(b * ns * (cfg.vocab_size * 4 + 3 * H * act) for b in BATCH_BUCKETS if b <= bp) * len(windows)
+    outputs = sum(b * ns * (cfg.vocab_size * 4 + 3 * H * act) for b in _buckets_upto(bp)) * len(windows)
     if drafts_here and dcfg is not None and dep.max_draft_len:
-        outputs += sum(b * ns * 3 * H * act for b in BATCH_BUCKETS if b <= bp)  # the verify → draft aux hand-off
+        outputs += sum(b * ns * 3 * H * act for b in _buckets_upto(bp))  # the verify → draft aux hand-off
         d = dep.draft_tp
         kv, nq = dcfg.num_key_value_heads // d, dcfg.num_attention_heads // d
         draft = 2 * bp * S * kv * dcfg.head_dim * act + bp * nq * n * S * (8 + act) + 2 * T * dcfg.draft_vocab_size * 4

@@ -28,8 +28,10 @@ def current_stream(index: int) -> torch.cuda.Stream:
 
 
 def bucket(batch: int) -> int:
-    """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows)."""
-    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= BATCH_BUCKETS[-1] else batch
+    """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows): a power of two up to
+    256, then a multiple of 256 (a bounded set of graphs whatever the batch sizes met)."""
+    top = BATCH_BUCKETS[-1]
+    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
 
 
 class GraphCache:
