@@ -9,6 +9,10 @@ time) and the largest relative difference from the dequantised path::
 
     PYTHONPATH=src python3 bench/lab/fp8_grouped_bench.py --tp 8 --tokens 17,64,256,1024 --out results/fp8_grouped.json
 
+``--sweep``: first time each candidate block configuration of :data:`SWEEP` for the gate/up kernel (down as
+configured), then for down (gate/up at the winner), the sum of median ms over ``--sweep-tokens``, and print the two
+lines to paste into :mod:`splitspec.models.fp8_grouped` (``GATE_UP`` / ``DOWN``); the table then runs with the winners.
+
 Writes ``--out`` (JSON) and prints a table. Needs a CUDA GPU.
 """
 
@@ -29,6 +33,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for l
 from lab.gpu_kernels import timed_graph
 
 H, I_FULL, E, TOP_K, BLOCK = 7168, 2048, 384, 8, (128, 128)
+#: --sweep's candidates for each kernel: (BLOCK_M pairs, BLOCK_N rows, BLOCK_K columns, num_warps, num_stages); shared
+#: memory per stage at most 2 FP8 weight tiles + one bf16 activation tile (48 KiB at the largest), × stages ≤ 228 KiB.
+SWEEP = ((16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3),
+         (64, 128, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 64, 8, 4))
+
+
+def sweep(call, tokens: list[int], reps: int) -> tuple[tuple, tuple, dict]:
+    """(gate_up, down): the configurations of :data:`SWEEP` fastest summed over ``tokens`` — gate/up first with down
+    as configured, then down with gate/up at its winner — and every timing (ms per call, keyed by kernel and
+    configuration). ``call(T, configs)`` returns a function of no argument running T tokens with ``configs``."""
+    times: dict = {"gate_up": {}, "down": {}}
+    best = [fp8_grouped.GATE_UP, fp8_grouped.DOWN]
+    for i, kernel in enumerate(("gate_up", "down")):
+        for c in SWEEP:
+            configs = (c, best[1]) if i == 0 else (best[0], c)
+            times[kernel][str(c)] = sum(timed_graph(call(T, configs), 2, reps) for T in tokens)
+            print(f"sweep {kernel} {c}: {times[kernel][str(c)]:.3f} ms over T = {tokens}", flush=True)
+        best[i] = min(SWEEP, key=lambda c: times[kernel][str(c)])
+    print(f"GATE_UP = {best[0]}\nDOWN = {best[1]}", flush=True)
+    return best[0], best[1], times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=8, help="expert-TP ways: each expert's intermediate width I / tp")
     ap.add_argument("--tokens", default="17,64,256,1024", help="comma list of token counts (each > 16)")
     ap.add_argument("--reps", type=int, default=20, help="CUDA-graph replays timed per variant")
+    ap.add_argument("--sweep", action="store_true", help="first choose each kernel's block configuration (module docstring)")
+    ap.add_argument("--sweep-tokens", default="64,512", help="comma list of token counts the sweep sums over (each > 16)")
     ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"))
     a = ap.parse_args(argv)
-    try:
-        tokens = [int(t) for t in a.tokens.split(",")]
-    except ValueError:
-        ap.error(f"--tokens {a.tokens!r}: expected a comma list of integers")
-    if min(tokens) < 17:
-        ap.error(f"--tokens {a.tokens}: each above 16 (the fused kernels take up to 16)")
+    counts = {}
+    for name, text in (("--tokens", a.tokens), ("--sweep-tokens", a.sweep_tokens)):
+        try:
+            counts[name] = [int(t) for t in text.split(",")]
+        except ValueError:
+            ap.error(f"{name} {text!r}: expected a comma list of integers")
+        if min(counts[name]) < 17:
+            ap.error(f"{name} {text}: each above 16 (the fused kernels take up to 16)")
+    tokens = counts["--tokens"]
     if a.tp < 1 or I_FULL % (a.tp * BLOCK[0]):
         ap.error(f"--tp {a.tp}: expected a split of I = {I_FULL} into whole {BLOCK[0]}-row tiles (1, 2, 4, 8 or 16)")
     if a.reps < 1:
@@ -55,18 +84,27 @@ def main(argv: list[str] | None = None) -> int:
     w2, s2 = quant.quantize_fp8(torch.randn(E, H, I, device=dev, generator=g) * 0.02, BLOCK)
     b13, b2 = (quant.dequantize_fp8(w, s, BLOCK, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
     per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
+    def inputs(T: int):
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        return x, torch.rand(T, E, device=dev, generator=g).topk(TOP_K, 1).indices.int(), torch.rand(T, TOP_K, device=dev, generator=g)
+
+    def call(T: int, configs):
+        x, local, wts = inputs(T)
+        return lambda: fp8_grouped.fp8_grouped_experts(x, local, wts, w13, s13, w2, s2, BLOCK, configs)
+
+    configs, swept = (fp8_grouped.GATE_UP, fp8_grouped.DOWN), None
+    if a.sweep:
+        *configs, swept = sweep(call, counts["--sweep-tokens"], a.reps)
     rows = []
     for T in tokens:
-        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
-        local = torch.rand(T, E, device=dev, generator=g).topk(TOP_K, 1).indices.int()
-        wts = torch.rand(T, TOP_K, device=dev, generator=g)
+        x, local, wts = inputs(T)
 
         def dequantised():
             d13, d2 = (quant.dequantize_fp8(w, s, BLOCK, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
             return grouped_experts(x, local, wts, d13, d2)
 
         def kernels():
-            return fp8_grouped.fp8_grouped_experts(x, local, wts, w13, s13, w2, s2, BLOCK)
+            return fp8_grouped.fp8_grouped_experts(x, local, wts, w13, s13, w2, s2, BLOCK, configs)
 
         ref, got = dequantised().float(), kernels().float()
         distinct = int(local.unique().numel())
@@ -81,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max rel diff {row['max_rel_diff']:.2e}", flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": a.tp, "I": I,
-                                 "configs": [fp8_grouped.GATE_UP, fp8_grouped.DOWN], "rows": rows}, indent=1))
+                                 "configs": list(configs), "sweep_ms": swept, "rows": rows}, indent=1))
     print(f"→ {a.out}")
     return 0
 
