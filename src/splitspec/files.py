@@ -47,7 +47,7 @@ def atomic_dir(final: Path, keep: tuple = ()) -> Iterator[Path]:
 
     On any exception the temporary folder is removed and ``final`` is left as it was,
     so a failed run never leaves a half-written output. ``keep`` lists folders that must survive
-    (the inputs): an output that is, or contains, one of them is refused.
+    (the inputs): an output that is, or contains, one of them is refused, and so is an existing folder inside one.
 
     Raises:
         ConfigError: ``final`` is an existing file, the current folder or one above it, or would
@@ -63,6 +63,8 @@ def atomic_dir(final: Path, keep: tuple = ()) -> Iterator[Path]:
         k = Path(k).resolve()
         if final.resolve() == k or final.resolve() in k.parents:
             raise ConfigError(f"{final}: output folder would replace the input {k}; choose another --out")
+        if k in final.resolve().parents and final.exists():
+            raise ConfigError(f"{final}: output folder would replace part of the input {k}; choose another --out")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     umask = os.umask(0)
@@ -97,14 +99,18 @@ def replace_dir(tmp: Path, final: Path) -> None:
 def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> None:
     """Write ``data`` (str: UTF-8) to ``path`` through a temporary file in the same folder, then move it into
     place: readers see the old file or the new one, never a half-written one. ``mode``: the file's mode
-    (None: the umask's default, like a plain ``open``). Raises OSError as the file system does; the
-    temporary file is removed then."""
+    (None: the umask's default, like a plain ``open``). Raises OSError as the file system does, naming ``path``
+    (not the temporary file, which is removed then); an existing folder, device, FIFO or socket at ``path`` is
+    refused."""
     path = Path(path)
     if path.is_dir():  # os.replace would name the temporary file
         raise IsADirectoryError(errno.EISDIR, "a folder, expected a file path", str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.exists() and not path.is_file():  # a device, FIFO or socket: replacing it would remove it
+        raise OSError(errno.EINVAL, "not a regular file, refused as an output", str(path))
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         if mode is None:
@@ -113,8 +119,13 @@ def write_atomic(path: Path, data: str | bytes, mode: int | None = 0o644) -> Non
             mode = 0o666 & ~umask
         os.chmod(tmp, mode)  # mkstemp makes it private
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, FileExistsError):  # from mkdir: a parent is a file
+            raise NotADirectoryError(errno.ENOTDIR, "a parent of it is a file, not a folder", str(path)) from None
+        if isinstance(e, OSError) and e.filename != str(path):
+            raise type(e)(e.errno, e.strerror, str(path)) from None
         raise
 
 

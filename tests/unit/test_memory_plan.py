@@ -212,3 +212,13 @@ def test_plan_reads_a_config_only_download_with_its_index(tmp_path, capsys):
     (folder / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert main(args) == 2
     assert "names shard 'model-00002-of-00002.safetensors', which is missing" in capsys.readouterr().err
+
+
+def test_json_inside_an_input_folder_is_refused_before_anything_is_written(capsys, tmp_path):
+    target = tmp_path / "k25"
+    target.mkdir()
+    (target / "config.json").write_text((K25 / "config.json").read_text())
+    rc, out, err = plan(capsys, target, "--tp", "8", "--gpu-memory-gib", "141", *LIMITS, "--json", str(target / "config.json"))
+    assert rc == 2 and out == "" and err.strip() == (f"splitspec plan: error: --json {target / 'config.json'}: inside the "
+                                                     f"input folder {target}; write the plan elsewhere")
+    assert (target / "config.json").read_text() == (K25 / "config.json").read_text()

@@ -14,7 +14,7 @@ from splitspec.config import TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.drafter import drafter_scheme
 from splitspec.convert.safetensors import CheckpointReader
-from splitspec.errors import CheckpointError
+from splitspec.errors import CheckpointError, ConfigError
 from splitspec.files import read_json, write_json
 from splitspec.models.drafters import FP8_BLOCK
 
@@ -146,7 +146,12 @@ def to_json(plan: MemoryPlan) -> dict:
 
 def main(target: Path, drafter: Path | None, dep: Deployment, dtype: str | None = None, json_out: Path | None = None,
          drafter_dtype: str = "float") -> None:
-    """Print the plan; write it as JSON to ``json_out``; raise MemoryPlanError (one line) when it does not fit."""
+    """Print the plan; write it as JSON to ``json_out``; raise MemoryPlanError (one line) when it does not fit.
+    Raises ConfigError, before planning, for a ``json_out`` inside the target's or drafter's folder (it could replace
+    a file the plan reads)."""
+    for folder in (target, drafter):
+        if json_out is not None and folder is not None and Path(folder).resolve() in Path(json_out).resolve().parents:
+            raise ConfigError(f"--json {json_out}: inside the input folder {folder}; write the plan elsewhere")
     plan = plan_checkpoints(target, drafter, dep, dtype, drafter_dtype)
     print("\n".join(render(plan)))
     if json_out is not None:
