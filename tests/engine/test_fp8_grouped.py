@@ -86,7 +86,28 @@ def test_bad_arguments_are_named_before_any_kernel_runs():
         (dict(configs=(CONFIGS[0], (16, 16, 24, 1, 1))), r"down config \(16, 16, 24, 1, 1\)"),
         (dict(configs=((24, 32, 32, 2, 1), CONFIGS[1])), r"gate_up config \(24, 32, 32, 2, 1\).*powers of two"),
         (dict(configs=((16, 32, 32), CONFIGS[1])), r"gate_up config \(16, 32, 32\)"),
+        (dict(configs=((2 ** 20, 32, 32, 2, 1), CONFIGS[1])), r"gate_up config \(1048576, .*in 16..256"),
+        (dict(configs=(CONFIGS[0], (16, 16, 32, 2 ** 20, 1))), r"down config .*num_warps a power of two ≤ 32"),
+        (dict(configs=None), r"configs None, expected \(gate_up, down\)"),
+        (dict(block=None), r"block None, expected two positive integers"),
+        (dict(w2_scale=s2.to("meta")), r"w2_scale on meta, expected x's device"),
+        (dict(weights=weights.tolist()), r"weights is list, expected a tensor"),
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match="^FP8 grouped experts: " + message):
             fp8_grouped.fp8_grouped_experts(**(good | change))
+
+
+def test_a_cpu_call_without_the_interpreter_is_named(monkeypatch):
+    x, local, weights, w13, s13, w2, s2 = inputs(0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"^FP8 grouped experts: x on cpu: the kernels need a CUDA device"):
+        fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13, w2, s2, BLOCK, CONFIGS)
+
+
+def test_numpy_integers_are_taken_as_the_block():
+    np = pytest.importorskip("numpy")
+    x, local, weights, w13, s13, w2, s2 = [t.to(DEVICE) for t in inputs(0)]
+    want = fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13, w2, s2, BLOCK, CONFIGS)
+    got = fp8_grouped.fp8_grouped_experts(x, local, weights, w13, s13, w2, s2, tuple(np.int64(b) for b in BLOCK), CONFIGS)
+    assert torch.equal(want, got)

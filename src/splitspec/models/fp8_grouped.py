@@ -18,6 +18,9 @@ the tests) the operands are float32.
 
 from __future__ import annotations
 
+import numbers
+import os
+
 import torch
 
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
@@ -104,11 +107,20 @@ def _shape(t: torch.Tensor) -> str:
 def check(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
           w2: torch.Tensor, s2: torch.Tensor, block, configs) -> tuple[int, int]:
     """The tile (B0, B1) as ints, after checking every argument of :func:`fp8_grouped_experts`. Raises ValueError
-    naming the first that disagrees: x not float [T, H]; local not integer [T, top_k]; weights not float of local's
+    naming the first that disagrees: a tensor on another device than x, or x on a CPU without Triton's interpreter
+    (``TRITON_INTERPRET=1``); x not float [T, H]; local not integer [T, top_k]; weights not float of local's
     shape; w13 / w2 not float8_e4m3fn [E ≥ 1, 2·I, H] / [E, H, I]; a scale_inv not float32 one per tile; block not two
-    positive integers; a config not 5 positive integers with BLOCK_M, BLOCK_N, BLOCK_K powers of two ≥ 16 and
-    BLOCK_K dividing B1."""
+    positive integers; a config not 5 positive integers with BLOCK_M, BLOCK_N, BLOCK_K powers of two in 16..256,
+    BLOCK_K dividing B1, num_warps a power of two ≤ 32 and num_stages ≤ 8."""
     err = lambda what: ValueError(f"FP8 grouped experts: {what}")  # noqa: E731
+    named = {"x": x, "local": local, "weights": weights, "w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise err(f"{name} is {type(t).__name__}, expected a tensor")
+        if t.device != x.device:
+            raise err(f"{name} on {t.device}, expected x's device {x.device}")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise err(f"x on {x.device}: the kernels need a CUDA device (or TRITON_INTERPRET=1 set before Triton is imported)")
     if w13.dim() != 3 or w13.dtype != torch.float8_e4m3fn or w13.shape[0] < 1 or w13.shape[1] % 2:
         raise err(f"w13 {_shape(w13)}, expected float8_e4m3fn [E ≥ 1, 2·I, H]")
     E, I2, H = w13.shape
@@ -120,21 +132,23 @@ def check(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, w13: torc
         raise err(f"local {_shape(local)}, expected integer expert ids [{x.shape[0]}, top_k] (x's T)")
     if not weights.is_floating_point() or weights.shape != local.shape:
         raise err(f"weights {_shape(weights)}, expected float routing weights of local's shape {list(local.shape)}")
-    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
-    if len(block) != 2 or not all(map(ok, block)):
-        raise err(f"block {tuple(block)!r}, expected two positive integers (the tile's rows, columns)")
-    B0, B1 = block
+    ok = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0  # noqa: E731
+    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(map(ok, block)):
+        raise err(f"block {block!r}, expected two positive integers (the tile's rows, columns)")
+    B0, B1 = map(int, block)
     for name, w, sc in (("w13", w13, s13), ("w2", w2, s2)):
         want = [E, -(-w.shape[1] // B0), -(-w.shape[2] // B1)]
         if sc.dtype != torch.float32 or list(sc.shape) != want:
             raise err(f"{name} scale_inv {_shape(sc)}, expected float32 {want} (one per {B0}×{B1} tile)")
-    if len(configs) != 2:
+    if not isinstance(configs, (tuple, list)) or len(configs) != 2:
         raise err(f"configs {configs!r}, expected (gate_up, down)")
+    pow2 = lambda v, lo, hi: lo <= v <= hi and v & (v - 1) == 0  # noqa: E731
     for name, c in zip(("gate_up", "down"), configs):
-        pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
-        if len(c) != 5 or not all(map(ok, c)) or not all(map(pow2, c[:3])) or B1 % c[2]:
-            raise err(f"{name} config {tuple(c)!r}, expected (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): "
-                      f"positive integers, the blocks powers of two ≥ 16, BLOCK_K dividing the tile's {B1} columns")
+        if (not isinstance(c, (tuple, list)) or len(c) != 5 or not all(map(ok, c))
+                or not all(pow2(v, 16, 256) for v in c[:3]) or B1 % c[2] or not pow2(c[3], 1, 32) or c[4] > 8):
+            raise err(f"{name} config {c!r}, expected (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): positive "
+                      f"integers, the blocks powers of two in 16..256, BLOCK_K dividing the tile's {B1} columns, "
+                      "num_warps a power of two ≤ 32, num_stages ≤ 8")
     return B0, B1
 
 
@@ -180,7 +194,8 @@ def fp8_grouped_experts(x: torch.Tensor, local: torch.Tensor, weights: torch.Ten
     num_stages)."""
     if not available():
         raise RuntimeError("FP8 grouped experts need Triton (it comes with CUDA builds of PyTorch)")
-    block = check(x, local, weights, w13, w13_scale, w2, w2_scale, tuple(block), tuple(map(tuple, configs)))
+    block = check(x, local, weights, w13, w13_scale, w2, w2_scale, block, configs)
+    configs = tuple(tuple(map(int, c)) for c in configs)
     return unchecked(x, local, weights, w13, w13_scale, w2, w2_scale, block, configs)
 
 
