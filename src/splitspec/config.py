@@ -16,14 +16,44 @@ TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")  # model_type of a kimi_k25 checkp
 
 
 
-def require_field(cfg: dict, key: str, where: str, kind=(int,)):
-    """``cfg[key]``, checked to be of ``kind`` (not bool). Raises CheckpointError naming ``where`` and the field."""
+#: Largest size field read (hidden sizes, vocabularies, experts, …): far above any published model, and below what
+#: would overflow a tensor shape or make a memory plan loop for minutes.
+SIZE_LIMIT = 1 << 24
+NUMBER = (int, float)
+
+
+def require_field(cfg: dict, key: str, where: str, kind=(int,), lo: float | None = None, hi: float | None = None):
+    """``cfg[key]``, checked to be of ``kind`` (not bool), finite and within [lo, hi] where given. Raises
+    CheckpointError naming ``where`` and the field."""
     if key not in cfg:
         raise CheckpointError(f"{where}: field '{key}' is missing")
     v = cfg[key]
-    if not isinstance(v, kind) or isinstance(v, bool):
-        raise CheckpointError(f"{where}: field '{key}' = {v!r}, expected {' or '.join(k.__name__ for k in kind)}")
+    bad = not isinstance(v, kind) or isinstance(v, bool)
+    if not bad and ((isinstance(v, float) and not math.isfinite(v)) or (lo is not None and v < lo) or (hi is not None and v > hi)):
+        bad = True
+    if bad:
+        span = (f" in {lo}..{hi}" if hi is not None else f" ≥ {lo}") if lo is not None else ""
+        what = "a number" if float in kind else " or ".join(k.__name__ for k in kind)
+        raise CheckpointError(f"{where}: field '{key}' = {v!r}, expected {what}{span}")
     return v
+
+
+def architecture(cfg: dict, where: str) -> str | None:
+    """The config's architecture name: ``architectures[0]`` (a bare string taken as the name), None when absent.
+    Raises CheckpointError for any other value."""
+    a = cfg.get("architectures")
+    if a is None or a == []:
+        return None
+    if isinstance(a, str):
+        return a
+    if isinstance(a, list) and isinstance(a[0], str):
+        return a[0]
+    raise CheckpointError(f"{where}: field 'architectures' = {a!r:.80}, expected a list of names")
+
+
+def optional_field(cfg: dict, key: str, where: str, default, kind=(int,), lo: float | None = None, hi: float | None = None):
+    """:func:`require_field`, or ``default`` when the field is missing or null."""
+    return default if cfg.get(key) is None else require_field(cfg, key, where, kind, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -46,7 +76,7 @@ class RopeConfig:
 
     @staticmethod
     def from_hf(cfg: dict, dim: int, interleaved: bool, where: str) -> "RopeConfig":
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = float(optional_field(cfg, "rope_theta", where, 10000.0, NUMBER, lo=1e-9))
         rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         if not isinstance(rs, dict):
             raise CheckpointError(f"{where}: field 'rope_scaling' = {rs!r}, expected an object (e.g. {{\"type\": \"yarn\", ...}}) or null")
@@ -55,12 +85,13 @@ class RopeConfig:
             return RopeConfig(theta=theta, dim=dim, interleaved=interleaved)
         if kind != "yarn":
             raise CheckpointError(f"{where}: rope_scaling type '{kind}' is not supported (expected 'yarn' or none)")
+        at = f"{where}: rope_scaling"
+        num = lambda key, default: float(optional_field(rs, key, at, default, NUMBER, lo=0) or default)  # noqa: E731
         return RopeConfig(
-            theta=theta, dim=dim, factor=float(rs["factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
-            mscale=float(rs.get("mscale") or 1.0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
-            interleaved=interleaved,
+            theta=theta, dim=dim, factor=float(require_field(rs, "factor", at, NUMBER, lo=1e-9)),
+            original_max_position_embeddings=require_field(rs, "original_max_position_embeddings", at, lo=1, hi=1 << 30),
+            beta_fast=num("beta_fast", 32.0), beta_slow=num("beta_slow", 1.0), mscale=num("mscale", 1.0),
+            mscale_all_dim=num("mscale_all_dim", 0.0), interleaved=interleaved,
         )
 
     @staticmethod
@@ -169,10 +200,11 @@ class TargetConfig(MLAHeads):
         ints = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                 "first_k_dense_replace", "num_attention_heads", "n_routed_experts", "num_experts_per_tok",
                 "n_shared_experts", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-        vals = {k: require_field(cfg, k, where) for k in ints}
-        for k in ints:
-            if vals[k] <= 0 and k not in ("first_k_dense_replace", "n_shared_experts"):
-                raise CheckpointError(f"{where}: field '{k}' = {vals[k]}, expected a positive integer")
+        vals = {k: require_field(cfg, k, where, lo=0 if k in ("first_k_dense_replace", "n_shared_experts") else 1,
+                                 hi=4096 if k == "num_hidden_layers" else SIZE_LIMIT) for k in ints}
+        if vals["first_k_dense_replace"] > vals["num_hidden_layers"]:
+            raise CheckpointError(f"{where}: field 'first_k_dense_replace' = {vals['first_k_dense_replace']}, expected at "
+                                  f"most num_hidden_layers ({vals['num_hidden_layers']})")
         if vals["num_experts_per_tok"] > vals["n_routed_experts"]:
             raise CheckpointError(f"{where}: field 'num_experts_per_tok' = {vals['num_experts_per_tok']}, expected at most "
                                   f"n_routed_experts ({vals['n_routed_experts']})")
@@ -180,12 +212,13 @@ class TargetConfig(MLAHeads):
             raise CheckpointError(f"{where}: num_key_value_heads must equal num_attention_heads for MLA")
         return TargetConfig(
             **vals,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(optional_field(cfg, "routed_scaling_factor", where, 1.0, NUMBER, lo=0)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(optional_field(cfg, "rms_norm_eps", where, 1e-6, NUMBER, lo=0)),
+            max_position_embeddings=optional_field(cfg, "max_position_embeddings", where, 4096, lo=1, hi=1 << 30),
             rope=RopeConfig.from_hf(cfg, vals["qk_rope_head_dim"], bool(cfg.get("rope_interleave", True)), where),
-            n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+            n_group=optional_field(cfg, "n_group", where, 1, lo=0, hi=SIZE_LIMIT) or 1,
+            topk_group=optional_field(cfg, "topk_group", where, 1, lo=0, hi=SIZE_LIMIT) or 1,
             bos_token_id=cfg.get("bos_token_id", top.get("bos_token_id")),
             eos_token_id=cfg.get("eos_token_id", top.get("eos_token_id")), model_type=mt,
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from splitspec.config import MLAHeads, RopeConfig, require_field
+from splitspec.config import NUMBER, SIZE_LIMIT, MLAHeads, RopeConfig, architecture, optional_field, require_field
 from splitspec.errors import CheckpointError, ConfigError
 
 # Keys that ModelOpt (NVIDIA TensorRT Model Optimizer) writes into an exported EAGLE-3 drafter's
@@ -107,18 +107,16 @@ class DrafterConfig(MLAHeads):
     @staticmethod
     def _attention_fields(cfg: dict, where: str, attention: str) -> dict:
         """The fields of the layer's attention: Llama GQA heads × head_dim, or the MLA dimensions."""
-        heads = require_field(cfg, "num_attention_heads", where)
+        heads = require_field(cfg, "num_attention_heads", where, lo=1, hi=SIZE_LIMIT)
         if attention == "llama":
-            hd = int(cfg.get("head_dim") or require_field(cfg, "hidden_size", where) // heads)
-            return {"num_attention_heads": heads, "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads), "head_dim": hd,
+            hd = optional_field(cfg, "head_dim", where, 0, lo=0, hi=SIZE_LIMIT) or require_field(cfg, "hidden_size", where) // heads
+            kv = optional_field(cfg, "num_key_value_heads", where, 0, lo=0, hi=heads) or heads
+            return {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
                     "rope": RopeConfig.from_hf(cfg, hd, interleaved=False, where=where)}
         if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None:
             raise CheckpointError(f"{where}: field 'q_lora_rank' is null: an MLA drafter with a full-rank q_proj is a variant "
                                   "this engine does not run (published Kimi MLA drafters use q_lora_rank 1536)")
-        mla = {k: require_field(cfg, k, where) for k in MLA_FIELDS}
-        for k, v in mla.items():
-            if v <= 0:
-                raise CheckpointError(f"{where}: field '{k}' = {v}, expected a positive integer")
+        mla = {k: require_field(cfg, k, where, lo=1, hi=SIZE_LIMIT) for k in MLA_FIELDS}
         if cfg.get("num_key_value_heads", heads) != heads:
             raise CheckpointError(f"{where}: num_key_value_heads = {cfg['num_key_value_heads']} must equal num_attention_heads "
                                   f"= {heads} for MLA")
@@ -140,13 +138,15 @@ class DrafterConfig(MLAHeads):
             CheckpointError: wrong architecture or missing fields; a drafter variant this engine does not run.
             ConfigError: ``aux_convention`` contradicts the config's declaration.
         """
-        arch = (cfg.get("architectures") or [None])[0]
+        arch = architecture(cfg, where)
         if arch not in DRAFTER_ARCHITECTURES:
             raise CheckpointError(f"{where}: architectures[0] = '{arch}', expected an EAGLE-3 drafter: {', '.join(DRAFTER_ARCHITECTURES)}")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise CheckpointError(f"{where}: num_hidden_layers = {cfg.get('num_hidden_layers')}, expected 1 for an EAGLE-3 drafter")
-        hs = require_field(cfg, "hidden_size", where)
+        hs = require_field(cfg, "hidden_size", where, lo=1, hi=SIZE_LIMIT)
         eagle = cfg.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise CheckpointError(f"{where}: field 'eagle_config' = {eagle!r:.80}, expected an object or null")
         ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
         if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids = {ids!r}, expected three non-negative layer ids")
@@ -157,12 +157,14 @@ class DrafterConfig(MLAHeads):
                           ("eh_proj_before_attn", "an eh_proj over [embedding, hidden] before attention")):
             if eagle.get(key, cfg.get(key)):
                 raise CheckpointError(f"{where}: {key} = true is a drafter variant this engine does not run ({what})")
-        vocab = require_field(cfg, "vocab_size", where)
+        vocab = require_field(cfg, "vocab_size", where, lo=1, hi=SIZE_LIMIT)
         flag = lambda *keys: any(bool(eagle.get(k, cfg.get(k, False))) for k in keys)  # noqa: E731
         return DrafterConfig(
-            hidden_size=hs, intermediate_size=require_field(cfg, "intermediate_size", where), vocab_size=vocab,
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab), target_hidden_size=int(cfg.get("target_hidden_size") or hs),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), aux_layer_ids=tuple(ids), aux_convention=convention,
+            hidden_size=hs, intermediate_size=require_field(cfg, "intermediate_size", where, lo=1, hi=SIZE_LIMIT), vocab_size=vocab,
+            draft_vocab_size=optional_field(cfg, "draft_vocab_size", where, 0, lo=0, hi=vocab) or vocab,
+            target_hidden_size=optional_field(cfg, "target_hidden_size", where, 0, lo=0, hi=SIZE_LIMIT) or hs,
+            rms_norm_eps=float(optional_field(cfg, "rms_norm_eps", where, 1e-6, NUMBER, lo=0)), aux_layer_ids=tuple(ids),
+            aux_convention=convention,
             aux_convention_source=source, norm_before_fc=flag("norm_before_fc"), fc_norm=flag("fc_norm", "use_aux_norm"),
             norm_output=flag("norm_output", "return_hidden_post_norm"), architecture=arch, attention=DRAFTER_ARCHITECTURES[arch],
             **DrafterConfig._attention_fields(cfg, where, DRAFTER_ARCHITECTURES[arch]),

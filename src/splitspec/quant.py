@@ -109,11 +109,14 @@ def parse_quantization_config(qc: dict | None, where: str) -> QuantScheme:
         if fmt != "pack-quantized":
             raise CheckpointError(f"{where}: quantization_config.format = {fmt!r}; only 'pack-quantized' is read")
         groups = qc.get("config_groups") or {}
-        if len(groups) != 1:
-            raise CheckpointError(f"{where}: quantization_config.config_groups has {len(groups)} groups; exactly one is read")
+        if not isinstance(groups, dict) or len(groups) != 1:
+            raise CheckpointError(f"{where}: quantization_config.config_groups = {groups!r:.80}, expected an object of "
+                                  "exactly one group")
         gname, group = next(iter(groups.items()))
-        w = group.get("weights") or {}
         at = f"quantization_config.config_groups.{gname}"
+        w = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(w, dict):
+            raise CheckpointError(f"{where}: {at}.weights = {w!r:.80}, expected an object (num_bits, type, ...)")
         expect = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
         for k, v in expect.items():
             if w.get(k) != v:
@@ -129,6 +132,13 @@ def parse_quantization_config(qc: dict | None, where: str) -> QuantScheme:
         ignore = qc.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
             raise CheckpointError(f"{where}: quantization_config.ignore = {ignore!r}, expected a list of names")
+        for entry in ignore:
+            try:
+                if entry.startswith("re:"):
+                    _pattern(entry[3:])
+            except re.error as e:
+                raise CheckpointError(f"{where}: quantization_config.ignore entry {entry!r}: not a regular expression "
+                                      f"({e})") from None
         return QuantScheme("int4", group_size=gs, ignore=tuple(ignore), source=qc)
     raise CheckpointError(f"{where}: quantization_config.quant_method = {method!r} is not supported "
                           f"(expected one of {', '.join(QUANT_METHODS)})")

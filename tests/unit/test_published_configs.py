@@ -234,3 +234,40 @@ def test_parameter_counts_read_in_the_unit_they_round_to():
     assert _human_count(999_995) == "1.00 M (999,995)"  # not '1000.00 K'
     assert _human_count(994_000) == "994.00 K (994,000)"
     assert _human_count(1_000) == "1.00 K (1,000)" and _human_count(999) == "999" and _human_count(0) == "0"
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"rms_norm_eps": "tiny"}, r"field 'rms_norm_eps' = 'tiny', expected a number ≥ 0"),
+    ({"max_position_embeddings": "big"}, r"field 'max_position_embeddings' = 'big', expected int in 1\.\."),
+    ({"rope_theta": {}}, r"field 'rope_theta' = \{\}, expected a number"),
+    ({"n_group": "two"}, r"field 'n_group' = 'two'"),
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}}, r"rope_scaling: field 'factor' is missing"),
+    ({"n_shared_experts": -1}, r"field 'n_shared_experts' = -1, expected int in 0\.\."),
+    ({"hidden_size": 10 ** 30}, r"field 'hidden_size' = 1000000000000000000000000000000, expected int in 1\.\.16777216"),
+    ({"num_hidden_layers": 10 ** 9}, r"field 'num_hidden_layers' = 1000000000, expected int in 1\.\.4096"),
+    ({"first_k_dense_replace": 62}, r"field 'first_k_dense_replace' = 62, expected at most num_hidden_layers \(61\)"),
+    ({"routed_scaling_factor": float("nan")}, r"field 'routed_scaling_factor' = nan, expected a number ≥ 0"),
+])
+def test_target_fields_of_the_wrong_type_or_range_are_named(edit, says):
+    cfg = read_json(PUB / "kimi-k2-instruct" / "config.json") | edit
+    with pytest.raises(CheckpointError, match="^config.json: " + says):
+        TargetConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"eagle_config": "x"}, r"field 'eagle_config' = 'x', expected an object or null"),
+    ({"architectures": 5}, r"field 'architectures' = 5, expected a list of names"),
+    ({"draft_vocab_size": 10 ** 7}, r"field 'draft_vocab_size' = 10000000, expected int in 0\.\.163840"),
+])
+def test_drafter_fields_of_the_wrong_type_or_range_are_named(edit, says):
+    cfg = read_json(PUB / "drafter-aq-medai-kimi-k25-eagle3" / "config.json") | edit
+    with pytest.raises(CheckpointError, match="^config.json: " + says):
+        DrafterConfig.from_hf(cfg)
+    assert DrafterConfig.from_hf(read_json(PUB / "drafter-aq-medai-kimi-k25-eagle3" / "config.json")
+                                 | {"architectures": "LlamaForCausalLMEagle3"}).architecture == "LlamaForCausalLMEagle3"
+
+
+def test_a_bad_ignore_pattern_is_named():
+    qc = read_json(PUB / "kimi-k2-thinking" / "config.json")["quantization_config"] | {"ignore": ["lm_head", "re:(unclosed"]}
+    with pytest.raises(CheckpointError, match=r"^c: quantization_config.ignore entry 're:\(unclosed': not a regular expression"):
+        quant.parse_quantization_config(qc, "c")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from splitspec import quant
-from splitspec.config import TargetConfig
+from splitspec.config import TargetConfig, architecture
 from splitspec.drafter_config import DRAFTER_ARCHITECTURES, MODELOPT_EAGLE_KEYS, DrafterConfig
 from splitspec.convert.layout import LayoutReader, drafter_layout, target_layout
 from splitspec.convert.pair import tokenizer_vocab_size
@@ -39,8 +39,8 @@ def _open(folder: Path, layout) -> CheckpointReader | LayoutReader:
     file named by the index (or no ``*.safetensors`` without one) is present."""
     index = folder / INDEX_NAME
     weight_map = read_json(index).get("weight_map") if index.exists() else None
-    if weight_map is not None and not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r}, expected an object of tensor name → shard file")
+    if weight_map is not None and not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r:.80}, expected an object of tensor name → shard file")
     shards = set(weight_map.values()) if weight_map else {p.name for p in folder.glob("*.safetensors")}
     if any((folder / f).exists() for f in shards):
         return CheckpointReader(folder)
@@ -146,7 +146,7 @@ def inspect_target(folder: Path, raw: dict) -> list[str]:
     names = reader.names()
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     dense = cfg.num_hidden_layers - moe
-    arch = (raw.get("architectures") or ["?"])[0]
+    arch = architecture(raw, str(folder / "config.json")) or "?"
     lines = [f"{folder}: target checkpoint", *_source_lines(reader),
              f"architecture: {arch} (model_type {raw.get('model_type')}"
              + (f"; text model {text.get('model_type', 'deepseek_v3')} under text_config, tensors under language_model.)" if nested else ")"),
@@ -197,7 +197,7 @@ def inspect_drafter(folder: Path, raw: dict, target: Path | None, aux_convention
         n_layers = TargetConfig.from_hf(read_json(Path(target) / "config.json"), str(Path(target) / "config.json")).num_hidden_layers
     fc = reader.info("fc.weight").shape if "fc.weight" in reader else None
     lines = [f"{folder}: EAGLE-3 drafter", *_source_lines(reader),
-             f"architecture: {(raw.get('architectures') or ['?'])[0]} (one decoder layer), hidden {cfg.hidden_size}, "
+             f"architecture: {(architecture(raw, str(folder / 'config.json')) or '?')} (one decoder layer), hidden {cfg.hidden_size}, "
              f"{cfg.describe_attention()}, intermediate {cfg.intermediate_size}",
              f"fc: {list(fc) if fc else 'MISSING'} over 3 × target hidden {cfg.target_hidden_size}"
              + ("" if not fc or fc[-1] == 3 * cfg.target_hidden_size else " — WIDTH DISAGREES")]
@@ -294,7 +294,7 @@ def inspect_checkpoint(path: Path, target: Path | None = None, aux_convention: s
     if name == "engine.json":
         raise CheckpointError(f"{path / name}: format {raw.get('format')!r}, expected 'splitspec-…' (written by "
                               "splitspec convert or build)")
-    if (raw.get("architectures") or [None])[0] in DRAFTER_ARCHS:
+    if architecture(raw, str(path / name)) in DRAFTER_ARCHS:
         return inspect_drafter(path, raw, target, aux_convention)
     return inspect_target(path, raw)
 
