@@ -272,6 +272,9 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     if dcfg is not None and dep.max_draft_len == 0:
         raise ConfigError("max-draft-len = 0 with a drafter: expected at least 1 (build refuses engines that cannot "
                           "draft; plan without --drafter for no speculation)")
+    if dep.max_seq_len < _tokens_per_sequence(dcfg, dep) + 2:  # as build: a one-token prompt, one new token, a cycle
+        raise ConfigError(f"max-seq-len = {dep.max_seq_len}, expected ≥ {_tokens_per_sequence(dcfg, dep) + 2} (a "
+                          "one-token prompt, one new token and the tokens a cycle verifies; build refuses less)")
     act, rows = _act_bytes(fmt), dep.kv_rows
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
     draft_here = [g == 0 or dep.draft_tp > 1 for g in range(dep.tp)] if dcfg is not None else [False] * dep.tp
