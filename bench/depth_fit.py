@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 import full_depth_rank as fdr
+from rank_args import check_rank, parse_grid
 from lab import NO_NVLINK_MULTICAST
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json, write_atomic, write_json
@@ -236,20 +237,22 @@ def analyse(res: dict, measured: dict | None, path: Path | None) -> None:
                 "comparison": cmp, "kimi_errors": kimi, "summary": summary(cmp, kimi, [d["layers"] for d in res["depths"]])}
 
 
-def load(path: Path, what: str, keys: tuple, row_keys: tuple = ()) -> dict:
-    """A JSON result with ``keys`` whose ``rows`` (if ``row_keys``) each hold ``row_keys``, or SystemExit with one line
-    naming the file and what was expected."""
+def load(ap: argparse.ArgumentParser, path: Path, what: str, keys: tuple, row_keys: tuple = ()) -> dict:
+    """A JSON result with ``keys`` whose ``rows`` (if ``row_keys``) are a list each holding ``row_keys``, or
+    ``ap.error`` with one line naming the file and what was expected."""
     try:
         d = read_json(path, what)
         missing = [k for k in keys if k not in d]
         if missing:
             raise CheckpointError(f"{path}: no {', '.join(missing)} (expected {what})")
+        if not isinstance(d.get("rows", []), list):
+            raise CheckpointError(f"{path}: 'rows' = {d['rows']!r:.60}, expected a list (expected {what})")
         bad = next((i for i, r in enumerate(d.get("rows", [])) if row_keys and not (isinstance(r, dict) and set(row_keys) <= r.keys())), None)
         if bad is not None:
             raise CheckpointError(f"{path}: rows[{bad}] lacks one of {', '.join(row_keys)} (expected {what})")
         return d
     except CheckpointError as e:
-        sys.exit(f"{e}")
+        ap.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,30 +272,24 @@ def main(argv: list[str] | None = None) -> int:
                     "only the missing ones")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script, measures nothing useful")
     ap.add_argument("--out", type=Path, default=Path("bench/results/depth_fit"), help="results folder")
-    a = fdr.parse_grid(ap, ap.parse_args(argv))
+    a = parse_grid(ap, ap.parse_args(argv))
     try:
         a.fit_layers = sorted({int(x) for x in a.fit_layers.split(",")})
     except ValueError:
         ap.error(f"--fit-layers {a.fit_layers!r}: expected integers, like 2,4")
-    for bad, why in ((len(a.fit_layers) < 2 or a.fit_layers[0] < 2,
-                      f"--fit-layers {a.fit_layers}: expected two or more depths, each ≥ 2 (one dense layer, then MoE)"),
-                     (a.tp < 1, f"--tp {a.tp}: expected an integer ≥ 1"),
-                     (a.cycles < 1, f"--cycles {a.cycles}: expected an integer ≥ 1"),
-                     (a.layers < 2, f"--layers {a.layers}: expected an integer ≥ 2")):
-        if bad:
-            ap.error(why)
-    if a.out.exists() and not a.out.is_dir():
-        ap.error(f"--out {a.out}: a file, expected a folder")
-    measured = load(a.measured, "a bench/full_depth_rank.py result", ("layers", "tp", "rows", "full"),
+    if len(a.fit_layers) < 2 or a.fit_layers[0] < 2:
+        ap.error(f"--fit-layers {a.fit_layers}: expected two or more depths, each ≥ 2 (one dense layer, then MoE)")
+    check_rank(ap, a, fdr.PROMPT_TOKENS)
+    measured = load(ap, a.measured, "a bench/full_depth_rank.py result", ("layers", "tp", "rows", "full"),
                     ("draft_tp", "batch", "k", *DEPTH_QUANTITIES)) if a.measured else None
     if measured and measured["tp"] != a.tp:
         ap.error(f"--measured {a.measured}: TP{measured['tp']}, but --tp {a.tp}")
     if a.source:  # report an earlier run: no engine, no GPU
-        res = load(a.source, "a bench/depth_fit.py result", ("tp", "depths", "label", "target_layers"))
+        res = load(ap, a.source, "a bench/depth_fit.py result", ("tp", "depths", "label", "target_layers"))
         try:
             analyse(res, measured, a.measured)
         except (KeyError, TypeError, ValueError) as e:
-            sys.exit(f"{a.source}: not a bench/depth_fit.py result ({type(e).__name__}: {e})")
+            ap.error(f"--from {a.source}: not a bench/depth_fit.py result ({type(e).__name__}: {e})")
         text = report(res)
         print(text, flush=True)
         a.out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
            "depths": [{"layers": L, "rows": [], "skipped": []} for L in a.fit_layers]}
     earlier = a.out / "depth_fit.json"
     if a.resume and earlier.exists():
-        old = load(earlier, "a bench/depth_fit.py result", ("tp", "depths", "dry_run"))
+        old = load(ap, earlier, "a bench/depth_fit.py result", ("tp", "depths", "dry_run"))
         if (old["tp"], old["dry_run"]) != (a.tp, a.dry_run):
             ap.error(f"--resume: {earlier} holds TP{old['tp']}, dry run {old['dry_run']}")
         for d in res["depths"]:

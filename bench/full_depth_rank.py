@@ -26,6 +26,7 @@ OUT/full_depth_rank.png.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import functools
 import json
@@ -40,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from lab import NO_NVLINK_MULTICAST
+from rank_args import check_rank, parse_grid
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 from splitspec.files import write_atomic, write_json, write_png
 from splitspec.measure.cost_model import INT4_G32_BYTES, KimiScale, expected_acceptance_length
@@ -273,6 +275,7 @@ def measure_rows(a, res: dict, save, only=None) -> None:
         return
     B_max, seq = max(a.batches), a.max_seq_len
     tmp = Path(tempfile.mkdtemp(prefix="full-depth-rank-"))
+    atexit.register(shutil.rmtree, tmp, True)  # whatever stops the load (the finally below removes it sooner)
     eng_dir = write_synthetic_engines(tmp / "engines", num_layers=a.layers, tp_size=a.tp, dtype="int4",
                                       max_batch_size=B_max, max_seq_len=seq, max_draft_len=max(8, max(a.ks)), tiny=a.dry_run)
     cfg = ServeConfig.from_env(engines_dir=eng_dir, target_device_ids=() if a.dry_run else (0,), padded=a.dry_run,
@@ -309,19 +312,6 @@ def measure_rows(a, res: dict, save, only=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def parse_grid(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
-    """``a.ks`` ("0-5" or "0,2,4") and ``a.batches`` ("1,4,16") as lists of ints, or ``ap.error``."""
-    try:
-        lo, _, hi = a.ks.partition("-")
-        a.ks = list(range(int(lo), int(hi) + 1)) if hi else [int(x) for x in a.ks.split(",")]
-        a.batches = [int(x) for x in a.batches.split(",")]
-    except ValueError:
-        ap.error(f"--ks {a.ks!r} / --batches {a.batches!r}: expected integers, like 0-5 and 1,4,16")
-    if 0 not in a.ks or min(a.ks) < 0 or max(a.ks) > 8 or min(a.batches) < 1 or max(a.batches) > 256:
-        ap.error(f"--ks {a.ks} must hold 0 and lie in 0..8; --batches {a.batches} in 1..256")
-    return a
-
-
 def main(argv: list[str] | None = None) -> int:
     global START
     START = time.monotonic()  # --budget-s counts from here (a caller's process may be old)
@@ -341,10 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script, measures nothing useful")
     ap.add_argument("--out", type=Path, default=Path("bench/results/full_depth_rank"), help="results folder")
     a = parse_grid(ap, ap.parse_args(argv))
-    if a.layers < 2 or a.tp < 1 or a.cycles < 1:
-        ap.error(f"--layers {a.layers} (≥ 2: one dense, then MoE), --tp {a.tp} (≥ 1), --cycles {a.cycles} (≥ 1)")
-    if a.out.exists() and not a.out.is_dir():
-        ap.error(f"--out {a.out}: a file, expected a folder")
+    check_rank(ap, a, PROMPT_TOKENS)
+    if a.model_from is not None and (a.model_from != LAB_MODEL or a.model_from.exists()):
+        try:
+            json.loads(a.model_from.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--model-from {a.model_from}: expected a bench/gpu_bench.py result ({type(e).__name__}: {e})")
     os.environ.update(NO_NVLINK_MULTICAST)
     import torch
 

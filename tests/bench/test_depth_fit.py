@@ -4,6 +4,7 @@ shares of its measuring (a stub in place of the engine), and the whole script on
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -118,12 +119,15 @@ def test_dry_run_fits_two_depths_and_reports_against_a_measurement(tmp_path, cap
     for bad, says in ((["--fit-layers", "2"], "two or more depths"), (["--fit-layers", "1,2"], "each ≥ 2"),
                       (["--fit-layers", "2,x"], "expected integers"), (["--measured", str(tmp_path / "tp4.json")], "TP4"),
                       (["--resume", "--tp", "4"], "holds TP8"), (["--out", str(meas)], "a file"),
-                      (["--cycles", "0"], "--cycles 0: expected an integer ≥ 1"), (["--layers", "1"], "--layers 1: expected")):
+                      (["--cycles", "0"], "--cycles 0: expected ≥ 1"), (["--layers", "1"], "--layers 1: expected ≥ 2")):
         with pytest.raises(SystemExit):
             df.main(args + ["--out", str(out)] + bad)
         assert says in capsys.readouterr().err
     (tmp_path / "rows.json").write_text(json.dumps(measured_at(5, {(1, 0, None): 1.0}) | {"rows": [{"batch": 1}]}))
+    (tmp_path / "rows5.json").write_text(json.dumps(measured_at(5, {(1, 0, None): 1.0}) | {"rows": 5}))
     for bad, says in ((["--measured", str(tmp_path / "none.json")], "file not found"), (["--from", str(meas)], "no depths"),
+                      (["--measured", str(tmp_path / "rows5.json")], "'rows' = 5, expected a list"),
                       (["--measured", str(tmp_path / "rows.json")], r"rows\[0\] lacks one of draft_tp")):
-        with pytest.raises(SystemExit, match=says):
+        with pytest.raises(SystemExit) as e:
             df.main(args + bad)
+        assert e.value.code == 2 and re.search(says, capsys.readouterr().err)

@@ -90,8 +90,12 @@ def test_dry_run_writes_rows_report_and_plot(tmp_path, capsys):
     assert again["rows"] == res["rows"] and again["resumed"]["rows"] == 3
     assert again["skipped"] == [{"batch": 1, "k": 2, "draft_tp": 1}, {"batch": 1, "k": 2, "draft_tp": 8}]
     assert "3 rows of" in capsys.readouterr().out
-    for bad, says in ((["--ks", "1,2"], "must hold 0"), (["--ks", "0-x"], "expected integers"),
+    for bad, says in ((["--ks", "1,2"], "0 among them"), (["--ks", "0-x"], "expected integers"),
                       (["--out", str(out / "full_depth_rank.json")], "a file"),
+                      (["--out", str(out / "full_depth_rank.json" / "sub")], "is a file, not a folder"),
+                      (["--tp", "3"], "--tp 3: expected one of 1, 2, 4, 8"), (["--max-seq-len", "0"], "--max-seq-len 0"),
+                      (["--budget-s", "nan"], "--budget-s nan: expected seconds"),
+                      (["--model-from", str(out / "full_depth_rank.md")], "--model-from"),
                       (["--resume", "--out", str(out), "--layers", "3", "--dry-run"], "holds layers 2")):
         with pytest.raises(SystemExit):
             fdr.main(bad)
