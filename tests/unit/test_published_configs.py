@@ -271,3 +271,15 @@ def test_a_bad_ignore_pattern_is_named():
     qc = read_json(PUB / "kimi-k2-thinking" / "config.json")["quantization_config"] | {"ignore": ["lm_head", "re:(unclosed"]}
     with pytest.raises(CheckpointError, match=r"^c: quantization_config.ignore entry 're:\(unclosed': not a regular expression"):
         quant.parse_quantization_config(qc, "c")
+
+
+@pytest.mark.parametrize("shard", [5, "../../x.safetensors", "/etc/hostname", ""])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard):
+    from splitspec.convert.safetensors import CheckpointReader
+
+    shutil.copytree(PUB / "kimi-k2.5", tmp_path / "k")
+    write_json({"weight_map": {"a": shard}}, tmp_path / "k" / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: 'weight_map' = .*expected an object of tensor"):
+        inspect_checkpoint(tmp_path / "k")
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: names shard .*expected a file name"):
+        CheckpointReader(tmp_path / "k")

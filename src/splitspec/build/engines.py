@@ -54,7 +54,7 @@ from tqdm import tqdm
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
-from splitspec.build.memory_plan import check_build
+from splitspec.build.memory_plan import LIMITS, check_build
 from splitspec.convert.pair import FORMAT, convert_pair, tokenizer_files
 from splitspec.errors import CheckpointError, ConfigError
 from splitspec.convert.safetensors import CheckpointReader, write_tensors
@@ -300,8 +300,8 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
     if drafter_dtype not in (None, *DRAFTER_DTYPES):
         raise ConfigError(f"drafter_dtype '{drafter_dtype}' is not supported (expected one of {', '.join(DRAFTER_DTYPES)})")
     for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("max_draft_len", max_draft_len)):
-        if v < 1:
-            raise ConfigError(f"{name} = {v}, expected a positive integer")
+        if not 1 <= v <= LIMITS[name]:
+            raise ConfigError(f"{name} = {v}, expected an integer in 1..{LIMITS[name]}")
     if max_seq_len < max_draft_len + 3:  # Sequence.need_tokens: a one-token prompt, one new token, k + 1 verified
         raise ConfigError(f"max_seq_len = {max_seq_len}, expected ≥ max_draft_len + 3 = {max_draft_len + 3} (or a smaller k)")
     tmeta = _read_checkpoint_config(checkpoints / "target", "target")

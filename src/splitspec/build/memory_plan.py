@@ -58,6 +58,8 @@ GIB = 2 ** 30
 BLOCK_SIZE = 16  # splitspec.models.kv.BLOCK_SIZE, checked equal in the tests
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # splitspec.engine.graphs.BATCH_BUCKETS, likewise
 FUSED_MOE_MAX_TOKENS = 16  # splitspec.models.fused_moe.MAX_TOKENS, likewise
+#: Largest deployment limits planned and built (splitspec build refuses beyond them too).
+LIMITS = {"max_batch_size": 1 << 16, "max_seq_len": 1 << 30, "max_draft_len": 64}
 INT4_CHUNK = 16  # splitspec.models.int4_routed.CHUNK, likewise
 FRAGMENTATION = 0.05
 FP8_DEQUANT_BYTES = 12  # per element of an FP8 linear while quant.linear dequantises it (float32 weight, scales, product): CPU engines
@@ -88,9 +90,10 @@ class Deployment:
         """The mapping, after checking every field. Raises ConfigError naming the first bad one."""
         for name in ("tp", "ep", "max_batch_size", "max_seq_len", "max_draft_len", "max_prefill_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_draft_len" else 1):
+            hi = LIMITS.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_draft_len" else 1) or (hi and v > hi):
                 want = "an integer ≥ 0 (0: no speculation)" if name == "max_draft_len" else "a positive integer"
-                raise ConfigError(f"{name.replace('_', '-')} = {v!r}, expected {want}")
+                raise ConfigError(f"{name.replace('_', '-')} = {v!r}, expected {want}" + (f", at most {hi}" if hi else ""))
         if self.draft_tp not in (1, self.tp):
             raise ConfigError(f"draft-tp = {self.draft_tp}: expected 1 (drafter on GPU 0) or the target's tp {self.tp}")
         if self.max_seq_len > cfg.max_position_embeddings:

@@ -39,8 +39,10 @@ def _open(folder: Path, layout) -> CheckpointReader | LayoutReader:
     file named by the index (or no ``*.safetensors`` without one) is present."""
     index = folder / INDEX_NAME
     weight_map = read_json(index).get("weight_map") if index.exists() else None
-    if weight_map is not None and not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r:.80}, expected an object of tensor name → shard file")
+    if weight_map is not None and not (isinstance(weight_map, dict) and all(isinstance(v, str) and v and Path(v).name == v
+                                                                            for v in weight_map.values())):
+        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r:.80}, expected an object of tensor name → shard "
+                              "file name (in the checkpoint's folder)")
     shards = set(weight_map.values()) if weight_map else {p.name for p in folder.glob("*.safetensors")}
     if any((folder / f).exists() for f in shards):
         return CheckpointReader(folder)

@@ -173,6 +173,10 @@ class CheckpointReader:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+            odd = next((f for f in weight_map.values() if not (isinstance(f, str) and f and Path(f).name == f
+                                                                 and f not in (".", ".."))), None)
+            if odd is not None:
+                raise CheckpointError(f"{index}: names shard {odd!r}, expected a file name in the checkpoint's folder")
             files = sorted(set(weight_map.values()))
             for f in files:
                 if not (self.folder / f).exists():
