@@ -148,6 +148,8 @@ def _broken(tmp_path: Path, drop: str) -> Path:
     ("negative k", ["--tp", "8", "--max-draft-len", "-1"], "max-draft-len = -1, expected an integer ≥ 0 (0: no speculation)"),
     ("k 0 with a drafter", ["--tp", "8", "--drafter", str(DRAFTER), "--max-draft-len", "0"],
      "max-draft-len = 0 with a drafter: expected at least 1"),
+    ("huge k", ["--tp", "8", "--drafter", str(DRAFTER), "--max-draft-len", "100000"], "max-draft-len = 100000, expected an "
+     "integer ≥ 0 (0: no speculation), at most 64"),
     ("too short to serve", ["--tp", "8", "--drafter", str(DRAFTER), "--max-seq-len", "5", "--max-draft-len", "3"],
      "max-seq-len = 5, expected ≥ 6 (a one-token prompt, one new token and the tokens a cycle verifies"),
 ])
