@@ -226,3 +226,11 @@ def test_json_inside_an_input_folder_is_refused_before_anything_is_written(capsy
     assert rc == 2 and out == "" and err.strip() == (f"splitspec plan: error: --json {target / 'config.json'}: inside the "
                                                      f"input folder {target}; write the plan elsewhere")
     assert (target / "config.json").read_text() == (K25 / "config.json").read_text()
+
+
+def test_a_folder_splitspec_wrote_is_named_as_such(capsys, tmp_path):
+    (tmp_path / "config.json").write_text((K25 / "config.json").read_text())
+    write_json({"format": "splitspec-checkpoint"}, tmp_path / "engine.json")
+    rc, out, err = plan(capsys, tmp_path, "--tp", "8", "--gpu-memory-gib", "141", *LIMITS)
+    assert rc == 2 and err.strip() == (f"splitspec plan: error: {tmp_path}: a folder splitspec wrote (engine.json); plan "
+                                       "the published checkpoint it came from")

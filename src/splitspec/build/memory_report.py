@@ -29,6 +29,12 @@ def _has_shards(folder: Path) -> bool:
     return any(folder.glob("*.safetensors"))
 
 
+def _published(folder: Path) -> None:
+    """Raise CheckpointError for a folder splitspec wrote (an ``engine.json`` there): plans read published folders."""
+    if (folder / "engine.json").is_file():
+        raise CheckpointError(f"{folder}: a folder splitspec wrote (engine.json); plan the published checkpoint it came from")
+
+
 def open_target(folder: Path, dtype: str | None) -> tuple[TargetConfig, WeightFormat, Storage, str]:
     """(config, weight format, storage, source description) of a published target folder.
 
@@ -37,6 +43,7 @@ def open_target(folder: Path, dtype: str | None) -> tuple[TargetConfig, WeightFo
         ConfigError: an unknown or unavailable ``dtype``.
     """
     folder = Path(folder)
+    _published(folder)
     where = str(folder / "config.json")
     raw = read_json(folder / "config.json")
     cfg = TargetConfig.from_hf(raw, where)
@@ -56,6 +63,7 @@ def open_drafter(folder: Path, drafter_dtype: str = "float") -> tuple[DrafterCon
     """The EAGLE-3 drafter config of a published drafter folder, and the FP8 tile of the drafter ``splitspec build
     --drafter-dtype`` makes from it (fp8: the checkpoint's tile when it is FP8, else 128×128; float: None)."""
     folder = Path(folder)
+    _published(folder)
     raw = read_json(folder / "config.json")
     cfg = DrafterConfig.from_hf(raw, str(folder / "config.json"))
     if drafter_dtype != "fp8":
