@@ -48,13 +48,15 @@ def _scaled_rows(acc, w_ptr, s_ptr, rows, rmask, k0, K, xb, stride_wn, stride_sn
 
 
 @jit
-def _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M: tl.constexpr):
-    """This program's block: (expert, or −1 past the last block; its pair indices [BLOCK_M] int64 and mask; the
-    expert's weight and scale pointers)."""
+def _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, N,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's block and rows: (expert, or −1 past the last block; its pair indices [BLOCK_M] int64 and mask;
+    the expert's weight and scale pointers; the program's output rows [BLOCK_N] of N and their mask)."""
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     pair, pm = block_pairs(order_ptr, bfirst_ptr, bcount_ptr, b, BLOCK_M)
-    return e, pair, pm, w_ptr + tl.maximum(e, 0) * stride_we, s_ptr + tl.maximum(e, 0) * stride_se
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, pair, pm, w_ptr + tl.maximum(e, 0) * stride_we, s_ptr + tl.maximum(e, 0) * stride_se, n, n < N
 
 
 @jit
@@ -69,9 +71,8 @@ def _gate_up(x_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, a
              stride_se, stride_sn, B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, F32: tl.constexpr):
     """act [P, I] = silu(gate) · up of each pair (row t·top_k + slot); x [T, H]."""
-    e, pair, pm, w, s = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < I
+    e, pair, pm, w, s, n, nm = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we,
+                                             stride_se, I, BLOCK_M, BLOCK_N)
     if e >= 0:
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -88,9 +89,8 @@ def _down(act_ptr, order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, wt_ptr, w_ptr, s
           stride_se, stride_sn, B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, F32: tl.constexpr):
     """out [P, H] float32: each pair's routing weight · W2[e] act, at row t·top_k + slot."""
-    e, pair, pm, w, s = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we, stride_se, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < H
+    e, pair, pm, w, s, n, nm = _expert_block(order_ptr, bexp_ptr, bfirst_ptr, bcount_ptr, w_ptr, s_ptr, stride_we,
+                                             stride_se, H, BLOCK_M, BLOCK_N)
     if e >= 0:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
