@@ -76,7 +76,7 @@ client: setup
 perf-tools: .venv/.perf-tools
 
 .venv/.perf-tools: .venv/.installed pyproject.toml
-	.venv/bin/pip install --quiet -e '.[perf]'
+	.venv/bin/python -c 'import genai_perf' 2>/dev/null || .venv/bin/pip install --quiet -e '.[perf]'
 	touch $@
 
 perf: engines perf-tools
