@@ -63,6 +63,10 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     from splitspec.build.memory_plan import GIB, Deployment
     from splitspec.build.memory_report import main as plan_main
 
+    if a.json == "":
+        raise ConfigError("--json '': expected a file path")
+    if a.draft_tp != 1 and a.drafter is None:
+        raise ConfigError(f"--draft-tp {a.draft_tp}: places a drafter; name it with --drafter")
     dep = Deployment(tp=a.tp, ep=a.ep, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len,
                      max_draft_len=a.max_draft_len, kv_tokens=a.kv_tokens, budget_bytes=int(a.gpu_memory_gib * GIB),
                      headroom_bytes=int(a.headroom_gib * GIB))

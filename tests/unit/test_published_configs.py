@@ -211,7 +211,9 @@ def test_more_experts_per_token_than_experts_is_refused():
 
 def test_inspect_names_a_missing_path_a_file_and_a_folder_without_a_config(tmp_path):
     (tmp_path / "f").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     for path, why in ((tmp_path / "none", "not found"), (tmp_path / "f", "not a folder"),
+                      (tmp_path / "loop", r"a link to nothing \(broken or looping\)"),
                       (tmp_path, "no config.json \\(or engine.json\\)")):
         with pytest.raises(CheckpointError, match=f"^{path}: {why}"):
             inspect_checkpoint(path)

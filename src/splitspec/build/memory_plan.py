@@ -104,7 +104,7 @@ class Deployment:
         if self.headroom_bytes < 0:
             raise ConfigError(f"headroom-gib = {self.headroom_bytes / GIB:g}, expected ≥ 0")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
-            raise ConfigError(f"gpu-memory-gib = {self.budget_bytes / GIB:g}, expected a positive size")
+            raise ConfigError(f"--gpu-memory-gib = {self.budget_bytes / GIB:g} (under a byte), expected a positive size")
         mapping = Mapping(self.tp, self.ep)
         mapping.check(cfg, "--tp/--ep")
         return mapping

@@ -80,7 +80,7 @@ class WeightFormat:
                 published FP8 or INT4 weights; it does not quantise).
         """
         published = {"fp8": "fp8", "int4": "int4"}.get(scheme.method, "bfloat16")
-        name = name or published
+        name = published if name is None else name
         if name not in FORMATS:
             raise ConfigError(f"dtype '{name}' is not supported (expected one of {', '.join(FORMATS)})")
         if name in ("fp8", "int4") and name != scheme.method:

@@ -282,7 +282,8 @@ def inspect_checkpoint(path: Path, target: Path | None = None, aux_convention: s
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: {'not a folder' if path.exists() else 'not found'} (expected a checkpoint folder)")
+        why = "not a folder" if path.exists() else "a link to nothing (broken or looping)" if path.is_symlink() else "not found"
+        raise CheckpointError(f"{path}: {why} (expected a checkpoint folder)")
     for name in ("engine.json", "config.json"):
         if (path / name).exists():
             raw = read_json(path / name)
