@@ -46,11 +46,10 @@ def engine_plan(engines: Path, draft_tp: int, fmt: WeightFormat, storage: Storag
 
 def test_the_plan_mirrors_the_engine_constants():
     assert memory_plan.BLOCK_SIZE == kv.BLOCK_SIZE
-    assert memory_plan.BATCH_BUCKETS == graphs.BATCH_BUCKETS
     assert memory_plan.FUSED_MOE_MAX_TOKENS == fused_moe.MAX_TOKENS
-    assert all(memory_plan._bucket(b) == graphs.bucket(b) for b in range(1, 2000))
     assert graphs.bucket(257) == 512 and graphs.bucket(1000) == 1024  # past 256: multiples of 256, a bounded set
-    assert memory_plan._buckets_upto(1024) == [*graphs.BATCH_BUCKETS, 512, 768, 1024]
+    assert graphs.buckets_upto(1024) == [*graphs.BATCH_BUCKETS, 512, 768, 1024]
+    assert graphs.buckets_upto(1000) == [*graphs.BATCH_BUCKETS, 512, 768] and graphs.buckets_upto(3) == [1, 2]
 
 
 def test_demo_engine_weights_and_kv_equal_the_real_allocations(engines_for):

@@ -49,6 +49,7 @@ import torch
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.engine.graphs import bucket, buckets_upto
 from splitspec.errors import ConfigError
 from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import (DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes,
@@ -56,7 +57,6 @@ from splitspec.build.weight_bytes import (DRAFTER_KINDS, FLOAT_BYTES, KINDS, Sto
 
 GIB = 2 ** 30
 BLOCK_SIZE = 16  # splitspec.models.kv.BLOCK_SIZE, checked equal in the tests
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # splitspec.engine.graphs.BATCH_BUCKETS, likewise
 FUSED_MOE_MAX_TOKENS = 16  # splitspec.models.fused_moe.MAX_TOKENS, likewise
 #: Largest deployment limits planned and built (splitspec build refuses beyond them too).
 LIMITS = {"max_batch_size": 1 << 16, "max_seq_len": 1 << 30, "max_draft_len": 64}
@@ -137,17 +137,6 @@ class GpuPlan:
         return sorted(((label, b) for label, (_, b) in self.items.items()), key=lambda x: -x[1])[:n]
 
 
-def _bucket(batch: int) -> int:
-    """:func:`splitspec.engine.graphs.bucket` (checked equal in the tests)."""
-    top = BATCH_BUCKETS[-1]
-    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
-
-
-def _buckets_upto(bp: int) -> list[int]:
-    """Every batch bucket ≤ ``bp``: the batch sizes graphs are captured at."""
-    return [b for b in BATCH_BUCKETS if b <= bp] + list(range(2 * BATCH_BUCKETS[-1], bp + 1, BATCH_BUCKETS[-1]))
-
-
 def _act_bytes(fmt: WeightFormat) -> int:
     """Activation element size: the engine's float dtype (bf16 beside FP8 or INT4 weights)."""
     return fmt.float_bytes
@@ -188,16 +177,16 @@ def _tokens_per_sequence(dcfg, dep: Deployment) -> int:
 
 def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> int:
     act, H, lat = _act_bytes(fmt), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    bp, n = _bucket(dep.max_batch_size), _tokens_per_sequence(dcfg, dep)
+    bp, n = bucket(dep.max_batch_size), _tokens_per_sequence(dcfg, dep)
     S = -(-dep.max_seq_len // BLOCK_SIZE) * BLOCK_SIZE
     T, heads = bp * n, cfg.num_attention_heads // mapping.tp_size
     attention = bp * S * lat * act + bp * heads * n * S * (8 + act)
     peak = _target_forward(cfg, mapping, fmt, T, T, attention, act, True) + 2 * T * 3 * H * act
     windows = {S} | {w for w in (256 * 2 ** i for i in range(20)) if w < S}
     ns = n * (n + 1) // 2  # 1 + 2 + … + n: a steady batch of each k ≤ max_draft_len captures graphs of its own
-    outputs = sum(b * ns * (cfg.vocab_size * 4 + 3 * H * act) for b in _buckets_upto(bp)) * len(windows)
+    outputs = sum(b * ns * (cfg.vocab_size * 4 + 3 * H * act) for b in buckets_upto(bp)) * len(windows)
     if drafts_here and dcfg is not None and dep.max_draft_len:
-        outputs += sum(b * ns * 3 * H * act for b in _buckets_upto(bp))  # the verify → draft aux hand-off
+        outputs += sum(b * ns * 3 * H * act for b in buckets_upto(bp))  # the verify → draft aux hand-off
         d = dep.draft_tp
         kv, nq = dcfg.num_key_value_heads // d, dcfg.num_attention_heads // d
         draft = 2 * bp * S * kv * dcfg.head_dim * act + bp * nq * n * S * (8 + act) + 2 * T * dcfg.draft_vocab_size * 4
@@ -275,8 +264,9 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
     if dcfg is not None and dep.max_draft_len == 0:
         raise ConfigError("max-draft-len = 0 with a drafter: expected at least 1 (build refuses engines that cannot "
                           "draft; plan without --drafter for no speculation)")
-    if dep.max_seq_len < _tokens_per_sequence(dcfg, dep) + 2:  # as build: a one-token prompt, one new token, a cycle
-        raise ConfigError(f"max-seq-len = {dep.max_seq_len}, expected ≥ {_tokens_per_sequence(dcfg, dep) + 2} (a "
+    least = _tokens_per_sequence(dcfg, dep) + 2  # as build: a one-token prompt, one new token, a cycle's tokens
+    if dep.max_seq_len < least:
+        raise ConfigError(f"max-seq-len = {dep.max_seq_len}, expected ≥ {least} (a "
                           "one-token prompt, one new token and the tokens a cycle verifies; build refuses less)")
     act, rows = _act_bytes(fmt), dep.kv_rows
     target_kv = cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act

@@ -34,6 +34,12 @@ def bucket(batch: int) -> int:
     return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
 
 
+def buckets_upto(bp: int) -> list[int]:
+    """Every batch bucket ≤ ``bp``: the batch sizes steady cycles capture graphs at (the memory plan counts them)."""
+    top = BATCH_BUCKETS[-1]
+    return [b for b in BATCH_BUCKETS if b <= bp] + list(range(2 * top, bp + 1, top))
+
+
 class GraphCache:
     """CUDA graphs of static-shape functions on one device, captured on first use per key (eager on CPU or when
     not ``enabled``: ``ServeConfig.cuda_graphs``). Outputs are the graph's static output tensors, valid until the next
