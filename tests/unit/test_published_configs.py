@@ -281,7 +281,7 @@ def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard):
 
     shutil.copytree(PUB / "kimi-k2.5", tmp_path / "k")
     write_json({"weight_map": {"a": shard}}, tmp_path / "k" / "model.safetensors.index.json")
-    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: 'weight_map' = .*expected an object of tensor"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: names shard .*expected a file name"):
         inspect_checkpoint(tmp_path / "k")
     with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: names shard .*expected a file name"):
         CheckpointReader(tmp_path / "k")

@@ -22,7 +22,7 @@ from splitspec.drafter_config import DRAFTER_ARCHITECTURES, MODELOPT_EAGLE_KEYS,
 from splitspec.convert.layout import LayoutReader, drafter_layout, target_layout
 from splitspec.convert.pair import tokenizer_vocab_size
 from splitspec.convert.plan import plan_lines
-from splitspec.convert.safetensors import INDEX_NAME, CheckpointReader
+from splitspec.convert.safetensors import INDEX_NAME, CheckpointReader, check_shard_names
 from splitspec.convert.target import VISION_PREFIXES
 from splitspec.errors import CheckpointError
 from splitspec.files import read_json
@@ -39,10 +39,10 @@ def _open(folder: Path, layout) -> CheckpointReader | LayoutReader:
     file named by the index (or no ``*.safetensors`` without one) is present."""
     index = folder / INDEX_NAME
     weight_map = read_json(index).get("weight_map") if index.exists() else None
-    if weight_map is not None and not (isinstance(weight_map, dict) and all(isinstance(v, str) and v and Path(v).name == v
-                                                                            for v in weight_map.values())):
-        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r:.80}, expected an object of tensor name → shard "
-                              "file name (in the checkpoint's folder)")
+    if weight_map is not None and not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' = {weight_map!r:.80}, expected an object of tensor name → shard file")
+    if weight_map:
+        check_shard_names(weight_map, index)
     shards = set(weight_map.values()) if weight_map else {p.name for p in folder.glob("*.safetensors")}
     if any((folder / f).exists() for f in shards):
         return CheckpointReader(folder)

@@ -150,6 +150,15 @@ class SafetensorsFile:
             pass
 
 
+def check_shard_names(weight_map: dict, index: Path) -> None:
+    """Raise CheckpointError, naming ``index``, when a shard ``weight_map`` names is not a plain file name (the
+    checkpoint's folder is the only place a reader opens shards: no path, no ``..``)."""
+    odd = next((f for f in weight_map.values() if not (isinstance(f, str) and f and Path(f).name == f
+                                                        and f not in (".", ".."))), None)
+    if odd is not None:
+        raise CheckpointError(f"{index}: names shard {odd!r}, expected a file name in the checkpoint's folder")
+
+
 class CheckpointReader:
     """Lazy, tensor-by-tensor access to a folder of safetensors files.
 
@@ -173,10 +182,7 @@ class CheckpointReader:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-            odd = next((f for f in weight_map.values() if not (isinstance(f, str) and f and Path(f).name == f
-                                                                 and f not in (".", ".."))), None)
-            if odd is not None:
-                raise CheckpointError(f"{index}: names shard {odd!r}, expected a file name in the checkpoint's folder")
+            check_shard_names(weight_map, index)
             files = sorted(set(weight_map.values()))
             for f in files:
                 if not (self.folder / f).exists():
