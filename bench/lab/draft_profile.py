@@ -220,7 +220,7 @@ def measure_drafter(eng: Path, device: str, batches: list[int], ks: list[int], p
                     iters: int, compiled: bool, pdl: bool = False, trace: Path | None = None) -> dict:
     """Every (B, k) draft phase and each B's bare step (module docstring); ``trace``: a folder (existing) for one
     Chrome trace per phase (host and device, :func:`gpu_span`), ``trace_B{B}_k{k}[_pdl].json``."""
-    from splitspec.engine.graphs import bucket
+    from splitspec.models.batch import bucket
     from splitspec.engine.rank import RankRunner
     from splitspec.models.batch import padded
     from splitspec.models.kv import BLOCK_SIZE

@@ -22,10 +22,9 @@ from splitspec.config import TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.convert.pair import convert_pair
 from splitspec.convert.safetensors import CheckpointReader
-from splitspec.engine import graphs
 from splitspec.engine.rank import RankRunner
 from splitspec.files import read_json
-from splitspec.models import fused_moe, kv
+from splitspec.models import batch, fused_moe, kv
 from splitspec.models.layers import TPComm
 from splitspec.testing import fixtures
 
@@ -47,9 +46,9 @@ def engine_plan(engines: Path, draft_tp: int, fmt: WeightFormat, storage: Storag
 def test_the_plan_mirrors_the_engine_constants():
     assert memory_plan.BLOCK_SIZE == kv.BLOCK_SIZE
     assert memory_plan.FUSED_MOE_MAX_TOKENS == fused_moe.MAX_TOKENS
-    assert graphs.bucket(257) == 512 and graphs.bucket(1000) == 1024  # past 256: multiples of 256, a bounded set
-    assert graphs.buckets_upto(1024) == [*graphs.BATCH_BUCKETS, 512, 768, 1024]
-    assert graphs.buckets_upto(1000) == [*graphs.BATCH_BUCKETS, 512, 768] and graphs.buckets_upto(3) == [1, 2]
+    assert batch.bucket(257) == 512 and batch.bucket(1000) == 1024  # past 256: multiples of 256, a bounded set
+    assert batch.buckets_upto(1024) == [*batch.BATCH_BUCKETS, 512, 768, 1024]
+    assert batch.buckets_upto(1000) == [*batch.BATCH_BUCKETS, 512, 768] and batch.buckets_upto(3) == [1, 2]
 
 
 def test_demo_engine_weights_and_kv_equal_the_real_allocations(engines_for):

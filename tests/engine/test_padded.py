@@ -157,7 +157,7 @@ def test_handoff_bookkeeping_drafts_what_the_plain_path_drafts(tmp_path, monkeyp
     forced on for the CPU's eager runs: over cycles where the batch keeps, shrinks, reorders and grows, every draft
     equals the drafts of a runner without it, and both of its paths run (read in place; copied in first)."""
     from splitspec.build.synthetic import write_synthetic_engines
-    from splitspec.engine.graphs import bucket
+    from splitspec.models.batch import bucket
     from splitspec.engine.plan import CyclePlan, SeqWork
     from splitspec.engine.rank import RankRunner
     from splitspec.models.layers import TPComm

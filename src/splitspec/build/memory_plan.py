@@ -49,8 +49,8 @@ import torch
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
-from splitspec.engine.graphs import bucket, buckets_upto
 from splitspec.errors import ConfigError
+from splitspec.models.batch import bucket, buckets_upto
 from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import (DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes,
                                           drafter_rank_weights, target_rank_bytes)

@@ -1,5 +1,5 @@
-"""Static shapes for steady cycles: batch buckets, the CUDA graphs captured per bucket and the pinned host buffers
-their int64 inputs are staged in."""
+"""Static shapes for steady cycles: the CUDA graphs captured per batch bucket (:func:`splitspec.models.batch.bucket`)
+and the pinned host buffers their int64 inputs are staged in."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from splitspec.models.batch import field_views
 from splitspec.models.fused_moe import device_index
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw CUDA stream) -> its torch Stream object
@@ -25,19 +24,6 @@ def current_stream(index: int) -> torch.cuda.Stream:
     if stream is None:
         stream = _STREAMS[key] = torch.cuda.current_stream(index)
     return stream
-
-
-def bucket(batch: int) -> int:
-    """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows): a power of two up to
-    256, then a multiple of 256 (a bounded set of graphs whatever the batch sizes met)."""
-    top = BATCH_BUCKETS[-1]
-    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
-
-
-def buckets_upto(bp: int) -> list[int]:
-    """Every batch bucket ≤ ``bp``: the batch sizes steady cycles capture graphs at (the memory plan counts them)."""
-    top = BATCH_BUCKETS[-1]
-    return [b for b in BATCH_BUCKETS if b <= bp] + list(range(2 * top, bp + 1, top))
 
 
 class GraphCache:

@@ -17,12 +17,12 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
-from splitspec.engine.graphs import GraphCache, bucket, current_stream
+from splitspec.engine.graphs import GraphCache, current_stream
 from splitspec.models.fused_moe import device_index
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
-from splitspec.models.batch import ForwardBatch, RowFiller, field_views, padded_fields
+from splitspec.models.batch import ForwardBatch, RowFiller, bucket, field_views, padded_fields
 from splitspec.models.drafter import Eagle3Drafter
 from splitspec.models.drafters import drafter_cache, drafter_model, shard_drafter_weights
 from splitspec.models.layers import TPComm

@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from splitspec.engine.graphs import bucket  # noqa: E402
+from splitspec.models.batch import bucket  # noqa: E402
 from splitspec.engine.group import LOOPBACK  # noqa: E402
 from splitspec.engine.plan import IDLE_TIMEOUT, CyclePlan  # noqa: E402
 from splitspec.engine.rank import RankRunner, threads_per_rank  # noqa: E402

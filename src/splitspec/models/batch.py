@@ -11,6 +11,23 @@ import torch
 from splitspec.models.kv import BLOCK_SIZE, slot_mapping
 
 
+#: Batch sizes steady cycles are padded to (and capture CUDA graphs at) up to 256; past it, multiples of 256.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(batch: int) -> int:
+    """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows): a power of two up to
+    256, then a multiple of 256 (a bounded set of graphs whatever the batch sizes met)."""
+    top = BATCH_BUCKETS[-1]
+    return next(b for b in BATCH_BUCKETS if b >= batch) if batch <= top else -(-batch // top) * top
+
+
+def buckets_upto(bp: int) -> list[int]:
+    """Every batch bucket ≤ ``bp``: the batch sizes steady cycles capture graphs at (the memory plan counts them)."""
+    top = BATCH_BUCKETS[-1]
+    return [b for b in BATCH_BUCKETS if b <= bp] + list(range(2 * top, bp + 1, top))
+
+
 @dataclass
 class ForwardBatch:
     """Tokens of several sequences in one flat forward.

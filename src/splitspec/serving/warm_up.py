@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from splitspec.engine.graphs import BATCH_BUCKETS
+from splitspec.models.batch import BATCH_BUCKETS
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request
 
 
 def warm_up_plan(max_batch_size: int, ks: list[int]) -> list[tuple[int, int]]:
-    """The ``(batch, k)`` runs of :func:`warm_up`: every batch bucket (:data:`~splitspec.engine.graphs.BATCH_BUCKETS`)
+    """The ``(batch, k)`` runs of :func:`warm_up`: every batch bucket (:data:`~splitspec.models.batch.BATCH_BUCKETS`)
     below ``max_batch_size``, and ``max_batch_size`` itself (it fills its bucket), for each k of ``ks``."""
     sizes = [b for b in BATCH_BUCKETS if b < max_batch_size] + [max_batch_size]
     return [(b, k) for b in sizes for k in sorted(set(ks))]
