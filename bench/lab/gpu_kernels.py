@@ -133,6 +133,33 @@ def timed_graph(fn, reps: int = 10, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_timeline(fn, replays: int = 20) -> dict:
+    """Where one call of ``fn`` (no arguments, static tensors) spends its time on the GPU: a CUDA graph of it
+    replayed ``replays`` times under torch.profiler. ``span_us``: median first-kernel start to last-kernel end of a
+    replay; ``busy_us``: median sum of its kernels' durations (overlapping kernels of parallel branches each count);
+    ``kernels``: the median replay's kernels in start order, each with its start (µs from the first) and duration."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    g = capture_graph(fn)
+    g.replay()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+            torch.cuda.synchronize()
+    ev = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA), key=lambda e: e[1])
+    n = len(ev) // replays
+    if not n:
+        return {"kernels": [], "note": "the profiler saw no kernel of the graph's replays"}
+    runs = sorted((ev[i * n:(i + 1) * n] for i in range(replays)), key=lambda r: max(e[2] for e in r) - r[0][1])
+    mid = runs[len(runs) // 2]
+    t0 = mid[0][1]
+    return {"span_us": max(e[2] for e in mid) - t0, "busy_us": sum(e[2] - e[1] for e in mid), "per_replay": n,
+            "kernels": [{"name": name[:60], "start_us": round(a - t0, 1), "us": round(b - a, 1)} for name, a, b in mid]}
+
+
 def kimi_experts(tp: int, g: torch.Generator, n: int = 384) -> tuple[torch.Tensor, torch.Tensor]:
     """Random bf16 experts of one Kimi-K2 rank at expert-TP ``tp``: w13 [n, 4096/tp, 7168], w2 [n, 7168, 2048/tp]
     (n = 384: the routed experts; n = 1: the shared expert)."""

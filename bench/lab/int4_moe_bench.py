@@ -33,6 +33,9 @@ Prints tables and writes ``int4_moe_bench.json``.
     export PYTHONPATH=$PWD/src
     python3 bench/lab/int4_moe_bench.py --out results/int4mma
 
+``--profile``: also the engine's form of the layer at one token on each shard, kernel by kernel (start and
+duration in one replay of its CUDA graph, torch.profiler): which branch is the longer and where the gaps are.
+
 ``--dry-run``: CPU, Triton's interpreter, small shapes and sweeps: checks the script, measures nothing.
 """
 
@@ -53,6 +56,8 @@ ap.add_argument("--decode", default=None, metavar="GU/DN",
                 help="skip the decode sweeps: time mma_asm with these configs only, e.g. 32,512,2,3,0/16,512,1,3,0")
 ap.add_argument("--no-layer", action="store_true", help="skip section 3 (the whole MoE layer)")
 ap.add_argument("--one", action="store_true", help="one-token sweeps per shard, kernels alone, the layer at 1/4/16")
+ap.add_argument("--profile", action="store_true",
+                help="also each shard's one-token layer (the engine's form) kernel by kernel under torch.profiler")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
 if A.dry_run:
@@ -61,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for l
 
 import torch  # noqa: E402
 
-from lab.gpu_kernels import bandwidth, timed_graph  # noqa: E402
+from lab.gpu_kernels import bandwidth, graph_timeline, timed_graph  # noqa: E402
 from splitspec import quant  # noqa: E402
 from splitspec.measure.machine import git_commit  # noqa: E402
 from splitspec.models import fused_moe, fused_route, grouped_moe, int4_down, int4_layer, int4_moe, int4_routed  # noqa: E402
@@ -92,8 +97,9 @@ GU1 = [(32, 128, 2, 3, 0), (16, 128, 2, 1, 0, 2)] if DRY else [
     (32, 1024, 2, 2, 1), (16, 512, 1, 4, 1), (32, 512, 4, 3, 1, 2), (32, 1024, 8, 2, 1, 4), (16, 512, 4, 3, 1, 4),
     (16, 1024, 8, 2, 1, 8)]  # the last four: each K step in 2-8 slices, one warp group each (a batched dot)
 DN1 = [(32, 64, 2, 1, 0), (32, 64, 4, 1, 0, 1)] if DRY else [
-    (16, 512, 1, 3, 0), (16, 256, 8, 3, 0, 1), (16, 512, 1, 3, 2), (8, 512, 4, 2, 0, 1), (16, 256, 8, 2, 0, 1),
-    (16, 256, 1, 3, 4), (8, 256, 4, 3, 0, 1), (16, 128, 8, 4, 0, 1), (16, 512, 8, 2, 0, 1), (8, 256, 4, 4, 0, 1)]
+    (16, 512, 1, 3, 0), (16, 256, 8, 3, 0, 1), (16, 512, 1, 3, 2), (16, 256, 1, 3, 8), (16, 256, 8, 2, 0, 1),
+    (16, 256, 1, 3, 4), (16, 512, 1, 3, 8), (16, 128, 8, 4, 0, 1), (16, 512, 8, 2, 0, 1), (32, 256, 2, 3, 8),
+    (16, 128, 1, 4, 8), (16, 256, 1, 4, 4)]
 SPLITS1 = [1] if DRY else [1, 2, 4, 8]
 GROUPED = [(16, 64, 128, 4, 3)] if DRY else [
     (16, 32, 256, 2, 3), (16, 64, 256, 4, 3), (32, 64, 256, 4, 3), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3)]
@@ -366,6 +372,17 @@ for tp, I in ({} if A.no_layer else TPS).items():
             row["ratio"] = row["ms"] / row["bound_ms"]
             OUT["layer"].append(row)
             print(json.dumps(row), flush=True)
+            if A.profile and not DRY and T == 1 and form:  # the engine's form at one token, kernel by kernel
+                int4_routed.DECODE = {cls: kernel for cls in saved}
+                try:
+                    tl_ = graph_timeline(lambda x=probs[0][0]: fn(x))
+                finally:
+                    int4_routed.DECODE = saved
+                OUT.setdefault("timeline", []).append({"tp": tp, "tokens": T, "kernel": str(kernel)} | tl_)
+                print(f"layer timeline, TP{tp}, one token: span {tl_.get('span_us', 0):.1f} µs, kernels' sum "
+                      f"{tl_.get('busy_us', 0):.1f} µs", flush=True)
+                for k in tl_["kernels"]:
+                    print(f"  {k['start_us']:>7.1f} {k['us']:>6.1f}  {k['name']}", flush=True)
 save()
 
 # 4. grouped kernels

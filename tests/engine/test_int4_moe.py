@@ -137,6 +137,53 @@ def test_unpacking_constants_bit_for_bit(j):
     assert torch.equal(nib, cols[:, j::4])
 
 
+DOWN_FORMS = {"loop": (32, 64, 2, 1, 1), "split": (32, 64, 2, 1, 3), "columns": (64, 64, 4, 1, 0, 1)}
+
+
+def down_args(seed: int):
+    """(act, ids, wts, p2, s2) on DEVICE for down_call, act from the problem's gate_up."""
+    x, local, weights, p13, s13, p2, s2 = (t.to(DEVICE) for t in problem(seed=seed))
+    ids, wts = local.int().contiguous(), weights.float().contiguous()
+    act = int4_moe.gate_up_call(x, ids, p13, s13, G, "mma_asm", (16, 64, 1, 1, 1))
+    return act, ids, wts, p2, s2
+
+
+def test_split_down_leaves_its_workspace_zeroed_for_the_next_call():
+    """A slot split (three programs a tile) twice on different problems: both right, and the workspace and counts
+    zero after each (the last program of a tile reads the sum while zeroing it)."""
+    from splitspec.models import int4_down
+
+    for seed in (21, 22):
+        x, local, weights, p13, s13, p2, s2 = problem(seed=seed)
+        want = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2))
+        got = run(Kernel("mma_asm", (16, 64, 1, 1, 1), (32, 64, 2, 1, 3)), x, local, weights, p13, s13, p2, s2)
+        assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 2e-2 * want.abs().max()).all()
+        ws, counts = int4_down._WORKSPACE[(torch.device(DEVICE), T, H, -(-H // 32))]
+        assert not ws.any() and not counts.any()
+
+
+@pytest.mark.parametrize("form", list(DOWN_FORMS) + ["split, captured"])
+def test_down_adds_after_rounding_as_torch_does(form, monkeypatch):
+    """down_call(add=a) has the bits of down_call(...) + a (bf16 + bf16 in torch: float sum, rounded once; Triton's
+    interpreter rounds toward zero instead), in each form, and in the split's fallback (a capture before the
+    workspace exists: torch's add after the kernel)."""
+    from splitspec.models import int4_down
+
+    if form == "split, captured":
+        monkeypatch.setattr(int4_down, "workspace", lambda *a: None)
+    act, ids, wts, p2, s2 = down_args(seed=23)
+    config = DOWN_FORMS[form.split(",")[0]]
+    plain = int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", config)
+    add = (torch.randn(T, H, generator=torch.Generator().manual_seed(3)) * plain.float().abs().max().cpu()).bfloat16()
+    got = int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", config, add=add.to(DEVICE))
+    total = plain.cpu().float() + add.float()
+    if DEVICE == "cpu" and form != "split, captured":  # float32 → bf16 by dropping the low 16 bits
+        want = (total.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    else:
+        want = plain.cpu() + add
+    assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want)
+
+
 def test_expert_blocks_cover_this_ranks_pairs_once():
     local = torch.tensor([[0, 4, 2], [-1, 1, 4], [3, 5, 0], [4, 4, 4]])
     order, expert, first, count = grouped_moe.expert_blocks(local, E, 2)

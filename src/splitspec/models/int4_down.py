@@ -1,7 +1,18 @@
 """The ``down`` kernels of :mod:`splitspec.models.int4_moe`'s tensor-core variants (W4A16): each token's slots'
 down rows of INT4 experts times their activations and routing weights, summed in float32 — as a loop over the
-slots (optionally split over programs, into a float32 output by atomics), or with the slots side by side in one dot
-(``_down_columns``). Weight format, numerics and configurations: :mod:`splitspec.models.int4_moe`.
+slots (optionally split over programs), or with the slots side by side in one dot (``_down_columns``). Weight
+format, numerics and configurations: :mod:`splitspec.models.int4_moe`.
+
+A slot split's programs add their float32 partial sums into a workspace by atomics and count themselves in per
+tile (token, block of rows); the last of a tile to arrive reads the sum (an atomic add of 0: from where the adds
+went), zeroes it, resets the count and writes the rounded result — no zeroing launch before the kernel and no
+cast after it (the fix-up of stream-K GEMMs). The workspace [T·H] float32 and counts [T·row blocks] int32 are this module's, one pair per
+(device, T, H, row blocks), made zeroed on first use outside a CUDA-graph capture and left zeroed by every call;
+calls on one device run one at a time (the engine's layers do). Captured before its first eager use, a split
+falls back to a zeroed float32 output and a cast.
+
+``add`` (optional, [T, H] in the output dtype): added to the rounded result and rounded again — the bits of
+``down(...) + add`` in torch, one launch fewer (the MoE layer's shared expert, :mod:`splitspec.models.int4_layer`).
 """
 
 from __future__ import annotations
@@ -13,10 +24,23 @@ from splitspec.models.fused_moe import jit, tl, triton
 from splitspec.models.int4_tiles import column0, dequant, k_mask, operand, split_count, unpack_mode, weight_tile
 
 
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 @jit
-def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slot_share, stride_pe, stride_pn,
-              stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
+def _store(out_ptr, add_ptr, offs, y, mask, HAS_ADD: tl.constexpr):
+    """out[offs] = y rounded to out's dtype (+ add[offs], rounded once more)."""
+    y = y.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+@jit
+def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, add_ptr, H, I, E, top_k, slot_share,
+              stride_pe, stride_pn, stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, FIXUP: tl.constexpr, HAS_ADD: tl.constexpr,
+              EVEN_K: tl.constexpr, MODE: tl.constexpr):
     t, sp = tl.program_id(0), tl.program_id(2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -34,16 +58,25 @@ def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, slo
                     acc_e = tl.dot(dequant(v, sc, jn, MODE), tl.broadcast_to(a[:, None], [BLOCK_K // 4, 16]), acc_e)
             acc += tl.load(wt_ptr + p) * acc_e
     y = column0(acc)
-    if ATOMIC:
+    if FIXUP:  # the last of the tile's programs to arrive writes the sum and leaves workspace and count at zero
+        tl.atomic_add(ws_ptr + t * H + n, y, mask=n < H, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds issued before the count's release
+        tile = t * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            total = tl.atomic_add(ws_ptr + t * H + n, tl.zeros_like(y), mask=n < H)  # read where the adds went
+            tl.store(ws_ptr + t * H + n, tl.zeros_like(y), mask=n < H)  # no program of this tile is left
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _store(out_ptr, add_ptr, t * H + n, total, n < H, HAS_ADD)
+    elif ATOMIC:  # into a zeroed float32 output, cast after the kernel
         tl.atomic_add(out_ptr + t * H + n, y, mask=n < H)
     else:
-        tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+        _store(out_ptr, add_ptr, t * H + n, y, n < H, HAS_ADD)
 
 
 @jit
-def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, stride_pn, stride_sn, G: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
-                  MODE: tl.constexpr):
+def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, add_ptr, H, I, E, top_k, stride_pn, stride_sn,
+                  G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr,
+                  HAS_ADD: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr):
     """``down`` with a token's slots side by side in one dot: row m = slot·BLOCK_N + r of the left operand is row
     n0 + r of that slot's expert (``packed`` and ``scales`` contiguous: expert e's row n is row e·H + n), column c
     of the right operand is slot c's activations (zero past top_k and for another rank's pairs); entry
@@ -70,35 +103,59 @@ def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k,
     wt = tl.load(wt_ptr + t * top_k + slot, mask=ok, other=0.0)
     y = tl.sum(tl.reshape(tl.sum(tl.where(c[None, :] == slot[:, None], acc, 0.0), axis=1) * wt, [SLOTS, BLOCK_N]), axis=0)
     n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+    _store(out_ptr, add_ptr, t * H + n, y, n < H, HAS_ADD)
+
+
+def workspace(device: torch.device, T: int, H: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(float32 [T·H], int32 [T·blocks]) zeroed, for a slot split's fix-up on ``device`` (module docstring); None
+    when there is none yet and the current stream is capturing a CUDA graph (made there, it would live in the
+    graph's memory pool)."""
+    key = (device, T, H, blocks)
+    if key not in _WORKSPACE:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _WORKSPACE[key] = (torch.zeros(T * H, dtype=torch.float32, device=device),
+                           torch.zeros(T * blocks, dtype=torch.int32, device=device))
+    return _WORKSPACE[key]
 
 
 def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor,
-              dtype: torch.dtype, group: int, variant: str, config: list[int] | tuple[int, ...]) -> torch.Tensor:
+              dtype: torch.dtype, group: int, variant: str, config: list[int] | tuple[int, ...],
+              add: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] in ``dtype`` from :func:`gate_up_call`'s act, ids [T, top_k] int32, wts [T, top_k] float32
-    (contiguous arguments): ``down`` (split over the slots: into float32 by atomics, then cast)."""
+    (contiguous arguments): ``down`` (split over the slots: the fix-up of the module docstring); ``add`` [T, H]
+    in ``dtype`` (contiguous), if given, added to the rounded result."""
     T, top_k = ids.shape
     E, H, I = p2.shape[0], p2.shape[1], p2.shape[2] * 8
     dn_n, dn_k, dn_w, dn_s, dn_split, *form = config
     dn_k = min(dn_k, triton.next_power_of_2(I))
     if variant == "fma":
-        return int4_fma.down(act, ids, wts, p2, s2, dtype, group, dn_n, dn_k, dn_w, dn_s)
+        out = int4_fma.down(act, ids, wts, p2, s2, dtype, group, dn_n, dn_k, dn_w, dn_s)
+        return out if add is None else out + add
     mode = unpack_mode(variant, act)
     q2 = p2.view(torch.int16)
+    blocks = triton.cdiv(H, dn_n)
+    out = torch.empty(T, H, dtype=dtype, device=act.device)
+    plus = out if add is None else add  # never read without HAS_ADD
     if form and form[0] == 1:  # slots side by side in one dot
-        out = torch.empty(T, H, dtype=dtype, device=act.device)
-        _down_columns[(T, triton.cdiv(H, dn_n))](act, ids, wts, q2, s2, out, H, I, E, top_k, q2.stride(1), s2.stride(1),
-                                                 G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                                                 SLOTS=triton.next_power_of_2(top_k), EVEN_K=I % dn_k == 0, MODE=mode,
-                                                 num_warps=dn_w, num_stages=dn_s)
+        _down_columns[(T, blocks)](act, ids, wts, q2, s2, out, plus, H, I, E, top_k, q2.stride(1), s2.stride(1),
+                                   G=group, BLOCK_N=dn_n, BLOCK_K=dn_k, SLOTS=triton.next_power_of_2(top_k),
+                                   HAS_ADD=add is not None, EVEN_K=I % dn_k == 0, MODE=mode, num_warps=dn_w,
+                                   num_stages=dn_s)
         return out
-    ds = split_count(dn_split, T * triton.cdiv(H, dn_n), top_k, act.device)
+    ds = split_count(dn_split, T * blocks, top_k, act.device)
     slots = triton.cdiv(top_k, ds)
     ds = triton.cdiv(top_k, slots)
-    out = torch.zeros(T, H, dtype=torch.float32, device=act.device) if ds > 1 else torch.empty(T, H, dtype=dtype,
-                                                                                               device=act.device)
-    _down_mma[(T, triton.cdiv(H, dn_n), ds)](act, ids, wts, q2, s2, out, H, I, E, top_k, slots, q2.stride(0),
-                                             q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n,
-                                             BLOCK_K=dn_k, ATOMIC=ds > 1, EVEN_K=I % dn_k == 0, MODE=mode,
-                                             num_warps=dn_w, num_stages=dn_s)
-    return out.to(dtype)
+    ws = workspace(act.device, T, H, blocks) if ds > 1 else None
+    fallback = ds > 1 and ws is None
+    if fallback:
+        out = torch.zeros(T, H, dtype=torch.float32, device=act.device)
+    ws_, cnt = ws or (out, out)  # never read without FIXUP
+    _down_mma[(T, blocks, ds)](act, ids, wts, q2, s2, out, ws_, cnt, plus, H, I, E, top_k, slots, q2.stride(0),
+                               q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
+                               ATOMIC=ds > 1, FIXUP=ws is not None, HAS_ADD=add is not None and not fallback,
+                               EVEN_K=I % dn_k == 0, MODE=mode, num_warps=dn_w, num_stages=dn_s)
+    if fallback:
+        out = out.to(dtype)
+        return out if add is None else out + add
+    return out

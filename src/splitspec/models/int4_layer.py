@@ -1,15 +1,17 @@
 """The MoE layer of an INT4 engine for a few tokens, its bf16 shared expert beside the routed experts on a second stream.
 
-At one token the layer is a chain of small launches: the router's two kernels, the routed experts' two
-(:mod:`splitspec.models.int4_moe`), the shared expert's two products and its silu · up, the final add. None of
-them alone keeps HBM busy; the shared expert does not depend on the routing, so here it runs on a side CUDA stream
-while the routing and the routed experts run on the caller's stream, joined before the sum (inside a CUDA graph the
-two branches become parallel nodes). Both branches read disjoint weights; what the layer costs tends to the bytes of
-both together rather than the sum of two latency-bound chains.
+At one token the layer is a chain of small launches, none of which alone keeps HBM busy. The shared expert does not
+depend on the routing, so on CUDA it runs on a side stream (its gate/up product, silu · up in one kernel, its down
+product) while the router's two kernels and the routed experts' ``gate_up`` run on the caller's stream; the caller's
+stream waits for the side one only before the routed experts' ``down``, which adds the shared expert's output in
+its own epilogue (:func:`splitspec.models.int4_down.down_call`'s ``add``): no launch after the join. Inside a CUDA
+graph the two branches become parallel nodes; both read disjoint weights, so what the layer costs tends to the
+bytes of both together rather than the sum of two latency-bound chains.
 
 Numerics are those of the sequential form (:meth:`splitspec.models.target.TargetModel.moe`, compiled): the shared
 expert's products in cuBLAS, silu(gate) · up in float32 rounded once to x's dtype (as inductor's fused kernel
-does), routed experts and routing by the same kernels; the routed sum plus the shared one rounded once more.
+does), routed experts and routing by the same kernels; the routed sum rounded, plus the shared one, rounded once
+more.
 
 CUDA tensors; on CPU tensors (Triton's interpreter: the tests) the same calls run one after another on the CPU.
 """
@@ -21,8 +23,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from splitspec.models import fused_route, int4_routed
-from splitspec.models.fused_moe import device_index, on_device
+from splitspec.models import fused_route, int4_down, int4_moe, int4_routed
+from splitspec.models.fused_moe import available, device_index, jit, on_device, tl, triton
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
@@ -35,11 +37,28 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[index]
 
 
+@jit
+def _swiglu(gu_ptr, out_ptr, n, I, BLOCK: tl.constexpr):
+    """out [T, I] = silu(gate) · up in float32, rounded once, from gu [T, 2·I] (gate columns first); n = T·I."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base = gu_ptr + (i // I) * (2 * I) + i % I
+    g = tl.load(base, mask=i < n, other=0.0).to(tl.float32)
+    u = tl.load(base + I, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=i < n)
+
+
 def shared_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, H] = w2 · (silu(gate) ⊙ up) with (gate, up) = x · w13ᵀ [T, 2·I] (gate columns first); silu · up in
-    float32, rounded once to x's dtype. x: [T, H]; w13: [2·I, H]; w2: [H, I], float."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    torch.mm((F.silu(gate.float()) * up.float()).to(x.dtype), w2.t(), out=out)
+    float32, rounded once to x's dtype (one Triton kernel on CUDA). x: [T, H]; w13: [2·I, H]; w2: [H, I], float."""
+    gu = F.linear(x, w13)
+    if x.is_cuda and available():
+        T, I = gu.shape[0], gu.shape[1] // 2
+        act = torch.empty(T, I, dtype=x.dtype, device=x.device)
+        _swiglu[(triton.cdiv(T * I, 1024),)](gu, act, T * I, I, BLOCK=1024, num_warps=4)
+    else:
+        gate, up = gu.chunk(2, dim=-1)
+        act = (F.silu(gate.float()) * up.float()).to(x.dtype)
+    torch.mm(act, w2.t(), out=out)
 
 
 @torch.library.custom_op("splitspec::int4_moe_layer", mutates_args=())
@@ -58,11 +77,19 @@ def _layer_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
         with branch:
             shared_swiglu(x, shared_w13, shared_w2, shared)
         weights, ids = fused_route.route(x, gate, bias, top_k, scaling, normalize)
-        lw = dict(zip(int4_routed.NAMES, (w13_packed, w13_scale, w2_packed, w2_scale)))
-        y = int4_routed.routed_experts(x, ids - expert_start, weights, lw, group)
-        if x.is_cuda:
-            main.wait_stream(side)
-        return y + shared
+        kernel = int4_routed.kernel_for(x.shape[0], x.dtype, w2_packed.shape[-1] * 8)
+        if not (x.is_cuda and available() and kernel.variant in int4_moe.VARIANTS):  # not the decode kernels
+            lw = dict(zip(int4_routed.NAMES, (w13_packed, w13_scale, w2_packed, w2_scale)))
+            y = int4_routed.routed_experts(x, ids - expert_start, weights, lw, group)
+            if x.is_cuda:
+                main.wait_stream(side)
+            return y + shared
+        local, wts = (ids - expert_start).to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
+        act = int4_moe.gate_up_call(x, local, w13_packed.contiguous(), w13_scale.contiguous(), group, kernel.variant,
+                                    kernel.gate_up)
+        main.wait_stream(side)  # the shared expert, for down's epilogue
+        return int4_down.down_call(act, local, wts, w2_packed.contiguous(), w2_scale.contiguous(), x.dtype, group,
+                                   kernel.variant, kernel.down, add=shared)
 
 
 @_layer_op.register_fake
