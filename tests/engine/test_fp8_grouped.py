@@ -69,7 +69,7 @@ def test_kernels_match_hand_dequantised_float64():
 
 
 def test_bad_arguments_are_named_before_any_kernel_runs():
-    x, local, weights, w13, s13, w2, s2 = inputs(0)
+    x, local, weights, w13, s13, w2, s2 = (t.to(DEVICE) for t in inputs(0))
     good = dict(x=x, local=local, weights=weights, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, block=BLOCK, configs=CONFIGS)
     cases = [
         (dict(x=x[:, :-8]), r"x float32 \[9, 88\], expected a float \[T, 96\] \(w13's H\)"),

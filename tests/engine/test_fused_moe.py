@@ -225,6 +225,8 @@ def test_route_matches_noaux_tc_route(n_experts, top_k, normalize):
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == weights.shape == (5, top_k)
     assert torch.equal(ids.long(), ref_ids)  # same experts, same order (highest biased score first)
     assert (weights - ref_w).abs().max().item() < 1e-6
+    _, local = fused_route.route(x, gate, bias, top_k, cfg.routed_scaling_factor, normalize, start=3)
+    assert local.dtype == torch.int32 and torch.equal(local.long(), ref_ids - 3)  # relative to a rank's first expert
 
 
 def test_route_uses_the_bias_for_the_choice_only():

@@ -26,9 +26,11 @@ import torch
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
 from splitspec.models.grouped_moe import block_pairs, expert_blocks
 
-#: (BLOCK_M pairs, BLOCK_N rows, BLOCK_K columns, num_warps, num_stages) of the gate/up and down kernels.
-GATE_UP = (32, 64, 128, 4, 3)
-DOWN = (32, 64, 128, 4, 3)
+#: (BLOCK_M pairs, BLOCK_N rows, BLOCK_K columns, num_warps, num_stages) of the gate/up and down kernels: the
+#: fastest of ``bench/lab/fp8_grouped_bench.py --sweep`` over 64 and 512 tokens at the TP8 shard on an H200
+#: (docs/lab/2026-12-04-h200-int4-fixup-fp8-grouped).
+GATE_UP = (16, 64, 128, 4, 3)
+DOWN = (16, 64, 128, 4, 3)
 
 
 @jit

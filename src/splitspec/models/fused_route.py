@@ -28,7 +28,7 @@ def _router_logits(x_ptr, g_ptr, out_ptr, H, E, BLOCK_E: tl.constexpr, BLOCK_K: 
 
 
 @jit
-def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, start, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -44,13 +44,13 @@ def _route_topk(logits_ptr, bias_ptr, ids_ptr, wt_ptr, E, scaling, TOP_K: tl.con
         choice = tl.where(e == best, float("-inf"), choice)
     if NORMALIZE:
         wts = wts / (tl.sum(wts, axis=0) + 1e-20)
-    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, ids - start, mask=slot < TOP_K)
     tl.store(wt_ptr + t * TOP_K + slot, wts * scaling, mask=slot < TOP_K)
 
 
 @torch.library.custom_op("splitspec::route", mutates_args=())
 def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-              normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              normalize: bool, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     with on_device(x):
         T, H = x.shape
         E = gate.shape[0]
@@ -60,25 +60,26 @@ def _route_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
                                                BLOCK_K=min(triton.next_power_of_2(H), 8192), num_warps=8)
         ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
         weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-        _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+        _route_topk[(T,)](logits, bias.contiguous(), ids, weights, E, scaling, start, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
                           BLOCK_TOP=triton.next_power_of_2(top_k), NORMALIZE=normalize,
                           num_warps=1)  # one warp: its reductions need no shared memory
         return weights, ids
 
 
 @_route_op.register_fake
-def _(x, gate, bias, top_k, scaling, normalize):
+def _(x, gate, bias, top_k, scaling, normalize, start):
     return x.new_empty(x.shape[0], top_k, dtype=torch.float32), x.new_empty(x.shape[0], top_k, dtype=torch.int32)
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          normalize: bool, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ``noaux_tc`` routing with one expert group, in two kernels (see the module docstring).
 
     x: [T, H] float; gate: [E, H] float (any float dtype; products summed in float32); bias: [E] correction bias,
     added for the choice only. Returns (weights [T, top_k] float32: sigmoid scores of the chosen experts,
     divided by their sum + 1e-20 when ``normalize``, × ``scaling``; expert ids [T, top_k] int32, highest biased
-    score first). Same result as :func:`splitspec.models.target.noaux_tc_route` with ``n_group = 1``, up to the
+    score first), less ``start`` (a rank's first expert: ids relative to it, without a launch of its own). Same
+    result as :func:`splitspec.models.target.noaux_tc_route` with ``n_group = 1``, up to the
     order of the float32 sums and, among exactly equal biased scores, which are chosen (here the lowest ids).
     """
-    return _route_op(x, gate, bias, top_k, float(scaling), bool(normalize))
+    return _route_op(x, gate, bias, top_k, float(scaling), bool(normalize), int(start))

@@ -76,19 +76,18 @@ def _layer_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
             branch = contextlib.nullcontext()
         with branch:
             shared_swiglu(x, shared_w13, shared_w2, shared)
-        weights, ids = fused_route.route(x, gate, bias, top_k, scaling, normalize)
+        weights, local = fused_route.route(x, gate, bias, top_k, scaling, normalize, expert_start)
         kernel = int4_routed.kernel_for(x.shape[0], x.dtype, w2_packed.shape[-1] * 8)
         if not (x.is_cuda and available() and kernel.variant in int4_moe.VARIANTS):  # not the decode kernels
             lw = dict(zip(int4_routed.NAMES, (w13_packed, w13_scale, w2_packed, w2_scale)))
-            y = int4_routed.routed_experts(x, ids - expert_start, weights, lw, group)
+            y = int4_routed.routed_experts(x, local, weights, lw, group)
             if x.is_cuda:
                 main.wait_stream(side)
             return y + shared
-        local, wts = (ids - expert_start).to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
         act = int4_moe.gate_up_call(x, local, w13_packed.contiguous(), w13_scale.contiguous(), group, kernel.variant,
                                     kernel.gate_up)
         main.wait_stream(side)  # the shared expert, for down's epilogue
-        return int4_down.down_call(act, local, wts, w2_packed.contiguous(), w2_scale.contiguous(), x.dtype, group,
+        return int4_down.down_call(act, local, weights, w2_packed.contiguous(), w2_scale.contiguous(), x.dtype, group,
                                    kernel.variant, kernel.down, add=shared)
 
 

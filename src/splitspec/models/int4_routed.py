@@ -49,13 +49,14 @@ DEQUANT = Kernel("dequant", (), ())
 #: One numerics per shard: every row a tensor-core variant (``mma`` / ``mma_asm``, like the grouped ones past
 #: MAX_TOKENS: bf16 operands, float32 sums), so a verify of k + 1 tokens and a one-token decode of the same token
 #: differ only in the order of float32 sums (the module docstring of :mod:`splitspec.models.int4_moe`). Now:
-#: ``mma_asm`` in every class; one token: down's slots side by side at TP1 (form 4), its K split at the TP8 shard,
-#: from ``int4_moe_bench.py --one`` (docs/lab/2026-12-03-h200-branches-timed); many tokens: the configuration best
-#: over TP1 and the TP8 shard together (docs/lab/2026-12-02-h200-int4-fp8-full-depth, section 1).
+#: ``mma_asm`` in every class; one token: down's slots split over 8 programs at TP1 and over 4 at the TP8 shard
+#: (the fix-up of :mod:`splitspec.models.int4_down`), from ``int4_moe_bench.py --one``
+#: (docs/lab/2026-12-04-h200-int4-fixup-fp8-grouped); many tokens: the configuration best over TP1 and the TP8
+#: shard together (docs/lab/2026-12-02-h200-int4-fp8-full-depth, section 1).
 DECODE: dict[tuple[str, str], Kernel] = {
-    ("one", "wide"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 256, 1, 3, 4)),
+    ("one", "wide"): Kernel("mma_asm", (16, 512, 1, 4, 1), (16, 256, 1, 3, 8)),
     ("many", "wide"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
-    ("one", "narrow"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 256, 8, 2, 0, 1)),
+    ("one", "narrow"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 256, 1, 3, 4)),
     ("many", "narrow"): Kernel("mma_asm", (32, 512, 2, 3, 0), (16, 512, 1, 3, 0)),
 }
 

@@ -203,9 +203,13 @@ class TargetModel:
                 return int4_layer.moe_layer(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
                                             self.expert_start, tuple(lw[n] for n in int4_routed.NAMES),
                                             (lw["mlp.shared.w13"], lw["mlp.shared.w2"]), self.int4_group)
-            weights, ids = (fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
-                            if fused else noaux_tc_route(x, gate, bias, c))
-            y = int4_routed.routed_experts(x, ids - self.expert_start, weights, lw, self.int4_group)
+            if fused:
+                weights, local = fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                                   c.norm_topk_prob, self.expert_start)
+            else:
+                weights, ids = noaux_tc_route(x, gate, bias, c)
+                local = ids - self.expert_start
+            y = int4_routed.routed_experts(x, local, weights, lw, self.int4_group)
             return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts else y
         if not fused_moe.use_fused(x):
             weights, ids = noaux_tc_route(x, gate, bias, c)
@@ -218,13 +222,15 @@ class TargetModel:
             return y + grouped_experts(x, ids - self.expert_start, weights, w13, w2)
         if c.n_group > 1 and c.topk_group < c.n_group:  # group-limited choice: not in the routing kernel
             weights, ids = noaux_tc_route(x, gate, bias, c)
+            local = ids - self.expert_start
         else:
-            weights, ids = fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+            weights, local = fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                               c.norm_topk_prob, self.expert_start)
         # the kernels read the shared expert once per token: worth it for one token only
         shared = ("mlp.shared.w13", "mlp.shared.w2") if c.n_shared_experts and x.shape[0] == 1 else ()
         names = experts + shared
         scales = [lw.get(n + ".scale_inv") for n in names] + [None] * (4 - len(names))
-        y = fused_moe.fused_experts(x, ids - self.expert_start, weights, *(lw[n] for n in names), scales=scales,
+        y = fused_moe.fused_experts(x, local, weights, *(lw[n] for n in names), scales=scales,
                                     fp8_block=self.fp8_block)
         return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts and not shared else y
 
