@@ -27,8 +27,8 @@ def test_int4_engine_greedy_speculation_is_lossless_on_gpu(demo_models, tmp_path
     engines = build_pair(models, tmp_path / "out", tp_size=1, max_batch_size=4, max_seq_len=256, quiet=True)
     assert read_json(engines / "target" / "engine.json")["dtype"] == "int4"
     calls = []
-    fused = int4_moe.int4_experts
-    monkeypatch.setattr(int4_moe, "int4_experts", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    fused = int4_moe.gate_up_call  # the decode kernels' first launch, alone or inside the INT4 MoE layer
+    monkeypatch.setattr(int4_moe, "gate_up_call", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     with SpeculativeEngine.load(ServeConfig(engines, target_device_ids=[0], draft_device_id=0, max_batch_size=4)) as eng:
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
         ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
