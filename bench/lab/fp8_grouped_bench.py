@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="CUDA-graph replays timed per variant")
     ap.add_argument("--sweep", action="store_true", help="first choose each kernel's block configuration (module docstring)")
     ap.add_argument("--sweep-tokens", default="64,512", help="comma list of token counts the sweep sums over (each > 16)")
-    ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/fp8_grouped.json"), help="JSON file to write")
     a = ap.parse_args(argv)
     counts = {}
     for name, text in (("--tokens", a.tokens), ("--sweep-tokens", a.sweep_tokens)):

@@ -96,7 +96,7 @@ GU1 = [(32, 128, 2, 3, 0), (16, 128, 2, 1, 0, 2)] if DRY else [
     (32, 512, 2, 3, 0), (32, 256, 2, 3, 2), (32, 256, 2, 2, 1), (32, 512, 2, 2, 1), (16, 256, 1, 3, 2),
     (32, 1024, 2, 2, 1), (16, 512, 1, 4, 1), (32, 512, 4, 3, 1, 2), (32, 1024, 8, 2, 1, 4), (16, 512, 4, 3, 1, 4),
     (16, 1024, 8, 2, 1, 8)]  # the last four: each K step in 2-8 slices, one warp group each (a batched dot)
-DN1 = [(32, 64, 2, 1, 0), (32, 64, 4, 1, 0, 1)] if DRY else [
+DN1 = [(32, 64, 2, 1, 0), (32, 64, 4, 1, 0, 1), (32, 64, 2, 1, 2)] if DRY else [
     (16, 512, 1, 3, 0), (16, 256, 8, 3, 0, 1), (16, 512, 1, 3, 2), (16, 256, 1, 3, 8), (16, 256, 8, 2, 0, 1),
     (16, 256, 1, 3, 4), (16, 512, 1, 3, 8), (16, 128, 8, 4, 0, 1), (16, 512, 8, 2, 0, 1), (32, 256, 2, 3, 8),
     (16, 128, 1, 4, 8), (16, 256, 1, 4, 4)]
@@ -306,7 +306,7 @@ save()
 
 def parts(kernel: Kernel, tp: int) -> dict:
     """Each decode kernel of ``kernel`` alone at one token on the TP-``tp`` shard, against its own INT4 bytes: gate_up
-    (with ``_silu_mul`` when split) reads w13, down (with its zeroing and cast when split) w2."""
+    (with ``_silu_mul`` when split) reads w13, down (one launch, split or not) w2."""
     p13, s13, p2, s2 = WEIGHTS[tp][0]
     probs = PROBLEMS[1]
     acts = [int4_moe.gate_up_call(x, i, p13, s13, G, kernel.variant, kernel.gate_up) for x, i, _ in probs]

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--random", action="store_true",
                    help="write the random-weight pair in seconds (formats and numerics only; acceptance length ~1)")
     s.add_argument("--device", default="cpu",
-                   help="where to train: 'cpu' (10–14 minutes on 2 cores) or 'cuda[:N]' (a larger pair on a GPU)")
+                   help="where to train: 'cpu' (about 17 minutes on 2 idle cores) or 'cuda[:N]' (a larger pair on a GPU)")
     s.add_argument("--retrain", action="store_true", help="train again even if the cache holds this pair "
                                                           "(cache: $SPLITSPEC_CACHE, default ~/.cache/splitspec)")
 

@@ -184,6 +184,66 @@ def test_down_adds_after_rounding_as_torch_does(form, monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want)
 
 
+def test_down_names_a_bad_add_and_a_stopped_split_leaves_no_workspace(monkeypatch):
+    """``add`` of another shape, dtype or layout is refused in one line; a split launch that raises part-way drops
+    its workspace (sums or counts left in it would spoil every later call), and the next call is right."""
+    from splitspec.models import int4_down
+
+    act, ids, wts, p2, s2 = down_args(seed=24)
+    good = torch.zeros(T, H, dtype=torch.bfloat16, device=DEVICE)
+    for bad in (good[0], good.float(), torch.zeros(T, 2 * H, dtype=torch.bfloat16, device=DEVICE)[:, ::2]):
+        with pytest.raises(ValueError, match=r"^INT4 down: add .*, expected a contiguous torch.bfloat16 \[3, 96\]"):
+            int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"], add=bad)
+    want = int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["loop"])
+    int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"])  # its workspace
+    key = next(k for k in int4_down._WORKSPACE if k[0].type == DEVICE and k[1:] == (T, H, 3))
+    int4_down._WORKSPACE[key][1][0] = 1  # a count left behind
+    launch = int4_down._down_mma
+    monkeypatch.setattr(int4_down, "_down_mma", {(T, 3, 3): None})  # indexing it by a grid raises: a failed launch
+    with pytest.raises(Exception):
+        int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"])
+    assert key not in int4_down._WORKSPACE
+    monkeypatch.setattr(int4_down, "_down_mma", launch)
+    got = int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"])
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3 * want.float().abs().max().item())
+
+
+def test_layer_decode_branch_adds_the_shared_output_after_the_join():
+    """int4_layer.routed_plus (the INT4 layer's decode branch on a GPU: gate_up, the join, down adding the shared
+    expert's output) against float64: routed experts dequantised by hand plus ``add``; the join between the two."""
+    from splitspec.models import int4_layer
+
+    x, local, weights, p13, s13, p2, s2 = problem(seed=25)
+    add = (torch.randn(T, H, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
+    order = []
+    spy = int4_moe.gate_up_call
+    for kernel in (KERNELS["mma_asm-split"], KERNELS["mma_asm-columns"], KERNELS["fma"]):
+        order.clear()
+        args = [t.to(DEVICE) for t in (x, local.int(), weights, p13, s13, p2, s2, add)]
+        int4_moe.gate_up_call = lambda *a, **kw: order.append("gate_up") or spy(*a, **kw)
+        try:
+            out = int4_layer.routed_plus(*args[:3], tuple(args[3:7]), G, kernel, args[7], lambda: order.append("join"))
+        finally:
+            int4_moe.gate_up_call = spy
+        want = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2)) + add.double()
+        assert order == ["gate_up", "join"] and out.dtype == torch.bfloat16
+        err = (out.cpu().double() - want).abs()
+        assert (err <= 2 ** -6 * want.abs() + 1e-2 * want.abs().max()).all(), (kernel, err.max().item())
+
+
+def test_shared_swiglu_kernel_rounds_silu_times_up_once():
+    """int4_layer._swiglu (the shared expert's silu · up on a GPU) against float64 over rows of gate then up columns,
+    blocks crossing rows: within one bf16 rounding (the interpreter truncates; a GPU rounds to nearest)."""
+    from splitspec.models import int4_layer
+
+    gu = torch.randn(5, 2 * 700, generator=torch.Generator().manual_seed(6)).bfloat16()
+    out = torch.empty(5, 700, dtype=torch.bfloat16, device=DEVICE)
+    int4_layer._swiglu[(-(-5 * 700 // 1024),)](gu.to(DEVICE), out, 5 * 700, 700, BLOCK=1024)
+    g, u = gu.double()[:, :700], gu.double()[:, 700:]
+    want = F.silu(g) * u
+    assert ((out.cpu().double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()
+
+
 def test_expert_blocks_cover_this_ranks_pairs_once():
     local = torch.tensor([[0, 4, 2], [-1, 1, 4], [3, 5, 0], [4, 4, 4]])
     order, expert, first, count = grouped_moe.expert_blocks(local, E, 2)

@@ -127,6 +127,10 @@ def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch
     in ``dtype`` (contiguous), if given, added to the rounded result."""
     T, top_k = ids.shape
     E, H, I = p2.shape[0], p2.shape[1], p2.shape[2] * 8
+    if add is not None and (add.shape != (T, H) or add.dtype != dtype or add.device != act.device
+                            or not add.is_contiguous()):
+        raise ValueError(f"INT4 down: add {add.dtype} {list(add.shape)} on {add.device}, expected a contiguous "
+                         f"{dtype} [{T}, {H}] on {act.device}")
     dn_n, dn_k, dn_w, dn_s, dn_split, *form = config
     dn_k = min(dn_k, triton.next_power_of_2(I))
     if variant == "fma":
@@ -151,10 +155,14 @@ def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch
     if fallback:
         out = torch.zeros(T, H, dtype=torch.float32, device=act.device)
     ws_, cnt = ws or (out, out)  # never read without FIXUP
-    _down_mma[(T, blocks, ds)](act, ids, wts, q2, s2, out, ws_, cnt, plus, H, I, E, top_k, slots, q2.stride(0),
-                               q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
-                               ATOMIC=ds > 1, FIXUP=ws is not None, HAS_ADD=add is not None and not fallback,
-                               EVEN_K=I % dn_k == 0, MODE=mode, num_warps=dn_w, num_stages=dn_s)
+    try:
+        _down_mma[(T, blocks, ds)](act, ids, wts, q2, s2, out, ws_, cnt, plus, H, I, E, top_k, slots, q2.stride(0),
+                                   q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
+                                   ATOMIC=ds > 1, FIXUP=ws is not None, HAS_ADD=add is not None and not fallback,
+                                   EVEN_K=I % dn_k == 0, MODE=mode, num_warps=dn_w, num_stages=dn_s)
+    except BaseException:  # a launch stopped part-way may leave sums or counts behind: a fresh workspace next time
+        _WORKSPACE.pop((act.device, T, H, blocks), None)
+        raise
     if fallback:
         out = out.to(dtype)
         return out if add is None else out + add

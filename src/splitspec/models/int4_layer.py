@@ -61,6 +61,18 @@ def shared_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: tor
     torch.mm(act, w2.t(), out=out)
 
 
+def routed_plus(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, experts: tuple[torch.Tensor, ...],
+                group: int, kernel: int4_moe.Kernel, add: torch.Tensor, join) -> torch.Tensor:
+    """The routed experts through the decode kernels of ``kernel`` (:data:`splitspec.models.int4_moe.VARIANTS`) plus
+    ``add`` [T, H] in x's dtype, added in ``down``'s epilogue; ``join()`` is called between the two launches (the
+    caller's stream waits there for the one writing ``add``). local [T, top_k] int32 and weights [T, top_k] float32
+    as :func:`splitspec.models.fused_route.route` returns them; experts as :data:`splitspec.models.int4_routed.NAMES`."""
+    p13, s13, p2, s2 = (t.contiguous() for t in experts)
+    act = int4_moe.gate_up_call(x, local, p13, s13, group, kernel.variant, kernel.gate_up)
+    join()
+    return int4_down.down_call(act, local, weights, p2, s2, x.dtype, group, kernel.variant, kernel.down, add=add)
+
+
 @torch.library.custom_op("splitspec::int4_moe_layer", mutates_args=())
 def _layer_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, normalize: bool,
               expert_start: int, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
@@ -78,17 +90,13 @@ def _layer_op(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
             shared_swiglu(x, shared_w13, shared_w2, shared)
         weights, local = fused_route.route(x, gate, bias, top_k, scaling, normalize, expert_start)
         kernel = int4_routed.kernel_for(x.shape[0], x.dtype, w2_packed.shape[-1] * 8)
+        experts = (w13_packed, w13_scale, w2_packed, w2_scale)
         if not (x.is_cuda and available() and kernel.variant in int4_moe.VARIANTS):  # not the decode kernels
-            lw = dict(zip(int4_routed.NAMES, (w13_packed, w13_scale, w2_packed, w2_scale)))
-            y = int4_routed.routed_experts(x, local, weights, lw, group)
+            y = int4_routed.routed_experts(x, local, weights, dict(zip(int4_routed.NAMES, experts)), group)
             if x.is_cuda:
                 main.wait_stream(side)
             return y + shared
-        act = int4_moe.gate_up_call(x, local, w13_packed.contiguous(), w13_scale.contiguous(), group, kernel.variant,
-                                    kernel.gate_up)
-        main.wait_stream(side)  # the shared expert, for down's epilogue
-        return int4_down.down_call(act, local, weights, w2_packed.contiguous(), w2_scale.contiguous(), x.dtype, group,
-                                   kernel.variant, kernel.down, add=shared)
+        return routed_plus(x, local, weights, experts, group, kernel, shared, lambda: main.wait_stream(side))
 
 
 @_layer_op.register_fake
