@@ -55,6 +55,14 @@ def sweep(call, tokens: list[int], reps: int) -> tuple[tuple, tuple, dict]:
     return best[0], best[1], times
 
 
+def random_fp8_experts(I: int, dev: str, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """w13 [E, 2·I, H], its scale_inv, w2 [E, H, I], its scale_inv: N(0, 0.02) weights quantised to FP8 block
+    tiles, 16 experts at a time (the float32 draw of all 384 at TP1 would take 67 GB)."""
+    parts = [[quant.quantize_fp8(torch.randn(n, *shape, device=dev, generator=g) * 0.02, BLOCK)
+              for n in [min(16, E - e) for e in range(0, E, 16)]] for shape in ((2 * I, H), (H, I))]
+    return tuple(torch.cat([p[i] for p in ps]) for ps in parts for i in (0, 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=8, help="expert-TP ways: each expert's intermediate width I / tp")
@@ -80,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("fp8_grouped_bench: needs a CUDA GPU")
     I, dev, g = I_FULL // a.tp, "cuda", torch.Generator(device="cuda").manual_seed(0)
-    w13, s13 = quant.quantize_fp8(torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02, BLOCK)
-    w2, s2 = quant.quantize_fp8(torch.randn(E, H, I, device=dev, generator=g) * 0.02, BLOCK)
+    need = E * 3 * I * H * (1 + 2 + 2 * 2)  # FP8 weights, their bf16 copy, the dequantised path's per-call transients
+    free = torch.cuda.mem_get_info()[0]
+    if need > 0.95 * free:
+        sys.exit(f"fp8_grouped_bench: --tp {a.tp} needs ~{need / 2**30:.0f} GiB on the GPU (FP8 experts, a bf16 copy, "
+                 f"the dequantising path's transients), {free / 2**30:.0f} GiB free: take a larger --tp")
+    w13, s13, w2, s2 = random_fp8_experts(I, dev, g)
     b13, b2 = (quant.dequantize_fp8(w, s, BLOCK, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
     per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
     def inputs(T: int):
