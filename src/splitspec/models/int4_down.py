@@ -6,10 +6,9 @@ format, numerics and configurations: :mod:`splitspec.models.int4_moe`.
 A slot split's programs add their float32 partial sums into a workspace by atomics and count themselves in per
 tile (token, block of rows); the last of a tile to arrive reads the sum (an atomic add of 0: from where the adds
 went), zeroes it, resets the count and writes the rounded result — no zeroing launch before the kernel and no
-cast after it (the fix-up of stream-K GEMMs). The workspace [T·H] float32 and counts [T·row blocks] int32 are this module's, one pair per
-(device, T, H, row blocks), made zeroed on first use outside a CUDA-graph capture and left zeroed by every call;
-calls on one device run one at a time (the engine's layers do). Captured before its first eager use, a split
-falls back to a zeroed float32 output and a cast.
+cast after it (the fix-up of stream-K GEMMs). The workspace [T·H] float32 and counts [T·row blocks] int32:
+:func:`splitspec.models.int4_tiles.workspace`. Captured before its first eager use, a split falls back to a zeroed
+float32 output and a cast.
 
 ``add`` (optional, [T, H] in the output dtype): added to the rounded result and rounded again — the bits of
 ``down(...) + add`` in torch, one launch fewer (the MoE layer's shared expert, :mod:`splitspec.models.int4_layer`).
@@ -21,10 +20,8 @@ import torch
 
 from splitspec.models import int4_fma
 from splitspec.models.fused_moe import jit, tl, triton
-from splitspec.models.int4_tiles import column0, dequant, k_mask, operand, split_count, unpack_mode, weight_tile
-
-
-_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+from splitspec.models.int4_tiles import (column0, dequant, dropped_on_failure, k_mask, operand, split_count,
+                                        unpack_mode, weight_tile, workspace)
 
 
 @jit
@@ -106,19 +103,6 @@ def _down_columns(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, add_ptr, H, I, 
     _store(out_ptr, add_ptr, t * H + n, y, n < H, HAS_ADD)
 
 
-def workspace(device: torch.device, T: int, H: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(float32 [T·H], int32 [T·blocks]) zeroed, for a slot split's fix-up on ``device`` (module docstring); None
-    when there is none yet and the current stream is capturing a CUDA graph (made there, it would live in the
-    graph's memory pool)."""
-    key = (device, T, H, blocks)
-    if key not in _WORKSPACE:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _WORKSPACE[key] = (torch.zeros(T * H, dtype=torch.float32, device=device),
-                           torch.zeros(T * blocks, dtype=torch.int32, device=device))
-    return _WORKSPACE[key]
-
-
 def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor,
               dtype: torch.dtype, group: int, variant: str, config: list[int] | tuple[int, ...],
               add: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,19 +134,16 @@ def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch
     ds = split_count(dn_split, T * blocks, top_k, act.device)
     slots = triton.cdiv(top_k, ds)
     ds = triton.cdiv(top_k, slots)
-    ws = workspace(act.device, T, H, blocks) if ds > 1 else None
+    ws = workspace(act.device, T * H, T * blocks) if ds > 1 else None
     fallback = ds > 1 and ws is None
     if fallback:
         out = torch.zeros(T, H, dtype=torch.float32, device=act.device)
     ws_, cnt = ws or (out, out)  # never read without FIXUP
-    try:
+    with dropped_on_failure(ws):
         _down_mma[(T, blocks, ds)](act, ids, wts, q2, s2, out, ws_, cnt, plus, H, I, E, top_k, slots, q2.stride(0),
                                    q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
                                    ATOMIC=ds > 1, FIXUP=ws is not None, HAS_ADD=add is not None and not fallback,
                                    EVEN_K=I % dn_k == 0, MODE=mode, num_warps=dn_w, num_stages=dn_s)
-    except BaseException:  # a launch stopped part-way may leave sums or counts behind: a fresh workspace next time
-        _WORKSPACE.pop((act.device, T, H, blocks), None)
-        raise
     if fallback:
         out = out.to(dtype)
         return out if add is None else out + add

@@ -25,11 +25,13 @@ engine takes is :func:`splitspec.models.int4_routed.kernel_for`):
   ``mma_asm`` a thread's two int16 (one packed word) become two bf16 at once: PTX shr, lop3 (mask 0x000F000F,
   OR 0x43004300) and fma.bf16x2, three instructions for two weights; ``mma`` writes the same in Triton bit
   operations (under the interpreter, which cannot run PTX and keeps bf16 as raw integers: float32 tiles and
-  activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, writing float32
-  partial gate and up sums that ``_silu_mul`` adds and puts through silu, or cut each K step into slices that
+  activations, the same values unrounded). Splits: gate_up's programs may each take a share of H, adding float32
+  partial gate and up sums into a workspace by atomics, the last program of a (pair, row block) putting the sums
+  through silu (the fix-up of :func:`splitspec.models.int4_tiles.workspace`; inside a CUDA-graph capture before
+  any eager call, partial sums that ``_silu_mul`` adds), or cut each K step into slices that
   different warps of one program take (a batched dot, the slices' sums added at the end: more warps on one token's
   rows without a second kernel); down's programs may each take a share of
-  the slots, adding into a float32 output with atomics. Or down's programs take all of a token's slots in one
+  the slots, adding into a workspace the same way. Or down's programs take all of a token's slots in one
   dot (form 1 of :class:`Kernel`): the left operand stacks BLOCK_N rows of each slot's expert, the right one holds
   slot c's activations in column c (where the other forms repeat one pair's over 16 columns), and entry
   (slot s's rows, column s) is slot s's share — one K loop per program, the pipeline never drained between slots,
@@ -52,7 +54,8 @@ import torch
 
 from splitspec.models import int4_down, int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
-from splitspec.models.int4_tiles import column0, dequant, k_mask, load_k, operand, split_count, unpack_mode, weight_tile
+from splitspec.models.int4_tiles import (column0, dequant, dropped_on_failure, k_mask, load_k, operand, split_count,
+                                        unpack_mode, weight_tile, workspace)
 
 VARIANTS = ("fma", "mma", "mma_asm")
 
@@ -110,13 +113,15 @@ def _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride
 
 
 @jit
-def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, stride_pe, stride_pn,
-                 stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, KS: tl.constexpr = 1):
-    """Writes act [pairs, I] (bf16; float32 under the interpreter), or (PARTIAL: a share of H) float32 partial sums
-    [splits, pairs, 2, I] (gate, up) for
-    :func:`_silu_mul`, at the permuted column (n % 4)·(I/4) + n // 4 (``down`` reads column 4w + j at j·(I/4) + w).
-    KS > 1: each K step in KS slices (:func:`_sliced_sums`)."""
+def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, H, I, E, top_k, steps, stride_pe,
+                 stride_pn, stride_se, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, FIXUP: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
+                 KS: tl.constexpr = 1):
+    """Writes act [pairs, I] (bf16; float32 under the interpreter) at the permuted column (n % 4)·(I/4) + n // 4
+    (``down`` reads column 4w + j at j·(I/4) + w). With a share of H per program: FIXUP, the split's partial gate and
+    up sums added into the workspace [pairs, 2, I] and the last program of a (pair, row block) writing act
+    (:func:`splitspec.models.int4_tiles.workspace`); PARTIAL, float32 partial sums [splits, pairs, 2, I] (gate, up)
+    for :func:`_silu_mul`. KS > 1: each K step in KS slices (:func:`_sliced_sums`)."""
     p, s = tl.program_id(0), tl.program_id(2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -143,7 +148,20 @@ def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, H, I, E, top_k, steps, s
             g, u = _sliced_sums(x_row, packed, scales, n, kb_lo, kb_hi, H, I, stride_pn, stride_sn, G, BLOCK_N, BLOCK_K,
                                 KS, EVEN_K, MODE)
         col = (n % 4) * (I // 4) + n // 4
-        if not PARTIAL:
+        if FIXUP:
+            base = ws_ptr + p.to(tl.int64) * (2 * I)
+            tl.atomic_add(base + col, g, mask=n < I, sem="relaxed")
+            tl.atomic_add(base + I + col, u, mask=n < I, sem="relaxed")
+            tl.debug_barrier()  # every thread's adds issued before the count's release
+            tile = p * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                g = tl.atomic_add(base + col, tl.zeros_like(g), mask=n < I)  # read where the adds went
+                u = tl.atomic_add(base + I + col, tl.zeros_like(u), mask=n < I)
+                tl.store(base + col, tl.zeros_like(g), mask=n < I)  # no program of this tile is left
+                tl.store(base + I + col, tl.zeros_like(u), mask=n < I)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
+        elif not PARTIAL:
             tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
         else:
             base = out_ptr + (s * tl.num_programs(0) + p).to(tl.int64) * (2 * I)  # the grid has a program per pair
@@ -208,12 +226,16 @@ def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: tor
     steps = triton.cdiv(triton.cdiv(H, gu_k), gs)  # K steps per split
     gs = triton.cdiv(triton.cdiv(H, gu_k), steps)
     act = torch.empty(P, I, dtype=torch.bfloat16 if mode else torch.float32, device=x.device)
-    part = act if gs == 1 else torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device)
-    _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, H, I, E, top_k, steps, q13.stride(0),
-                                  q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n, BLOCK_K=gu_k,
-                                  PARTIAL=gs > 1, EVEN_K=H % gu_k == 0, MODE=mode, KS=slices[0] if slices else 1,
-                                  num_warps=gu_w, num_stages=gu_s)
-    if gs > 1:
+    ws = workspace(x.device, P * 2 * I, P * blocks) if gs > 1 else None
+    partial = gs > 1 and ws is None  # captured before the workspace's first eager use: partial sums, _silu_mul
+    part = torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device) if partial else act
+    ws_, cnt = ws or (act, act)  # never read without FIXUP
+    with dropped_on_failure(ws):
+        _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, ws_, cnt, H, I, E, top_k, steps,
+                                      q13.stride(0), q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n,
+                                      BLOCK_K=gu_k, PARTIAL=partial, FIXUP=ws is not None, EVEN_K=H % gu_k == 0,
+                                      MODE=mode, KS=slices[0] if slices else 1, num_warps=gu_w, num_stages=gu_s)
+    if partial:
         _silu_mul[(triton.cdiv(P * I, 1024),)](part, ids, act, P, I, E, gs, BLOCK=1024, num_warps=4)
     return act
 

@@ -1,11 +1,13 @@
 """Tile arithmetic shared by the W4A16 tensor-core kernels (:mod:`splitspec.models.int4_moe`,
 :mod:`splitspec.models.int4_down`, :mod:`splitspec.models.grouped_moe`): the packed int16 tiles and their group
-scales, their unpacking to bf16 (PTX, bit operations, or float32 under the interpreter), and launch arithmetic.
-The weight format and the unpacking are described in :mod:`splitspec.models.int4_moe`.
+scales, their unpacking to bf16 (PTX, bit operations, or float32 under the interpreter), launch arithmetic, and the
+workspaces of the split kernels' fix-ups. The weight format and the unpacking are described in
+:mod:`splitspec.models.int4_moe`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -110,3 +112,37 @@ def split_count(split: int, programs: int, most: int, device: torch.device) -> i
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         split = -(-FILL * sms // max(programs, 1))
     return max(1, min(split, most))
+
+
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(float32 [sums], int32 [tiles]), zeroed, for a split kernel's fix-up on ``device`` — its programs add partial
+    sums there by atomics and count themselves in per tile; the last of a tile to arrive reads the sums, zeroes them
+    and its count, and writes the result (``down``'s slot split, ``gate_up``'s K split). One pair per (device, sums,
+    tiles), made on first use and left zeroed by every call, so kernels and calls of the same sizes share it: calls
+    on one device run one at a time (the engine's layers do; two streams decoding at once would need a pair each).
+    None when there is none yet and the current stream is capturing a CUDA graph (made there, it would live in the
+    graph's memory pool): the caller falls back to a form without it. The workspaces are small ([T·H] float32 at
+    most 16 tokens: 0.46 MB at Kimi's H)."""
+    key = (device, sums, tiles)
+    if key not in _WORKSPACE:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _WORKSPACE[key] = (torch.zeros(sums, dtype=torch.float32, device=device),
+                           torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _WORKSPACE[key]
+
+
+@contextlib.contextmanager
+def dropped_on_failure(ws: tuple[torch.Tensor, torch.Tensor] | None):
+    """Forget workspace ``ws`` if the launch inside raises: a launch stopped part-way may leave sums or counts behind,
+    which would spoil every later call; the next one gets a fresh pair."""
+    try:
+        yield
+    except BaseException:
+        for key, pair in list(_WORKSPACE.items()):
+            if pair is ws:
+                del _WORKSPACE[key]
+        raise
