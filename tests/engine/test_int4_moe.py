@@ -227,6 +227,7 @@ def test_layer_decode_branch_adds_the_shared_output_after_the_join():
     add = (torch.randn(T, H, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
     order = []
     spy = int4_moe.gate_up_call
+    want = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2)) + add.double()
     for kernel in (KERNELS["mma_asm-split"], KERNELS["mma_asm-columns"], KERNELS["fma"]):
         order.clear()
         args = [t.to(DEVICE) for t in (x, local.int(), weights, p13, s13, p2, s2, add)]
@@ -235,7 +236,6 @@ def test_layer_decode_branch_adds_the_shared_output_after_the_join():
             out = int4_layer.routed_plus(*args[:3], tuple(args[3:7]), G, kernel, args[7], lambda: order.append("join"))
         finally:
             int4_moe.gate_up_call = spy
-        want = reference(x, local, weights, by_hand(p13, s13), by_hand(p2, s2)) + add.double()
         assert order == ["gate_up", "join"] and out.dtype == torch.bfloat16
         err = (out.cpu().double() - want).abs()
         assert (err <= 2 ** -6 * want.abs() + 1e-2 * want.abs().max()).all(), (kernel, err.max().item())
