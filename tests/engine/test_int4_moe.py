@@ -194,9 +194,10 @@ def test_down_adds_after_rounding_as_torch_does(form, monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want)
 
 
-def test_down_names_a_bad_add_and_a_stopped_split_leaves_no_workspace(monkeypatch):
-    """``add`` of another shape, dtype or layout is refused in one line; a split launch that raises part-way drops
-    its workspace (sums or counts left in it would spoil every later call), and the next call is right."""
+def test_down_names_a_bad_add_and_a_stopped_split_leaves_its_workspace_zeroed(monkeypatch):
+    """``add`` of another shape, dtype or layout is refused in one line; a split launch that raises part-way zeroes
+    its workspace in place (sums or counts left in it would spoil every later call and every captured graph adding
+    there; freeing it would hand captured graphs' memory to other tensors), and the next call is right."""
     from splitspec.models import int4_down
 
     act, ids, wts, p2, s2 = down_args(seed=24)
@@ -210,9 +211,10 @@ def test_down_names_a_bad_add_and_a_stopped_split_leaves_no_workspace(monkeypatc
     int4_tiles._WORKSPACE[key][1][0] = 1  # a count left behind
     launch = int4_down._down_mma
     monkeypatch.setattr(int4_down, "_down_mma", {(T, 3, 3): None})  # indexing it by a grid raises: a failed launch
+    pair = int4_tiles._WORKSPACE[key]
     with pytest.raises(Exception):
         int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"])
-    assert key not in int4_tiles._WORKSPACE
+    assert int4_tiles._WORKSPACE[key] is pair and not pair[0].any() and not pair[1].any()
     monkeypatch.setattr(int4_down, "_down_mma", launch)
     got = int4_down.down_call(act, ids, wts, p2, s2, torch.bfloat16, G, "mma_asm", DOWN_FORMS["split"])
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3 * want.float().abs().max().item())

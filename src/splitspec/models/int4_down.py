@@ -20,7 +20,7 @@ import torch
 
 from splitspec.models import int4_fma
 from splitspec.models.fused_moe import jit, tl, triton
-from splitspec.models.int4_tiles import (column0, dequant, dropped_on_failure, k_mask, operand, split_count,
+from splitspec.models.int4_tiles import (column0, dequant, zeroed_on_failure, k_mask, operand, split_count,
                                         unpack_mode, weight_tile, workspace)
 
 
@@ -139,7 +139,7 @@ def down_call(act: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, p2: torch
     if fallback:
         out = torch.zeros(T, H, dtype=torch.float32, device=act.device)
     ws_, cnt = ws or (out, out)  # never read without FIXUP
-    with dropped_on_failure(ws):
+    with zeroed_on_failure(ws):
         _down_mma[(T, blocks, ds)](act, ids, wts, q2, s2, out, ws_, cnt, plus, H, I, E, top_k, slots, q2.stride(0),
                                    q2.stride(1), s2.stride(0), s2.stride(1), G=group, BLOCK_N=dn_n, BLOCK_K=dn_k,
                                    ATOMIC=ds > 1, FIXUP=ws is not None, HAS_ADD=add is not None and not fallback,

@@ -54,7 +54,7 @@ import torch
 
 from splitspec.models import int4_down, int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
-from splitspec.models.int4_tiles import (column0, dequant, dropped_on_failure, k_mask, load_k, operand, split_count,
+from splitspec.models.int4_tiles import (column0, dequant, zeroed_on_failure, k_mask, load_k, operand, split_count,
                                         unpack_mode, weight_tile, workspace)
 
 VARIANTS = ("fma", "mma", "mma_asm")
@@ -230,7 +230,7 @@ def gate_up_call(x: torch.Tensor, ids: torch.Tensor, p13: torch.Tensor, s13: tor
     partial = gs > 1 and ws is None  # captured before the workspace's first eager use: partial sums, _silu_mul
     part = torch.empty(gs, P, 2, I, dtype=torch.float32, device=x.device) if partial else act
     ws_, cnt = ws or (act, act)  # never read without FIXUP
-    with dropped_on_failure(ws):
+    with zeroed_on_failure(ws):
         _gate_up_mma[(P, blocks, gs)](x.to(torch.bfloat16), ids, q13, s13, part, ws_, cnt, H, I, E, top_k, steps,
                                       q13.stride(0), q13.stride(1), s13.stride(0), s13.stride(1), G=group, BLOCK_N=gu_n,
                                       BLOCK_K=gu_k, PARTIAL=partial, FIXUP=ws is not None, EVEN_K=H % gu_k == 0,

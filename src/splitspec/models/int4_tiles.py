@@ -115,6 +115,7 @@ def split_count(split: int, programs: int, most: int, device: torch.device) -> i
 
 
 _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # never freed: graphs may hold their addresses
 
 
 def workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -136,13 +137,20 @@ def workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor
 
 
 @contextlib.contextmanager
-def dropped_on_failure(ws: tuple[torch.Tensor, torch.Tensor] | None):
-    """Forget workspace ``ws`` if the launch inside raises: a launch stopped part-way may leave sums or counts behind,
-    which would spoil every later call; the next one gets a fresh pair."""
+def zeroed_on_failure(ws: tuple[torch.Tensor, torch.Tensor] | None):
+    """Zero workspace ``ws`` in place if the launch inside raises: a launch stopped part-way may leave sums or counts
+    behind, which would spoil every later call (and every captured graph that adds there). Should zeroing fail too
+    (a broken device), the pair is retired — kept allocated, since captured graphs hold its address, never handed
+    out again."""
     try:
         yield
     except BaseException:
-        for key, pair in list(_WORKSPACE.items()):
-            if pair is ws:
-                del _WORKSPACE[key]
+        if ws is not None:
+            try:
+                ws[0].zero_()
+                ws[1].zero_()
+            except Exception:
+                for key, pair in list(_WORKSPACE.items()):
+                    if pair is ws:
+                        _RETIRED.append(_WORKSPACE.pop(key))
         raise
