@@ -1,8 +1,9 @@
 """Reading ``tritonserver``'s log: its tail, its error lines, and a watch for one line from now on.
 
 :class:`~splitspec.serving.tritonserver.TritonServer` sends the server's stdout and stderr to one log file; a
-failed start is reported with that log's error lines and tail (:func:`start_failure`), and :class:`LogWatch`
-notices when the server gives up at its exit timeout (:data:`EXIT_GAVE_UP`).
+failed start is reported with that log's error lines and tail (:func:`start_failure`), :class:`LogWatch`
+notices when the server gives up at its exit timeout (:data:`EXIT_GAVE_UP`), and :func:`unloading` when
+``spec_decode`` is still unloading itself after its engine failed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ def tail(path: Path, n_bytes: int = 6000) -> str:
 #: tritonserver's log line when requests were still in flight at the end of its exit timeout (2.51: "failed to stop
 #: server: Internal - Exit timeout expired. Exiting immediately."); it does not exit after it.
 EXIT_GAVE_UP = "Exit timeout expired. Exiting immediately."
+
+
+#: ``spec_decode``'s log line when its engine failed and it began unloading itself (triton_repo's model.py), and
+#: tritonserver's when that unload finished.
+SELF_UNLOAD = "spec_decode: engine failed:"
+UNLOADED = "successfully unloaded 'spec_decode'"
+
+
+def unloading(path: Path, n_bytes: int = 1 << 20) -> bool:
+    """Whether the log (its last ``n_bytes``) says ``spec_decode`` began unloading itself and not yet that it is
+    unloaded. A SIGINT in that window races tritonserver's own unload: the ensemble then stays live through the
+    exit timeout and the server exits 1."""
+    text = tail(path, n_bytes)
+    began = text.rfind(SELF_UNLOAD)
+    return began >= 0 and text.find(UNLOADED, began) < 0
 
 
 class LogWatch:

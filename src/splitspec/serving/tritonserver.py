@@ -30,7 +30,7 @@ from splitspec.serving.http_guard import HttpGuard
 from splitspec.serving.repo import MODELS
 from splitspec.serving.seccomp import filter_installed, private_fchmod
 from splitspec.serving.server_limits import server_stack_bytes, stack_limit
-from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail
+from splitspec.serving.server_log import EXIT_GAVE_UP, LogWatch, rotate, start_failure, tail, unloading
 from splitspec.serving.triton_install import BACKENDS_DIRNAME, TritonInstall, find_triton, prepare_backend_dir, server_env
 from splitspec.settings import RUN_DIR_ENV
 
@@ -294,7 +294,9 @@ class TritonServer:
 
     def stop(self) -> int | None:
         """Stop this server's own HTTP guard (requests in flight through it get ``exit_timeout_s``, as tritonserver
-        gives them, 0 s from :meth:`kill`; idle clients are closed at once), then the server: SIGINT (models unload; ``spec_decode`` stops its workers), then SIGKILL after
+        gives them, 0 s from :meth:`kill`; idle clients are closed at once), then the server: SIGINT (models unload;
+        ``spec_decode`` stops its workers) — after ``spec_decode``'s own unload, should it be unloading itself after
+        an engine failure (at most ``exit_timeout_s``: :func:`splitspec.serving.server_log.unloading`) —, then SIGKILL after
         ``stop_timeout_s``, or 1 s after the log says the server gave up on requests still in flight at its exit
         timeout (:data:`EXIT_GAVE_UP`: tritonserver 2.51 then crashes in its exit and hangs instead of exiting);
         finally SIGKILL whatever is left in its process group. Then the Python backend's shared-memory regions of this
@@ -311,6 +313,9 @@ class TritonServer:
         pgid = self.proc.pid
         try:
             if self.proc.poll() is None:
+                settle = time.monotonic() + self.exit_timeout_s
+                while unloading(self.log_path) and self.proc.poll() is None and time.monotonic() < settle:
+                    time.sleep(0.1)
                 log = LogWatch(self.log_path)  # from before the SIGINT on
                 try:
                     with contextlib.suppress(ProcessLookupError):
