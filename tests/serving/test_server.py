@@ -363,7 +363,7 @@ def test_stop_kills_a_server_that_gave_up_and_cleans_its_shared_memory(tmp_path,
     import sys
 
     srv = object.__new__(TritonServer)  # only what stop() uses
-    srv.log_path, srv.stop_timeout_s, srv.run_dir, srv.guard = tmp_path / "log", 30.0, None, None
+    srv.log_path, srv.stop_timeout_s, srv.exit_timeout_s, srv.run_dir, srv.guard = tmp_path / "log", 30.0, 10, None, None
     srv.log_path.write_text("")
     srv.shm_prefix = f"splitspec_test_{os.getpid()}_{behaviour}_"
     region = Path("/dev/shm") / f"{srv.shm_prefix}region"
