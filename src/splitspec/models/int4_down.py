@@ -20,8 +20,8 @@ import torch
 
 from splitspec.models import int4_fma
 from splitspec.models.fused_moe import jit, tl, triton
-from splitspec.models.int4_tiles import (column0, dequant, zeroed_on_failure, k_mask, operand, split_count,
-                                        unpack_mode, weight_tile, workspace)
+from splitspec.models.int4_tiles import (column0, dequant, k_mask, last_to_arrive, operand, split_count, take,
+                                        unpack_mode, weight_tile, workspace, zeroed_on_failure)
 
 
 @jit
@@ -57,11 +57,9 @@ def _down_mma(a_ptr, ids_ptr, wt_ptr, p_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, ad
     y = column0(acc)
     if FIXUP:  # the last of the tile's programs to arrive writes the sum and leaves workspace and count at zero
         tl.atomic_add(ws_ptr + t * H + n, y, mask=n < H, sem="relaxed")
-        tl.debug_barrier()  # every thread's adds issued before the count's release
         tile = t * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            total = tl.atomic_add(ws_ptr + t * H + n, tl.zeros_like(y), mask=n < H)  # read where the adds went
-            tl.store(ws_ptr + t * H + n, tl.zeros_like(y), mask=n < H)  # no program of this tile is left
+        if last_to_arrive(cnt_ptr, tile, tl.num_programs(2)):
+            total = take(ws_ptr + t * H + n, y, n < H)
             tl.atomic_xchg(cnt_ptr + tile, 0)
             _store(out_ptr, add_ptr, t * H + n, total, n < H, HAS_ADD)
     elif ATOMIC:  # into a zeroed float32 output, cast after the kernel

@@ -54,8 +54,8 @@ import torch
 
 from splitspec.models import int4_down, int4_fma
 from splitspec.models.fused_moe import available, jit, on_device, tl, triton
-from splitspec.models.int4_tiles import (column0, dequant, zeroed_on_failure, k_mask, load_k, operand, split_count,
-                                        unpack_mode, weight_tile, workspace)
+from splitspec.models.int4_tiles import (column0, dequant, k_mask, last_to_arrive, load_k, operand, split_count,
+                                        take, unpack_mode, weight_tile, workspace, zeroed_on_failure)
 
 VARIANTS = ("fma", "mma", "mma_asm")
 
@@ -152,13 +152,9 @@ def _gate_up_mma(x_ptr, ids_ptr, p_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, H, I, E
             base = ws_ptr + p.to(tl.int64) * (2 * I)
             tl.atomic_add(base + col, g, mask=n < I, sem="relaxed")
             tl.atomic_add(base + I + col, u, mask=n < I, sem="relaxed")
-            tl.debug_barrier()  # every thread's adds issued before the count's release
             tile = p * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                g = tl.atomic_add(base + col, tl.zeros_like(g), mask=n < I)  # read where the adds went
-                u = tl.atomic_add(base + I + col, tl.zeros_like(u), mask=n < I)
-                tl.store(base + col, tl.zeros_like(g), mask=n < I)  # no program of this tile is left
-                tl.store(base + I + col, tl.zeros_like(u), mask=n < I)
+            if last_to_arrive(cnt_ptr, tile, tl.num_programs(2)):
+                g, u = take(base + col, g, n < I), take(base + I + col, u, n < I)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
                 tl.store(out_ptr + p * I + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < I)
         elif not PARTIAL:

@@ -114,6 +114,24 @@ def split_count(split: int, programs: int, most: int, device: torch.device) -> i
     return max(1, min(split, most))
 
 
+
+@jit
+def last_to_arrive(cnt_ptr, tile, splits):
+    """True in the last of a tile's ``splits`` programs to call this (each once, after its atomic adds into the
+    workspace): a barrier, so every thread's adds are issued first, then one acquire-release increment of the
+    tile's count — the fix-up of :func:`workspace`."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == splits - 1
+
+
+@jit
+def take(ptrs, like, mask):
+    """The sums at ``ptrs`` (an atomic add of 0: read where the adds went), left zero (no program of the tile is
+    left); ``like``: a tensor of their shape and dtype."""
+    total = tl.atomic_add(ptrs, tl.zeros_like(like), mask=mask)
+    tl.store(ptrs, tl.zeros_like(like), mask=mask)
+    return total
+
 _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # never freed: graphs may hold their addresses
 
