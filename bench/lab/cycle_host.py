@@ -24,6 +24,9 @@ each k (0: no speculation): the host's part of a steady cycle, which on a GPU is
 phases' preparation. The CPU row includes the verify's argmax over [B · (k + 1), V] logits (a kernel on a GPU)::
 
     PYTHONPATH=src python3 bench/lab/cycle_host.py --steps 300 --batches 1,16 --ks 0,1,3
+
+``--ahead`` (with ``--steps``): draft-ahead on, its steps launching the next cycle's draft after the verify instead of
+preparing their own draft first; on a GPU that draft then runs while the host does the rest of the step.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ def host_only(rank):
     rank.graphs = HostOnlyGraphs()
     rank.slots = {tp: (m, c, rank.graphs) for tp, (m, c, _) in rank.slots.items()}
     rank._use(rank.draft_tp)
+    if rank.ahead is not None:  # draft-ahead's graphs too, reading the verify's hand-off in place as on a GPU
+        rank.ahead.graphs = HostOnlyGraphs()
+        rank.ahead.graphs.buffers = rank.graphs.buffers
     return rank
 
 
@@ -111,18 +117,20 @@ def draft_lengths(text: str) -> list[int]:
 STEPS_PROMPT = list(range(5, 40))  # --steps: every request's prompt
 
 
-def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int, max_seq_len: int = 4096) -> None:
+def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int, max_seq_len: int = 4096,
+                 ahead: bool = False) -> None:
     """Print µs per :meth:`SpeculativeEngine.step` for B greedy requests of ``tokens`` new tokens (the module docstring),
     every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare), on engines of ``max_seq_len``
-    (at least :data:`STEPS_PROMPT`'s length + ``tokens`` + max(ks) + 1, checked in :func:`main`)."""
+    (at least :data:`STEPS_PROMPT`'s length + ``tokens`` + max(ks) + 1, checked in :func:`main`). ``ahead``: with
+    draft-ahead (``ServeConfig.draft_ahead``), whose steps launch the next draft instead of preparing their own."""
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.runtime.types import Request
     from splitspec.settings import ServeConfig
 
     eng_dir = tiny_engines(tmp, max(batches), max_seq_len)
-    with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches))) as eng:
+    with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches), draft_ahead=ahead)) as eng:
         host_only(eng.group.rank0)
-        print(f"host µs per scheduler step, greedy, {tokens} tokens per request", flush=True)
+        print(f"host µs per scheduler step, greedy, {tokens} tokens per request" + (", draft-ahead" if ahead else ""), flush=True)
         print(f"{'B':>3} {'k':>2} {'steps':>6} {'µs per step':>12}", flush=True)
         for B in batches:
             for k in ks:
@@ -189,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also a cProfile table per phase")
     ap.add_argument("--top", type=int, default=12, help="functions per profile table")
     ap.add_argument("--steps", type=int, default=0, metavar="N", help="whole scheduler steps instead, requests of N tokens")
+    ap.add_argument("--ahead", action="store_true", help="with --steps: draft-ahead on (ServeConfig.draft_ahead)")
     a = ap.parse_args(argv)
     if a.reps < 1 or a.top < 1:
         ap.error(f"--reps {a.reps}, --top {a.top}: expected at least 1 each")
     if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1):
         ap.error("--ks at most 8 (at least 1 without --steps)")
+    if a.ahead and not a.steps:
+        ap.error("--ahead goes with --steps (whole scheduler steps)")
     if a.steps < 0:
         ap.error(f"--steps {a.steps}: expected N ≥ 1 new tokens per request (0: the phases instead)")
     if a.steps and len(STEPS_PROMPT) + a.steps + max(a.ks) + 1 > a.max_seq_len:
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.steps:
         with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp:
-            engine_steps(Path(tmp), a.batches, a.ks, a.steps, a.max_seq_len)
+            engine_steps(Path(tmp), a.batches, a.ks, a.steps, a.max_seq_len, a.ahead)
         return 0
     with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp, torch.inference_mode():
         rank = runner(Path(tmp), max(a.batches), a.max_seq_len)

@@ -67,9 +67,11 @@ def _cmd_plan(a: argparse.Namespace) -> None:
         raise ConfigError("--json '': expected a file path")
     if a.draft_tp != 1 and a.drafter is None:
         raise ConfigError(f"--draft-tp {a.draft_tp}: places a drafter; name it with --drafter")
+    if a.draft_ahead and (a.drafter is None or a.draft_tp != 1):
+        raise ConfigError("--draft-ahead: drafts ahead with a TP1 drafter only; name it with --drafter, --draft-tp 1")
     dep = Deployment(tp=a.tp, ep=a.ep, draft_tp=a.draft_tp, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len,
                      max_draft_len=a.max_draft_len, kv_tokens=a.kv_tokens, budget_bytes=int(a.gpu_memory_gib * GIB),
-                     headroom_bytes=int(a.headroom_gib * GIB))
+                     headroom_bytes=int(a.headroom_gib * GIB), draft_ahead=a.draft_ahead)
     plan_main(Path(a.target), Path(a.drafter) if a.drafter else None, dep, dtype=a.dtype, json_out=Path(a.json) if a.json else None,
               drafter_dtype=a.drafter_dtype)
 

@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter-dtype", default="float", choices=["float", "fp8"],
                    help="the drafter as splitspec build --drafter-dtype makes it (fp8: its linears FP8 in 128x128 tiles)")
     s.add_argument("--headroom-gib", type=finite(above=False), default=2.0, help="CUDA context, cuBLAS and NCCL workspaces per GPU")
+    s.add_argument("--draft-ahead", action="store_true",
+                   help="serving with SPLITSPEC_DRAFT_AHEAD=1: the draft-ahead graphs' pool on GPU 0 counted too")
     s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
 
     s = sub.add_parser("generate", help="speculative decoding from built engines, in this process")

@@ -29,6 +29,7 @@ ENV_FIELDS = {
     "SPLITSPEC_CUDA_GRAPHS": "cuda_graphs",
     "SPLITSPEC_SKINNY_GEMM": "skinny_gemm",
     "SPLITSPEC_PDL": "pdl",
+    "SPLITSPEC_DRAFT_AHEAD": "draft_ahead",
     "SPLITSPEC_COLLECTIVE_TIMEOUT_S": "collective_timeout_s",
     RUN_DIR_ENV: "run_dir",
 }
@@ -113,6 +114,10 @@ class ServeConfig:
             default (measured: docs/performance.md); no effect without ``compile`` and ``cuda_graphs`` (the parts are
             compiled for the CUDA-graph path only), on the CPU or on older GPUs. This switch decides for the engine's
             parts, whatever torch's own ``TORCHINDUCTOR_ENABLE_PDL`` says.
+        draft_ahead: a steady cycle's draft phase launched behind the cycle before's verify, its acceptance decided
+            on the device, where the drafter is the TP1 one and every request of the batch is greedy (or
+            synthetic): the GPU then drafts while the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`;
+            the drafts of a cycle whose batch changed are dropped). Off by default until measured on GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
@@ -147,6 +152,7 @@ class ServeConfig:
     cuda_graphs: bool = True
     skinny_gemm: bool = False
     pdl: bool = False
+    draft_ahead: bool = False
     collective_timeout_s: int = 300
     trust_remote_code: bool = False
     max_prompt_bytes: int | None = None
@@ -201,7 +207,7 @@ class ServeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **fields) -> "ServeConfig":
         """``fields`` plus the engine switches from ``SPLITSPEC_*`` variables of ``env`` (default: this
         process's environment): ``SPLITSPEC_PADDED=1``, ``SPLITSPEC_COMPILE=0``, ``SPLITSPEC_CUDA_GRAPHS=0``,
-        ``SPLITSPEC_SKINNY_GEMM=1``, ``SPLITSPEC_PDL=1``, ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
+        ``SPLITSPEC_SKINNY_GEMM=1``, ``SPLITSPEC_PDL=1``, ``SPLITSPEC_DRAFT_AHEAD=1``, ``SPLITSPEC_COLLECTIVE_TIMEOUT_S=N``, ``SPLITSPEC_RUN_DIR=PATH`` (empty: None). A field given explicitly wins
         over the environment."""
         env = os.environ if env is None else env
         for var, name in ENV_FIELDS.items():

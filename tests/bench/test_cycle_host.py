@@ -21,6 +21,10 @@ def test_phases_and_steps_are_timed(capsys):
     assert [r[:2] for r in rows] == [["2", "0"], ["2", "2"]]
     # k 0: one prefill step, then one token per step; k 2: fewer steps (each accepts at least its target token)
     assert int(rows[0][2]) == 12 and 1 < int(rows[1][2]) <= 12 and all(float(r[3]) > 0 for r in rows)
+    # draft-ahead: the same steps (its drafts are the ones the host-only graphs return either way), timed alike
+    assert cycle_host.main(["--steps", "12", "--batches", "2", "--ks", "2", "--ahead"]) == 0
+    out = capsys.readouterr().out
+    assert "draft-ahead" in out and [r[:3] for r in _rows(out)] == [rows[1][:3]]
 
 
 def test_k0_only_with_steps_and_at_least_one_rep():
@@ -34,7 +38,8 @@ def test_steps_refusals_name_the_option(capsys):
     """--steps N < 0, or N too long for --max-seq-len (the engine's limit, which --steps uses), is a usage error, not a
     ConfigError's stack trace from the first request."""
     for bad, says in ((["--steps", "-5"], "--steps -5"), (["--steps", "5000"], "--max-seq-len 4096"),
-                      (["--steps", "100", "--max-seq-len", "128"], "--max-seq-len 128"), (["--ks", "9"], "--ks")):
+                      (["--steps", "100", "--max-seq-len", "128"], "--max-seq-len 128"), (["--ks", "9"], "--ks"),
+                      (["--ahead"], "--ahead goes with --steps")):
         with pytest.raises(SystemExit) as e:
             cycle_host.main(["--batches", "1", "--ks", "1"] + bad)
         assert e.value.code == 2 and says in capsys.readouterr().err

@@ -106,15 +106,16 @@ def test_drafter_on_its_own_gpu(engines_for):
 
 
 @pytest.mark.timeout(600)  # compiling the layers takes a minute or two; an NCCL hang must not take forever
-@pytest.mark.parametrize("placement", ["draft_tp=1", "draft_tp=N", "draft_tp=1, pdl"])
+@pytest.mark.parametrize("placement", ["draft_tp=1", "draft_tp=N", "draft_tp=1, pdl", "draft_tp=1, ahead"])
 def test_speculative_greedy_on_gpu_equals_target_only(engines_for, placement):
-    """Both placements, and the TP1 drafter with programmatic dependent launch (``ServeConfig.pdl``)."""
+    """Both placements, and the TP1 drafter with programmatic dependent launch (``ServeConfig.pdl``) or drafting ahead
+    (``ServeConfig.draft_ahead``)."""
     n = min(2, torch.cuda.device_count())
     if placement == "draft_tp=N" and n == 1:
         pytest.skip("one GPU: the sharded drafter is the TP1 drafter")
     draft_tp = n if placement == "draft_tp=N" else 1
     with SpeculativeEngine.load(ServeConfig(engines_for(n), target_device_ids=list(range(n)), draft_tp=draft_tp, max_batch_size=2,
-                                            pdl=placement.endswith("pdl"))) as eng:
+                                            pdl=placement.endswith("pdl"), draft_ahead=placement.endswith("ahead"))) as eng:
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
         ref = [r.token_ids for r in eng.run([Request(i, 40, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
         assert all(len(r) == 40 for r in ref)

@@ -61,6 +61,22 @@ def test_graph_pool_holds_every_k_up_to_max_draft_len(capsys):
     assert pools[1] - pools[0] >= added - 0.01 and added > 1.5
 
 
+def test_draft_ahead_adds_a_draft_pool_on_gpu0_only(capsys):
+    """``--draft-ahead``: the draft-ahead graphs' pool of their own holds one more draft's intermediates on GPU 0 —
+    the drafter's K and V window gathers 2·b·S·kv·hd, its scores b·heads·n·S in float32 and bf16, and its draft-vocabulary
+    logits twice in float32 (K2.5 drafter: 64 KV heads of 128, 32000 draft tokens; b 8, S 4096, n 4) — and
+    nothing on GPUs 1–7."""
+    pools, text = [], ""
+    for ahead in ([], ["--draft-ahead"]):
+        rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", "200", *LIMITS, *ahead)
+        assert rc == 0, err
+        pools.append(row(out, "CUDA-graph pool"))
+        text = out
+    by_hand = (2 * 8 * 4096 * 64 * 128 * 2 + 8 * 64 * 4 * 4096 * (8 + 2) + 2 * 32 * 32000 * 4) / GIB
+    assert pools[1][0] - pools[0][0] == pytest.approx(by_hand, abs=0.01) and pools[1][1] == pools[0][1]
+    assert "draft-ahead" in text
+
+
 @pytest.mark.parametrize("gib", [141, 96])
 def test_k25_dequantised_to_bf16_is_refused_in_one_line(capsys, gib):
     rc, out, err = plan(capsys, K25, "--drafter", str(DRAFTER), "--tp", "8", "--gpu-memory-gib", str(gib), *LIMITS,
@@ -146,6 +162,9 @@ def _broken(tmp_path: Path, drop: str) -> Path:
     ("draft tp", ["--tp", "8", "--drafter", str(DRAFTER), "--draft-tp", "2"],
      "draft-tp = 2: expected 1 (drafter on GPU 0) or the target's tp 8"),
     ("draft tp, no drafter", ["--tp", "8", "--draft-tp", "8"], "--draft-tp 8: places a drafter; name it with --drafter"),
+    ("ahead, no drafter", ["--tp", "8", "--draft-ahead"], "--draft-ahead: drafts ahead with a TP1 drafter only"),
+    ("ahead, sharded", ["--tp", "8", "--drafter", str(DRAFTER), "--draft-tp", "8", "--draft-ahead"],
+     "--draft-ahead: drafts ahead with a TP1 drafter only"),
     ("empty json", ["--tp", "8", "--json", ""], "--json '': expected a file path"),
     ("empty dtype", ["--tp", "8", "--dtype", ""], "dtype '' is not supported"),
     ("tiny budget", ["--tp", "8", "--gpu-memory-gib", "1e-12"], "--gpu-memory-gib = 0 (under a byte)"),

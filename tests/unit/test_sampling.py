@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from splitspec.runtime.sampling import draw, verify_synthetic
+from splitspec.runtime.sampling import draw, synthetic_accept, verify_synthetic
 
 
 def test_draw_follows_the_weights_and_never_draws_a_zero():
@@ -37,10 +37,24 @@ def test_draw_stays_on_the_last_positive_weight_when_the_uniform_rounds_up(monke
 def test_synthetic_verify_takes_the_host_argmax_when_given():
     logits = torch.zeros(3, 10)
     logits[:, 5] = 1.0  # the device argmax would be 5 at every row
-    gen = torch.Generator().manual_seed(0)
-    assert verify_synthetic(logits, [3, 4], [0.0], gen, best=[7, 8, 9]) == (0, [7])
-    assert verify_synthetic(logits, [3, 4], [1.0], gen, best=[7, 8, 9]) == (2, [3, 4, 9])
-    assert verify_synthetic(logits, [3, 4], [0.0], gen) == (0, [5])
+    assert verify_synthetic(logits, [3, 4], 0, best=[7, 8, 9]) == (0, [7])
+    assert verify_synthetic(logits, [3, 4], 2, best=[7, 8, 9]) == (2, [3, 4, 9])
+    assert verify_synthetic(logits, [3, 4], 0) == (0, [5])
+    with pytest.raises(ValueError, match="3 drafts accepted of 2"):
+        verify_synthetic(logits, [3, 4], 3)
+
+
+def test_synthetic_accept_follows_the_profile_per_position():
+    """Draft i is accepted with conditional probability profile[i] (the last entry past the profile): the counts of
+    a over many cycles match the geometric-like law those give, by a chi-square test; 0 and 1 are exact."""
+    gen = torch.Generator().manual_seed(3)
+    assert {synthetic_accept(4, [0.0], gen) for _ in range(50)} == {0}
+    assert {synthetic_accept(4, [1.0], gen) for _ in range(50)} == {4}
+    assert synthetic_accept(0, [1.0], gen) == 0
+    profile, k, n = [0.8, 0.5], 3, 20_000
+    counts = torch.bincount(torch.tensor([synthetic_accept(k, profile, gen) for _ in range(n)]), minlength=k + 1)
+    p = [0.2, 0.8 * 0.5, 0.8 * 0.5 * 0.5, 0.8 * 0.5 * 0.5]  # a = 0, 1, 2, 3
+    assert chisquare(counts.numpy(), [q * n for q in p]).pvalue > 1e-3
 
 
 def test_draw_refuses_weights_it_cannot_draw_from():

@@ -26,7 +26,10 @@ Per GPU g (target rank g):
   Outputs kept per graph: logits b·n·V float32 and aux b·n·3H for each bucket b ≤ Bp, window (powers of two
   from 256 up to S) and k ≤ max_draft_len (n = k + 1: a steady batch of every sequence at one k captures graphs of
   its own, whichever k the requests ask for); on a GPU that drafts, one more b·n·3H per bucket and k where the
-  verify leaves its aux states for the draft (:meth:`splitspec.engine.rank.RankRunner.handoff`).
+  verify leaves its aux states for the draft (:meth:`splitspec.engine.rank.RankRunner.handoff`). With draft-ahead
+  (``Deployment.draft_ahead``, a TP1 drafter; :mod:`splitspec.engine.draft_ahead`) its graphs' own pool on GPU 0:
+  one more draft's intermediates (they read the verify's aux states in place, the drafter beside target rank 0;
+  their other inputs and outputs are a few int64 per sequence).
 - **activations** (estimate; eager forwards, memory the caching allocator keeps): the larger of a prefill forward
   (max_prefill_tokens chunk + max_batch_size·n decode tokens: per-sequence attention over max_seq_len keys with
   float32 scores, :func:`splitspec.models.layers.attend`, and the MoE buffers as above) and the drafter's first
@@ -83,6 +86,7 @@ class Deployment:
     kv_tokens: int | None = None
     max_prefill_tokens: int = 512
     cuda_graphs: bool = True
+    draft_ahead: bool = False
     budget_bytes: int | None = None
     headroom_bytes: int = 2 * GIB
 
@@ -191,6 +195,8 @@ def _graph_pool(cfg, dcfg, mapping, fmt, dep: Deployment, drafts_here: bool) -> 
         kv, nq = dcfg.num_key_value_heads // d, dcfg.num_attention_heads // d
         draft = 2 * bp * S * kv * dcfg.head_dim * act + bp * nq * n * S * (8 + act) + 2 * T * dcfg.draft_vocab_size * 4
         peak = max(peak, draft)
+        if dep.draft_ahead and d == 1:  # draft-ahead's graphs: a pool of their own, holding a draft's intermediates
+            outputs += draft
     return peak + outputs
 
 

@@ -111,7 +111,8 @@ def render(plan: MemoryPlan) -> list[str]:
     lines = [f"memory plan: {f.name} weights ({FORMAT_NOTES[f.name]}), TP{d.tp} EP{d.ep}, {drafter}",
              f"  from: {plan.source}",
              f"  limits: max_batch_size {d.max_batch_size}, max_seq_len {d.max_seq_len}, "
-             f"{'max_draft_len ' + str(d.max_draft_len) if plan.drafter_name else 'no speculation'}, prefill chunk {d.max_prefill_tokens}, CUDA graphs {'on' if d.cuda_graphs else 'off'}"]
+             f"{'max_draft_len ' + str(d.max_draft_len) if plan.drafter_name else 'no speculation'}, prefill chunk {d.max_prefill_tokens}, CUDA graphs {'on' if d.cuda_graphs else 'off'}"
+             + (", draft-ahead" if d.draft_ahead and plan.drafter_name and d.draft_tp == 1 else "")]
     cols = _columns(plan)
     labels = list(dict.fromkeys(label for _, g in cols for label in g.items))
     lines.append(f"  {'':44}" + "".join(f"{name:>24}" for name, _ in cols))

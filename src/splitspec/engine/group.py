@@ -236,10 +236,14 @@ class Group:
         if plan.padded_k is not None:
             drafts = None
             if r0.draft_tp == 1 and plan.padded_k:
-                r0.clock.start()
                 # from a drafter on its own GPU: to the GPU of rank 0's NCCL communicator (queued behind the draft)
-                drafts = r0.draft_padded(plan).to(r0.device)
-                r0.clock.draft_done()
+                drafts = r0.drafts_ahead(plan)  # launched by the cycle before (draft-ahead), else drafted now
+                if drafts is None:
+                    r0.clock.start()
+                    drafts = r0.draft_padded(plan).to(r0.device)
+                    r0.clock.draft_done()
+                else:
+                    drafts = drafts.to(r0.device)
             if self.world > 1:
                 self.check_workers()
                 self._send_plan(plan)

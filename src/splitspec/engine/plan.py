@@ -34,6 +34,8 @@ class SeqWork:
     kind 'decode': verify ``tokens`` = [last known token] (+ this cycle's drafts) at positions start..;
     the drafter first extends rows extend_start.. with ``extend_tokens``, then takes k − 1 more steps.
     ``keep_aux``: rows of the previous verify's aux states still valid (accepted + 1); None keeps all.
+    ``accept``: BENCHMARK ONLY — the drafts this cycle accepts whatever they are (synthetic acceptance), drawn by the
+    leader before the cycle; None: the leader decides from the verify.
     """
 
     sid: int
@@ -46,13 +48,16 @@ class SeqWork:
     extend_start: int = 0
     extend_tokens: list[int] = field(default_factory=list)
     keep_aux: int | None = None
+    accept: int | None = None
 
 
 @dataclass
 class CyclePlan:
     """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending.
     ``draft_tp``: the placement that drafts (None: the one drafting so far); ``placement_switch``: this
-    message only makes ``draft_tp`` the drafting placement (:meth:`RankRunner.switch_placement`)."""
+    message only makes ``draft_tp`` the drafting placement (:meth:`RankRunner.switch_placement`). ``ahead``: the
+    leader expects the next cycle to decode these sequences again, each accepting greedily or as ``accept`` says: a
+    TP1 drafter may launch that cycle's draft behind this cycle's verify (:mod:`splitspec.engine.draft_ahead`)."""
 
     work: list[SeqWork]
     finished: list[int] = field(default_factory=list)
@@ -61,6 +66,7 @@ class CyclePlan:
     padded_k: int | None = None  # set by the leader: a steady decode cycle run in the static-shape form
     draft_tp: int | None = None
     placement_switch: bool = False
+    ahead: bool = False
 
 
 @dataclass

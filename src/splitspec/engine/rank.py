@@ -17,8 +17,9 @@ from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
-from splitspec.engine.graphs import GraphCache, current_stream
-from splitspec.models.fused_moe import device_index
+from splitspec.engine.draft_ahead import DraftAhead
+from splitspec.engine.graphs import GraphCache
+from splitspec.engine.phase_clock import PhaseClock
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
 from splitspec.engine.plan import CycleOutput, CyclePlan, SeqWork
 from splitspec.errors import ConfigError
@@ -38,40 +39,6 @@ def threads_per_rank(world: int) -> int:
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
-
-
-class PhaseClock:
-    """Splits a steady cycle's wall time (ms) into its draft part and its verify part without waiting for the GPU
-    in between: on CUDA the draft's end is a CUDA event recorded on ``device``'s current stream once the drafts are
-    there, read after the cycle's one device-to-host copy (when it has completed); on the CPU a host clock.
-
-    ``draft_ms``: from :meth:`start` (on CUDA: when the device reached the start event, right away when idle) to the
-    drafts being on ``device``; ``verify_ms``: the rest of the wall time up to :meth:`split` — with a TP1 drafter in a
-    group, sending the plan and the drafts to the workers too. GPU work queued before :meth:`start` and not waited
-    for (a placement switch's scatter or gather) delays the start event, so it counts as verify time."""
-
-    def __init__(self, device: str):
-        self.device, self.cuda = device, device.startswith("cuda")
-        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else ()
-        self.index = device_index(device) if self.cuda else None
-        self.t0 = self.t1 = 0.0
-
-    def start(self) -> None:
-        self.t0 = self.t1 = time.perf_counter()
-        if self.cuda:
-            self.events[0].record(current_stream(self.index))
-
-    def draft_done(self) -> None:
-        if self.cuda:
-            self.events[1].record(current_stream(self.index))
-        else:
-            self.t1 = time.perf_counter()
-
-    def split(self) -> tuple[float, float]:
-        """(draft_ms, verify_ms); call after the host has waited for the work recorded since :meth:`start`."""
-        total = (time.perf_counter() - self.t0) * 1e3
-        draft = self.events[0].elapsed_time(self.events[1]) if self.cuda else (self.t1 - self.t0) * 1e3
-        return draft, max(0.0, total - draft)
 
 
 class RankRunner:
@@ -138,6 +105,8 @@ class RankRunner:
             if graphs.on and compile:
                 model.compile(pdl)  # fused drafter parts inside the draft phase's CUDA graphs
             self.slots[draft_tp] = (model, drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
+        # the TP1 drafter's launches ahead (steady cycles whose plan asks: ServeConfig.draft_ahead), where it lives
+        self.ahead = DraftAhead(str(self.slots[1][0].device), cuda_graphs, self.graphs) if 1 in self.slots else None
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:
@@ -256,7 +225,7 @@ class RankRunner:
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
-        m, dev = self.drafter, self.drafter.device
+        dev = self.drafter.device
         S = self.window_for(plan)
         key = ("draft", self.draft_tp, Bp, k, S)
         # extend ids [Bp, n], its positions, row table, write rows; each sequence's last extend row; the steps'
@@ -279,16 +248,32 @@ class RankRunner:
             self.handed = {(Bp, n): aux}
 
         def draft(flat, aux_in):
-            ids, pos, table, rows, last_rows, step_pos, step_rows, every = field_views(flat, shapes)
-            tokens, h = m.draft(ForwardBatch(ids.flatten(), pos.flatten(), [], [], last_rows, table, rows.flatten()),
-                                m.fuse(aux_in), self.dcache)
-            out = [tokens]
-            for i in range(k - 1):
-                tokens, h = m.draft(ForwardBatch(tokens, step_pos[i], [], [], every, table, step_rows[i]), h, self.dcache)
-                out.append(tokens)
-            return torch.stack(out, 1) if k > 1 else tokens[:, None]
+            return self._draft_steps(*field_views(flat, shapes), aux_in, k)
 
         return self.draft_graphs.run(key, draft, flat, aux if handoff is None else handoff)
+
+    def _draft_steps(self, ids, pos, table, rows, last_rows, step_pos, step_rows, every, aux_in, k: int) -> torch.Tensor:
+        """The draft phase's forwards (:meth:`draft_padded`'s fields, as device tensors): the extend over ids [Bp, n]
+        at positions ``pos`` writing ``rows``, the proposals at its ``last_rows``, then k − 1 single-token steps at
+        ``step_pos`` / ``step_rows`` [k − 1, Bp]. Returns drafts [Bp, k] int64."""
+        m = self.drafter
+        tokens, h = m.draft(ForwardBatch(ids.flatten(), pos.flatten(), [], [], last_rows, table, rows.flatten()),
+                            m.fuse(aux_in), self.dcache)
+        out = [tokens]
+        for i in range(k - 1):
+            tokens, h = m.draft(ForwardBatch(tokens, step_pos[i], [], [], every, table, step_rows[i]), h, self.dcache)
+            out.append(tokens)
+        return torch.stack(out, 1) if k > 1 else tokens[:, None]
+
+    def drafts_ahead(self, plan: CyclePlan) -> torch.Tensor | None:
+        """The drafts [B_pad, k] launched by the cycle before for steady cycle ``plan`` (:meth:`DraftAhead.take`), or
+        None; the clock then starts an ahead cycle."""
+        if self.ahead is None:
+            return None
+        drafts = self.ahead.take(plan.work, plan.padded_k, self.draft_tp)
+        if drafts is not None:
+            self.clock.start(ahead=True)
+        return drafts
 
     def handoff(self, Bp: int, n: int) -> torch.Tensor | None:
         """Where the verify graph of (batch bucket ``Bp``, ``n`` tokens per sequence) leaves its aux states
@@ -355,9 +340,20 @@ class RankRunner:
             self.clock.draft_done()
         logits, _, drafts = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
-        both = torch.cat((logits.argmax(-1), drafts[:B].flatten()))
+        best = logits.argmax(-1)
+        both = torch.cat((best, drafts[:B].flatten()))
+        ready = None
+        if self.clock.taken is not None:  # this cycle's drafts came ahead: the verify's end is the clock's second mark
+            self.clock.verify_done()
+        if self.ahead is not None and self.ahead.wanted(self, plan):
+            both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
+            self.ahead.launch(self, plan, best, drafts)
+        elif self.ahead is not None:
+            self.ahead.pending = None
         if on_launched is not None:
             on_launched()
+        if ready is not None:
+            ready.synchronize()
         host = both.tolist()  # the one copy to the host
         greedy, flat = host[: B * n], host[B * n:]
         out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
@@ -369,6 +365,8 @@ class RankRunner:
         the GPU after each draft step and at the end; ``on_launched`` runs before that last wait)."""
         for sid in plan.finished:
             self.aux.pop(sid, None)
+        if self.ahead is not None:
+            self.ahead.pending = None
         t0 = time.perf_counter()
         drafts = plan.drafts
         if drafts is None:

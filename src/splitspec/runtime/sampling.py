@@ -86,16 +86,24 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen:
     return k, drafts + [draw(p[k], gen)]
 
 
-def verify_synthetic(logits: torch.Tensor, drafts: list[int], profile: list[float], gen: torch.Generator,
-                     best: list[int] | None = None) -> tuple[int, list[int]]:
-    """Benchmark-only: accept draft i with conditional probability ``profile[i]`` regardless of its value; the token
-    after the accepted drafts is the target's argmax there, from ``best`` (the rows' argmax, already on the host) when
-    given — so that the benchmark's host work per cycle is the greedy path's, without a device-to-host wait per
-    sequence — else from ``logits``.
+def synthetic_accept(k: int, profile: list[float], gen: torch.Generator) -> int:
+    """Benchmark-only: how many of k drafts a cycle accepts when draft i is accepted with conditional probability
+    ``profile[i]`` (the last entry for positions past it) regardless of its value. Drawn from the request's generator
+    before the cycle runs (:attr:`SeqWork.accept`), so that the device can act on it before the host sees the
+    verify (:mod:`splitspec.engine.draft_ahead`)."""
+    a = 0
+    while a < k and float(torch.rand(1, generator=gen)) < profile[min(a, len(profile) - 1)]:
+        a += 1
+    return a
+
+
+def verify_synthetic(logits: torch.Tensor, drafts: list[int], a: int, best: list[int] | None = None) -> tuple[int, list[int]]:
+    """Benchmark-only: accept the first ``a`` drafts (:func:`synthetic_accept`); the token after them is the target's
+    argmax there, from ``best`` (the rows' argmax, already on the host) when given — so that the benchmark's host work
+    per cycle is the greedy path's, without a device-to-host wait per sequence — else from ``logits``.
 
     Output tokens are NOT the target's; only the costs (cycle counts, KV use) are realistic.
     """
-    a = 0
-    while a < len(drafts) and float(torch.rand(1, generator=gen)) < profile[min(a, len(profile) - 1)]:
-        a += 1
+    if not 0 <= a <= len(drafts):
+        raise ValueError(f"verify_synthetic: {a} drafts accepted of {len(drafts)}")
     return a, drafts[:a] + [best[a] if best is not None else int(logits[a].argmax())]

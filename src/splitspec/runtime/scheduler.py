@@ -27,7 +27,7 @@ from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
-from splitspec.runtime.sampling import SamplingParams, draw, target_probs, verify, verify_synthetic
+from splitspec.runtime.sampling import SamplingParams, draw, synthetic_accept, target_probs, verify, verify_synthetic
 from splitspec.runtime.sequence import Sequence
 from splitspec.runtime.types import CycleStats, GenerationResult, Request, RequestOutput
 from splitspec.settings import ServeConfig
@@ -287,9 +287,10 @@ class SpeculativeEngine:
         for seq in self.running:
             if seq.decoding:
                 n = len(seq.tokens)
+                accept = synthetic_accept(seq.k, self.synthetic, seq.gen) if self.synthetic is not None and seq.k else None
                 work.append(SeqWork(seq.id, seq.blocks, "decode", n - 1, [seq.tokens[-1]], k=seq.k,
                                     extend_start=seq.extend_start, extend_tokens=seq.tokens[seq.extend_start + 1:n],
-                                    keep_aux=seq.keep_aux))
+                                    keep_aux=seq.keep_aux, accept=accept))
             elif budget > 0:
                 p = len(seq.req.prompt_ids)
                 chunk = min(p - seq.prefilled, budget)
@@ -298,7 +299,8 @@ class SpeculativeEngine:
                                     seq.req.prompt_ids[seq.prefilled:seq.prefilled + chunk], final=seq.prefilled + chunk == p))
         if work:
             drafting = sum(w.kind == "decode" and w.k > 0 for w in work)  # none: the drafting placement stays
-            plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self._placement(drafting))
+            plan = CyclePlan(work, finished=self._finished_ids, draft_tp=self._placement(drafting),
+                             ahead=self._next_is_alike(work))
             switched = plan.draft_tp not in (None, self.group.draft_tp)
             self._finished_ids = []
             out = self.group.run(plan, self.on_launched)
@@ -309,6 +311,20 @@ class SpeculativeEngine:
                 if cb:
                     cb(e)
         return events
+
+    def _next_is_alike(self, work: list[SeqWork]) -> bool:
+        """Whether a cycle of ``work`` may launch the next cycle's draft ahead (``ServeConfig.draft_ahead``): every
+        work drafts, each acceptance is decidable on the device (greedy, or synthetic: drawn already), nothing waits
+        to be admitted, and no sequence can reach max_tokens in this cycle — so the next cycle is expected to decode
+        the same sequences (a stop token, a cancel or a deadline may still change it: the drafts are then dropped)."""
+        if not self.config.draft_ahead or self.queue:
+            return False
+        for w in work:
+            seq = self.seqs.get(w.sid)
+            if (seq is None or w.kind != "decode" or not w.k or len(seq.output) + w.k + 1 >= seq.req.max_tokens
+                    or (w.accept is None and not seq.req.sampling.greedy)):
+                return False
+        return True
 
     def _decide(self, work: list[SeqWork], out, draft_tp: int, switched: bool) -> list[RequestOutput]:
         events, row = [], 0
@@ -341,8 +357,8 @@ class SpeculativeEngine:
             seq.stats.drafted_tokens += len(drafts)
             seq.stats.draft_ms += out.draft_ms
             seq.stats.verify_ms += out.verify_ms
-            if self.synthetic is not None and drafts:
-                a, new = verify_synthetic(logits, drafts, self.synthetic, seq.gen, best)
+            if w.accept is not None and drafts:
+                a, new = verify_synthetic(logits, drafts, w.accept, best)
             else:
                 a, new = verify(logits, drafts, seq.req.sampling, seq.gen, best)
             n = len(seq.tokens)

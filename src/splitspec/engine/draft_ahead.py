@@ -1,0 +1,150 @@
+"""Draft-ahead: the next steady cycle's draft phase launched right behind this cycle's verify, before the host has
+seen the verify's result.
+
+A steady cycle's draft extends the drafter over the tokens the last verify accepted and then takes k − 1 steps
+(:meth:`~splitspec.engine.rank.RankRunner.draft_padded`). Filled by the host, those inputs exist only once the host
+has copied the verify's argmax back and accepted, so the GPU idles through that wait, the scheduler's acceptance and
+events, the next plan and the draft's own input fill. Here the acceptance of a greedy (or synthetic, pre-drawn)
+cycle is also computed on the device — the same rule as :func:`splitspec.runtime.sampling.verify` on the same
+tensors — and the next draft's token ids, logits rows and step positions follow from it in the draft's graph
+(:func:`next_draft_inputs`); the rest of its inputs (row tables, the extend's positions) do not depend on the
+acceptance. The next cycle uses those drafts when its plan is the one predicted (:meth:`DraftAhead.take`: the same
+sequences in the same order, extending where this cycle verified); otherwise they are dropped. Either way the verify
+decides every token, so output does not depend on this; a dropped draft only wrote drafter K/V rows at or past each
+sequence's extend start, which the draft that replaces it (queued after it on the same stream) writes again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.engine.graphs import GraphCache
+from splitspec.models.batch import bucket, field_views, padded_fields
+
+
+def accepted(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted per sequence, a [B] int64: ``forced[b]`` where it is ≥ 0 (synthetic acceptance, drawn by the
+    host before the cycle), else the number of leading drafts equal to the target's argmax at their position (greedy).
+
+    best [B, k + 1] int64 (the target's argmax at the verified positions), drafts [B, k] int64, forced [B] int64."""
+    k = drafts.shape[1]
+    match = (drafts == best[:, :k]).long().cumprod(1).sum(1)
+    return torch.where(forced >= 0, forced, match)
+
+
+def next_draft_inputs(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor, starts: torch.Tensor,
+                      table: torch.Tensor, every: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The acceptance-dependent inputs of the draft phase after a verify, on the device (no host copy).
+
+    Args:
+        best: [B, n] int64, the target's argmax at the n = k + 1 verified positions of each sequence.
+        drafts: [B, k] int64, the drafts verified; ``forced``: [B] (:func:`accepted`).
+        starts: [B] int64, each sequence's first verified position (its next extend starts there).
+        table: [B, S] int64, the draft's row table; ``every``: [B] int64, 0 .. B − 1.
+    Returns:
+        ids [B, n] (the a accepted drafts, the target's token after them, zeros past it), last [B] (each sequence's
+        last extend row of the flat [B·n] extend: b·n + a), step_pos and step_rows [k − 1, B] (step i at position
+        start + a + i, and its cache row; positions clamped below S).
+    """
+    B, n = best.shape
+    k = n - 1
+    a = accepted(best, drafts, forced)[:, None]
+    j = torch.arange(n, device=best.device)
+    ids = torch.where(j < a, torch.cat((drafts, drafts.new_zeros(B, 1)), 1),
+                      torch.where(j == a, best.gather(1, a), 0))
+    last = every * n + a[:, 0]
+    step_pos = (starts[:, None] + a + torch.arange(1, k, device=best.device)).clamp(max=table.shape[1] - 1)
+    step_rows = table.gather(1, step_pos)
+    return ids, last, step_pos.T.contiguous(), step_rows.T.contiguous()
+
+
+@dataclass
+class Launched:
+    """A draft launched ahead: for sequences ``sids`` (in this order) extending at ``starts``, k drafts each, by
+    placement ``draft_tp``; ``drafts`` [B_pad, k] int64 on the drafter's device (its graph's output)."""
+
+    sids: tuple[int, ...]
+    starts: tuple[int, ...]
+    k: int
+    draft_tp: int
+    drafts: torch.Tensor
+
+
+class DraftAhead:
+    """A rank's draft-ahead state: its graphs (a pool of their own, so that their replays never reuse memory holding a
+    verify's outputs; reading the verify's hand-off buffer in place), the launch pending, and the pinned host buffers
+    the verify's result goes down into before the draft is queued behind it."""
+
+    def __init__(self, device: str, enabled: bool, handoff_of: GraphCache | None):
+        self.graphs = GraphCache(device, enabled)
+        if handoff_of is not None and handoff_of.device == self.graphs.device:
+            self.graphs.buffers = handoff_of.buffers  # the verify's aux hand-off, read in place
+        self.pending: Launched | None = None
+        self.host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def take(self, work, k: int, draft_tp: int) -> torch.Tensor | None:
+        """The drafts launched ahead for a steady cycle of ``work`` (SeqWork list) with ``k`` drafts, placement
+        ``draft_tp``, when it is the cycle they were launched for; else None. Either way nothing stays pending."""
+        p, self.pending = self.pending, None
+        if p is None or p.k != k or p.draft_tp != draft_tp or p.sids != tuple(w.sid for w in work):
+            return None
+        if p.starts != tuple(w.extend_start for w in work):
+            return None
+        return p.drafts
+
+    @staticmethod
+    def wanted(runner, plan) -> bool:
+        """Whether ``runner`` (a RankRunner) launches the cycle after steady cycle ``plan`` ahead: the plan asks (the
+        leader expects the same batch next), k > 0, and the drafter drafting is the TP1 one, on this rank."""
+        return bool(plan.ahead and plan.padded_k and runner.draft_tp == 1 and runner.drafter is not None)
+
+    def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor) -> None:
+        """Launch on ``runner`` (a RankRunner) the draft phase of the steady cycle expected after ``plan`` — the same
+        sequences, each extending over what this cycle accepts — queued behind this cycle's verify. ``best`` [B·(k+1)]
+        int64: the verify's argmax per row (real sequences); ``verified`` [B_pad, k]: the drafts it verified. The
+        acceptance is decided on the device (``SeqWork.accept`` where drawn already, else greedy); the drafts wait in
+        :attr:`pending` for :meth:`take`. One CUDA graph per (batch bucket, k, window), the window wide enough for the
+        next draft's last step (every start + 2k); the drafter's forwards are the host-filled draft's
+        (``runner._draft_steps``)."""
+        ws, k = plan.work, plan.padded_k
+        B, n = len(ws), k + 1
+        Bp = bucket(B)
+        dev = runner.drafter.device
+        need = max(w.start for w in ws) + 2 * k + 1
+        S = min(runner.window, max(256, 1 << (need - 1).bit_length()))
+        key = ("ahead", runner.draft_tp, Bp, k, S)
+        shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,), (Bp,))  # positions, row table, write rows; starts, forced, every
+        flat, (pos, table, rows, starts, forced, every) = self.graphs.staging(key, shapes)
+        runner.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])  # the extend at the verify's rows
+        starts[:B] = [w.start for w in ws]
+        forced[:B] = [-1 if w.accept is None else w.accept for w in ws]
+        if Bp > B:
+            starts[B:], forced[B:] = 0, 0
+            best = torch.cat((best, best.new_zeros((Bp - B) * n)))
+        every[:] = runner.fill.arange(Bp)
+        handoff = runner.handoff(Bp, n)  # the verify's aux states where its graph left them, else the kept batch
+        aux = handoff if handoff is not None and handoff.device == self.graphs.device else runner.aux.whole
+
+        def draft(flat, best, drafts, aux_in):
+            pos, table, rows, starts, forced, every = field_views(flat, shapes)
+            ids, last, step_pos, step_rows = next_draft_inputs(best.view(Bp, n), drafts, forced, starts, table, every)
+            return runner._draft_steps(ids, pos, table, rows, last, step_pos, step_rows, every, aux_in, k)
+
+        runner.clock.ahead_start(str(dev))
+        drafts = self.graphs.run(key, draft, flat, best.to(dev), verified.to(dev), aux.to(dev))
+        runner.clock.ahead_done()
+        self.pending = Launched(tuple(w.sid for w in ws), tuple(w.start for w in ws), k, runner.draft_tp, drafts)
+
+    def to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of the 1-D int64 ``values`` into a pinned buffer (one per length, reused) and return it with
+        the event to wait on before reading it (None on the CPU: copied already)."""
+        n = values.numel()
+        if not values.is_cuda:
+            return values, None
+        buf, event = self.host.get(n) or (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        self.host[n] = (buf, event)
+        buf.copy_(values, non_blocking=True)
+        event.record(torch.cuda.current_stream(values.device))
+        return buf, event

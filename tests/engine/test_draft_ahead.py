@@ -1,0 +1,156 @@
+"""Draft-ahead (:mod:`splitspec.engine.draft_ahead`): the next cycle's draft launched behind this cycle's verify, with
+its acceptance decided on the device, drafts what the host-filled draft phase drafts, and serving with it stays
+token-identical to target-only greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.engine.draft_ahead import accepted, next_draft_inputs
+from splitspec.engine.plan import CyclePlan, SeqWork
+from splitspec.models.batch import single_blocks
+from splitspec.runtime.scheduler import SpeculativeEngine
+from splitspec.runtime.tokenizer import ChatTokenizer
+from splitspec.runtime.types import Request, SamplingParams
+from splitspec.settings import ServeConfig
+
+PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
+
+
+def test_acceptance_and_next_inputs_by_hand():
+    """Three sequences, k 3: greedy acceptance of 2 (third draft differs), of 0, and a forced (synthetic) 3."""
+    best = torch.tensor([[5, 6, 9, 8], [1, 2, 3, 4], [7, 7, 7, 7]])
+    drafts = torch.tensor([[5, 6, 7], [9, 2, 3], [0, 0, 0]])
+    forced = torch.tensor([-1, -1, 3])
+    assert accepted(best, drafts, forced).tolist() == [2, 0, 3]
+    S = 16
+    table = torch.arange(3 * S).reshape(3, S) + 100
+    starts = torch.tensor([4, 0, 10])
+    ids, last, step_pos, step_rows = next_draft_inputs(best, drafts, forced, starts, table, torch.arange(3))
+    # accepted drafts, then the target's token at the first rejection (or the bonus), zeros past it
+    assert ids.tolist() == [[5, 6, 9, 0], [1, 0, 0, 0], [0, 0, 0, 7]]
+    assert last.tolist() == [0 * 4 + 2, 1 * 4 + 0, 2 * 4 + 3]
+    # step i (1 .. k − 1) at start + a + i; the third sequence's second step clamped below S = 16
+    assert step_pos.tolist() == [[7, 1, 14], [8, 2, 15]]
+    assert step_rows.tolist() == [[100 + 7, 116 + 1, 132 + 14], [100 + 8, 116 + 2, 132 + 15]]
+    starts[2] = 12
+    _, _, step_pos, _ = next_draft_inputs(best, drafts, forced, starts, table, torch.arange(3))
+    assert step_pos[:, 2].tolist() == [15, 15]
+
+
+@pytest.mark.parametrize("handoff", [False, True])
+def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff):
+    """After a steady verify of 3 sequences (bucket 4), the draft launched ahead — greedy acceptance on the device, and
+    forced — equals, bit for bit, the draft a second runner with the same history makes from the plan the scheduler
+    would build once it has accepted on the host. ``handoff``: the verify's aux states read where its graph leaves
+    them (the CUDA-graph path's buffer, forced on for the CPU's eager runs), not from the kept batch."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.layers import TPComm
+
+    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=256, tiny=True)
+    g = torch.Generator().manual_seed(7)
+    k, sids = 3, [7, 2, 5]
+    with torch.inference_mode():
+        runners = [RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False) for _ in range(2)]
+        if handoff:
+            graphs = runners[0].graphs
+            monkeypatch.setattr(graphs, "shared", lambda name, shape, dtype: graphs.buffers.setdefault(name, torch.zeros(shape, dtype=dtype)))
+            read = []
+            run = runners[0].ahead.graphs.run
+            monkeypatch.setattr(runners[0].ahead.graphs, "run", lambda key, fn, *x: (read.append(x[-1]), run(key, fn, *x))[1])
+        states = {sid: torch.randn(k + 1, 3 * runners[0].drafter.cfg.target_hidden_size, generator=g) for sid in sids}
+        for forced in (None, [0, 3, 1]):
+            for r in runners:
+                for sid, t in states.items():
+                    r.aux[sid] = t.clone()
+            plan = CyclePlan([SeqWork(sid, single_blocks(b, 256), "decode", 20 + 9 * b, [11 + b], k=k,
+                                      extend_start=18 + 9 * b, extend_tokens=[3 + b, 11 + b], keep_aux=2,
+                                      accept=None if forced is None else forced[b])
+                              for b, sid in enumerate(sids)], padded_k=k, ahead=True)
+            outs = []
+            for r in runners:
+                drafts = r.draft_padded(plan)
+                logits, _, verified = r.verify_padded(plan, drafts)
+                outs.append((logits.argmax(-1), verified))
+            best, verified = outs[0]
+            assert torch.equal(best, outs[1][0]) and torch.equal(verified, outs[1][1])
+            runners[0].ahead.launch(runners[0], plan, best, verified)
+            # the host's side: accept (greedy or forced), then the next plan as the scheduler builds it
+            nxt, host_best = [], best.view(len(sids), k + 1).tolist()
+            for b, w in enumerate(plan.work):
+                d = verified[b].tolist()
+                a = 0 if forced is None else forced[b]
+                if forced is None:
+                    while a < k and d[a] == host_best[b][a]:
+                        a += 1
+                new = d[:a] + [host_best[b][a]]
+                nxt.append(SeqWork(w.sid, w.blocks, "decode", w.start + a + 1, [new[-1]], k=k, extend_start=w.start,
+                                   extend_tokens=new, keep_aux=a + 1))
+            nxt = CyclePlan(nxt, padded_k=k)
+            ahead = runners[0].drafts_ahead(nxt)
+            assert ahead is not None, "the next plan is the one launched for"
+            assert torch.equal(ahead[:3], runners[1].draft_padded(nxt)[:3]), forced
+            assert runners[0].drafts_ahead(nxt) is None, "taken once"
+        if handoff:
+            assert len(read) == 2 and all(x is graphs.buffers[("aux", 4, k + 1)] for x in read)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_models):
+    return ChatTokenizer.from_dir(demo_models / "target")
+
+
+@pytest.fixture(scope="module")
+def reference(engines_for, tok):
+    """Target-only greedy tokens of PROMPT from the TP1 engine (the module's engines below are TP2)."""
+    with SpeculativeEngine.load(ServeConfig(engines_for(1))) as eng:
+        return eng.generate(tok.encode(PROMPT), 24, num_draft_tokens=0, stop_token_ids=set()).token_ids
+
+
+def _counting(eng) -> list[bool]:
+    """Record, per steady cycle with a TP1 draft, whether its drafts were the ones launched ahead."""
+    seen, take = [], eng.group.rank0.drafts_ahead
+    eng.group.rank0.drafts_ahead = lambda plan: (d := take(plan), seen.append(d is not None))[0]
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_draft_ahead_equals_target_only(built_engines, tok, reference, k):
+    """The default deployment (target TP2, TP1 drafter) with steady cycles padded and drafted ahead: target-only greedy
+    tokens; every steady cycle but the first after the prefill and those near max_tokens used the ahead drafts."""
+    with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=True)) as eng:
+        taken = _counting(eng)
+        res = eng.generate(tok.encode(PROMPT), 24, num_draft_tokens=k, stop_token_ids=set())
+        assert res.token_ids == reference
+        # not drafted ahead: the first steady cycle, and those after a cycle that could reach max_tokens (≤ k + 1)
+        assert taken[0] is False and all(taken[1:len(taken) - k - 1]) and sum(taken) >= 2, taken
+        # a batch that changes under it: a second request arriving mid-run, one stopping at a token no plan foresaw
+        ids = tok.encode(PROMPT)
+        first = eng.submit(Request(ids, 24, num_draft_tokens=k, stop_token_ids=set()))
+        out: dict[int, list[int]] = {first: []}
+        for step in range(40):
+            if step == 3:
+                out[eng.submit(Request(ids, 12, num_draft_tokens=k, stop_token_ids={reference[8]}))] = []
+            for e in eng.step():
+                out[e.request_id] += e.token_ids
+            if not eng.has_work():
+                break
+        second = [rid for rid in out if rid != first][0]
+        assert out[first] == reference and out[second] == reference[:reference.index(reference[8]) + 1]
+
+
+def test_synthetic_acceptance_with_and_without_draft_ahead_counts_alike(built_engines, tok):
+    """Synthetic acceptance is drawn before the cycle from the request's seeded generator, so the same request
+    accepts the same numbers of drafts cycle by cycle whether the device (draft-ahead) or the host acts on them."""
+    stats = []
+    for ahead in (False, True):
+        cfg = ServeConfig(built_engines, padded=True, draft_ahead=ahead, synthetic_acceptance=(0.9, 0.6, 0.4))
+        with SpeculativeEngine.load(cfg) as eng:
+            taken = _counting(eng)
+            res = eng.generate(tok.encode(PROMPT), 30, num_draft_tokens=3, stop_token_ids=set(),
+                               sampling=SamplingParams(seed=11))
+            stats.append((res.num_cycles, res.accepted_per_position))
+            assert any(taken) == ahead
+    assert stats[0] == stats[1] and sum(stats[0][1]) > 0
