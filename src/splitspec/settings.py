@@ -192,6 +192,9 @@ class ServeConfig:
             raise ConfigError(f"collective_timeout_s = {self.collective_timeout_s}: expected ≥ 1 second")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"request_timeout_s = {self.request_timeout_s}: expected seconds > 0")
+        if self.synthetic_acceptance is not None and not self.synthetic_acceptance:
+            raise ConfigError("synthetic_acceptance is empty: expected one acceptance probability per draft position "
+                              "(the last one serves the positions past it)")
         if self.synthetic_acceptance is not None and not all(0.0 <= p <= 1.0 for p in self.synthetic_acceptance):
             raise ConfigError(f"synthetic_acceptance {list(self.synthetic_acceptance)}: expected probabilities in [0, 1]")
 

@@ -154,3 +154,18 @@ def test_synthetic_acceptance_with_and_without_draft_ahead_counts_alike(built_en
             stats.append((res.num_cycles, res.accepted_per_position))
             assert any(taken) == ahead
     assert stats[0] == stats[1] and sum(stats[0][1]) > 0
+
+
+def test_a_full_batch_drafts_ahead_with_requests_waiting(built_engines, tok, reference):
+    """A request waiting while the batch is full cannot join the next cycle: the running one still drafts ahead (only
+    a free slot with a request waiting stops it). Closing the engine releases the draft-ahead graphs and drops the
+    drafts pending in them."""
+    with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=True, max_batch_size=1)) as eng:
+        taken = _counting(eng)
+        ids = tok.encode(PROMPT)
+        results = eng.run([Request(ids, 24, num_draft_tokens=2, stop_token_ids=set()) for _ in range(2)])
+        assert [r.token_ids for r in results] == [reference, reference]
+        assert sum(taken) >= len(taken) - 2 * 4, taken  # per request: its first steady cycle and the last k + 1
+        ahead = eng.group.rank0.ahead
+        ahead.graphs.graphs["probe"] = object()  # stands for a captured graph (none on the CPU)
+    assert not ahead.graphs.graphs and ahead.pending is None

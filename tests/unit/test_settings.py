@@ -49,6 +49,7 @@ def test_environment_switches_and_explicit_fields_win():
     (dict(target_device_ids=(0, 0)), "target_device_ids"),
     (dict(draft_device_id=1), "draft_device_id is set but the target runs on the CPU"),
     (dict(synthetic_acceptance=(1.5,)), "synthetic_acceptance"),
+    (dict(synthetic_acceptance=()), "synthetic_acceptance is empty: expected one acceptance probability per draft"),
     (dict(max_prompt_bytes=0), "max_prompt_bytes = 0"),
     (dict(max_queue_len=-1), "max_queue_len = -1"),
     (dict(max_queue_s=0.0), "max_queue_s = 0.0: expected seconds > 0"),

@@ -8,8 +8,11 @@ events, the next plan and the draft's own input fill. Here the acceptance of a g
 cycle is also computed on the device — the same rule as :func:`splitspec.runtime.sampling.verify` on the same
 tensors — and the next draft's token ids, logits rows and step positions follow from it in the draft's graph
 (:func:`next_draft_inputs`); the rest of its inputs (row tables, the extend's positions) do not depend on the
-acceptance. The next cycle uses those drafts when its plan is the one predicted (:meth:`DraftAhead.take`: the same
-sequences in the same order, extending where this cycle verified); otherwise they are dropped. Either way the verify
+acceptance. Its forwards are the host-filled draft's, over a key window wide enough for any acceptance (every
+start + 2k): the same drafts, bit for bit where attention's sum order does not follow the window (the CPU; on a GPU
+the paged-attention kernel splits keys by window size, so a last bit may differ). The next cycle uses those drafts
+when its plan is the one predicted (:meth:`DraftAhead.take`: the same sequences in the same order, extending where
+this cycle verified); otherwise they are dropped. Either way the verify
 decides every token, so output does not depend on this; a dropped draft only wrote drafter K/V rows at or past each
 sequence's extend start, which the draft that replaces it (queued after it on the same stream) writes again.
 """
@@ -132,8 +135,9 @@ class DraftAhead:
             ids, last, step_pos, step_rows = next_draft_inputs(best.view(Bp, n), drafts, forced, starts, table, every)
             return runner._draft_steps(ids, pos, table, rows, last, step_pos, step_rows, every, aux_in, k)
 
-        runner.clock.ahead_start(str(dev))
-        drafts = self.graphs.run(key, draft, flat, best.to(dev), verified.to(dev), aux.to(dev))
+        inputs = best.to(dev), verified.to(dev), aux.to(dev)  # from the target's GPU: the drafter's stream waits for it
+        runner.clock.ahead_start(str(dev))  # so this start is the verify's end there too
+        drafts = self.graphs.run(key, draft, flat, *inputs)
         runner.clock.ahead_done()
         self.pending = Launched(tuple(w.sid for w in ws), tuple(w.start for w in ws), k, runner.draft_tp, drafts)
 

@@ -321,5 +321,8 @@ class Group:
     def _release_graphs(self) -> None:
         runner = getattr(self, "rank0", None)
         if runner is not None:
-            for graphs in {id(g): g for g in [runner.graphs] + [slot[2] for slot in runner.slots.values()]}.values():
+            ahead = [runner.ahead.graphs] if runner.ahead is not None else []
+            for graphs in {id(g): g for g in [runner.graphs] + [slot[2] for slot in runner.slots.values()] + ahead}.values():
                 graphs.clear()
+            if runner.ahead is not None:
+                runner.ahead.pending = None  # its drafts live in the pool just released

@@ -315,9 +315,10 @@ class SpeculativeEngine:
     def _next_is_alike(self, work: list[SeqWork]) -> bool:
         """Whether a cycle of ``work`` may launch the next cycle's draft ahead (``ServeConfig.draft_ahead``): every
         work drafts, each acceptance is decidable on the device (greedy, or synthetic: drawn already), nothing waits
-        to be admitted, and no sequence can reach max_tokens in this cycle — so the next cycle is expected to decode
-        the same sequences (a stop token, a cancel or a deadline may still change it: the drafts are then dropped)."""
-        if not self.config.draft_ahead or self.queue:
+        for a free batch slot, and no sequence can reach max_tokens in this cycle — so the next cycle is expected to
+        decode the same sequences (a stop token, a cancel or a deadline may still change it: the drafts are then
+        dropped)."""
+        if not self.config.draft_ahead or (self.queue and len(self.running) < self.max_batch_size):
             return False
         for w in work:
             seq = self.seqs.get(w.sid)
