@@ -39,6 +39,29 @@ def test_acceptance_and_next_inputs_by_hand():
     assert step_pos[:, 2].tolist() == [15, 15]
 
 
+def test_compiled_next_draft_inputs_match_eager():
+    """The draft-ahead graphs' inputs through ``torch.compile`` (dynamic shapes, as on the CUDA-graph path) give the eager
+    values, over batch buckets, k and windows, greedy and forced acceptance (one compilation for all)."""
+    from splitspec.engine.draft_ahead import DraftAhead
+
+    from torch._dynamo.utils import counters
+
+    ahead = DraftAhead("cpu", False, None)
+    ahead.compile()
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(9)
+    for B, k, S in ((1, 1, 256), (4, 3, 256), (8, 5, 512)):
+        best = torch.randint(0, 3, (B, k + 1), generator=g)
+        drafts = torch.randint(0, 3, (B, k), generator=g)
+        forced = torch.where(torch.rand(B, generator=g) < 0.3, torch.randint(0, k + 1, (B,), generator=g), -1)
+        starts = torch.randint(0, S - 2 * k, (B,), generator=g)
+        table = torch.randint(0, 10_000, (B, S), generator=g)
+        args = (best, drafts, forced, starts, table, torch.arange(B))
+        for got, want in zip(ahead.inputs(*args), next_draft_inputs(*args)):
+            assert torch.equal(got, want), (B, k, S)
+    assert counters["stats"]["unique_graphs"] > before, "next_draft_inputs was not compiled (ran eagerly)"
+
+
 @pytest.mark.parametrize("handoff", [False, True])
 def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff):
     """After a steady verify of 3 sequences (bucket 4), the draft launched ahead — greedy acceptance on the device, and

@@ -33,7 +33,8 @@ def accepted(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor) -> 
 
     best [B, k + 1] int64 (the target's argmax at the verified positions), drafts [B, k] int64, forced [B] int64."""
     k = drafts.shape[1]
-    match = (drafts == best[:, :k]).long().cumprod(1).sum(1)
+    miss = drafts != best[:, :k]
+    match = torch.where(miss.any(1), miss.int().argmax(1), k)  # the first draft that differs (argmax: the first max)
     return torch.where(forced >= 0, forced, match)
 
 
@@ -86,6 +87,14 @@ class DraftAhead:
             self.graphs.buffers = handoff_of.buffers  # the verify's aux hand-off, read in place
         self.pending: Launched | None = None
         self.host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.inputs = next_draft_inputs
+
+    def compile(self, pdl: bool = False) -> None:
+        """:func:`next_draft_inputs` through ``torch.compile`` (the CUDA-graph path, as the drafter's parts): its dozen
+        small element-wise ops and gathers in a few fused kernels at the head of each draft-ahead graph."""
+        from splitspec.models.layers import compile_parts
+
+        (self.inputs,) = compile_parts(next_draft_inputs, pdl=pdl)
 
     def take(self, work, k: int, draft_tp: int) -> torch.Tensor | None:
         """The drafts launched ahead for a steady cycle of ``work`` (SeqWork list) with ``k`` drafts, placement
@@ -132,7 +141,7 @@ class DraftAhead:
 
         def draft(flat, best, drafts, aux_in):
             pos, table, rows, starts, forced, every = field_views(flat, shapes)
-            ids, last, step_pos, step_rows = next_draft_inputs(best.view(Bp, n), drafts, forced, starts, table, every)
+            ids, last, step_pos, step_rows = self.inputs(best.view(Bp, n), drafts, forced, starts, table, every)
             return runner._draft_steps(ids, pos, table, rows, last, step_pos, step_rows, every, aux_in, k)
 
         inputs = best.to(dev), verified.to(dev), aux.to(dev)  # from the target's GPU: the drafter's stream waits for it

@@ -107,6 +107,8 @@ class RankRunner:
             self.slots[draft_tp] = (model, drafter_cache(dcfg, rows, dw["embed_tokens"].dtype, ddev, draft_tp), graphs)
         # the TP1 drafter's launches ahead (steady cycles whose plan asks: ServeConfig.draft_ahead), where it lives
         self.ahead = DraftAhead(str(self.slots[1][0].device), cuda_graphs, self.graphs) if 1 in self.slots else None
+        if self.ahead is not None and self.ahead.graphs.on and compile:
+            self.ahead.compile(pdl)
         self._use(placements[0])
 
     def _use(self, draft_tp: int) -> None:
