@@ -475,6 +475,9 @@ def test_worker_crash_fails_requests_reports_not_ready_and_restart_recovers(serv
                    for m in ("spec_decode", "ensemble"))
 
     wait_for(not_ready, 30, "spec_decode and ensemble to report not ready", poll_s=0.2)
+    # unloaded with spec_decode, not left live over it (a shutdown would then wait its exit timeout out, status 1)
+    wait_for(lambda: "successfully unloaded 'ensemble'" in srv.log_path.read_text(errors="replace"), 30,
+             "the ensemble to be unloaded with spec_decode", poll_s=0.2)
     r = requests.post(srv.generate_url, json={"text_input": "x", "max_tokens": 4}, headers=CLOSE, timeout=10)
     assert r.status_code >= 400 and "error" in r.json()
     assert srv.is_running(), "the server itself keeps running"

@@ -37,8 +37,10 @@ UNLOADED = "successfully unloaded 'spec_decode'"
 
 def unloading(path: Path, n_bytes: int = 1 << 20) -> bool:
     """Whether the log (its last ``n_bytes``) says ``spec_decode`` began unloading itself and not yet that it is
-    unloaded. A SIGINT in that window races tritonserver's own unload: the ensemble then stays live through the
-    exit timeout and the server exits 1."""
+    unloaded: a SIGINT is better sent after that unload than into it. (Seen in CI twice: the ensemble that depended
+    on it left live through the exit timeout, the server exiting 1 — once with the SIGINT 20 ms into the unload, once
+    27 ms after it had finished; since then ``spec_decode`` unloads the ensemble in the same call,
+    ``unload_dependents``.)"""
     text = tail(path, n_bytes)
     began = text.rfind(SELF_UNLOAD)
     return began >= 0 and text.find(UNLOADED, began) < 0

@@ -309,7 +309,9 @@ class TritonPythonModel:
 
     def _unload_self(self):
         try:
-            pb_utils.unload_model(self.model_name)
+            # with the ensemble that depends on it: left loaded over an unloaded step, Triton 2.51 keeps the ensemble
+            # live through a later shutdown, which then ends by its exit timeout with status 1
+            pb_utils.unload_model(self.model_name, unload_dependents=True)
         except Exception as e:
             pb_utils.Logger.log_error(
                 f"spec_decode: could not unload itself ({type(e).__name__}: {e}); the model stays loaded and "
