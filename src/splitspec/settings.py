@@ -117,7 +117,8 @@ class ServeConfig:
         draft_ahead: a steady cycle's draft phase launched behind the cycle before's verify, its acceptance decided
             on the device, where the drafter is the TP1 one and every request of the batch is greedy (or
             synthetic): the GPU then drafts while the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`;
-            the drafts of a cycle whose batch changed are dropped). Off by default until measured on GPUs.
+            the drafts of a cycle whose batch changed are dropped). Steady cycles in the padded form only: on the CPU
+            with ``padded`` too. Off by default until measured on GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the

@@ -148,8 +148,8 @@ FAMILIES = {
     "refused": ("splitspec_refused_requests_total", "COUNTER",
                 "Requests refused as server busy (HTTP 503 / UNAVAILABLE), by reason: queue_full (max_batch_size "
                 "decoding and max_queue_len waiting when it arrived), queue_timeout (waited longer than max_queue_s)"),
-    "draft_ms": ("splitspec_draft_ms", "HISTOGRAM", "Draft phase wall time per cycle (ms)"),
-    "verify_ms": ("splitspec_verify_ms", "HISTOGRAM", "Verify forward wall time per cycle, prefill chunks included (ms)"),
+    "draft_ms": ("splitspec_draft_ms", "HISTOGRAM", "Draft phase time per cycle (ms; on the GPU clock with draft-ahead)"),
+    "verify_ms": ("splitspec_verify_ms", "HISTOGRAM", "Verify forward time per cycle, prefill chunks included (ms; on the GPU clock with draft-ahead)"),
     "batch": ("splitspec_cycle_decode_sequences", "HISTOGRAM", "Sequences decoding together in one cycle"),
     "ttft_ms": ("splitspec_request_ttft_ms", "HISTOGRAM", "Engine time from submit to first token (ms)"),
     "queue_ms": ("splitspec_request_queue_ms", "HISTOGRAM", "Engine time from submit to admission into the batch (ms)"),
