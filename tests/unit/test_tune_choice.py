@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pytest
 from splitspec.measure.cost_model import KimiScale, distinct_experts, expected_acceptance_length, fit_cycle_model
@@ -73,6 +74,12 @@ def test_cost_model_formulas_and_fit():
     assert m.verify_ms(1, 3) > m.verify_ms(1, 0)  # more experts read per verify
     pcie = m.calibrate_allreduce_to_decode(90.0)
     assert pcie.tokens_per_s(1, 0, "tp1", [0.9]) == pytest.approx(90.0, rel=1e-3)
+    # draft-ahead: the host's part (0.3 ms) hides behind k TP1 draft steps; not for k 0 nor the sharded drafter
+    ahead = dataclasses.replace(m, draft_ahead=True)
+    assert ahead.cycle_ms(1, 3, "tp1") == pytest.approx(m.cycle_ms(1, 3, "tp1") - m.fixed_cycle_ms)
+    assert ahead.cycle_ms(1, 0, "tp1") == m.cycle_ms(1, 0, "tp1") and ahead.cycle_ms(1, 3, "tp8") == m.cycle_ms(1, 3, "tp8")
+    slow_host = dataclasses.replace(ahead, fixed_cycle_ms=5.0)  # a host slower than the draft: it decides
+    assert slow_host.cycle_ms(1, 1, "tp1") == pytest.approx(5.0 + m.verify_ms(1, 1))
 
 
 @pytest.mark.parametrize("bad", [{"draft_tp": "x", "k_by_batch": {"1": 2}}, {"draft_tp": 1, "k_by_batch": {"a": 2}},
@@ -142,7 +149,6 @@ def test_row_is_the_mean_of_each_loads_median():
 def test_allreduce_crossover_splits_the_placements_where_their_best_rates_meet():
     """Below the crossover α the sharded drafter's best configuration is faster, above it the TP1 drafter's;
     at it the two best rates agree (bisection to 0.01 µs)."""
-    import dataclasses
 
     from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
     from splitspec.measure.cost_model import allreduce_crossover_us, best_k

@@ -164,7 +164,10 @@ class KimiScale:
     E(T) experts' slices (``routed_expert_weight_bytes`` per weight: 2 in bf16, :data:`INT4_G32_BYTES` for the
     INT4 experts of K2-Thinking / K2.5) + shared expert slice (bf16) + router; time = bytes / (hbm_GBps · efficiency) +
     layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
-    draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded.
+    draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded. A cycle
+    is fixed_cycle_ms (the host's part) + k draft steps + the verify, or with ``draft_ahead`` (a TP1 drafter with k > 0,
+    :mod:`splitspec.engine.draft_ahead`) max(host's part, k draft steps) + the verify: the GPU drafts while the host
+    accepts and plans (a model of the pipeline, not yet fitted to a GPU run with it).
 
     With ``depth_fit`` (:meth:`from_depth_fit`) one rank's compute comes from measured lines instead (:meth:`fitted_ms`),
     the collectives from α and β as above: verify = fitted verify + (2·layers + 1) all-reduces of T rows; cycle =
@@ -184,6 +187,7 @@ class KimiScale:
     draft_step_tp1_ms: float = 0.70     # measured: Kimi-width EAGLE-3 step, TP1, in a graph, batch 1 (bench/gpu_bench.py)
     draft_step_shard_ms: float = 0.17   # same, TP8 shard before communication, in a graph (docs/architecture.md)
     fixed_cycle_ms: float = 0.3         # scheduler + one host copy per cycle
+    draft_ahead: bool = False           # ServeConfig.draft_ahead: the TP1 drafter's phase overlaps the host's part
     routed_expert_weight_bytes: float = 2.0  # bf16; INT4_G32_BYTES for INT4 experts with group-32 bf16 scales
     depth_fit: tuple = ()               # fit_depth's rows (from_depth_fit); empty: the per-layer bytes model above
 
@@ -263,7 +267,10 @@ class KimiScale:
             draft_comm = 3 * k * self.allreduce_us(B) / 1e3 if placement != "tp1" else 0.0
             return (self.fitted_ms("cycle_ms", B, k, placement, layers) + draft_comm
                     + (2 * layers + 1) * self.allreduce_us(B * (k + 1)) / 1e3)
-        return self.fixed_cycle_ms + k * self.draft_step_ms(B, placement) + self.verify_ms(B, k, layers)
+        draft = k * self.draft_step_ms(B, placement)
+        if self.draft_ahead and placement == "tp1" and k:  # the host's part runs while the GPU drafts
+            return max(self.fixed_cycle_ms, draft) + self.verify_ms(B, k, layers)
+        return self.fixed_cycle_ms + draft + self.verify_ms(B, k, layers)
 
     def tokens_per_s(self, B: int, k: int, placement: str, profile: list[float], layers: int = 61) -> float:
         return B * expected_acceptance_length(profile, k) / self.cycle_ms(B, k, placement, layers) * 1e3
