@@ -115,8 +115,7 @@ class ServeConfig:
             compiled for the CUDA-graph path only), on the CPU or on older GPUs. This switch decides for the engine's
             parts, whatever torch's own ``TORCHINDUCTOR_ENABLE_PDL`` says.
         draft_ahead: a steady cycle's draft phase launched behind the cycle before's verify, its acceptance decided
-            on the device, where the drafter is the TP1 one and every request of the batch is greedy (or
-            synthetic): the GPU then drafts while the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`;
+            on the device (greedy, sampled or synthetic), where the drafter is the TP1 one: the GPU then drafts while the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`;
             the drafts of a cycle whose batch changed are dropped). Steady cycles in the padded form only: on the CPU
             with ``padded`` too. Off by default until measured on GPUs.
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.

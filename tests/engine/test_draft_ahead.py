@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.engine.draft_ahead import accepted, next_draft_inputs
+from splitspec.engine.acceptance import accepted
+from splitspec.engine.draft_ahead import next_draft_inputs
 from splitspec.engine.plan import CyclePlan, SeqWork
 from splitspec.models.batch import single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
@@ -27,7 +28,8 @@ def test_acceptance_and_next_inputs_by_hand():
     S = 16
     table = torch.arange(3 * S).reshape(3, S) + 100
     starts = torch.tensor([4, 0, 10])
-    ids, last, step_pos, step_rows = next_draft_inputs(best, drafts, forced, starts, table, torch.arange(3))
+    none = torch.full((3, 2), -1)
+    ids, last, step_pos, step_rows = next_draft_inputs(best, drafts, forced, none, starts, table, torch.arange(3))
     # accepted drafts, then the target's token at the first rejection (or the bonus), zeros past it
     assert ids.tolist() == [[5, 6, 9, 0], [1, 0, 0, 0], [0, 0, 0, 7]]
     assert last.tolist() == [0 * 4 + 2, 1 * 4 + 0, 2 * 4 + 3]
@@ -35,8 +37,14 @@ def test_acceptance_and_next_inputs_by_hand():
     assert step_pos.tolist() == [[7, 1, 14], [8, 2, 15]]
     assert step_rows.tolist() == [[100 + 7, 116 + 1, 132 + 14], [100 + 8, 116 + 2, 132 + 15]]
     starts[2] = 12
-    _, _, step_pos, _ = next_draft_inputs(best, drafts, forced, starts, table, torch.arange(3))
+    _, _, step_pos, _ = next_draft_inputs(best, drafts, forced, none, starts, table, torch.arange(3))
     assert step_pos[:, 2].tolist() == [15, 15]
+    # sampled decisions made on the device: the first sequence accepts 1 then samples 4; the second accepts all 3
+    # drafts and samples 8 after them (its drafts 9, 2, 3 would be refused by greedy acceptance)
+    over = torch.tensor([[1, 4], [3, 8], [-1, 0]])
+    ids, last, step_pos, _ = next_draft_inputs(best, drafts, forced, over, starts, table, torch.arange(3))
+    assert ids.tolist() == [[5, 4, 0, 0], [9, 2, 3, 8], [0, 0, 0, 7]]
+    assert last.tolist() == [1, 4 + 3, 8 + 3] and step_pos.tolist() == [[6, 4, 15], [7, 5, 15]]
 
 
 def test_compiled_next_draft_inputs_match_eager():
@@ -54,9 +62,10 @@ def test_compiled_next_draft_inputs_match_eager():
         best = torch.randint(0, 3, (B, k + 1), generator=g)
         drafts = torch.randint(0, 3, (B, k), generator=g)
         forced = torch.where(torch.rand(B, generator=g) < 0.3, torch.randint(0, k + 1, (B,), generator=g), -1)
+        over = torch.where(torch.rand(B, 1, generator=g) < 0.3, torch.randint(0, k + 1, (B, 2), generator=g), -1)
         starts = torch.randint(0, S - 2 * k, (B,), generator=g)
         table = torch.randint(0, 10_000, (B, S), generator=g)
-        args = (best, drafts, forced, starts, table, torch.arange(B))
+        args = (best, drafts, forced, over, starts, table, torch.arange(B))
         for got, want in zip(ahead.inputs(*args), next_draft_inputs(*args)):
             assert torch.equal(got, want), (B, k, S)
     assert counters["stats"]["unique_graphs"] > before, "next_draft_inputs was not compiled (ran eagerly)"
@@ -99,7 +108,7 @@ def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff
                 outs.append((logits.argmax(-1), verified))
             best, verified = outs[0]
             assert torch.equal(best, outs[1][0]) and torch.equal(verified, outs[1][1])
-            runners[0].ahead.launch(runners[0], plan, best, verified)
+            runners[0].ahead.launch(runners[0], plan, best, verified, ([], None))
             # the host's side: accept (greedy or forced), then the next plan as the scheduler builds it
             nxt, host_best = [], best.view(len(sids), k + 1).tolist()
             for b, w in enumerate(plan.work):
@@ -192,3 +201,21 @@ def test_a_full_batch_drafts_ahead_with_requests_waiting(built_engines, tok, ref
         ahead = eng.group.rank0.ahead
         ahead.graphs.graphs["probe"] = object()  # stands for a captured graph (none on the CPU)
     assert not ahead.graphs.graphs and ahead.pending is None
+
+
+def test_sampled_requests_draft_ahead_and_sample_as_without(built_engines, tok):
+    """Sampled requests are decided on the device when the next draft goes ahead: a batch of one greedy and three seeded
+    sampled requests (two filters) gives the same tokens with draft-ahead on and off — the same random numbers, drawn
+    before each cycle, and the same rule — and with it on the steady cycles use the drafts launched ahead."""
+    ids = tok.encode(PROMPT)
+    filters = [SamplingParams(), SamplingParams(0.8, top_p=0.95, seed=3), SamplingParams(1.5, seed=4),
+               SamplingParams(0.8, top_p=0.95, seed=5)]
+    outs = []
+    for ahead in (False, True):
+        with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=ahead)) as eng:
+            taken = _counting(eng)
+            res = eng.run([Request(ids, 28, sp, num_draft_tokens=3, stop_token_ids=set()) for sp in filters])
+            outs.append([(r.token_ids, r.num_cycles, r.accepted_per_position) for r in res])
+            assert (sum(taken) >= len(taken) // 2) if ahead else not any(taken), taken
+    assert outs[0] == outs[1]  # tokens, and the drafts accepted cycle by cycle: the drafts launched ahead were the same
+    assert len({tuple(t) for t, _, _ in outs[0]}) == 4, "the sampled requests sampled (each differs from the others)"

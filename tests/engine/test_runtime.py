@@ -14,7 +14,7 @@ from splitspec.errors import ConfigError
 from splitspec.models.batch import single_blocks
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.runtime.types import Request
-from splitspec.runtime.sampling import SamplingParams, target_probs, verify
+from splitspec.runtime.sampling import SamplingParams, draw_cycle, target_probs, verify
 from splitspec.runtime.tokenizer import ChatTokenizer
 from splitspec.settings import ServeConfig
 
@@ -132,7 +132,7 @@ def test_rejection_sampler_matches_target_distribution(built_engines, tok):
     gen = torch.Generator().manual_seed(0)
     first, second = [], []
     while len(second) < 10_000:  # the draft is accepted with probability p_0(d1)
-        a, new = verify(logits, [d1, d2], sp, gen)
+        a, new = verify(logits, [d1, d2], sp, draw_cycle(sp, 2, gen))
         first.append(new[0])
         if a >= 1:
             second.append(new[1])

@@ -1,6 +1,7 @@
 """Draft-ahead on a GPU (``ServeConfig.draft_ahead``): the next cycle's draft replayed from a CUDA graph of its own pool
 behind this cycle's verify, its acceptance decided on the device. Greedy output stays target-only greedy, most steady
-cycles use the drafts launched ahead, and both phases are timed on the GPU's clock."""
+cycles use the drafts launched ahead, and both phases are timed on the GPU's clock; synthetic and sampled requests
+accept alike with it on and off."""
 
 from __future__ import annotations
 
@@ -42,4 +43,15 @@ def test_draft_ahead_on_gpu_is_lossless_and_used(engines_for):
                            for n, i in enumerate(ids)])
             counts.append([(r.stats.num_cycles, r.stats.accepted_per_position) for r in res])
         assert counts[0] == counts[1]
+        # sampled requests: decided on the device in every steady cycle, so the same seeds give the same tokens and
+        # acceptance with draft-ahead on and off; with it on, the drafts launched ahead are used
+        eng.synthetic, sampled, taken[:] = None, [], []
+        for ahead in (True, False):
+            eng.group.config = eng.config = eng.config.replace(draft_ahead=ahead)
+            res = eng.run([Request(i, 40, SamplingParams(0.8, top_p=0.95, seed=9 + n), num_draft_tokens=3,
+                                   stop_token_ids=set()) for n, i in enumerate(ids)])
+            sampled.append([(r.token_ids, r.stats.accepted_per_position) for r in res])
+            if ahead:
+                assert sum(taken) > len(taken) // 2, f"sampled: ahead drafts used in {sum(taken)} of {len(taken)} cycles"
+        assert sampled[0] == sampled[1]
     torch.cuda.synchronize()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from splitspec.runtime.sampling import SamplingParams, target_probs, verify
+from splitspec.runtime.sampling import SamplingParams, draw_cycle, target_probs, verify
 from splitspec.runtime.scheduler import SpeculativeEngine
 from splitspec.settings import ServeConfig
 
@@ -22,7 +22,7 @@ def test_rejection_sampler_on_cuda_logits_matches_the_target():
     p = target_probs(logits, sp).cpu().double()
     d1 = int(p[0].argmax())
     gen = torch.Generator().manual_seed(0)
-    first = [verify(logits, [d1, 0], sp, gen)[1][0] for _ in range(6000)]
+    first = [verify(logits, [d1, 0], sp, draw_cycle(sp, 2, gen))[1][0] for _ in range(6000)]
     counts = torch.bincount(torch.tensor(first), minlength=40)
     expected = p[0] / p[0].sum() * len(first)  # float64, summing to the draw count as chisquare requires
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3

@@ -4,9 +4,10 @@ seen the verify's result.
 A steady cycle's draft extends the drafter over the tokens the last verify accepted and then takes k − 1 steps
 (:meth:`~splitspec.engine.rank.RankRunner.draft_padded`). Filled by the host, those inputs exist only once the host
 has copied the verify's argmax back and accepted, so the GPU idles through that wait, the scheduler's acceptance and
-events, the next plan and the draft's own input fill. Here the acceptance of a greedy (or synthetic, pre-drawn)
-cycle is also computed on the device — the same rule as :func:`splitspec.runtime.sampling.verify` on the same
-tensors — and the next draft's token ids, logits rows and step positions follow from it in the draft's graph
+events, the next plan and the draft's own input fill. Here the acceptance is also known on the device — greedy by
+:func:`~splitspec.engine.acceptance.accepted`, sampled by the leader's decision on the device
+(:func:`~splitspec.engine.acceptance.sampled_rows`, the one its host reads too), synthetic as drawn before the
+cycle — and the next draft's token ids, logits rows and step positions follow from it in the draft's graph
 (:func:`next_draft_inputs`); the rest of its inputs (row tables, the extend's positions) do not depend on the
 acceptance. Its forwards are the host-filled draft's, over a key window wide enough for any acceptance (every
 start + 2k): the same drafts, bit for bit where attention's sum order does not follow the window (the CPU; on a GPU
@@ -23,28 +24,20 @@ from dataclasses import dataclass
 
 import torch
 
+from splitspec.engine.acceptance import accepted, to_device
 from splitspec.engine.graphs import GraphCache
 from splitspec.models.batch import bucket, field_views, padded_fields
 
 
-def accepted(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
-    """Drafts accepted per sequence, a [B] int64: ``forced[b]`` where it is ≥ 0 (synthetic acceptance, drawn by the
-    host before the cycle), else the number of leading drafts equal to the target's argmax at their position (greedy).
-
-    best [B, k + 1] int64 (the target's argmax at the verified positions), drafts [B, k] int64, forced [B] int64."""
-    k = drafts.shape[1]
-    miss = drafts != best[:, :k]
-    match = torch.where(miss.any(1), miss.int().argmax(1), k)  # the first draft that differs (argmax: the first max)
-    return torch.where(forced >= 0, forced, match)
-
-
-def next_draft_inputs(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor, starts: torch.Tensor,
-                      table: torch.Tensor, every: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def next_draft_inputs(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor, over: torch.Tensor,
+                      starts: torch.Tensor, table: torch.Tensor, every: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The acceptance-dependent inputs of the draft phase after a verify, on the device (no host copy).
 
     Args:
         best: [B, n] int64, the target's argmax at the n = k + 1 verified positions of each sequence.
-        drafts: [B, k] int64, the drafts verified; ``forced``: [B] (:func:`accepted`).
+        drafts: [B, k] int64, the drafts verified; ``forced``: [B] (:func:`~splitspec.engine.acceptance.accepted`).
+        over: [B, 2] int64, a sampled sequence's decision (drafts accepted, the token after them;
+            :func:`~splitspec.engine.acceptance.sampled_decisions`), or −1 in its first column (greedy or forced).
         starts: [B] int64, each sequence's first verified position (its next extend starts there).
         table: [B, S] int64, the draft's row table; ``every``: [B] int64, 0 .. B − 1.
     Returns:
@@ -54,8 +47,11 @@ def next_draft_inputs(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Te
     """
     B, n = best.shape
     k = n - 1
-    a = accepted(best, drafts, forced)[:, None]
     j = torch.arange(n, device=best.device)
+    sampled = over[:, :1] >= 0
+    forced = torch.where(sampled[:, 0], over[:, 0], forced)
+    best = torch.where(sampled & (j == over[:, :1]), over[:, 1:], best)  # a sampled token replaces the argmax
+    a = accepted(best, drafts, forced)[:, None]
     ids = torch.where(j < a, torch.cat((drafts, drafts.new_zeros(B, 1)), 1),
                       torch.where(j == a, best.gather(1, a), 0))
     last = every * n + a[:, 0]
@@ -86,7 +82,9 @@ class DraftAhead:
         if handoff_of is not None and handoff_of.device == self.graphs.device:
             self.graphs.buffers = handoff_of.buffers  # the verify's aux hand-off, read in place
         self.pending: Launched | None = None
-        self.host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.host: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # pinned buffers by (length, dtype)
+        self.copied: torch.cuda.Event | None = None  # recorded after their last copies
+        self.no_sampled: dict[tuple[int, str], torch.Tensor] = {}
         self.inputs = next_draft_inputs
 
     def compile(self, pdl: bool = False) -> None:
@@ -112,14 +110,15 @@ class DraftAhead:
         leader expects the same batch next), k > 0, and the drafter drafting is the TP1 one, on this rank."""
         return bool(plan.ahead and plan.padded_k and runner.draft_tp == 1 and runner.drafter is not None)
 
-    def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor) -> None:
+    def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor, sampled: tuple[list[int], torch.Tensor | None]) -> None:
         """Launch on ``runner`` (a RankRunner) the draft phase of the steady cycle expected after ``plan`` — the same
         sequences, each extending over what this cycle accepts — queued behind this cycle's verify. ``best`` [B·(k+1)]
-        int64: the verify's argmax per row (real sequences); ``verified`` [B_pad, k]: the drafts it verified. The
-        acceptance is decided on the device (``SeqWork.accept`` where drawn already, else greedy); the drafts wait in
-        :attr:`pending` for :meth:`take`. One CUDA graph per (batch bucket, k, window), the window wide enough for the
-        next draft's last step (every start + 2k); the drafter's forwards are the host-filled draft's
-        (``runner._draft_steps``)."""
+        int64: the verify's argmax per row (real sequences); ``verified`` [B_pad, k]: the drafts it verified;
+        ``sampled``: the indices of the works that sample and their decisions [S, 3] on the target's device
+        (:func:`~splitspec.engine.acceptance.sampled_rows`). The acceptance is decided on the device (a sampled
+        decision, ``SeqWork.accept`` where drawn already, else greedy); the drafts wait in :attr:`pending` for
+        :meth:`take`. One CUDA graph per (batch bucket, k, window), the window wide enough for the next draft's last
+        step (every start + 2k); the drafter's forwards are the host-filled draft's (``runner._draft_steps``)."""
         ws, k = plan.work, plan.padded_k
         B, n = len(ws), k + 1
         Bp = bucket(B)
@@ -139,25 +138,42 @@ class DraftAhead:
         handoff = runner.handoff(Bp, n)  # the verify's aux states where its graph left them, else the kept batch
         aux = handoff if handoff is not None and handoff.device == self.graphs.device else runner.aux.whole
 
-        def draft(flat, best, drafts, aux_in):
+        def draft(flat, best, drafts, over, aux_in):
             pos, table, rows, starts, forced, every = field_views(flat, shapes)
-            ids, last, step_pos, step_rows = self.inputs(best.view(Bp, n), drafts, forced, starts, table, every)
+            ids, last, step_pos, step_rows = self.inputs(best.view(Bp, n), drafts, forced, over, starts, table, every)
             return runner._draft_steps(ids, pos, table, rows, last, step_pos, step_rows, every, aux_in, k)
 
-        inputs = best.to(dev), verified.to(dev), aux.to(dev)  # from the target's GPU: the drafter's stream waits for it
+        # from the target's GPU: the drafter's stream waits for them
+        inputs = best.to(dev), verified.to(dev), self._overrides(Bp, *sampled, best.device).to(dev), aux.to(dev)
         runner.clock.ahead_start(str(dev))  # so this start is the verify's end there too
         drafts = self.graphs.run(key, draft, flat, *inputs)
         runner.clock.ahead_done()
         self.pending = Launched(tuple(w.sid for w in ws), tuple(w.start for w in ws), k, runner.draft_tp, drafts)
 
-    def to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copy of the 1-D int64 ``values`` into a pinned buffer (one per length, reused) and return it with
-        the event to wait on before reading it (None on the CPU: copied already)."""
-        n = values.numel()
-        if not values.is_cuda:
+    def _overrides(self, Bp: int, rows: list[int], decisions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The ``over`` input of :func:`next_draft_inputs` [Bp, 2] int64: the sampled works' (accepted, token), −1
+        elsewhere; one tensor of −1 per bucket, reused, when nothing samples."""
+        if decisions is None:
+            none = self.no_sampled.get((Bp, str(device)))
+            if none is None:
+                none = self.no_sampled[(Bp, str(device))] = torch.full((Bp, 2), -1, dtype=torch.int64, device=device)
+            return none
+        over = torch.full((Bp, 2), -1, dtype=torch.int64, device=device)
+        over[to_device(rows, torch.int64, device)] = decisions[:, :2].long()
+        return over
+
+    def to_host(self, *values: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+        """Queue the copies of the 1-D ``values`` into pinned buffers (one per length and dtype, reused) and return
+        them with the event to wait on before reading them (None on the CPU: copied already)."""
+        if not values[0].is_cuda:
             return values, None
-        buf, event = self.host.get(n) or (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-        self.host[n] = (buf, event)
-        buf.copy_(values, non_blocking=True)
-        event.record(torch.cuda.current_stream(values.device))
-        return buf, event
+        bufs = []
+        for v in values:
+            buf = self.host.get((v.numel(), v.dtype))
+            if buf is None:
+                buf = self.host[(v.numel(), v.dtype)] = torch.empty(v.numel(), dtype=v.dtype, pin_memory=True)
+            buf.copy_(v, non_blocking=True)
+            bufs.append(buf)
+        self.copied = self.copied or torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(values[0].device))
+        return tuple(bufs), self.copied

@@ -26,6 +26,24 @@ class EngineError(SplitspecError):
     """The engine cannot serve: a worker process died or the group broke."""
 
 
+@dataclass(frozen=True)
+class SampledDraw:
+    """One sampled sequence's filter and random numbers for one verify: ``temperature``, ``top_p``, ``top_k`` (as
+    :class:`splitspec.runtime.types.SamplingParams`), ``u`` the k uniforms in [0, 1) of the acceptance tests (float32
+    values), ``v`` the uniform in [0, 1) of the token drawn after them (float64); drawn by
+    :func:`splitspec.runtime.sampling.draw_cycle`, decided by :func:`splitspec.engine.acceptance.sampled_decisions`."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    u: tuple[float, ...]
+    v: float
+
+    @property
+    def filter(self) -> tuple[float, float, int]:
+        return self.temperature, self.top_p, self.top_k
+
+
 @dataclass
 class SeqWork:
     """One sequence's share of a cycle.
@@ -36,6 +54,8 @@ class SeqWork:
     ``keep_aux``: rows of the previous verify's aux states still valid (accepted + 1); None keeps all.
     ``accept``: BENCHMARK ONLY — the drafts this cycle accepts whatever they are (synthetic acceptance), drawn by the
     leader before the cycle; None: the leader decides from the verify.
+    ``sampled``: a sampled request's filter and this cycle's random numbers, drawn by the leader before the cycle
+    (None: greedy, or synthetic).
     """
 
     sid: int
@@ -49,6 +69,7 @@ class SeqWork:
     extend_tokens: list[int] = field(default_factory=list)
     keep_aux: int | None = None
     accept: int | None = None
+    sampled: SampledDraw | None = None
 
 
 @dataclass
@@ -56,7 +77,7 @@ class CyclePlan:
     """Everything every rank needs for one cycle; ``drafts`` is filled by a TP1 drafter before sending.
     ``draft_tp``: the placement that drafts (None: the one drafting so far); ``placement_switch``: this
     message only makes ``draft_tp`` the drafting placement (:meth:`RankRunner.switch_placement`). ``ahead``: the
-    leader expects the next cycle to decode these sequences again, each accepting greedily or as ``accept`` says: a
+    leader expects the next cycle to decode these sequences again (each acceptance decidable on the device): a
     TP1 drafter may launch that cycle's draft behind this cycle's verify (:mod:`splitspec.engine.draft_ahead`)."""
 
     work: list[SeqWork]
@@ -79,3 +100,6 @@ class CycleOutput:
     draft_ms: float
     verify_ms: float
     greedy: list[int] | None = None  # argmax of every logits row, fetched with the drafts in one copy
+    # the sampled works' decisions made on the device (a steady cycle): sid → [accepted, token, Σ]
+    # (:func:`splitspec.engine.acceptance.sampled_decisions`), copied with the argmax
+    sampled: dict[int, list[float]] | None = None

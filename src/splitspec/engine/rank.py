@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.engine.acceptance import sampled_rows
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.draft_ahead import DraftAhead
@@ -331,8 +332,8 @@ class RankRunner:
         """Run a steady cycle in the static-shape form (CUDA graphs on GPU). ``drafts`` [B_pad, k] int64 comes from the
         leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``draft_timed``: the
         caller timed that draft on :attr:`clock`). The host waits for the GPU once, at the copy of the verified
-        tokens and drafts to the host, for greedy requests (sampled ones wait again in the acceptance test): inputs
-        go up from pinned memory without waiting (:meth:`GraphCache.staging`), the verify is queued behind the draft, and
+        tokens' argmax and drafts to the host, with the sampled works' decisions made on the device
+        (:func:`~splitspec.engine.acceptance.sampled_rows`; ``CycleOutput.sampled``): inputs go up from pinned memory without waiting (:meth:`GraphCache.staging`), the verify is queued behind the draft, and
         ``on_launched`` runs once both are queued, before that wait (host work there overlaps the GPU's)."""
         k = plan.padded_k
         if not draft_timed:
@@ -343,23 +344,28 @@ class RankRunner:
         logits, _, drafts = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
         best = logits.argmax(-1)
-        both = torch.cat((best, drafts[:B].flatten()))
-        ready = None
+        # the leader decides its sampled works here, on the device: for its host and a draft launched ahead alike
+        rows, decided = sampled_rows(plan.work, logits.view(B, n, -1), drafts[:B]) if self.rank == 0 else ([], None)
+        copies, ready = (torch.cat((best, drafts[:B].flatten())),) + (() if decided is None else (decided.flatten(),)), None
         if self.clock.taken is not None:  # this cycle's drafts came ahead: the verify's end is the clock's second mark
             self.clock.verify_done()
         if self.ahead is not None and self.ahead.wanted(self, plan):
-            both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
-            self.ahead.launch(self, plan, best, drafts)
+            copies, ready = self.ahead.to_host(*copies)  # queued before the next draft: the host need not wait for it
+            self.ahead.launch(self, plan, best, drafts, (rows, decided))
         elif self.ahead is not None:
             self.ahead.pending = None
         if on_launched is not None:
             on_launched()
         if ready is not None:
             ready.synchronize()
-        host = both.tolist()  # the one copy to the host
+        host = copies[0].tolist()  # the copy to the host the cycle waits for (the sampled decisions' is queued with it)
         greedy, flat = host[: B * n], host[B * n:]
         out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
-        return CycleOutput(logits, out_drafts, *self.clock.split(), greedy)
+        sampled = None
+        if decided is not None:
+            values = copies[1].tolist()
+            sampled = {plan.work[b].sid: values[3 * i:3 * i + 3] for i, b in enumerate(rows)}
+        return CycleOutput(logits, out_drafts, *self.clock.split(), greedy, sampled)
 
     def execute(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:
         """Run one cycle on this rank: draft (if the drafter is sharded here and drafts were not given),

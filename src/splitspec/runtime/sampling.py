@@ -8,60 +8,65 @@ Our drafter proposes greedily, so q_i is one-hot on d_i: accept with probability
 from p_i with d_i removed.
 
 Logits stay on the engine's device (the CPU or a GPU): every random number comes from the request's CPU generator
-(``Sequence.gen``, seeded by ``SamplingParams.seed``), and only what the decisions need crosses to the host — the k
-drafts' probabilities, and the index :func:`draw` finds by inverse transform on the device.
+(``Sequence.gen``, seeded by ``SamplingParams.seed``), drawn before the cycle (:class:`SampledDraw`), and the decision
+is made on the device (:mod:`splitspec.engine.acceptance`); only its result crosses to the host, in one copy.
 """
 
 from __future__ import annotations
 
-
 import torch
 
+from splitspec.engine.acceptance import inverse_transform, sampled_decisions, target_probs
+from splitspec.engine.plan import SampledDraw
 from splitspec.runtime.types import SamplingParams
 
+__all__ = ["SampledDraw", "SamplingParams", "draw", "draw_cycle", "read_decision", "synthetic_accept", "target_probs",
+           "verify", "verify_synthetic"]
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Filtered sampling distribution: logits [R, V] → probabilities [R, V] float32 (temperature, top-k, top-p)."""
-    x = logits.float() / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = x.softmax(-1)
-    if params.top_p < 1:
-        sp, idx = p.sort(-1, descending=True)
-        drop = sp.cumsum(-1) - sp >= params.top_p  # keep the smallest prefix reaching top_p
-        p = p.masked_fill(drop.scatter(-1, idx, drop), 0.0)
-        p = p / p.sum(-1, keepdim=True)
-    return p
+
+def draw_cycle(params: SamplingParams, k: int, gen: torch.Generator | None) -> SampledDraw:
+    """A sampled cycle's random numbers for ``k`` drafts, from the request's generator ``gen``: k float32 uniforms
+    for the acceptance tests, then one float64 for the token drawn after them."""
+    u = tuple(torch.rand(k, generator=gen).tolist()) if k else ()
+    v = float(torch.rand(1, generator=gen, dtype=torch.float64))
+    return SampledDraw(params.temperature, params.top_p, params.top_k, u, v)
 
 
 def draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """One index of ``weights`` [V] (≥ 0, not all 0, any device, not normalised) drawn with probability weights[i] /
-    Σ weights, by inverse transform sampling: a uniform u in [0, 1) from the CPU generator ``gen``, then the first i
-    whose cumulative sum (float64) exceeds u · Σ weights, searched where the weights are (one wait for the device, for
-    the index and Σ together). A weight of 0 is never drawn (nor past the last positive one, should u · Σ round up to
-    Σ). Raises ValueError when Σ is 0, NaN or infinite (NaN or inf in the logits): the search would then return an
-    index past the end, or a weight of 0."""
+    Σ weights: a float64 uniform from the CPU generator ``gen``, then :func:`inverse_transform` where the weights are
+    (one wait for the device, for the index and Σ together). Raises ValueError when Σ is 0, NaN or infinite (NaN or
+    inf in the logits)."""
     if weights.ndim != 1 or not weights.numel():
         raise ValueError(f"draw: weights of shape {tuple(weights.shape)}, expected one non-empty row [V]")
-    c = weights.double().cumsum(0)
-    total = c[-1:]
-    u = torch.rand(1, generator=gen, dtype=torch.float64).to(c.device) * total
-    i = torch.minimum(torch.searchsorted(c, u, right=True), torch.searchsorted(c, total))
-    index, s = torch.cat((i.double(), total)).tolist()  # the one copy to the host
-    if not 0 < s < float("inf"):
-        raise ValueError(f"draw: weights sum to {s}, expected a finite sum > 0 (NaN or inf in the logits?)")
+    v = torch.rand(1, generator=gen, dtype=torch.float64).to(weights.device)
+    index, s = inverse_transform(weights[None], v)[0].tolist()  # the one copy to the host
+    _check_sum(s)
     return int(index)
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator | None,
+def _check_sum(s: float) -> None:
+    if not 0 < s < float("inf"):
+        raise ValueError(f"draw: weights sum to {s}, expected a finite sum > 0 (NaN or inf in the logits?)")
+
+
+def read_decision(values: list[float], drafts: list[int]) -> tuple[int, list[int]]:
+    """A sampled sequence's decision as copied to the host (a row of :func:`sampled_decisions`: accepted a, the token
+    after, the Σ it was drawn from) → (a, emitted tokens). Raises ValueError when that Σ is 0, NaN or infinite."""
+    a, index, s = values
+    _check_sum(s)
+    return int(a), drafts[:int(a)] + [int(index)]
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, sampled: SampledDraw | None = None,
            best: list[int] | None = None) -> tuple[int, list[int]]:
     """Decide one sequence's cycle.
 
     Args:
         logits: [k+1, V] target logits at the verified positions, on any device.
         drafts: the k draft tokens (target ids), proposed greedily.
-        gen: the request's generator (CPU).
+        sampled: the cycle's random numbers (:func:`draw_cycle`, from the request's generator); needed unless
+            ``params`` is greedy.
         best: the rows' argmax when already on the host (saves a device-to-host copy).
     Returns:
         (number of drafts accepted a, emitted tokens = drafts[:a] + [one target token]).
@@ -73,17 +78,10 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen:
         while a < k and drafts[a] == best[a]:
             a += 1
         return a, drafts[:a] + [best[a]]
-    p = target_probs(logits, params)
-    u = torch.rand(k, generator=gen).tolist() if k else []
-    # p_i(d_i) for the k drafts, in one copy to the host
-    accept = p[torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)].tolist() if k else []
-    for i, d in enumerate(drafts):
-        if u[i] < accept[i]:
-            continue
-        residual = p[i].clone()
-        residual[d] = 0.0
-        return i, drafts[:i] + [draw(residual, gen)]
-    return k, drafts + [draw(p[k], gen)]
+    if sampled is None or len(sampled.u) < k:
+        raise ValueError(f"verify: a sampled cycle of {k} drafts needs {k} uniforms drawn before it, got {sampled}")
+    d = torch.tensor(drafts, dtype=torch.long, device=logits.device)[None]
+    return read_decision(sampled_decisions(logits[None], d, [sampled])[0].tolist(), drafts)  # one copy to the host
 
 
 def synthetic_accept(k: int, profile: list[float], gen: torch.Generator) -> int:

@@ -27,7 +27,8 @@ from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
-from splitspec.runtime.sampling import SamplingParams, draw, synthetic_accept, target_probs, verify, verify_synthetic
+from splitspec.runtime.sampling import (SamplingParams, draw, draw_cycle, read_decision, synthetic_accept, target_probs,
+                                       verify, verify_synthetic)
 from splitspec.runtime.sequence import Sequence
 from splitspec.runtime.types import CycleStats, GenerationResult, Request, RequestOutput
 from splitspec.settings import ServeConfig
@@ -288,9 +289,11 @@ class SpeculativeEngine:
             if seq.decoding:
                 n = len(seq.tokens)
                 accept = synthetic_accept(seq.k, self.synthetic, seq.gen) if self.synthetic is not None and seq.k else None
+                sp = seq.req.sampling
+                sampled = draw_cycle(sp, seq.k, seq.gen) if accept is None and not sp.greedy else None
                 work.append(SeqWork(seq.id, seq.blocks, "decode", n - 1, [seq.tokens[-1]], k=seq.k,
                                     extend_start=seq.extend_start, extend_tokens=seq.tokens[seq.extend_start + 1:n],
-                                    keep_aux=seq.keep_aux, accept=accept))
+                                    keep_aux=seq.keep_aux, accept=accept, sampled=sampled))
             elif budget > 0:
                 p = len(seq.req.prompt_ids)
                 chunk = min(p - seq.prefilled, budget)
@@ -314,16 +317,15 @@ class SpeculativeEngine:
 
     def _next_is_alike(self, work: list[SeqWork]) -> bool:
         """Whether a cycle of ``work`` may launch the next cycle's draft ahead (``ServeConfig.draft_ahead``): every
-        work drafts, each acceptance is decidable on the device (greedy, or synthetic: drawn already), nothing waits
-        for a free batch slot, and no sequence can reach max_tokens in this cycle — so the next cycle is expected to
-        decode the same sequences (a stop token, a cancel or a deadline may still change it: the drafts are then
-        dropped)."""
+        work drafts (its acceptance decidable on the device: greedy, synthetic or sampled, their random numbers drawn
+        already), nothing waits for a free batch slot, and no sequence can reach max_tokens in this cycle — so the
+        next cycle is expected to decode the same sequences (a stop token, a cancel or a deadline may still change
+        it: the drafts are then dropped)."""
         if not self.config.draft_ahead or (self.queue and len(self.running) < self.max_batch_size):
             return False
         for w in work:
             seq = self.seqs.get(w.sid)
-            if (seq is None or w.kind != "decode" or not w.k or len(seq.output) + w.k + 1 >= seq.req.max_tokens
-                    or (w.accept is None and not seq.req.sampling.greedy)):
+            if seq is None or w.kind != "decode" or not w.k or len(seq.output) + w.k + 1 >= seq.req.max_tokens:
                 return False
         return True
 
@@ -360,8 +362,10 @@ class SpeculativeEngine:
             seq.stats.verify_ms += out.verify_ms
             if w.accept is not None and drafts:
                 a, new = verify_synthetic(logits, drafts, w.accept, best)
+            elif out.sampled and w.sid in out.sampled:  # decided on the device already (a steady cycle)
+                a, new = read_decision(out.sampled[w.sid], drafts)
             else:
-                a, new = verify(logits, drafts, seq.req.sampling, seq.gen, best)
+                a, new = verify(logits, drafts, seq.req.sampling, w.sampled, best)
             n = len(seq.tokens)
             seq.tokens += new
             seq.extend_start, seq.keep_aux = n - 1, a + 1

@@ -1,0 +1,103 @@
+"""The verify's acceptance rules as device-tensor functions: no copy to the host, so that the leader's host and a
+draft launched ahead (:mod:`splitspec.engine.draft_ahead`) act on one decision computed once.
+
+Greedy: a sequence accepts its leading drafts equal to the target's argmax there, then the argmax after them.
+
+Sampled — speculative (rejection) sampling with a greedy drafter (Leviathan et al. 2023, arXiv:2211.17192; Chen et
+al. 2023, arXiv:2302.01318): the drafter proposes d_i with q_i one-hot on d_i, so draft i is accepted when
+u_i < p_i(d_i); at the first rejection the token is drawn from p_i with d_i removed (norm(max(0, p_i − q_i))), and
+after k acceptances from p_k. Every random number is drawn by the host from the request's generator before the cycle
+(:class:`~splitspec.engine.plan.SampledDraw`): k float32 uniforms for the tests, then one float64 for the inverse-transform draw — the
+order :func:`splitspec.runtime.sampling.verify` has always drawn them in, so a seed gives the same stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitspec.engine.plan import SampledDraw
+
+
+def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Filtered sampling distribution: logits [..., V] → probabilities [..., V] float32 (temperature, then top-k,
+    then top-p: the smallest prefix of the sorted probabilities reaching top_p); ``params`` has ``temperature`` > 0,
+    ``top_k`` (0: all) and ``top_p`` in (0, 1]."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = x.softmax(-1)
+    if params.top_p < 1:
+        sp, idx = p.sort(-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= params.top_p  # keep the smallest prefix reaching top_p
+        p = p.masked_fill(drop.scatter(-1, idx, drop), 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def inverse_transform(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` [R, V] (≥ 0, not normalised), the first index whose cumulative sum (float64) exceeds
+    v · Σ, for ``v`` [R] float64 uniforms in [0, 1): index i with probability weights[i] / Σ. A weight of 0 is never
+    drawn (nor past the last positive one, should v · Σ round up to Σ). Returns [R, 2] float64: index, Σ (checked by
+    the reader: 0, NaN or inf mean the row cannot be drawn from)."""
+    c = weights.double().cumsum(-1)
+    total = c[:, -1:].contiguous()
+    i = torch.minimum(torch.searchsorted(c, v[:, None] * total, right=True), torch.searchsorted(c, total))
+    return torch.cat((i.double(), total), 1)
+
+
+def accepted(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted per sequence, a [B] int64: ``forced[b]`` where it is ≥ 0 (decided already: synthetic
+    acceptance, or a sampled decision), else the number of leading drafts equal to the target's argmax at their
+    position (greedy).
+
+    best [B, k + 1] int64 (the target's argmax at the verified positions), drafts [B, k] int64, forced [B] int64."""
+    k = drafts.shape[1]
+    miss = drafts != best[:, :k]
+    match = torch.where(miss.any(1), miss.int().argmax(1), k)  # the first draft that differs (argmax: the first max)
+    return torch.where(forced >= 0, forced, match)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, through pinned memory on a GPU: a copy from pageable memory would wait
+    for the stream's queued work (the verify) first."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[SampledDraw]) -> torch.Tensor:
+    """Speculative sampling for S sequences sharing one filter: logits [S, k + 1, V] at the verified positions,
+    drafts [S, k] int64 (target ids), ``draws`` their S :class:`SampledDraw` (equal filters, k uniforms each).
+    Returns [S, 3] float64 on the logits' device: drafts accepted a, the token after them, and the Σ of the row it
+    was drawn from (:func:`inverse_transform`)."""
+    S, n, V = logits.shape
+    k, dev = n - 1, logits.device
+    p = target_probs(logits, draws[0])
+    a = torch.zeros(S, dtype=torch.int64, device=dev)
+    if k:
+        u = to_device([d.u[:k] for d in draws], torch.float32, dev)
+        taken = u < p[:, :k].gather(2, drafts[:, :, None])[..., 0]  # NaN rejects, as u < NaN is False
+        a = torch.where(taken.all(1), k, (~taken).int().argmax(1))
+    row = p.gather(1, a[:, None, None].expand(S, 1, V))[:, 0]
+    d = torch.cat((drafts, drafts.new_zeros(S, 1)), 1).gather(1, a[:, None])  # the rejected draft (a < k)
+    row = row.scatter(1, d, torch.where(a[:, None] < k, 0.0, row.gather(1, d)))  # removed from what is drawn
+    v = to_device([d.v for d in draws], torch.float64, dev)
+    return torch.cat((a[:, None].double(), inverse_transform(row, v)), 1)
+
+
+def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """:func:`sampled_decisions` for the works of a steady cycle that carry a :class:`SampledDraw` (``SeqWork.sampled``),
+    grouped by filter. logits [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in
+    that order (None when no work samples)."""
+    groups: dict[tuple, list[int]] = {}
+    for b, w in enumerate(work):
+        if w.sampled is not None:
+            groups.setdefault(w.sampled.filter, []).append(b)
+    if not groups:
+        return [], None
+    rows = [b for g in groups.values() for b in g]
+    parts = []
+    for g in groups.values():
+        i = to_device(g, torch.int64, logits.device)
+        parts.append(sampled_decisions(logits[i], drafts[i], [work[b].sampled for b in g]))
+    return rows, torch.cat(parts)

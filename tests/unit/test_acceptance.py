@@ -1,0 +1,103 @@
+"""The sampled acceptance rule on the device (:func:`splitspec.engine.acceptance.sampled_decisions`) against a host
+reference written from the rule itself: Python floats for the acceptance tests, numpy's float64 cumulative sum for
+the draw — the same random numbers, consumed in the same order, give the same decisions, one sequence at a time and
+batched with others."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from splitspec.engine.acceptance import sampled_decisions, sampled_rows, target_probs
+from splitspec.engine.plan import SampledDraw, SeqWork
+from splitspec.runtime.sampling import draw_cycle, read_decision, verify
+from splitspec.runtime.types import SamplingParams
+
+
+def reference(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator) -> tuple[int, list[int]]:
+    """Speculative sampling with a greedy drafter, one draft at a time on the host: accept d_i when u_i < p_i(d_i), else
+    draw from p_i without d_i; after k acceptances draw from p_k. k float32 uniforms first, then one float64."""
+    p = target_probs(logits, params).numpy()
+    k = len(drafts)
+    u = torch.rand(k, generator=gen).tolist() if k else []
+    v = float(torch.rand(1, generator=gen, dtype=torch.float64))
+    a = next((i for i in range(k) if not u[i] < float(p[i, drafts[i]])), k)
+    row = p[a].copy()
+    if a < k:
+        row[drafts[a]] = 0.0
+    c = np.cumsum(row.astype(np.float64))
+    index = min(int(np.searchsorted(c, v * c[-1], side="right")), int(np.searchsorted(c, c[-1], side="left")))
+    return a, drafts[:a] + [index]
+
+
+FILTERS = [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(1.3, top_k=5), SamplingParams(0.5, 0.8, 12)]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_one_sequence_matches_the_host_reference(k):
+    """400 cycles per k over random logits sharp enough that drafts are often accepted, drafts drawn half from the
+    argmax and half at random, each filter: verify() (one sequence, through the device rule) equals the reference."""
+    g = torch.Generator().manual_seed(k)
+    for trial in range(400):
+        sp = FILTERS[trial % len(FILTERS)]
+        logits = torch.randn(k + 1, 50, generator=g) * 3
+        drafts = [int(logits[i].argmax()) if torch.rand(1, generator=g) < 0.5 else int(torch.randint(0, 50, (1,), generator=g))
+                  for i in range(k)]
+        seed = int(torch.randint(0, 2**31, (1,), generator=g))
+        want = reference(logits, drafts, sp, torch.Generator().manual_seed(seed))
+        got = verify(logits, drafts, sp, draw_cycle(sp, k, torch.Generator().manual_seed(seed)))
+        assert got == want, (trial, sp, drafts)
+
+
+def test_a_batch_grouped_by_filter_matches_each_sequence_alone():
+    """sampled_rows over 7 works (two greedy, five sampled with three filters): the decisions, in the order of the
+    indices it returns, are each sequence's own."""
+    g = torch.Generator().manual_seed(3)
+    k, V = 3, 40
+    logits = torch.randn(7, k + 1, V, generator=g) * 3
+    drafts = logits[:, :k].argmax(-1)
+    drafts[2, 1] = (drafts[2, 1] + 1) % V  # a draft the target does not favour
+    filters = [None, FILTERS[1], FILTERS[0], None, FILTERS[1], FILTERS[2], FILTERS[0]]
+    work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=None if f is None else draw_cycle(f, k, torch.Generator().manual_seed(b)))
+            for b, f in enumerate(filters)]
+    rows, decisions = sampled_rows(work, logits, drafts)
+    assert sorted(rows) == [1, 2, 4, 5, 6] and decisions.shape == (5, 3)
+    for b, values in zip(rows, decisions.tolist()):
+        want = reference(logits[b], drafts[b].tolist(), filters[b], torch.Generator().manual_seed(b))
+        assert read_decision(values, drafts[b].tolist()) == want, b
+    assert sampled_rows(work[:1] + work[3:4], logits, drafts) == ([], None)
+
+
+def test_distribution_of_the_emitted_tokens():
+    """20,000 cycles of k 2 on fixed logits: the first emitted token follows p_0 (the rejection rule's guarantee), by a
+    chi-square test — drafts accepted or not, resampled or bonus."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=g) * 1.5
+    sp = SamplingParams(1.0)
+    drafts = [int(logits[0].argmax()), 4]
+    draws = [draw_cycle(sp, 2, g) for _ in range(20_000)]
+    d = torch.tensor([drafts] * len(draws))
+    out = sampled_decisions(logits.expand(len(draws), 3, 12), d, draws)
+    first = [drafts[0] if a >= 1 else int(t) for a, t, _ in out.tolist()]
+    p = target_probs(logits[0], sp).double()
+    assert chisquare(torch.bincount(torch.tensor(first), minlength=12).numpy(), (p * len(first)).numpy()).pvalue > 1e-3
+
+
+def test_nan_logits_are_refused_by_name():
+    """NaN logits at the rejected position: the decision's Σ says so and the reader refuses it (a ValueError naming the
+    draw), as the host draw always did; a NaN only past the decided row does not matter."""
+    sp = SamplingParams(1.0)
+    logits = torch.randn(3, 8)
+    logits[0] = float("nan")
+    with pytest.raises(ValueError, match="draw: weights sum to nan"):
+        verify(logits, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5))
+    ok = torch.full((3, 8), -10.0)
+    ok[0, 1] = ok[1, 3] = 10.0
+    ok[2] = float("nan")  # row 2 is never read: draft 1 is refused at row 1 (p(2) ≈ 0)
+    a, new = verify(ok, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5))
+    assert (a, new) == (1, [1, 3])
+    with pytest.raises(ValueError, match="2 drafts needs 2 uniforms"):
+        verify(ok, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5,), 0.5))
