@@ -25,6 +25,7 @@ phases' preparation. The CPU row includes the verify's argmax over [B · (k + 1)
 
     PYTHONPATH=src python3 bench/lab/cycle_host.py --steps 300 --batches 1,16 --ks 0,1,3
 
+``--temperature T`` (with ``--steps``): sampled requests (seeded, top_p 0.95), their acceptance decided on the device.
 ``--ahead`` (with ``--steps``): draft-ahead on, its steps launching the next cycle's draft after the verify instead of
 preparing their own draft first; on a GPU that draft then runs while the host does the rest of the step.
 """
@@ -118,24 +119,27 @@ STEPS_PROMPT = list(range(5, 40))  # --steps: every request's prompt
 
 
 def engine_steps(tmp: Path, batches: list[int], ks: list[int], tokens: int, max_seq_len: int = 4096,
-                 ahead: bool = False) -> None:
+                 ahead: bool = False, temperature: float = 0.0) -> None:
     """Print µs per :meth:`SpeculativeEngine.step` for B greedy requests of ``tokens`` new tokens (the module docstring),
     every step of a run timed (prefill steps included: ``tokens`` ≫ 1 makes them rare), on engines of ``max_seq_len``
     (at least :data:`STEPS_PROMPT`'s length + ``tokens`` + max(ks) + 1, checked in :func:`main`). ``ahead``: with
-    draft-ahead (``ServeConfig.draft_ahead``), whose steps launch the next draft instead of preparing their own."""
+    draft-ahead (``ServeConfig.draft_ahead``), whose steps launch the next draft instead of preparing their own.
+    ``temperature`` > 0: sampled requests instead (seeded, top_p 0.95)."""
     from splitspec.runtime.scheduler import SpeculativeEngine
-    from splitspec.runtime.types import Request
+    from splitspec.runtime.types import Request, SamplingParams
     from splitspec.settings import ServeConfig
 
     eng_dir = tiny_engines(tmp, max(batches), max_seq_len)
     with SpeculativeEngine.load(ServeConfig(eng_dir, padded=True, max_batch_size=max(batches), draft_ahead=ahead)) as eng:
         host_only(eng.group.rank0)
-        print(f"host µs per scheduler step, greedy, {tokens} tokens per request" + (", draft-ahead" if ahead else ""), flush=True)
+        kind = f"sampled at temperature {temperature}" if temperature else "greedy"
+        print(f"host µs per scheduler step, {kind}, {tokens} tokens per request" + (", draft-ahead" if ahead else ""), flush=True)
         print(f"{'B':>3} {'k':>2} {'steps':>6} {'µs per step':>12}", flush=True)
         for B in batches:
             for k in ks:
-                requests = lambda: [Request(list(STEPS_PROMPT), tokens, num_draft_tokens=k, stop_token_ids=set())  # noqa: E731
-                                    for _ in range(B)]
+                sampling = lambda i: SamplingParams(temperature, top_p=0.95, seed=i) if temperature else SamplingParams()  # noqa: E731
+                requests = lambda: [Request(list(STEPS_PROMPT), tokens, sampling(i), num_draft_tokens=k,  # noqa: E731
+                                            stop_token_ids=set()) for i in range(B)]
                 eng.run(requests())  # graphs (here: first outputs) for every shape the run meets
                 times, step = [], eng.step
 
@@ -198,13 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="functions per profile table")
     ap.add_argument("--steps", type=int, default=0, metavar="N", help="whole scheduler steps instead, requests of N tokens")
     ap.add_argument("--ahead", action="store_true", help="with --steps: draft-ahead on (ServeConfig.draft_ahead)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="with --steps: sampled requests at this temperature")
     a = ap.parse_args(argv)
     if a.reps < 1 or a.top < 1:
         ap.error(f"--reps {a.reps}, --top {a.top}: expected at least 1 each")
     if max(a.ks) > 8 or min(a.ks) < (0 if a.steps else 1):
         ap.error("--ks at most 8 (at least 1 without --steps)")
-    if a.ahead and not a.steps:
-        ap.error("--ahead goes with --steps (whole scheduler steps)")
+    if (a.ahead or a.temperature) and not a.steps:
+        ap.error("--ahead and --temperature go with --steps (whole scheduler steps)")
+    if not 0 <= a.temperature <= 100:
+        ap.error(f"--temperature {a.temperature}: expected 0 (greedy) .. 100")
     if a.steps < 0:
         ap.error(f"--steps {a.steps}: expected N ≥ 1 new tokens per request (0: the phases instead)")
     if a.steps and len(STEPS_PROMPT) + a.steps + max(a.ks) + 1 > a.max_seq_len:
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.steps:
         with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp:
-            engine_steps(Path(tmp), a.batches, a.ks, a.steps, a.max_seq_len, a.ahead)
+            engine_steps(Path(tmp), a.batches, a.ks, a.steps, a.max_seq_len, a.ahead, a.temperature)
         return 0
     with tempfile.TemporaryDirectory(prefix="cycle-host-") as tmp, torch.inference_mode():
         rank = runner(Path(tmp), max(a.batches), a.max_seq_len)

@@ -25,6 +25,10 @@ def test_phases_and_steps_are_timed(capsys):
     assert cycle_host.main(["--steps", "12", "--batches", "2", "--ks", "2", "--ahead"]) == 0
     out = capsys.readouterr().out
     assert "draft-ahead" in out and [r[:3] for r in _rows(out)] == [rows[1][:3]]
+    # sampled requests, drafted ahead too
+    assert cycle_host.main(["--steps", "12", "--batches", "2", "--ks", "2", "--ahead", "--temperature", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "sampled at temperature 0.8" in out and [r[:2] for r in _rows(out)] == [["2", "2"]]
 
 
 def test_k0_only_with_steps_and_at_least_one_rep():
@@ -39,7 +43,9 @@ def test_steps_refusals_name_the_option(capsys):
     ConfigError's stack trace from the first request."""
     for bad, says in ((["--steps", "-5"], "--steps -5"), (["--steps", "5000"], "--max-seq-len 4096"),
                       (["--steps", "100", "--max-seq-len", "128"], "--max-seq-len 128"), (["--ks", "9"], "--ks"),
-                      (["--ahead"], "--ahead goes with --steps")):
+                      (["--ahead"], "--ahead and --temperature go with --steps"),
+                      (["--temperature", "0.5"], "go with --steps"),
+                      (["--steps", "4", "--temperature", "-1"], "--temperature -1.0")):
         with pytest.raises(SystemExit) as e:
             cycle_host.main(["--batches", "1", "--ks", "1"] + bad)
         assert e.value.code == 2 and says in capsys.readouterr().err
