@@ -73,16 +73,16 @@ def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[Sa
     S, n, V = logits.shape
     k, dev = n - 1, logits.device
     p = target_probs(logits, draws[0])
-    a = torch.zeros(S, dtype=torch.int64, device=dev)
+    x = to_device([d.u[:k] + (d.v,) for d in draws], torch.float64, dev)  # float32 values are float64 values too
     if k:
-        u = to_device([d.u[:k] for d in draws], torch.float32, dev)
-        taken = u < p[:, :k].gather(2, drafts[:, :, None])[..., 0]  # NaN rejects, as u < NaN is False
-        a = torch.where(taken.all(1), k, (~taken).int().argmax(1))
+        refused = ~(x[:, :k].float() < p[:, :k].gather(2, drafts[:, :, None])[..., 0])  # NaN refuses: u < NaN is False
+        a = torch.cat((refused, refused.new_ones(S, 1)), 1).int().argmax(1)  # the first refusal, else k
+    else:
+        a = torch.zeros(S, dtype=torch.int64, device=dev)
     row = p.gather(1, a[:, None, None].expand(S, 1, V))[:, 0]
     d = torch.cat((drafts, drafts.new_zeros(S, 1)), 1).gather(1, a[:, None])  # the rejected draft (a < k)
     row = row.scatter(1, d, torch.where(a[:, None] < k, 0.0, row.gather(1, d)))  # removed from what is drawn
-    v = to_device([d.v for d in draws], torch.float64, dev)
-    return torch.cat((a[:, None].double(), inverse_transform(row, v)), 1)
+    return torch.cat((a[:, None].double(), inverse_transform(row, x[:, k])), 1)
 
 
 def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
@@ -98,6 +98,10 @@ def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list
     rows = [b for g in groups.values() for b in g]
     parts = []
     for g in groups.values():
+        draws = [work[b].sampled for b in g]
+        if g == list(range(len(work))):  # the whole batch, one filter: no gather
+            parts.append(sampled_decisions(logits, drafts, draws))
+            continue
         i = to_device(g, torch.int64, logits.device)
-        parts.append(sampled_decisions(logits[i], drafts[i], [work[b].sampled for b in g]))
-    return rows, torch.cat(parts)
+        parts.append(sampled_decisions(logits[i], drafts[i], draws))
+    return rows, torch.cat(parts) if len(parts) > 1 else parts[0]
