@@ -92,7 +92,7 @@ def test_nan_logits_are_refused_by_name():
     sp = SamplingParams(1.0)
     logits = torch.randn(3, 8)
     logits[0] = float("nan")
-    with pytest.raises(ValueError, match="draw: weights sum to nan"):
+    with pytest.raises(ValueError, match="draw: weights sum to 0, NaN or inf"):
         verify(logits, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5))
     ok = torch.full((3, 8), -10.0)
     ok[0, 1] = ok[1, 3] = 10.0

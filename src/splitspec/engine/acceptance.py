@@ -68,8 +68,8 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[SampledDraw]) -> torch.Tensor:
     """Speculative sampling for S sequences sharing one filter: logits [S, k + 1, V] at the verified positions,
     drafts [S, k] int64 (target ids), ``draws`` their S :class:`SampledDraw` (equal filters, k uniforms each).
-    Returns [S, 3] float64 on the logits' device: drafts accepted a, the token after them, and the Σ of the row it
-    was drawn from (:func:`inverse_transform`)."""
+    Returns [S, 3] int64 on the logits' device: drafts accepted a, the token after them, and 1 where the row it was
+    drawn from could be drawn from (its Σ finite and > 0; 0 for NaN or inf logits: :func:`inverse_transform`)."""
     S, n, V = logits.shape
     k, dev = n - 1, logits.device
     p = target_probs(logits, draws[0])
@@ -82,7 +82,8 @@ def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[Sa
     row = p.gather(1, a[:, None, None].expand(S, 1, V))[:, 0]
     d = torch.cat((drafts, drafts.new_zeros(S, 1)), 1).gather(1, a[:, None])  # the rejected draft (a < k)
     row = row.scatter(1, d, torch.where(a[:, None] < k, 0.0, row.gather(1, d)))  # removed from what is drawn
-    return torch.cat((a[:, None].double(), inverse_transform(row, x[:, k])), 1)
+    index, total = inverse_transform(row, x[:, k]).unbind(1)
+    return torch.stack((a, index.long(), ((total > 0) & (total < float("inf"))).long()), 1)
 
 
 def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:

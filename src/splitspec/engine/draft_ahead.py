@@ -82,8 +82,7 @@ class DraftAhead:
         if handoff_of is not None and handoff_of.device == self.graphs.device:
             self.graphs.buffers = handoff_of.buffers  # the verify's aux hand-off, read in place
         self.pending: Launched | None = None
-        self.host: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # pinned buffers by (length, dtype)
-        self.copied: torch.cuda.Event | None = None  # recorded after their last copies
+        self.host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self.no_sampled: dict[tuple[int, str], torch.Tensor] = {}
         self.inputs = next_draft_inputs
 
@@ -159,21 +158,17 @@ class DraftAhead:
                 none = self.no_sampled[(Bp, str(device))] = torch.full((Bp, 2), -1, dtype=torch.int64, device=device)
             return none
         over = torch.full((Bp, 2), -1, dtype=torch.int64, device=device)
-        over[to_device(rows, torch.int64, device)] = decisions[:, :2].long()
+        over[to_device(rows, torch.int64, device)] = decisions[:, :2]
         return over
 
-    def to_host(self, *values: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
-        """Queue the copies of the 1-D ``values`` into pinned buffers (one per length and dtype, reused) and return
-        them with the event to wait on before reading them (None on the CPU: copied already)."""
-        if not values[0].is_cuda:
+    def to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of the 1-D int64 ``values`` into a pinned buffer (one per length, reused) and return it with
+        the event to wait on before reading it (None on the CPU: copied already)."""
+        n = values.numel()
+        if not values.is_cuda:
             return values, None
-        bufs = []
-        for v in values:
-            buf = self.host.get((v.numel(), v.dtype))
-            if buf is None:
-                buf = self.host[(v.numel(), v.dtype)] = torch.empty(v.numel(), dtype=v.dtype, pin_memory=True)
-            buf.copy_(v, non_blocking=True)
-            bufs.append(buf)
-        self.copied = self.copied or torch.cuda.Event()
-        self.copied.record(torch.cuda.current_stream(values[0].device))
-        return tuple(bufs), self.copied
+        buf, event = self.host.get(n) or (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        self.host[n] = (buf, event)
+        buf.copy_(values, non_blocking=True)
+        event.record(torch.cuda.current_stream(values.device))
+        return buf, event

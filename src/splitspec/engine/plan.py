@@ -100,6 +100,6 @@ class CycleOutput:
     draft_ms: float
     verify_ms: float
     greedy: list[int] | None = None  # argmax of every logits row, fetched with the drafts in one copy
-    # the sampled works' decisions made on the device (a steady cycle): sid → [accepted, token, Σ]
+    # the sampled works' decisions made on the device (a steady cycle): sid → [accepted, token, drawable]
     # (:func:`splitspec.engine.acceptance.sampled_decisions`), copied with the argmax
-    sampled: dict[int, list[float]] | None = None
+    sampled: dict[int, list[int]] | None = None

@@ -333,7 +333,8 @@ class RankRunner:
         leader's TP1 drafter (None: draft here, the drafter being sharded over the group; ``draft_timed``: the
         caller timed that draft on :attr:`clock`). The host waits for the GPU once, at the copy of the verified
         tokens' argmax and drafts to the host, with the sampled works' decisions made on the device
-        (:func:`~splitspec.engine.acceptance.sampled_rows`; ``CycleOutput.sampled``): inputs go up from pinned memory without waiting (:meth:`GraphCache.staging`), the verify is queued behind the draft, and
+        (:func:`~splitspec.engine.acceptance.sampled_rows`; ``CycleOutput.sampled``): inputs go up from pinned
+        memory without waiting (:meth:`GraphCache.staging`), the verify is queued behind the draft, and
         ``on_launched`` runs once both are queued, before that wait (host work there overlaps the GPU's)."""
         k = plan.padded_k
         if not draft_timed:
@@ -346,11 +347,12 @@ class RankRunner:
         best = logits.argmax(-1)
         # the leader decides its sampled works here, on the device: for its host and a draft launched ahead alike
         rows, decided = sampled_rows(plan.work, logits.view(B, n, -1), drafts[:B]) if self.rank == 0 else ([], None)
-        copies, ready = (torch.cat((best, drafts[:B].flatten())),) + (() if decided is None else (decided.flatten(),)), None
+        both = torch.cat((best, drafts[:B].flatten()) + (() if decided is None else (decided.flatten(),)))
+        ready = None
         if self.clock.taken is not None:  # this cycle's drafts came ahead: the verify's end is the clock's second mark
             self.clock.verify_done()
         if self.ahead is not None and self.ahead.wanted(self, plan):
-            copies, ready = self.ahead.to_host(*copies)  # queued before the next draft: the host need not wait for it
+            both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
             self.ahead.launch(self, plan, best, drafts, (rows, decided))
         elif self.ahead is not None:
             self.ahead.pending = None
@@ -358,13 +360,10 @@ class RankRunner:
             on_launched()
         if ready is not None:
             ready.synchronize()
-        host = copies[0].tolist()  # the copy to the host the cycle waits for (the sampled decisions' is queued with it)
-        greedy, flat = host[: B * n], host[B * n:]
+        host = both.tolist()  # the one copy to the host: argmax, drafts, sampled decisions
+        greedy, flat, values = host[: B * n], host[B * n:B * n + B * k], host[B * n + B * k:]
         out_drafts = {w.sid: flat[b * k:(b + 1) * k] for b, w in enumerate(plan.work)}
-        sampled = None
-        if decided is not None:
-            values = copies[1].tolist()
-            sampled = {plan.work[b].sid: values[3 * i:3 * i + 3] for i, b in enumerate(rows)}
+        sampled = {plan.work[b].sid: values[3 * i:3 * i + 3] for i, b in enumerate(rows)} if rows else None
         return CycleOutput(logits, out_drafts, *self.clock.split(), greedy, sampled)
 
     def execute(self, plan: CyclePlan, on_launched: Callable[[], None] | None = None) -> CycleOutput:

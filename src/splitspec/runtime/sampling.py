@@ -50,12 +50,14 @@ def _check_sum(s: float) -> None:
         raise ValueError(f"draw: weights sum to {s}, expected a finite sum > 0 (NaN or inf in the logits?)")
 
 
-def read_decision(values: list[float], drafts: list[int]) -> tuple[int, list[int]]:
+def read_decision(values: list[int], drafts: list[int]) -> tuple[int, list[int]]:
     """A sampled sequence's decision as copied to the host (a row of :func:`sampled_decisions`: accepted a, the token
-    after, the Σ it was drawn from) → (a, emitted tokens). Raises ValueError when that Σ is 0, NaN or infinite."""
-    a, index, s = values
-    _check_sum(s)
-    return int(a), drafts[:int(a)] + [int(index)]
+    after, whether its row could be drawn from) → (a, emitted tokens). Raises ValueError when it could not (the
+    weights summed to 0, NaN or inf)."""
+    a, index, ok = values
+    if not ok:
+        raise ValueError("draw: weights sum to 0, NaN or inf, expected a finite sum > 0 (NaN or inf in the logits?)")
+    return a, drafts[:a] + [index]
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, sampled: SampledDraw | None = None,
