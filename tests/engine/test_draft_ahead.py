@@ -173,6 +173,11 @@ def test_greedy_with_draft_ahead_equals_target_only(built_engines, tok, referenc
         assert out[first] == reference and out[second] == reference[:reference.index(reference[8]) + 1]
 
 
+def test_draft_ahead_without_padded_cycles_says_it_has_no_effect(built_engines):
+    with pytest.warns(UserWarning, match="draft_ahead has no effect here"):
+        SpeculativeEngine.load(ServeConfig(built_engines, draft_ahead=True)).close()
+
+
 def test_synthetic_acceptance_with_and_without_draft_ahead_counts_alike(built_engines, tok):
     """Synthetic acceptance is drawn before the cycle from the request's seeded generator, so the same request
     accepts the same numbers of drafts cycle by cycle whether the device (draft-ahead) or the host acts on them."""

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -125,6 +126,9 @@ class Group:
         draft_device = f"cuda:{cfg.draft_device_id}" if cfg.draft_device_id is not None else None
         # steady decode cycles in the static-shape form: always on GPU (CUDA graphs), opt-in on CPU
         self.padded = bool(device_ids) or cfg.padded
+        if cfg.draft_ahead and not self.padded:
+            warnings.warn("draft_ahead has no effect here: it acts on padded steady cycles, which run on GPUs or with "
+                          "padded on (SPLITSPEC_PADDED=1)", stacklevel=2)
         timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
         self.procs: list[subprocess.Popen] = []
         self.control = None

@@ -318,8 +318,8 @@ class SpeculativeEngine:
     def _next_is_alike(self, work: list[SeqWork]) -> bool:
         """Whether a cycle of ``work`` may launch the next cycle's draft ahead (``ServeConfig.draft_ahead``): every
         work drafts (its acceptance decidable on the device: greedy, synthetic or sampled, their random numbers drawn
-        already), nothing waits for a free batch slot, and no sequence can reach max_tokens in this cycle — so the
-        next cycle is expected to decode the same sequences (a stop token, a cancel or a deadline may still change
+        already), no free batch slot has a request waiting for it, and no sequence can reach max_tokens in this cycle —
+        so the next cycle is expected to decode the same sequences (a stop token, a cancel or a deadline may still change
         it: the drafts are then dropped)."""
         if not self.config.draft_ahead or (self.queue and len(self.running) < self.max_batch_size):
             return False
