@@ -224,3 +224,27 @@ def test_sampled_requests_draft_ahead_and_sample_as_without(built_engines, tok):
             assert (sum(taken) >= len(taken) // 2) if ahead else not any(taken), taken
     assert outs[0] == outs[1]  # tokens, and the drafts accepted cycle by cycle: the drafts launched ahead were the same
     assert len({tuple(t) for t, _, _ in outs[0]}) == 4, "the sampled requests sampled (each differs from the others)"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_are_refused_by_name(built_engines, tok, value):
+    """NaN or inf logits in one sampled sequence's verify while the next draft goes ahead: the cycle ends in the
+    sampler's one-line ValueError, not in the drafter embedding an id past the vocabulary."""
+    with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=True)) as eng:
+        taken = _counting(eng)
+        r0, calls = eng.group.rank0, [0]
+        forward = r0.target.forward
+
+        def poisoned(batch, *args, **kwargs):
+            logits, aux = forward(batch, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] == 6 and sum(taken) >= 1:  # a steady cycle whose drafts came ahead, and that drafts ahead
+                logits = logits.clone()
+                logits[:4] = value
+            return logits, aux
+
+        r0.target.forward = poisoned
+        ids = tok.encode(PROMPT)
+        with pytest.raises(ValueError, match="draw: weights sum to 0, NaN or inf"):
+            eng.run([Request(ids, 30, SamplingParams(0.8, seed=s), num_draft_tokens=3, stop_token_ids=set()) for s in (1, 2)])
+        assert calls[0] >= 6

@@ -69,6 +69,26 @@ def test_a_batch_grouped_by_filter_matches_each_sequence_alone():
     assert sampled_rows(work[:1] + work[3:4], logits, drafts) == ([], None)
 
 
+def test_chunks_decide_what_one_call_decides(monkeypatch):
+    """Chunks of at most CHUNK_ELEMENTS logits (here 2 sequences, then 1), slices for consecutive works and gathers
+    for the rest: the same decisions for each work as in one call."""
+    from splitspec.engine import acceptance
+
+    g = torch.Generator().manual_seed(5)
+    k, V = 2, 30
+    logits = torch.randn(9, k + 1, V, generator=g) * 3
+    drafts = logits[:, :k].argmax(-1)
+    filters = [FILTERS[b % 2] if b != 4 else None for b in range(9)]
+    work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=None if f is None else draw_cycle(f, k, torch.Generator().manual_seed(b)))
+            for b, f in enumerate(filters)]
+    rows, whole = sampled_rows(work, logits, drafts)
+    want = dict(zip(rows, whole.tolist()))
+    for per_chunk in (2, 1):
+        monkeypatch.setattr(acceptance, "CHUNK_ELEMENTS", per_chunk * (k + 1) * V)
+        rows, chunked = sampled_rows(work, logits, drafts)
+        assert dict(zip(rows, chunked.tolist())) == want and sorted(rows) == sorted(want)
+
+
 def test_distribution_of_the_emitted_tokens():
     """20,000 cycles of k 2 on fixed logits: the first emitted token follows p_0 (the rejection rule's guarantee), by a
     chi-square test — drafts accepted or not, resampled or bonus."""
@@ -99,5 +119,8 @@ def test_nan_logits_are_refused_by_name():
     ok[2] = float("nan")  # row 2 is never read: draft 1 is refused at row 1 (p(2) ≈ 0)
     a, new = verify(ok, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5))
     assert (a, new) == (1, [1, 3])
+    # the device's decision keeps a token id in the vocabulary (a draft launched ahead embeds it), flagged undrawable
+    bad = torch.full((1, 3, 8), float("nan"))
+    assert sampled_decisions(bad, torch.tensor([[1, 2]]), [SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5)]).tolist() == [[0, 7, 0]]
     with pytest.raises(ValueError, match="2 drafts needs 2 uniforms"):
         verify(ok, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5,), 0.5))

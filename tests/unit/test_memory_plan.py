@@ -258,3 +258,15 @@ def test_a_folder_splitspec_wrote_is_named_as_such(capsys, tmp_path):
     rc, out, err = plan(capsys, tmp_path, "--tp", "8", "--gpu-memory-gib", "141", *LIMITS)
     assert rc == 2 and err.strip() == (f"splitspec plan: error: {tmp_path}: a folder splitspec wrote (engine.json); plan "
                                        "the published checkpoint it came from")
+
+
+def test_gpu0_activations_hold_the_sampled_decisions(capsys, demo_models):
+    """The leader's sampled decisions filter at most CHUNK_ELEMENTS logits at a time (SAMPLING_BYTES of temporaries):
+    on the demo pair, whose eager forwards are smaller, GPU 0's activations are that floor and GPU 1's are not."""
+    from splitspec.engine.acceptance import SAMPLING_BYTES
+
+    rc, out, err = plan(capsys, demo_models / "target", "--drafter", str(demo_models / "drafter"), "--tp", "2",
+                        "--gpu-memory-gib", "80", "--max-batch-size", "4", "--max-seq-len", "512")
+    assert rc == 0, err
+    gpu0, gpu1 = row(out, "activations (eager peak)")
+    assert gpu0 == pytest.approx(SAMPLING_BYTES / GIB, abs=0.006) and gpu1 < gpu0  # printed to 0.01 GiB

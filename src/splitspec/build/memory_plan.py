@@ -36,7 +36,9 @@ Per GPU g (target rank g):
   extend after a prefill, which runs over the whole prompt at once: scores heads/draft_tp × L × L float32, twice
   (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`; an FP8 drafter in a CPU engine: plus its largest
   linear dequantised per call), plus the aux states kept for it:
-  (2·L + max_batch_size·n) · 3H on each GPU that drafts.
+  (2·L + max_batch_size·n) · 3H on each GPU that drafts. On GPU 0 at least the leader's sampled decisions'
+  temporaries (:data:`splitspec.engine.acceptance.SAMPLING_BYTES`: their logits are filtered in bounded chunks
+  after a steady verify, when no eager forward runs, so in the same cached memory).
 - **headroom**: CUDA context, cuBLAS and NCCL workspaces (``headroom_bytes``, default 2 GiB) plus 5 % of the rest
   for the caching allocator's fragmentation.
 """
@@ -52,6 +54,7 @@ import torch
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
+from splitspec.engine.acceptance import SAMPLING_BYTES
 from splitspec.errors import ConfigError
 from splitspec.models.batch import bucket, buckets_upto
 from splitspec.models.drafters import drafter_cache
@@ -302,6 +305,8 @@ def plan_memory(cfg: TargetConfig, fmt: WeightFormat, storage: Storage, dcfg: Dr
         if on_gpu and dep.cuda_graphs:
             p.add("graphs", "CUDA-graph pool", _graph_pool(cfg, dcfg, mapping, fmt, dep, draft_here[g]))
         peak, aux = _eager(cfg, dcfg, mapping, fmt, dep, draft_here[g], on_gpu, dequant)
+        if g == 0:  # the leader's sampled decisions reuse the eager forwards' cached memory, in bounded chunks
+            peak = max(peak, SAMPLING_BYTES)
         p.add("activations", "activations (eager peak)", peak)
         p.add("activations", "aux states for the drafter", aux)
         if on_gpu:

@@ -83,26 +83,37 @@ def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[Sa
     d = torch.cat((drafts, drafts.new_zeros(S, 1)), 1).gather(1, a[:, None])  # the rejected draft (a < k)
     row = row.scatter(1, d, torch.where(a[:, None] < k, 0.0, row.gather(1, d)))  # removed from what is drawn
     index, total = inverse_transform(row, x[:, k]).unbind(1)
-    return torch.stack((a, index.long(), ((total > 0) & (total < float("inf"))).long()), 1)
+    # a row of NaN or inf draws index V: kept a token id (refused by the reader) for a draft launched ahead to embed
+    return torch.stack((a, index.long().clamp(max=V - 1), ((total > 0) & (total < float("inf"))).long()), 1)
+
+
+# logits elements one call of sampled_decisions filters at most: its float32 / int64 temporaries (the top-p sort's
+# values and indices, the cumulative sum, masks) peak at ~28 bytes per element, so at most SAMPLING_BYTES
+CHUNK_ELEMENTS = 1 << 22
+SAMPLING_BYTES = 32 * CHUNK_ELEMENTS
 
 
 def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
     """:func:`sampled_decisions` for the works of a steady cycle that carry a :class:`SampledDraw` (``SeqWork.sampled``),
-    grouped by filter. logits [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in
-    that order (None when no work samples)."""
+    grouped by filter, in chunks of at most :data:`CHUNK_ELEMENTS` logits (at least one sequence). logits
+    [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in that order (None when no
+    work samples)."""
     groups: dict[tuple, list[int]] = {}
     for b, w in enumerate(work):
         if w.sampled is not None:
             groups.setdefault(w.sampled.filter, []).append(b)
     if not groups:
         return [], None
-    rows = [b for g in groups.values() for b in g]
-    parts = []
+    per_chunk = max(1, CHUNK_ELEMENTS // (logits.shape[1] * logits.shape[2]))
+    rows, parts = [], []
     for g in groups.values():
-        draws = [work[b].sampled for b in g]
-        if g == list(range(len(work))):  # the whole batch, one filter: no gather
-            parts.append(sampled_decisions(logits, drafts, draws))
-            continue
-        i = to_device(g, torch.int64, logits.device)
-        parts.append(sampled_decisions(logits[i], drafts[i], draws))
+        for c in range(0, len(g), per_chunk):
+            chunk = g[c:c + per_chunk]
+            draws = [work[b].sampled for b in chunk]
+            if chunk == list(range(chunk[0], chunk[-1] + 1)):  # consecutive works: a slice, no gather
+                parts.append(sampled_decisions(logits[chunk[0]:chunk[-1] + 1], drafts[chunk[0]:chunk[-1] + 1], draws))
+            else:
+                i = to_device(chunk, torch.int64, logits.device)
+                parts.append(sampled_decisions(logits[i], drafts[i], draws))
+            rows += chunk
     return rows, torch.cat(parts) if len(parts) > 1 else parts[0]

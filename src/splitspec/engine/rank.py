@@ -345,12 +345,12 @@ class RankRunner:
         logits, _, drafts = self.verify_padded(plan, drafts)
         B, n = len(plan.work), k + 1
         best = logits.argmax(-1)
+        if self.clock.taken is not None:  # this cycle's drafts came ahead: the verify's end is the clock's second mark
+            self.clock.verify_done()
         # the leader decides its sampled works here, on the device: for its host and a draft launched ahead alike
         rows, decided = sampled_rows(plan.work, logits.view(B, n, -1), drafts[:B]) if self.rank == 0 else ([], None)
         both = torch.cat((best, drafts[:B].flatten()) + (() if decided is None else (decided.flatten(),)))
         ready = None
-        if self.clock.taken is not None:  # this cycle's drafts came ahead: the verify's end is the clock's second mark
-            self.clock.verify_done()
         if self.ahead is not None and self.ahead.wanted(self, plan):
             both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
             self.ahead.launch(self, plan, best, drafts, (rows, decided))
