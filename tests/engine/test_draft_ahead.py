@@ -227,9 +227,10 @@ def test_sampled_requests_draft_ahead_and_sample_as_without(built_engines, tok):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_are_refused_by_name(built_engines, tok, value):
-    """NaN or inf logits in one sampled sequence's verify while the next draft goes ahead: the cycle ends in the
-    sampler's one-line ValueError, not in the drafter embedding an id past the vocabulary."""
+def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_fail_that_request_only(built_engines, tok, value):
+    """NaN or inf logits in one sampled sequence's verify while the next draft goes ahead: that request ends with the
+    sampler's one-line error (not the drafter embedding an id past the vocabulary, nor the engine stopping), and the
+    other request of the batch runs to its length."""
     with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=True)) as eng:
         taken = _counting(eng)
         r0, calls = eng.group.rank0, [0]
@@ -240,11 +241,21 @@ def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_are_refused_by_name
             calls[0] += 1
             if calls[0] == 6 and sum(taken) >= 1:  # a steady cycle whose drafts came ahead, and that drafts ahead
                 logits = logits.clone()
-                logits[:4] = value
+                logits[:4] = value  # the first sequence's k + 1 rows
             return logits, aux
 
         r0.target.forward = poisoned
         ids = tok.encode(PROMPT)
-        with pytest.raises(ValueError, match="draw: weights sum to 0, NaN or inf"):
-            eng.run([Request(ids, 30, SamplingParams(0.8, seed=s), num_draft_tokens=3, stop_token_ids=set()) for s in (1, 2)])
-        assert calls[0] >= 6
+        ends, tokens = {}, {}
+        for seed in (1, 2):
+            rid = eng.submit(Request(ids, 30, SamplingParams(0.8, seed=seed), num_draft_tokens=3, stop_token_ids=set()))
+            tokens[rid] = []
+        while eng.has_work():
+            for e in eng.step():
+                tokens[e.request_id] += e.token_ids
+                if e.finished:
+                    ends[e.request_id] = (e.finish_reason, e.error)
+        bad, good = sorted(ends)
+        assert calls[0] > 6 and ends[bad] == ("error", "sampling: draw: weights sum to 0, NaN or inf, expected a finite "
+                                                       "sum > 0 (NaN or inf in the logits?)")
+        assert ends[good] == ("length", None) and len(tokens[good]) == 30

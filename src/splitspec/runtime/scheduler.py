@@ -345,7 +345,11 @@ class SpeculativeEngine:
                 logits = out.logits[row:row + 1]
                 row += 1
                 sp = seq.req.sampling
-                first = int(logits[0].argmax()) if sp.greedy else draw(target_probs(logits, sp)[0], seq.gen)
+                try:
+                    first = int(logits[0].argmax()) if sp.greedy else draw(target_probs(logits, sp)[0], seq.gen)
+                except ValueError as e:  # NaN or inf logits: this request fails, the others go on
+                    events.append(self._finish(seq, "error", f"sampling: {e}"))
+                    continue
                 seq.tokens.append(first)
                 seq.extend_start, seq.keep_aux = 0, None
                 events += self._emit(seq, [first], None)
@@ -360,12 +364,16 @@ class SpeculativeEngine:
             seq.stats.drafted_tokens += len(drafts)
             seq.stats.draft_ms += out.draft_ms
             seq.stats.verify_ms += out.verify_ms
-            if w.accept is not None and drafts:
-                a, new = verify_synthetic(logits, drafts, w.accept, best)
-            elif out.sampled and w.sid in out.sampled:  # decided on the device already (a steady cycle)
-                a, new = read_decision(out.sampled[w.sid], drafts)
-            else:
-                a, new = verify(logits, drafts, seq.req.sampling, w.sampled, best)
+            try:
+                if w.accept is not None and drafts:
+                    a, new = verify_synthetic(logits, drafts, w.accept, best)
+                elif out.sampled and w.sid in out.sampled:  # decided on the device already (a steady cycle)
+                    a, new = read_decision(out.sampled[w.sid], drafts)
+                else:
+                    a, new = verify(logits, drafts, seq.req.sampling, w.sampled, best)
+            except ValueError as e:  # NaN or inf logits: this request fails, the others go on
+                events.append(self._finish(seq, "error", f"sampling: {e}"))
+                continue
             n = len(seq.tokens)
             seq.tokens += new
             seq.extend_start, seq.keep_aux = n - 1, a + 1
