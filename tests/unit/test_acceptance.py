@@ -70,9 +70,9 @@ def test_a_batch_grouped_by_filter_matches_each_sequence_alone():
 
 
 def test_chunks_decide_what_one_call_decides(monkeypatch):
-    """Chunks of at most CHUNK_ELEMENTS logits (here 2 sequences, then 1), slices for consecutive works and gathers
+    """Chunks of at most SAMPLING_CHUNK logits (here 2 sequences, then 1), slices for consecutive works and gathers
     for the rest: the same decisions for each work as in one call."""
-    from splitspec.engine import acceptance
+    from splitspec.models import batch
 
     g = torch.Generator().manual_seed(5)
     k, V = 2, 30
@@ -84,7 +84,7 @@ def test_chunks_decide_what_one_call_decides(monkeypatch):
     rows, whole = sampled_rows(work, logits, drafts)
     want = dict(zip(rows, whole.tolist()))
     for per_chunk in (2, 1):
-        monkeypatch.setattr(acceptance, "CHUNK_ELEMENTS", per_chunk * (k + 1) * V)
+        monkeypatch.setattr(batch, "SAMPLING_CHUNK", per_chunk * (k + 1) * V)
         rows, chunked = sampled_rows(work, logits, drafts)
         assert dict(zip(rows, chunked.tolist())) == want and sorted(rows) == sorted(want)
 

@@ -261,9 +261,9 @@ def test_a_folder_splitspec_wrote_is_named_as_such(capsys, tmp_path):
 
 
 def test_gpu0_activations_hold_the_sampled_decisions(capsys, demo_models):
-    """The leader's sampled decisions filter at most CHUNK_ELEMENTS logits at a time (SAMPLING_BYTES of temporaries):
+    """The leader's sampled decisions filter at most SAMPLING_CHUNK logits at a time (SAMPLING_BYTES of temporaries):
     on the demo pair, whose eager forwards are smaller, GPU 0's activations are that floor and GPU 1's are not."""
-    from splitspec.engine.acceptance import SAMPLING_BYTES
+    from splitspec.models.batch import SAMPLING_BYTES
 
     rc, out, err = plan(capsys, demo_models / "target", "--drafter", str(demo_models / "drafter"), "--tp", "2",
                         "--gpu-memory-gib", "80", "--max-batch-size", "4", "--max-seq-len", "512")

@@ -37,7 +37,7 @@ Per GPU g (target rank g):
   (:meth:`splitspec.models.drafter.DrafterModel._attend_segments`; an FP8 drafter in a CPU engine: plus its largest
   linear dequantised per call), plus the aux states kept for it:
   (2·L + max_batch_size·n) · 3H on each GPU that drafts. On GPU 0 at least the leader's sampled decisions'
-  temporaries (:data:`splitspec.engine.acceptance.SAMPLING_BYTES`: their logits are filtered in bounded chunks
+  temporaries (:data:`splitspec.models.batch.SAMPLING_BYTES`: their logits are filtered in bounded chunks
   after a steady verify, when no eager forward runs, so in the same cached memory).
 - **headroom**: CUDA context, cuBLAS and NCCL workspaces (``headroom_bytes``, default 2 GiB) plus 5 % of the rest
   for the caching allocator's fragmentation.
@@ -54,9 +54,8 @@ import torch
 from splitspec import quant
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
-from splitspec.engine.acceptance import SAMPLING_BYTES
 from splitspec.errors import ConfigError
-from splitspec.models.batch import bucket, buckets_upto
+from splitspec.models.batch import SAMPLING_BYTES, bucket, buckets_upto
 from splitspec.models.drafters import drafter_cache
 from splitspec.build.weight_bytes import (DRAFTER_KINDS, FLOAT_BYTES, KINDS, Storage, WeightFormat, drafter_bytes,
                                           drafter_rank_weights, target_rank_bytes)

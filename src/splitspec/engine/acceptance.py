@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.engine.plan import SampledDraw
+from splitspec.models import batch
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -87,15 +88,10 @@ def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[Sa
     return torch.stack((a, index.long().clamp(max=V - 1), ((total > 0) & (total < float("inf"))).long()), 1)
 
 
-# logits elements one call of sampled_decisions filters at most: its float32 / int64 temporaries (the top-p sort's
-# values and indices, the cumulative sum, masks) peak at ~28 bytes per element, so at most SAMPLING_BYTES
-CHUNK_ELEMENTS = 1 << 22
-SAMPLING_BYTES = 32 * CHUNK_ELEMENTS
-
-
 def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
     """:func:`sampled_decisions` for the works of a steady cycle that carry a :class:`SampledDraw` (``SeqWork.sampled``),
-    grouped by filter, in chunks of at most :data:`CHUNK_ELEMENTS` logits (at least one sequence). logits
+    grouped by filter, in chunks of at most :data:`~splitspec.models.batch.SAMPLING_CHUNK` logits (at least one
+    sequence). logits
     [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in that order (None when no
     work samples)."""
     groups: dict[tuple, list[int]] = {}
@@ -104,7 +100,7 @@ def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list
             groups.setdefault(w.sampled.filter, []).append(b)
     if not groups:
         return [], None
-    per_chunk = max(1, CHUNK_ELEMENTS // (logits.shape[1] * logits.shape[2]))
+    per_chunk = max(1, batch.SAMPLING_CHUNK // (logits.shape[1] * logits.shape[2]))
     rows, parts = [], []
     for g in groups.values():
         for c in range(0, len(g), per_chunk):

@@ -14,6 +14,12 @@ from splitspec.models.kv import BLOCK_SIZE, slot_mapping
 #: Batch sizes steady cycles are padded to (and capture CUDA graphs at) up to 256; past it, multiples of 256.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+#: Logits one call of the leader's sampled decisions filters at most (:func:`splitspec.engine.acceptance.sampled_rows`);
+#: their float32 / int64 temporaries (the top-p sort's values and indices, the cumulative sum, masks) peak at ~28 bytes
+#: per logit, so at most SAMPLING_BYTES, which the memory plan holds on GPU 0.
+SAMPLING_CHUNK = 1 << 22
+SAMPLING_BYTES = 32 * SAMPLING_CHUNK
+
 
 def bucket(batch: int) -> int:
     """The smallest batch bucket holding ``batch`` sequences (padded sequences write scratch rows): a power of two up to
