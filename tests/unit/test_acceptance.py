@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.engine.acceptance import sampled_decisions, sampled_rows, target_probs
+from splitspec.engine.acceptance import SCAN_BLOCK, SCAN_ROWS, blocked_cumsum, sampled_decisions, sampled_rows, target_probs
 from splitspec.engine.plan import SampledDraw, SeqWork
 from splitspec.runtime.sampling import draw_cycle, read_decision, verify
 from splitspec.runtime.types import SamplingParams
@@ -48,6 +48,42 @@ def test_one_sequence_matches_the_host_reference(k):
         want = reference(logits, drafts, sp, torch.Generator().manual_seed(seed))
         got = verify(logits, drafts, sp, draw_cycle(sp, k, torch.Generator().manual_seed(seed)))
         assert got == want, (trial, sp, drafts)
+
+
+@pytest.mark.parametrize("V", [1, SCAN_BLOCK - 1, SCAN_BLOCK, SCAN_BLOCK + 1, 5 * SCAN_BLOCK, 5 * SCAN_BLOCK + 7])
+@pytest.mark.parametrize("rows", [(1, 2), (3, SCAN_ROWS)])
+def test_blocked_cumsum_is_the_cumulative_sum(V, rows):
+    """Blocks of SCAN_BLOCK plus the sum of the blocks before (from SCAN_ROWS rows), one scan per row below: numpy's
+    sequential sum, float64 and float32, and on the CPU never decreasing over weights ≥ 0."""
+    x = torch.rand(*rows, V, generator=torch.Generator().manual_seed(V), dtype=torch.float64)
+    x[0, 1, V // 2:] = 0.0  # a run of zero weights: equal sums, not smaller ones
+    want = np.cumsum(x.numpy(), -1)
+    got = blocked_cumsum(x)
+    assert got.shape == x.shape and np.allclose(got.numpy(), want, rtol=1e-13, atol=0)
+    assert (got.diff(dim=-1) >= 0).all()
+    assert np.allclose(blocked_cumsum(x.float()).numpy(), want, rtol=2e-6)
+
+
+def test_a_vocabulary_of_several_scan_blocks_matches_the_host_reference():
+    """V = 3000 (three scan blocks), k 2, 12 sequences a cycle (blocked scans in sampled_rows), each filter: every
+    decision equals the one-sequence reference; NaN logits there are still refused with a token id in the vocabulary."""
+    g = torch.Generator().manual_seed(11)
+    k, V, B = 2, 3000, 12
+    for trial in range(12):
+        sp = FILTERS[trial % len(FILTERS)]
+        logits = torch.randn(B, k + 1, V, generator=g) * 4
+        drafts = logits[:, :k].argmax(-1)
+        drafts[::2, 1] = torch.randint(0, V, (B // 2,), generator=g)  # drafts the target does not favour
+        seeds = torch.randint(0, 2**31, (B,), generator=g).tolist()
+        work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=draw_cycle(sp, k, torch.Generator().manual_seed(s)))
+                for b, s in enumerate(seeds)]
+        rows, decisions = sampled_rows(work, logits, drafts)
+        for b, values in zip(rows, decisions.tolist()):
+            want = reference(logits[b], drafts[b].tolist(), sp, torch.Generator().manual_seed(seeds[b]))
+            assert read_decision(values, drafts[b].tolist()) == want, (trial, sp, b)
+    nan = torch.full((B, k + 1, V), float("nan"))
+    decisions = sampled_decisions(nan, drafts, [draw_cycle(FILTERS[1], k, g) for _ in range(B)])
+    assert (decisions[:, 2] == 0).all() and (decisions[:, 1] >= 0).all() and (decisions[:, 1] < V).all()
 
 
 def test_a_batch_grouped_by_filter_matches_each_sequence_alone():

@@ -14,9 +14,29 @@ order :func:`splitspec.runtime.sampling.verify` has always drawn them in, so a s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from splitspec.engine.plan import SampledDraw
 from splitspec.models import batch
+
+SCAN_BLOCK = 1024  # elements per block of blocked_cumsum
+SCAN_ROWS = 8  # fewer rows: one scan per row (its extra launches cost more than they save there)
+
+
+def blocked_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum over the last dimension of ``x`` [..., V] (same dtype): ``x.cumsum(-1)`` up to rounding. From
+    :data:`SCAN_ROWS` rows of more than :data:`SCAN_BLOCK` elements, as a scan within blocks of SCAN_BLOCK plus the
+    exclusive scan of the blocks' totals: on a GPU torch scans each row in one thread block (0.2 ms for a row of
+    163,840 on an H100, whatever the number of rows), while the blocks run in parallel. A GPU's scan is not
+    sequential, so over a run of zeros the sum may dip by an ulp (docs/lab/2026-12-05-h100-draft-ahead-sampled)."""
+    V = x.shape[-1]
+    if V <= SCAN_BLOCK or x.numel() < SCAN_ROWS * V:
+        return x.cumsum(-1)
+    nb = -(-V // SCAN_BLOCK)
+    padded = x if V == nb * SCAN_BLOCK else F.pad(x, (0, nb * SCAN_BLOCK - V))
+    inner = padded.reshape(*x.shape[:-1], nb, SCAN_BLOCK).cumsum(-1)
+    before = F.pad(inner[..., :-1, -1].cumsum(-1), (1, 0))  # the sum of the blocks before each block
+    return (inner + before[..., None]).flatten(-2)[..., :V]
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -30,18 +50,18 @@ def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
     p = x.softmax(-1)
     if params.top_p < 1:
         sp, idx = p.sort(-1, descending=True)
-        drop = sp.cumsum(-1) - sp >= params.top_p  # keep the smallest prefix reaching top_p
+        drop = blocked_cumsum(sp) - sp >= params.top_p  # keep the smallest prefix reaching top_p
         p = p.masked_fill(drop.scatter(-1, idx, drop), 0.0)
         p = p / p.sum(-1, keepdim=True)
     return p
 
 
 def inverse_transform(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Per row of ``weights`` [R, V] (≥ 0, not normalised), the first index whose cumulative sum (float64) exceeds
-    v · Σ, for ``v`` [R] float64 uniforms in [0, 1): index i with probability weights[i] / Σ. A weight of 0 is never
-    drawn (nor past the last positive one, should v · Σ round up to Σ). Returns [R, 2] float64: index, Σ (checked by
-    the reader: 0, NaN or inf mean the row cannot be drawn from)."""
-    c = weights.double().cumsum(-1)
+    """Per row of ``weights`` [R, V] (≥ 0, not normalised), the first index whose cumulative sum (float64,
+    :func:`blocked_cumsum`) exceeds v · Σ, for ``v`` [R] float64 uniforms in [0, 1): index i with probability
+    weights[i] / Σ. A weight of 0 is never drawn (nor past the last positive one, should v · Σ round up to Σ).
+    Returns [R, 2] float64: index, Σ (checked by the reader: 0, NaN or inf mean the row cannot be drawn from)."""
+    c = blocked_cumsum(weights.double()).contiguous()
     total = c[:, -1:].contiguous()
     i = torch.minimum(torch.searchsorted(c, v[:, None] * total, right=True), torch.searchsorted(c, total))
     return torch.cat((i.double(), total), 1)

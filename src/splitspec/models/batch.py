@@ -16,7 +16,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 #: Logits one call of the leader's sampled decisions filters at most (:func:`splitspec.engine.acceptance.sampled_rows`);
 #: their float32 / int64 temporaries (the top-p sort's values and indices, the cumulative sum, masks) peak at ~28 bytes
-#: per logit, so at most SAMPLING_BYTES, which the memory plan holds on GPU 0.
+#: per logit (32 while a blocked scan pads a vocabulary that is not a multiple of 1024), so at most SAMPLING_BYTES,
+#: which the memory plan holds on GPU 0.
 SAMPLING_CHUNK = 1 << 22
 SAMPLING_BYTES = 32 * SAMPLING_CHUNK
 
