@@ -5,7 +5,8 @@ batch of B sampled sequences with k drafts each, on logits [B, k + 1, V] float32
 
 Per (B, k) it prints the median µs of ``--reps`` calls, each from launch to the decisions read on the host (on a GPU:
 synchronised, so the kernels' time plus the launches the host makes), and, on a GPU, the device time alone between
-CUDA events. ``--json FILE`` writes the rows. Kimi's vocabulary is 163,840 tokens::
+CUDA events. ``--json FILE`` writes the rows; ``--profile N`` then prints, per row, the N operators taking the most
+device time (CPU time on a CPU) over five calls, from torch.profiler. Kimi's vocabulary is 163,840 tokens::
 
     PYTHONPATH=src python3 bench/lab/sampling_cost.py --device cuda --batches 1,4,16,64 --ks 1,3,5 --vocab 163840
 """
@@ -63,6 +64,22 @@ def time_row(B: int, k: int, V: int, params: SamplingParams, device: str, reps: 
             "device_us": statistics.median(dev) if dev else None}
 
 
+def profile_row(B: int, k: int, V: int, params: SamplingParams, device: str, top: int) -> str:
+    """torch.profiler's table of the ``top`` operators by device time (CPU time on a CPU) over five calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(B * 100 + k)
+    logits = (torch.randn(B, k + 1, V, generator=g) * 3).to(device)
+    drafts = logits[:, :k].argmax(-1)
+    work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=draw_cycle(params, k, g)) for b in range(B)]
+    cuda = device.startswith("cuda")
+    sampled_rows(work, logits, drafts)[1].tolist()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(5):
+            sampled_rows(work, logits, drafts)[1].tolist()
+    return prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=top)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -74,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--reps", type=int, default=20, help="timed calls per row")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print each row's N costliest operators")
     a = ap.parse_args(argv)
     if a.vocab < 2 or a.reps < 1 or not min(a.batches) >= 1:
         ap.error(f"--vocab {a.vocab}, --reps {a.reps}, --batches {a.batches}: expected V ≥ 2, reps ≥ 1, batches ≥ 1")
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             dev = f"{r['device_us']:10.1f}" if r["device_us"] is not None else f"{'—':>10}"
             print(f"{B:>4} {k:>2} {r['host_us']:9.1f} {dev}", flush=True)
+            if a.profile > 0:
+                print(profile_row(B, k, a.vocab, params, a.device, a.profile), flush=True)
     if a.json:
         write_json({"device": a.device, "params": vars(params), "rows": rows}, a.json)
     return 0

@@ -27,3 +27,9 @@ def test_bad_options_are_one_line(capsys, args, says):
         sampling_cost.main(args + ["--reps", "1", "--vocab", "64"] if "--vocab" not in args else args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and "Traceback" not in err
+
+
+def test_profile_prints_the_costliest_operators(capsys):
+    assert sampling_cost.main(["--batches", "1", "--ks", "1", "--vocab", "64", "--reps", "1", "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "aten::sort" in out and "Self CPU time total" in out
