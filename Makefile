@@ -44,8 +44,10 @@ engines: demo-models
 	  $(SPLITSPEC) convert --target $(MODELS)/target --drafter $(MODELS)/drafter --out $(CKPT) --tp $(or $(TP),2) && \
 	  $(SPLITSPEC) build --checkpoints $(CKPT) --out $(ENGINES) $(if $(DTYPE),--dtype $(DTYPE)); fi
 
+# sampled instead of greedy (and no --check): make generate TEMPERATURE=0.8 [TOP_P=0.95] [SEED=7]
 generate: engines
-	$(strip $(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) --check \
+	$(strip $(SPLITSPEC) generate --engines $(ENGINES) --prompt "$(PROMPT)" $(if $(K),-k $(K)) \
+	  $(if $(TEMPERATURE),--temperature $(TEMPERATURE) $(if $(TOP_P),--top-p $(TOP_P)) $(if $(SEED),--seed $(SEED)),--check) \
 	  $(if $(DEVICE_IDS),--device cuda:$(DEVICE_IDS)))
 
 repo: engines
