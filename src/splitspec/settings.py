@@ -115,9 +115,10 @@ class ServeConfig:
             compiled for the CUDA-graph path only), on the CPU or on older GPUs. This switch decides for the engine's
             parts, whatever torch's own ``TORCHINDUCTOR_ENABLE_PDL`` says.
         draft_ahead: a steady cycle's draft phase launched behind the cycle before's verify, its acceptance decided
-            on the device (greedy, sampled or synthetic), where the drafter is the TP1 one: the GPU then drafts while the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`;
-            the drafts of a cycle whose batch changed are dropped). Steady cycles in the padded form only: on the CPU
-            with ``padded`` too. Off by default until measured on GPUs.
+            on the device (greedy, sampled or synthetic), where the drafter is the TP1 one: the GPU then drafts while
+            the host accepts, emits and plans (:mod:`splitspec.engine.draft_ahead`; the drafts of a cycle whose batch
+            changed are dropped). Steady cycles in the padded form only: on the CPU with ``padded`` too. Off by
+            default: measured on one H100 so far (docs/performance.md).
         collective_timeout_s: how long a rank waits in a collective before giving up, seconds.
         trust_remote_code: a tokenizer folder whose tokenizer exists only as Python code (``auto_map`` in
             ``tokenizer_config.json``) is loaded with transformers' ``AutoTokenizer``, running that code; off (the
