@@ -20,17 +20,17 @@ from splitspec.engine.plan import SampledDraw
 from splitspec.models import batch
 
 SCAN_BLOCK = 1024  # elements per block of blocked_cumsum
-SCAN_ROWS = 8  # fewer rows: one scan per row (its extra launches cost more than they save there)
 
 
 def blocked_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Cumulative sum over the last dimension of ``x`` [..., V] (same dtype): ``x.cumsum(-1)`` up to rounding. From
-    :data:`SCAN_ROWS` rows of more than :data:`SCAN_BLOCK` elements, as a scan within blocks of SCAN_BLOCK plus the
-    exclusive scan of the blocks' totals: on a GPU torch scans each row in one thread block (0.2 ms for a row of
-    163,840 on an H100, whatever the number of rows), while the blocks run in parallel. A GPU's scan is not
-    sequential, so over a run of zeros the sum may dip by an ulp (docs/lab/2026-12-05-h100-draft-ahead-sampled)."""
+    """Cumulative sum over the last dimension of ``x`` [..., V] (same dtype): ``x.cumsum(-1)`` up to rounding. Above
+    :data:`SCAN_BLOCK` elements, as a scan within blocks of SCAN_BLOCK plus the exclusive scan of the blocks' totals:
+    on a GPU torch scans each row of a multi-row tensor in one thread block (0.2 ms for a row of 163,840 on an H100,
+    whatever the number of rows), while the blocks run in parallel. The form depends on V only, never on how many
+    rows are scanned together: a row's sums, so a seeded request's tokens, do not depend on its batch. A GPU's scan
+    is not sequential, so over a run of zeros the sum may dip by an ulp (docs/lab/2026-12-05-h100-draft-ahead-sampled)."""
     V = x.shape[-1]
-    if V <= SCAN_BLOCK or x.numel() < SCAN_ROWS * V:
+    if V <= SCAN_BLOCK:
         return x.cumsum(-1)
     nb = -(-V // SCAN_BLOCK)
     padded = x if V == nb * SCAN_BLOCK else F.pad(x, (0, nb * SCAN_BLOCK - V))
@@ -48,6 +48,7 @@ def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     p = x.softmax(-1)
+    del x  # not alive through the sort
     if params.top_p < 1:
         sp, idx = p.sort(-1, descending=True)
         drop = blocked_cumsum(sp) - sp >= params.top_p  # keep the smallest prefix reaching top_p
