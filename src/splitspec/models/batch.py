@@ -15,11 +15,12 @@ from splitspec.models.kv import BLOCK_SIZE, slot_mapping
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 #: Logits one call of the leader's sampled decisions filters at most (:func:`splitspec.engine.acceptance.sampled_rows`);
-#: their float32 / int64 temporaries (the top-p sort's values and indices, the cumulative sum, masks) peak at ~28 bytes
-#: per logit (32 while a blocked scan pads a vocabulary that is not a multiple of 1024), so at most SAMPLING_BYTES,
-#: which the memory plan holds on GPU 0.
+#: their float32 / int64 temporaries (the top-p sort's values and indices, the cumulative sum, masks; a gathered copy
+#: of the logits for works not side by side) peaked at 23–31 bytes per logit on a CPU (process RSS, V 150,000 and
+#: 163,840, float32 and bfloat16 logits, top-k or not), and a GPU's radix sort adds its double buffers (~12 bytes
+#: per logit): SAMPLING_BYTES, which the memory plan holds on GPU 0, allows 40.
 SAMPLING_CHUNK = 1 << 22
-SAMPLING_BYTES = 32 * SAMPLING_CHUNK
+SAMPLING_BYTES = 40 * SAMPLING_CHUNK
 
 
 def bucket(batch: int) -> int:
