@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,11 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print each row's N costliest operators")
     a = ap.parse_args(argv)
-    if a.vocab < 2 or a.reps < 1 or not min(a.batches) >= 1:
-        ap.error(f"--vocab {a.vocab}, --reps {a.reps}, --batches {a.batches}: expected V ≥ 2, reps ≥ 1, batches ≥ 1")
+    if a.vocab < 2 or a.reps < 1 or not min(a.batches) >= 1 or a.profile < 0:
+        ap.error(f"--vocab {a.vocab}, --reps {a.reps}, --batches {a.batches}, --profile {a.profile}: expected V ≥ 2, "
+                 "reps ≥ 1, batches ≥ 1, profile ≥ 0")
+    if a.json is not None:  # before minutes of timing, not after
+        try:
+            tempfile.TemporaryFile(dir=a.json.parent).close()
+        except OSError as e:
+            ap.error(f"--json {a.json}: cannot write in {a.json.parent} ({e.strerror})")
     params = SamplingParams(a.temperature, a.top_p, a.top_k)
     try:
         params.check()
+        if torch.device(a.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {a.device}: expected cpu or cuda[:N]")
         torch.empty(0, device=a.device)
     except Exception as e:  # a bad filter value, or a device this machine lacks: one line
         ap.error(f"{e}")
@@ -109,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for B in a.batches:
         for k in a.ks:
-            r = time_row(B, k, a.vocab, params, a.device, a.reps)
+            try:
+                r = time_row(B, k, a.vocab, params, a.device, a.reps)
+            except (torch.OutOfMemoryError, RuntimeError) as e:  # too large for this machine: one line, not a trace
+                print(f"sampling_cost.py: batch {B}, k {k}, V {a.vocab}: {str(e).splitlines()[0]}", file=sys.stderr)
+                return 1
             rows.append(r)
             dev = f"{r['device_us']:10.1f}" if r["device_us"] is not None else f"{'—':>10}"
             print(f"{B:>4} {k:>2} {r['host_us']:9.1f} {dev}", flush=True)

@@ -21,7 +21,9 @@ def test_rows_are_timed_and_written(capsys, tmp_path):
 
 @pytest.mark.parametrize("args, says", [(["--temperature", "0"], "greedy"), (["--top-p", "2"], "top_p = 2.0"),
                                         (["--device", "cuda:7"], ""), (["--vocab", "1"], "--vocab 1"),
-                                        (["--batches", "0"], "batches"), (["--ks", "a"], "'a'")])
+                                        (["--batches", "0"], "batches"), (["--ks", "a"], "'a'"),
+                                        (["--profile", "-1"], "--profile -1"), (["--device", "meta"], "--device meta"),
+                                        (["--json", "/nonexistent/cost.json"], "cannot write in /nonexistent")])
 def test_bad_options_are_one_line(capsys, args, says):
     with pytest.raises(SystemExit) as e:
         sampling_cost.main(args + ["--reps", "1", "--vocab", "64"] if "--vocab" not in args else args)
@@ -33,3 +35,9 @@ def test_profile_prints_the_costliest_operators(capsys):
     assert sampling_cost.main(["--batches", "1", "--ks", "1", "--vocab", "64", "--reps", "1", "--profile", "3"]) == 0
     out = capsys.readouterr().out
     assert "aten::sort" in out and "Self CPU time total" in out
+
+
+def test_a_size_too_large_for_memory_is_one_line(capsys):
+    assert sampling_cost.main(["--batches", "1", "--ks", "1", "--vocab", str(10**12), "--reps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "batch 1, k 1, V 1000000000000" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
