@@ -40,12 +40,20 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def time_row(B: int, k: int, V: int, params: SamplingParams, device: str, reps: int) -> dict:
-    """Median host-observed and device µs of one cycle's decisions for B sequences, k drafts, vocabulary V."""
+def decisions(B: int, k: int, V: int, params: SamplingParams, device: str):
+    """A call of one cycle's decisions for B sequences, k drafts, vocabulary V: random logits [B, k + 1, V] float32
+    on ``device``, the drafts their argmax, a seeded draw per sequence; returns it (it returns the decisions as a
+    list)."""
     g = torch.Generator().manual_seed(B * 100 + k)
     logits = (torch.randn(B, k + 1, V, generator=g) * 3).to(device)
     drafts = logits[:, :k].argmax(-1)
     work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=draw_cycle(params, k, g)) for b in range(B)]
+    return lambda: sampled_rows(work, logits, drafts)[1].tolist()
+
+
+def time_row(B: int, k: int, V: int, params: SamplingParams, device: str, reps: int) -> dict:
+    """Median host-observed and device µs of one cycle's decisions for B sequences, k drafts, vocabulary V."""
+    call = decisions(B, k, V, params, device)
     cuda = device.startswith("cuda")
     host, dev = [], []
     for i in range(reps + 3):  # three warm-up calls
@@ -54,7 +62,7 @@ def time_row(B: int, k: int, V: int, params: SamplingParams, device: str, reps: 
             torch.cuda.synchronize()
             start.record()
         t = time.perf_counter()
-        sampled_rows(work, logits, drafts)[1].tolist()
+        call()
         if i >= 3:
             host.append((time.perf_counter() - t) * 1e6)
             if cuda:
@@ -69,15 +77,12 @@ def profile_row(B: int, k: int, V: int, params: SamplingParams, device: str, top
     """torch.profiler's table of the ``top`` operators by device time (CPU time on a CPU) over five calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator().manual_seed(B * 100 + k)
-    logits = (torch.randn(B, k + 1, V, generator=g) * 3).to(device)
-    drafts = logits[:, :k].argmax(-1)
-    work = [SeqWork(b, [], "decode", 0, [0], k=k, sampled=draw_cycle(params, k, g)) for b in range(B)]
+    call = decisions(B, k, V, params, device)
     cuda = device.startswith("cuda")
-    sampled_rows(work, logits, drafts)[1].tolist()  # warm-up
+    call()  # warm-up
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(5):
-            sampled_rows(work, logits, drafts)[1].tolist()
+            call()
     return prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=top)
 
 
