@@ -27,8 +27,10 @@ def blocked_cumsum(x: torch.Tensor) -> torch.Tensor:
     :data:`SCAN_BLOCK` elements, as a scan within blocks of SCAN_BLOCK plus the exclusive scan of the blocks' totals:
     on a GPU torch scans each row of a multi-row tensor in one thread block (0.2 ms for a row of 163,840 on an H100,
     whatever the number of rows), while the blocks run in parallel. The form depends on V only, never on how many
-    rows are scanned together: a row's sums, so a seeded request's tokens, do not depend on its batch. A GPU's scan
-    is not sequential, so over a run of zeros the sum may dip by an ulp (docs/lab/2026-12-05-h100-draft-ahead-sampled)."""
+    rows are scanned together: on a CPU a row's sums, so a seeded request's tokens, do not depend on its batch (on a
+    GPU torch scans a lone row with cub's device-wide scan and several with its row kernel, which may round
+    differently). A GPU's scan is not sequential, so over a run of zeros the sum may dip by an ulp
+    (docs/lab/2026-12-05-h100-draft-ahead-sampled)."""
     V = x.shape[-1]
     if V <= SCAN_BLOCK:
         return x.cumsum(-1)
