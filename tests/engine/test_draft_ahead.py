@@ -226,11 +226,12 @@ def test_sampled_requests_draft_ahead_and_sample_as_without(built_engines, tok):
     assert len({tuple(t) for t, _, _ in outs[0]}) == 4, "the sampled requests sampled (each differs from the others)"
 
 
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_fail_that_request_only(built_engines, tok, value):
-    """NaN or inf logits in one sampled sequence's verify while the next draft goes ahead: that request ends with the
-    sampler's one-line error (not the drafter embedding an id past the vocabulary, nor the engine stopping), and the
-    other request of the batch runs to its length."""
+def test_non_finite_logits_in_a_cycle_drafting_ahead_fail_that_request_only(built_engines, tok, value, temperature):
+    """NaN or inf logits in one sampled or greedy sequence's verify while the next draft goes ahead: that request ends
+    with a one-line error (not the drafter embedding an id past the vocabulary, nor the engine stopping, nor a token
+    no finite logit chose), and the other request of the batch runs to its length."""
     with SpeculativeEngine.load(ServeConfig(built_engines, padded=True, draft_ahead=True)) as eng:
         taken = _counting(eng)
         r0, calls = eng.group.rank0, [0]
@@ -248,7 +249,8 @@ def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_fail_that_request_o
         ids = tok.encode(PROMPT)
         ends, tokens = {}, {}
         for seed in (1, 2):
-            rid = eng.submit(Request(ids, 30, SamplingParams(0.8, seed=seed), num_draft_tokens=3, stop_token_ids=set()))
+            rid = eng.submit(Request(ids, 30, SamplingParams(temperature, seed=seed), num_draft_tokens=3,
+                                     stop_token_ids=set()))
             tokens[rid] = []
         while eng.has_work():
             for e in eng.step():
@@ -256,6 +258,8 @@ def test_non_finite_logits_in_a_sampled_cycle_drafting_ahead_fail_that_request_o
                 if e.finished:
                     ends[e.request_id] = (e.finish_reason, e.error)
         bad, good = sorted(ends)
-        assert calls[0] > 6 and ends[bad] == ("error", "sampling: draw: weights sum to 0, NaN or inf, expected a finite "
-                                                       "sum > 0 (NaN or inf in the logits?)")
+        says = ("sampling: draw: weights sum to 0, NaN or inf, expected a finite sum > 0 (NaN or inf in the logits?)"
+                if temperature else "sampling: greedy: the target's logits at verified row 0 are NaN or inf, expected "
+                "finite values")
+        assert calls[0] > 6 and ends[bad] == ("error", says)
         assert ends[good] == ("length", None) and len(tokens[good]) == 30

@@ -212,11 +212,12 @@ def test_bad_request_values_are_refused_and_engine_keeps_serving(built_engines, 
             SpeculativeEngine.load(ServeConfig(engines_for(1), **kw))
 
 
+@pytest.mark.parametrize("first", ["sampled", "greedy"])
 @pytest.mark.parametrize("at_call", [1, 3])
-def test_nan_logits_fail_the_sampled_request_they_hit_and_no_other(built_engines, tok, at_call):
-    """NaN logits in one sampled request's rows, at its first token (the prefill's draw, call 1) or in a later eager
-    cycle's verify (call 3): that request ends with the sampler's one-line error; the greedy and the other sampled
-    request of the batch run to their length."""
+def test_nan_logits_fail_the_request_they_hit_and_no_other(built_engines, tok, at_call, first):
+    """NaN logits in one sampled or greedy request's rows, at its first token (the prefill's draw or argmax, call 1)
+    or in a later eager cycle's verify (call 3): that request ends with a one-line error (not a token the logits never
+    chose); the greedy and the sampled request beside it run to their length."""
     with SpeculativeEngine.load(ServeConfig(built_engines, num_draft_tokens=2)) as eng:
         r0, calls = eng.group.rank0, [0]
         forward = r0.target.forward
@@ -231,10 +232,12 @@ def test_nan_logits_fail_the_sampled_request_they_hit_and_no_other(built_engines
 
         r0.target.forward = poisoned
         ids = tok.encode(PROMPTS[0])
-        sampling = [SamplingParams(0.8, seed=1), SamplingParams(), SamplingParams(1.0, seed=2)]
+        sampling = [SamplingParams(0.8, seed=1) if first == "sampled" else SamplingParams(), SamplingParams(),
+                    SamplingParams(1.0, seed=2)]
         rids = [eng.submit(Request(ids, 12, sp, stop_token_ids=set())) for sp in sampling]
         ends = {}
         while eng.has_work():
             ends.update({e.request_id: (e.finish_reason, e.error) for e in eng.step() if e.finished})
-        assert ends[rids[0]][0] == "error" and ends[rids[0]][1].startswith("sampling: draw: weights sum to")
+        says = "sampling: draw: weights sum to" if first == "sampled" else "sampling: greedy: the target's logits at"
+        assert ends[rids[0]][0] == "error" and ends[rids[0]][1].startswith(says), ends[rids[0]]
         assert ends[rids[1]] == ends[rids[2]] == ("length", None)

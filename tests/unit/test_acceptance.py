@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.engine.acceptance import SCAN_BLOCK, blocked_cumsum, sampled_decisions, sampled_rows, target_probs
+from splitspec.engine.acceptance import (SCAN_BLOCK, blocked_cumsum, greedy_ids, sampled_decisions, sampled_rows,
+                                       target_probs)
 from splitspec.engine.plan import SampledDraw, SeqWork
 from splitspec.runtime.sampling import draw_cycle, read_decision, verify
 from splitspec.runtime.types import SamplingParams
@@ -170,3 +171,15 @@ def test_nan_logits_are_refused_by_name():
     assert sampled_decisions(bad, torch.tensor([[1, 2]]), [SampledDraw(1.0, 1.0, 0, (0.5, 0.5), 0.5)]).tolist() == [[0, 7, 0]]
     with pytest.raises(ValueError, match="2 drafts needs 2 uniforms"):
         verify(ok, [1, 2], sp, SampledDraw(1.0, 1.0, 0, (0.5,), 0.5))
+
+
+def test_greedy_ids_mark_rows_whose_largest_logit_is_not_finite():
+    """argmax per row, −1 where the largest value is NaN (argmax picks it first), +inf, or the row is all −inf; a row
+    with some −inf and a finite maximum keeps its argmax."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.0, nan, 9.0], [1.0, inf, 2.0], [-inf, -inf, -inf], [-inf, 3.0, 1.0], [nan, nan, nan]])
+    for x in (logits, logits.bfloat16()):
+        assert greedy_ids(x).tolist() == [-1, -1, -1, 1, -1]
+        assert greedy_ids(x, x.argmax(-1)).tolist() == [-1, -1, -1, 1, -1]
+    with pytest.raises(ValueError, match="verified row 1 are NaN or inf"):
+        verify(torch.tensor([[5.0, 0.0], [nan, 1.0]]), [0], SamplingParams())

@@ -70,6 +70,15 @@ def inverse_transform(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat((i.double(), total), 1)
 
 
+def greedy_ids(logits: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's argmax per row of ``logits`` [R, V] (``best`` [R] int64 when taken already) as int64 [R], −1
+    where the row's largest value is NaN or ±inf — torch's argmax picks a NaN first, so one gather finds it — so
+    that the host refuses that row (:func:`splitspec.runtime.sampling.verify`) instead of emitting a token no
+    finite logit chose."""
+    best = logits.argmax(-1) if best is None else best
+    return torch.where(torch.isfinite(logits.gather(-1, best[..., None])[..., 0]), best, -1)
+
+
 def accepted(best: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
     """Drafts accepted per sequence, a [B] int64: ``forced[b]`` where it is ≥ 0 (decided already: synthetic
     acceptance, or a sampled decision), else the number of leading drafts equal to the target's argmax at their

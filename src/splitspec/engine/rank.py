@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
-from splitspec.engine.acceptance import sampled_rows
+from splitspec.engine.acceptance import greedy_ids, sampled_rows
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.draft_ahead import DraftAhead
@@ -349,7 +349,8 @@ class RankRunner:
             self.clock.verify_done()
         # the leader decides its sampled works here, on the device: for its host and a draft launched ahead alike
         rows, decided = sampled_rows(plan.work, logits.view(B, n, -1), drafts[:B]) if self.rank == 0 else ([], None)
-        both = torch.cat((best, drafts[:B].flatten()) + (() if decided is None else (decided.flatten(),)))
+        # the host's argmax marks a NaN or inf row −1 (greedy_ids); a draft launched ahead embeds ``best`` as it is
+        both = torch.cat((greedy_ids(logits, best), drafts[:B].flatten()) + (() if decided is None else (decided.flatten(),)))
         ready = None
         if self.ahead is not None and self.ahead.wanted(self, plan):
             both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it

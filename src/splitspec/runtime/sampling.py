@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.engine.acceptance import inverse_transform, sampled_decisions, target_probs
+from splitspec.engine.acceptance import greedy_ids, inverse_transform, sampled_decisions, target_probs
 from splitspec.engine.plan import SampledDraw
 from splitspec.runtime.types import SamplingParams
 
-__all__ = ["SampledDraw", "SamplingParams", "draw", "draw_cycle", "read_decision", "synthetic_accept", "target_probs",
-           "verify", "verify_synthetic"]
+__all__ = ["SampledDraw", "SamplingParams", "draw", "draw_cycle", "greedy_ids", "greedy_token", "read_decision",
+           "synthetic_accept", "target_probs", "verify", "verify_synthetic"]
 
 
 def draw_cycle(params: SamplingParams, k: int, gen: torch.Generator | None) -> SampledDraw:
@@ -50,6 +50,14 @@ def _check_sum(s: float) -> None:
         raise ValueError(f"draw: weights sum to {s}, expected a finite sum > 0 (NaN or inf in the logits?)")
 
 
+def greedy_token(token: int, row: int) -> int:
+    """A row's argmax as copied to the host (:func:`~splitspec.engine.acceptance.greedy_ids`); raises ValueError for
+    −1, a row whose largest logit is NaN or inf."""
+    if token < 0:
+        raise ValueError(f"greedy: the target's logits at verified row {row} are NaN or inf, expected finite values")
+    return token
+
+
 def read_decision(values: list[int], drafts: list[int]) -> tuple[int, list[int]]:
     """A sampled sequence's decision as copied to the host (a row of :func:`sampled_decisions`: accepted a, the token
     after, whether its row could be drawn from) → (a, emitted tokens). Raises ValueError when it could not (the
@@ -69,17 +77,20 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, samp
         drafts: the k draft tokens (target ids), proposed greedily.
         sampled: the cycle's random numbers (:func:`draw_cycle`, from the request's generator); needed unless
             ``params`` is greedy.
-        best: the rows' argmax when already on the host (saves a device-to-host copy).
+        best: the rows' argmax when already on the host (saves a device-to-host copy), −1 for a row whose largest
+            logit is NaN or inf (:func:`~splitspec.engine.acceptance.greedy_ids`).
     Returns:
         (number of drafts accepted a, emitted tokens = drafts[:a] + [one target token]).
+    Raises:
+        ValueError: the row the token comes from holds NaN or inf (greedy: its largest logit; sampled: the weights).
     """
     k = len(drafts)
     if params.greedy:
-        best = best if best is not None else logits.argmax(-1).tolist()
+        best = best if best is not None else greedy_ids(logits).tolist()
         a = 0
         while a < k and drafts[a] == best[a]:
             a += 1
-        return a, drafts[:a] + [best[a]]
+        return a, drafts[:a] + [greedy_token(best[a], a)]
     if sampled is None or len(sampled.u) < k:
         raise ValueError(f"verify: a sampled cycle of {k} drafts needs {k} uniforms drawn before it, got {sampled}")
     d = torch.tensor(drafts, dtype=torch.long, device=logits.device)[None]
@@ -106,4 +117,4 @@ def verify_synthetic(logits: torch.Tensor, drafts: list[int], a: int, best: list
     """
     if not 0 <= a <= len(drafts):
         raise ValueError(f"verify_synthetic: {a} drafts accepted of {len(drafts)}")
-    return a, drafts[:a] + [best[a] if best is not None else int(logits[a].argmax())]
+    return a, drafts[:a] + [greedy_token(best[a] if best is not None else int(greedy_ids(logits[a:a + 1])[0]), a)]

@@ -27,8 +27,8 @@ from splitspec.engine.plan import CyclePlan, EngineError, SeqWork
 from splitspec.errors import ConfigError
 from splitspec.runtime.admission import AdmissionQueue
 from splitspec.runtime.placement import SWITCH_AFTER_CYCLES, by_bucket, next_placement, tuned_choice
-from splitspec.runtime.sampling import (SamplingParams, draw, draw_cycle, read_decision, synthetic_accept, target_probs,
-                                       verify, verify_synthetic)
+from splitspec.runtime.sampling import (SamplingParams, draw, draw_cycle, greedy_ids, greedy_token, read_decision,
+                                       synthetic_accept, target_probs, verify, verify_synthetic)
 from splitspec.runtime.sequence import Sequence
 from splitspec.runtime.types import CycleStats, GenerationResult, Request, RequestOutput
 from splitspec.settings import ServeConfig
@@ -346,7 +346,8 @@ class SpeculativeEngine:
                 row += 1
                 sp = seq.req.sampling
                 try:
-                    first = int(logits[0].argmax()) if sp.greedy else draw(target_probs(logits, sp)[0], seq.gen)
+                    first = (greedy_token(int(greedy_ids(logits)[0]), 0) if sp.greedy
+                             else draw(target_probs(logits, sp)[0], seq.gen))
                 except ValueError as e:  # NaN or inf logits: this request fails, the others go on
                     events.append(self._finish(seq, "error", f"sampling: {e}"))
                     continue
