@@ -99,7 +99,9 @@ class CycleOutput:
     drafts: dict[int, list[int]]
     draft_ms: float
     verify_ms: float
-    greedy: list[int] | None = None  # argmax of every logits row, fetched with the drafts in one copy
+    # argmax of every logits row, −1 where its largest logit is NaN or inf (acceptance.greedy_ids), fetched with the
+    # drafts in one copy
+    greedy: list[int] | None = None
     # the sampled works' decisions made on the device (a steady cycle): sid → [accepted, token, drawable]
     # (:func:`splitspec.engine.acceptance.sampled_decisions`), copied with the argmax
     sampled: dict[int, list[int]] | None = None
