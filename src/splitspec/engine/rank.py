@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from splitspec.config import Mapping, TargetConfig
 from splitspec.drafter_config import DrafterConfig
@@ -19,6 +18,7 @@ from splitspec.engine.acceptance import greedy_ids, sampled_rows
 from splitspec.engine.aux_states import AuxStates
 from splitspec.engine.engine_files import load_rank_weights, read_engine_meta
 from splitspec.engine.draft_ahead import DraftAhead
+from splitspec.engine.drafter_kv_move import move_rows
 from splitspec.engine.graphs import GraphCache
 from splitspec.engine.phase_clock import PhaseClock
 from splitspec.models.kv import BLOCK_SIZE, kv_blocks_for
@@ -140,32 +140,8 @@ class RankRunner:
             rows = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(self.device)
             for name, local in shard.parts().items():
                 full = self.slots[1][1].parts()[name] if self.rank == 0 else None
-                self._move_rows(local, full, rows, shard.shard_dim, to_shards=old == 1)
+                move_rows(local, full, rows, shard.shard_dim, old == 1, self.rank, self.world, self.device)
         self._use(draft_tp)
-
-    def _move_rows(self, local: torch.Tensor, full: torch.Tensor | None, rows: torch.Tensor, dim: int | None, to_shards: bool) -> None:
-        """Move ``rows`` of one drafter cache tensor between the TP1 copy ``full`` (rank 0 only) and this rank's
-        shard ``local``, split along ``dim`` (None: not split), in the direction ``to_shards`` says."""
-        full_rows = rows.to(full.device) if full is not None else None
-        if dim is None:
-            if to_shards:
-                mine = full[full_rows].to(self.device) if self.rank == 0 else local.new_empty((len(rows), *local.shape[1:]))
-                dist.broadcast(mine, src=0)
-                local[rows] = mine
-            elif self.rank == 0:
-                full[full_rows] = local[rows].to(full.device)
-            return
-        mine = local.new_empty((len(rows), *local.shape[1:]))
-        if to_shards:  # rank 0 cuts its TP1 rows along dim and sends each rank its own part only
-            parts = [c.contiguous() for c in full[full_rows].to(self.device).chunk(self.world, dim)] if self.rank == 0 else None
-            dist.scatter(mine, parts, src=0)
-            local[rows] = mine
-        else:  # every shard's rows to rank 0 only, which concatenates them along dim
-            mine.copy_(local[rows])
-            parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(mine, parts, dst=0)
-            if self.rank == 0:
-                full[full_rows] = torch.cat(parts, dim).to(full.device)
 
     def draft_phase(self, plan: CyclePlan) -> dict[int, list[int]]:
         """Extend the drafter over last cycle's accepted tokens, then draft: k tokens per decode work."""
