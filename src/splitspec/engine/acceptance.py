@@ -123,9 +123,8 @@ def sampled_decisions(logits: torch.Tensor, drafts: torch.Tensor, draws: list[Sa
 def sampled_rows(work, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
     """:func:`sampled_decisions` for the works of a steady cycle that carry a :class:`SampledDraw` (``SeqWork.sampled``),
     grouped by filter, in chunks of at most :data:`~splitspec.models.batch.SAMPLING_CHUNK` logits (at least one
-    sequence). logits
-    [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in that order (None when no
-    work samples)."""
+    sequence). logits [B, k + 1, V], drafts [B, k]. Returns the works' indices and their decisions [S, 3] in that
+    order (None when no work samples)."""
     groups: dict[tuple, list[int]] = {}
     for b, w in enumerate(work):
         if w.sampled is not None:

@@ -24,7 +24,8 @@ delays the next cycle. A submit is not answered: the engine takes the request at
 and a request it refuses comes back as that request's one event, finished with ``finish_reason``
 ``"rejected"`` (the request can never be served: ``error`` says why) or ``"error"`` (the engine stopped
 serving). A request, greedy or sampled, whose next token meets NaN or inf logits also ends with ``"error"``
-(``error`` says so), alone. So the host's thread that submits (``spec_decode``'s ``execute``) never waits for the engine process.
+(``error`` says so), alone. So the host's thread that submits (``spec_decode``'s ``execute``) never waits for the
+engine process.
 
 Messages (pickled tuples)::
 
