@@ -4,12 +4,14 @@
 1. copy bandwidth (the bounds' denominator);
 2. per shape (the TP8 shard's ``mlp.w13``, ``attn.fused_qkv_a``, ``mlp.w2``, ``attn.o_proj``, ``attn.q_b_proj`` and
    shared expert, then the TP2 and TP1 shapes of the four large linears) and 1 / 2 / 4 / 8 tokens: torch's
-   ``F.linear`` (cuBLAS) and every block configuration of the kernel, in µs against the weight's bytes / bandwidth;
-   a kernel whose output differs from cuBLAS's by more than 2 % of its scale is never chosen;
-3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the configuration with the least sum over the
-   class's shapes of its time / that shape's best time (each shape counts alike, whatever its size; up to
-   ``FOLD_TOKENS`` tokens multiply-add configurations only, which the folded prologues need), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and installed for step 4);
-4. each TP8-shard product at 1 and 2 tokens alone and with each prologue the target folds (norm, residual add +
+   ``F.linear`` (cuBLAS) and every block configuration of the kernel (both forms), in µs against the weight's
+   bytes / bandwidth; a configuration whose output differs from cuBLAS's by more than 2 % of its scale, or that gives
+   a token other bits among 8 tokens than alone, is never chosen;
+3. per shape class (:func:`splitspec.models.skinny_gemm.shape_class`) the one configuration for every token count —
+   or cuBLAS (None) — with the least sum over the class's shapes and the token counts of its time / that shape's and
+   count's best time (each alike, whatever its size), printed as lines to paste into ``skinny_gemm.CONFIGS`` (and
+   installed for step 4);
+4. each TP8-shard product at 1 and 4 tokens alone and with each prologue the target folds (norm, residual add +
    norm, silu · up), then the TP8 shard's dense and MoE layer (compiled, CUDA graph) with the kernel off and on, through
    ``bench/gpu_bench.py``'s ``layer_costs`` (its rows, bounds and profiler tables).
 
@@ -37,7 +39,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--out", default="results/skinny", help="folder for skinny_gemm_bench.json")
 ap.add_argument("--sweep-budget-s", type=float, default=150, help="start no new shape of the sweep after this many seconds")
 ap.add_argument("--tokens", default="1,2,4,8", help="comma list: tokens of the sweep")
-ap.add_argument("--layer-k", default="0", help="comma list: k of the layer timings (k + 1 tokens of one sequence)")
+ap.add_argument("--layer-k", default="0,1,3,5", help="comma list: k of the layer timings (k + 1 tokens of one sequence)")
 ap.add_argument("--no-layer", action="store_true", help="skip step 4 (the layers)")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
@@ -63,21 +65,21 @@ COLD_BYTES = 160e6  # weight copies per timing: more than the H200's 50 MB L2, s
 
 
 def candidates() -> list[tuple[int, int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, dot): the float32 multiply-add form for 1–2 tokens (its accumulator
-    is tokens × BLOCK_N × BLOCK_K), the tensor-core form for all."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, form): the float32 multiply-add form (one accumulator tile per
+    token: small tiles, or 8 tokens spill registers) and the tensor-core form."""
     if DRY:
-        return [(16, 64, 4, 2, 0), (16, 64, 4, 2, 1)]
-    fma = [(bn, bk, w, s, 0) for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))
-           if bn * bk <= 16384]
+        return [(16, 64, 4, 2, skinny_gemm.FMA), (16, 64, 4, 2, skinny_gemm.DOT)]
+    fma = [(bn, bk, w, s, skinny_gemm.FMA) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8), (1, 2))
+           if 512 <= bn * bk <= 8192]
     # the dot form's loads are pipelined through shared memory (num_stages deep); past 227 KB a launch fails and the
     # configuration is dropped
-    dot = [(bn, bk, w, s, 1) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4))]
+    dot = [(bn, bk, w, s, skinny_gemm.DOT) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
     return fma + dot
 
 
 #: Compiles the kernel for some configurations into Triton's cache (run in a process of its own): arguments are the
 #: configurations and the token counts, as JSON. The shapes differ from the sweep's but specialise alike (every size
-#: and stride a multiple of 16, one token or more), so the sweep's launches find their kernels in the cache.
+#: and stride a multiple of 16), so the sweep's launches find their kernels in the cache.
 WARM = """
 import json, sys, torch
 from splitspec.models import skinny_gemm
@@ -92,14 +94,14 @@ torch.cuda.synchronize()
 """
 
 
-def precompile(configs: list[tuple[int, ...]]) -> None:
-    """Compile every configuration at one token and at more, in parallel processes (a Triton compile takes seconds
-    and the sweep has ~100 of them)."""
+def precompile(configs: list[tuple[int, ...]], tokens: list[int]) -> None:
+    """Compile every configuration for the sweep's token counts, in parallel processes (a Triton compile takes
+    seconds and the sweep has ~150 configurations; the multiply-add form compiles once per token count)."""
     import subprocess
 
     workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-    procs = [subprocess.Popen([sys.executable, "-c", WARM, json.dumps(configs[i::workers]), "[1, 2]"])
-             for i in range(workers)]  # one token, and two: the multiply-add form's accumulator for 2; dot alike for 2–8
+    procs = [subprocess.Popen([sys.executable, "-c", WARM, json.dumps(configs[i::workers]), json.dumps(tokens)])
+             for i in range(workers)]
     for p in procs:
         p.wait()
     print(f"precompiled {len(configs)} configurations in {workers} processes, {time.time() - T0:.0f} s in", flush=True)
@@ -138,12 +140,19 @@ def rotating(ws: list[torch.Tensor], call):
     return lambda: call(next(turn))
 
 
+def invariant(x: torch.Tensor, w: torch.Tensor, cfg) -> bool:
+    """Whether ``cfg`` gives each of x's tokens (8) the same bits among them as alone."""
+    alone = torch.cat([skinny_gemm.launch(x[i:i + 1], w, config=cfg)[0] for i in range(x.shape[0])])
+    return torch.equal(skinny_gemm.launch(x, w, config=cfg)[0], alone)
+
+
 def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
-    """Step 2 and 3: the rows, and the winners by shape class {key: (config, µs summed, shapes)}."""
+    """Step 2 and 3: the rows, and the choice by shape class {key: (config or None, µs summed, cuBLAS µs summed,
+    shapes)}."""
     g = torch.Generator(device=DEV).manual_seed(0)
     rows, configs = [], candidates()
     if not DRY:
-        precompile(configs)
+        precompile(configs, tokens + [skinny_gemm.MAX_TOKENS])
     for label, N, K in shapes():
         if time.time() - T0 > A.sweep_budget_s:
             print(f"sweep budget spent: {label} and later shapes skipped", flush=True)
@@ -151,21 +160,25 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
         copies = 1 if DRY else max(1, math.ceil(COLD_BYTES / (N * K * 2)))
         ws = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16, generator=g) * K ** -0.5 for _ in range(copies)]
         bound_us = N * K * 2 / (bw_GBps * 1e3)
+        x8 = torch.randn(skinny_gemm.MAX_TOKENS, K, device=DEV, dtype=torch.bfloat16, generator=g)
+        usable, varying = [], []
+        for cfg in configs:
+            try:
+                (usable if invariant(x8, ws[0], cfg) else varying).append(cfg)
+            except Exception as e:  # a configuration the compiler refuses (shared memory, registers): not a candidate
+                print(f"  {label} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        if varying:
+            print(f"  {label}: {len(varying)} configurations not batch-invariant, not candidates: {varying}", flush=True)
         for T in tokens:
-            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16, generator=g)
+            x = x8[:T]
             ref = F.linear(x, ws[0]).float()
             scale = ref.abs().max().item()
-            row = {"shape": label, "N": N, "K": K, "tokens": T, "class": list(skinny_gemm.shape_class(T, N, K)),
-                   "bound_us": bound_us, "cublas_us": timer(rotating(ws, lambda w: F.linear(x, w))), "kernel": {}}
-            for cfg in configs:
-                if not cfg[4] and T > 2:
-                    continue
-                try:
-                    err = (skinny_gemm.launch(x, ws[0], config=cfg)[0].float() - ref).abs().max().item() / scale
-                    us = timer(rotating(ws, lambda w: skinny_gemm.launch(x, w, config=cfg)))
-                except Exception as e:  # a configuration the compiler refuses (shared memory, registers): not a candidate
-                    print(f"  {label} T={T} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
+            row = {"shape": label, "N": N, "K": K, "tokens": T, "class": list(skinny_gemm.shape_class(N, K)),
+                   "bound_us": bound_us, "cublas_us": timer(rotating(ws, lambda w: F.linear(x, w))), "kernel": {},
+                   "not_invariant": [list(c) for c in varying]}
+            for cfg in usable:
+                err = (skinny_gemm.launch(x, ws[0], config=cfg)[0].float() - ref).abs().max().item() / scale
+                us = timer(rotating(ws, lambda w: skinny_gemm.launch(x, w, config=cfg)))
                 if err <= 0.02:
                     row["kernel"][",".join(map(str, cfg))] = us
                 else:
@@ -177,17 +190,24 @@ def sweep(bw_GBps: float, tokens: list[int]) -> tuple[list[dict], dict]:
             print(f"{label:>14} N={N:>6} K={K:>6} T={T}: cuBLAS {row['cublas_us']:8.1f} µs ({row['cublas_vs_bound']:.2f}×), "
                   f"kernel {best[1]:8.1f} µs ({row['best_vs_bound']:.2f}×) with {best[0]}; bound {bound_us:.1f} µs", flush=True)
         del ws
+    return rows, choose(rows)
+
+
+def choose(rows: list[dict]) -> dict:
+    """Step 3: per shape class, the configuration timed for every (shape, tokens) row of the class — or cuBLAS
+    ("cublas", None in CONFIGS) — with the least sum of time / that row's best time (cuBLAS included)."""
     winners = {}
     for key, group in itertools.groupby(sorted(rows, key=lambda r: r["class"]), key=lambda r: tuple(r["class"])):
         group = list(group)
-        common = set.intersection(*(set(r["kernel"]) for r in group))
-        if key[0] <= skinny_gemm.FOLD_TOKENS:  # these take the folded prologues: multiply-add configs only
-            common = {c for c in common if c.endswith(",0")}
-        if common:
-            cfg = min(common, key=lambda c: sum(r["kernel"][c] / r["best_us"] for r in group))  # each shape alike
-            winners[key] = (tuple(int(v) for v in cfg.split(",")), sum(r["kernel"][cfg] for r in group),
-                            sum(r["cublas_us"] for r in group), [r["shape"] for r in group])
-    return rows, winners
+        common = set.intersection(*(set(r["kernel"]) for r in group)) | {"cublas"}
+
+        def us(r, c):
+            return r["cublas_us"] if c == "cublas" else r["kernel"][c]
+
+        cfg = min(common, key=lambda c: sum(us(r, c) / min(r["best_us"], r["cublas_us"]) for r in group))
+        winners[key] = (None if cfg == "cublas" else tuple(int(v) for v in cfg.split(",")), sum(us(r, cfg) for r in group),
+                        sum(r["cublas_us"] for r in group), sorted({r["shape"] for r in group}))
+    return winners
 
 
 def prologue_costs(tokens: list[int]) -> list[dict]:
@@ -196,7 +216,7 @@ def prologue_costs(tokens: list[int]) -> list[dict]:
     g = torch.Generator(device=DEV).manual_seed(1)
     rows = []
     for label, N, K in shapes():
-        if not label.startswith("tp8.") and not DRY:
+        if not label.startswith("tp8.") and not DRY or skinny_gemm.config_for(N, K) is None:
             continue
         copies = 1 if DRY else max(1, math.ceil(COLD_BYTES / (N * K * 2)))
         ws = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16, generator=g) * K ** -0.5 for _ in range(copies)]
@@ -206,7 +226,7 @@ def prologue_costs(tokens: list[int]) -> list[dict]:
             calls = {"plain": lambda w: skinny_gemm.launch(x, w), "norm": lambda w: skinny_gemm.launch(x, w, None, norm, 1e-6),
                      "add+norm": lambda w: skinny_gemm.launch(x, w, r, norm, 1e-6),
                      "silu·up": lambda w: skinny_gemm.launch(xa, w, act=True), "cuBLAS": lambda w: F.linear(x, w)}
-            row = {"shape": label, "tokens": T, "config": skinny_gemm.config_for(T, N, K)}
+            row = {"shape": label, "tokens": T, "config": skinny_gemm.config_for(N, K)}
             row |= {name: timer(rotating(ws, call)) for name, call in calls.items()}
             rows.append(row)
             print(f"{label:>14} T={T} {row['config']}: " + "  ".join(f"{n} {row[n]:.1f}" for n in calls), flush=True)
@@ -230,7 +250,7 @@ def main() -> None:
     res["winners"] = {repr(k): {"config": v[0], "kernel_us": v[1], "cublas_us": v[2], "shapes": v[3]} for k, v in winners.items()}
     skinny_gemm.CONFIGS.update({k: v[0] for k, v in winners.items()})
     print(f"\n== prologues (µs; TP8 shard, CONFIGS), {time.time() - T0:.0f} s in", flush=True)
-    res["prologues"] = prologue_costs([1, 2])
+    res["prologues"] = prologue_costs([1, 4])
     (out / "skinny_gemm_bench.json").write_text(json.dumps(res, indent=1))
     if A.no_layer or DRY:
         return

@@ -104,10 +104,11 @@ class ServeConfig:
         compile: ``torch.compile`` the target's layers and the drafter's parts on GPUs.
         cuda_graphs: replay steady cycles from CUDA graphs on GPUs.
         skinny_gemm: the target's bf16 linears of at most 8 tokens through the Triton skinny-GEMM kernel
-            (:mod:`splitspec.models.skinny_gemm`; at one token the norms, residual adds and silu · up folded into the
-            products they feed) instead of cuBLAS and separate kernels; off by default, and not lossless in bf16
-            (its one-token and 2–8-token forms sum in different orders, so a decode and a verify round a token's
-            products differently: docs/architecture.md).
+            (:mod:`splitspec.models.skinny_gemm`; where a shape's configuration multiplies by multiply-adds, the norms,
+            residual adds and silu · up folded into the products they feed) instead of cuBLAS and separate kernels,
+            one configuration per shape for every token count so that a verify rounds a token as a decode does; the
+            MoE layer's shared expert then stays out of the fused expert kernels. Off by default
+            (docs/architecture.md).
         pdl: programmatic dependent launch (Hopper and later) for the compiled parts' Triton kernels (inductor's
             ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
             for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by

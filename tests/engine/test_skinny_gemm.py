@@ -1,6 +1,7 @@
 """The skinny-GEMM kernel (splitspec.models.skinny_gemm) against float64 products in torch: plain, with SwiGLU's
 silu · up, with the RMSNorm prologue with and without the residual add, both ways of multiplying, ragged N and K
-(several row blocks, a partial last row block and K step); on CPU through Triton's interpreter."""
+(several row blocks, a partial last row block and K step), every token count; each token's product the same alone
+and among others; on CPU through Triton's interpreter (the bits a GPU gives: tests/gpu/test_gpu_skinny_gemm.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def same_add(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_plain_and_act(T, config):
     w = rand(N, K, seed=1, scale=K ** -0.5)
     x = rand(T, K, seed=2)
@@ -81,22 +82,48 @@ def test_custom_ops_and_bad_input():
         skinny_gemm.launch(rand(2, K + 1, seed=12), w)
     with pytest.raises(ValueError, match="dot needs BLOCK_N"):
         skinny_gemm.launch(x, w, config=(8, 32, 1, 1, 1))
+    with pytest.raises(ValueError, match="9 tokens, expected 1 … 8"):
+        skinny_gemm.launch(rand(9, K, seed=13), w)
 
 
-def test_classes():
-    assert skinny_gemm.shape_class(1, 7168, 1024) == (1, "mid", "short")
-    assert skinny_gemm.shape_class(3, 2112, 7168) == (4, "narrow", "mid")
-    assert skinny_gemm.shape_class(8, 36864, 18432) == (8, "wide", "long")
-    assert skinny_gemm.config_for(2, 4608, 7168) == skinny_gemm.CONFIGS.get((2, "mid", "mid"), skinny_gemm.DEFAULT_CONFIG[2])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_a_token_alone_and_among_others(config):
+    """Token i's product (with each prologue) from the T tokens together equals its product alone: nothing of one
+    token reaches another's sums, whatever T (the order of the sums: on a GPU)."""
+    w, g = rand(N, K, seed=14, scale=K ** -0.5), rand(K, seed=15) + 1
+    x, r, gu = rand(8, K, seed=16), rand(8, K, seed=17), rand(8, 2 * K, seed=18)
+    calls = {"plain": lambda a, b, c: skinny_gemm.launch(a, w, config=config),
+             "add+norm": lambda a, b, c: skinny_gemm.launch(a, w, b, g, EPS, config=config),
+             "act": lambda a, b, c: skinny_gemm.launch(c, w, act=True, config=config)}
+    for name, call in calls.items():
+        alone = torch.cat([call(x[i:i + 1], r[i:i + 1], gu[i:i + 1])[0] for i in range(8)])
+        for T in range(2, 9):
+            assert torch.equal(call(x[:T], r[:T], gu[:T])[0], alone[:T]), (name, T)
+
+
+def test_classes(monkeypatch):
+    assert skinny_gemm.shape_class(7168, 1024) == ("mid", "short")
+    assert skinny_gemm.shape_class(2112, 7168) == ("narrow", "mid")
+    assert skinny_gemm.shape_class(36864, 18432) == ("wide", "long")
+    assert skinny_gemm.config_for(4608, 7168) == skinny_gemm.CONFIGS.get(("mid", "mid"), skinny_gemm.DEFAULT_CONFIG)
     assert not skinny_gemm.applies(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.bfloat16))  # CPU: never in the engine
+    monkeypatch.setitem(skinny_gemm.CONFIGS, ("narrow", "short"), None)  # a class left to cuBLAS
+    w = torch.zeros(40, 100, dtype=torch.bfloat16)
+    assert skinny_gemm.config_for(40, 100) is None and not skinny_gemm.folds(w)
+    with pytest.raises(ValueError, match=r"no configuration for weight \(40, 100\)"):
+        skinny_gemm.launch(torch.zeros(1, 100, dtype=torch.bfloat16), w)
+    monkeypatch.setitem(skinny_gemm.CONFIGS, ("narrow", "short"), (16, 32, 1, 1, skinny_gemm.DOT))
+    assert skinny_gemm.config_for(40, 100) == (16, 32, 1, 1, 1) and not skinny_gemm.folds(w)
 
 
+@pytest.mark.parametrize("form", ["fma", "dot"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_target_layers_with_the_kernel(monkeypatch, tokens):
+def test_target_layers_with_the_kernel(monkeypatch, tokens, form):
     """A small bf16 target's dense and MoE layers (padded form) with skinny_gemm on — forced on for CPU tensors —
     against the same layers off: the same residual streams and partial sums up to bf16 rounding, and the kernel took
-    the products it should (at one token norm + add in fused_qkv_a and a dense w13, the q_a norm in q_b_proj,
-    silu · up in every w2; at 3 tokens the plain products)."""
+    the products it should, alike for one token and three: in multiply-add configurations norm + add in fused_qkv_a
+    and a dense w13, the q_a norm in q_b_proj, silu · up in every w2; in dot configurations the plain products; the
+    shared expert outside the fused expert kernels either way."""
     import dataclasses
 
     from splitspec.build.synthetic import kimi_k2_target
@@ -118,6 +145,8 @@ def test_target_layers_with_the_kernel(monkeypatch, tokens):
     h, pending = rand(tokens, 96, seed=20), rand(tokens, 96, seed=21)
     calls = []
     launch = skinny_gemm.launch
+    if form == "dot":
+        monkeypatch.setattr(skinny_gemm, "DEFAULT_CONFIG", CONFIGS["dot"])
     monkeypatch.setattr(skinny_gemm, "launch", lambda x, w, r=None, g=None, eps=0.0, act=False: calls.append(
         (tuple(w.shape), r is not None, g is not None, act)) or launch(x, w, r, g, eps, act))
 
@@ -131,13 +160,11 @@ def test_target_layers_with_the_kernel(monkeypatch, tokens):
     for (h_off, out_off), (h_on, out_on) in zip(off, on):  # h after a layer holds its attention's (rounded) output
         close(h_on, h_off.double())
         close(out_on, out_off.double())
-    fold = tokens <= skinny_gemm.FOLD_TOKENS  # norms, adds and silu · up inside the products
+    fold = form == "fma"  # norms, adds and silu · up inside the products
     shape = {name: w[f"layers.{layer}.{name}"].shape for layer, names in ((0, ("attn.fused_qkv_a", "attn.q_b_proj",
              "attn.o_proj", "mlp.w13", "mlp.w2")), (1, ("mlp.shared.w13", "mlp.shared.w2"))) for name in names}
     attn = [(shape["attn.fused_qkv_a"], fold, fold, False), (shape["attn.q_b_proj"], False, fold, False),
             (shape["attn.o_proj"], False, False, False)]
     dense = [(shape["mlp.w13"], fold, fold, False), (shape["mlp.w2"], False, False, fold)]
-    # a CUDA token's shared expert goes into the fused expert kernels (TargetModel.moe)
-    shared = [] if DEVICE == "cuda" and tokens == 1 else [(shape["mlp.shared.w13"], False, False, False),
-                                                          (shape["mlp.shared.w2"], False, False, fold)]
+    shared = [(shape["mlp.shared.w13"], False, False, False), (shape["mlp.shared.w2"], False, False, fold)]
     assert calls == attn + dense + attn + shared

@@ -379,15 +379,17 @@ def build_engines(checkpoints: Path, out: Path, dtype: str | None = None, max_ba
 
 
 def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int = 1, max_batch_size: int = 1,
-               max_seq_len: int = 1024, quiet: bool = False, drafter_dtype: str | None = None) -> Path:
+               max_seq_len: int = 1024, quiet: bool = False, drafter_dtype: str | None = None,
+               dtype: str = "float32") -> Path:
     """Convert and build ``models_dir/{target,drafter}`` (Hugging Face checkpoints) into ``out_dir``: the
-    converted checkpoint in ``out_dir/ckpt``, engines in ``out_dir/engines`` (returned): float32, or for an INT4
-    target its routed experts INT4 and the rest float32.
+    converted checkpoint in ``out_dir/ckpt``, engines in ``out_dir/engines`` (returned): in ``dtype`` (float32,
+    bfloat16 or float16), or for an INT4 target its routed experts INT4 and the rest float32.
 
     Args:
         tp_size, ep_size: the target's mapping (:func:`splitspec.convert.pair.convert_pair`).
         max_batch_size, max_seq_len: engine limits (:func:`build_engines`).
-        drafter_dtype: None (float32) or "fp8" (:func:`build_engines`).
+        drafter_dtype: None (the engine's float dtype) or "fp8" (:func:`build_engines`).
+        dtype: the engines' float dtype (:func:`build_engines`); with float32 an INT4 target keeps its experts INT4.
         quiet: swallow what convert and build print (progress bars, notices).
     """
     models_dir, out_dir = Path(models_dir), Path(out_dir)
@@ -396,5 +398,6 @@ def build_pair(models_dir: Path, out_dir: Path, tp_size: int = 1, ep_size: int =
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
             stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
         convert_pair(models_dir / "target", models_dir / "drafter", out_dir / "ckpt", tp_size=tp_size, ep_size=ep_size)
+        kind = {"float_dtype": "float32"} if dtype == "float32" else {"dtype": dtype}  # float32: INT4 experts stay INT4
         return build_engines(out_dir / "ckpt", out_dir / "engines", max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             float_dtype="float32", drafter_dtype=drafter_dtype)
+                             drafter_dtype=drafter_dtype, **kind)

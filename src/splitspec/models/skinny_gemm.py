@@ -17,10 +17,18 @@ Prologues, computed from x inside the loop (x is at most 8 × 7168, read from L2
 - ``act``: SwiGLU's silu(gate) · up of an x [T, 2·K] holding gate columns then up columns (``mlp.w13``'s output
   feeding ``mlp.w2``), computed in float32 and rounded to W's dtype.
 
-Two ways to multiply (per config): ``dot`` (``tl.dot`` on the tensor cores, tokens padded to 16 rows, float32
-accumulation; BLOCK_N ≥ 16) or float32 multiply-adds into a [tokens, BLOCK_N, BLOCK_K] accumulator summed at the end.
+Two ways to multiply (a configuration's form): float32 multiply-adds (:data:`FMA`), one [BLOCK_N, BLOCK_K]
+accumulator per token summed over its K lanes at the end, or ``tl.dot`` on the tensor cores (:data:`DOT`, tokens
+padded to 16 rows, float32 accumulation; BLOCK_N ≥ 16).
+
+**Batch invariance.** Greedy speculation is lossless only if a verify of k + 1 tokens gives each token's product the
+same bits as a one-token decode (cuBLAS does, for 1–8 tokens: ``tests/gpu/test_gpu_skinny_gemm.py``). Here a
+shape's configuration is the same for every token count (:data:`CONFIGS` is keyed by shape class, not tokens), and
+in either form a token's sums do not depend on the others': the multiply-add kernel runs the same code for token i
+whatever T (its own accumulator, the same tile layout, the same K order), and a dot's output row depends on its own
+input row only, with the same instructions whatever T. The prologues are folded for every token count or none.
 Block sizes come from :data:`CONFIGS` by shape class (:func:`shape_class`), filled from the sweep of
-``bench/lab/skinny_gemm_bench.py`` on an H200.
+``bench/lab/skinny_gemm_bench.py``.
 
 The kernel runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests; the dot's operands then
 go through float32, :data:`INTERPRETED`). In the engine it serves
@@ -41,45 +49,21 @@ from splitspec.models.fused_moe import on_device
 #: Under Triton's interpreter the dot's bf16 operands go to float32 first: its bf16 ``tl.dot`` gives wrong sums.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-#: Tokens the kernel serves; more go to cuBLAS (each program's x tile and accumulator grow with the tokens).
+#: Tokens the kernel serves; more go to cuBLAS (each program's x tile and accumulators grow with the tokens).
 MAX_TOKENS = 8
 
-#: Tokens up to which a norm, residual add or silu · up is folded into the product (the target's ``fold``). With the
-#: dot form (2+ tokens) a prologue made the product 2.5–7× slower on an H200, in the float32 multiply-add form
-#: (one token) it costs under 10% (docs/lab/2026-12-03-h200-branches-timed).
-FOLD_TOKENS = 1
+#: The two ways to multiply (a config's last field): float32 multiply-adds, one accumulator tile per token, which take
+#: the folded prologues at no measurable cost; or ``tl.dot`` on the tensor cores (tokens padded to 16 rows), where a
+#: prologue made the product 2.5–7× slower on an H200 (docs/lab/2026-12-03-h200-branches-timed), so the target folds
+#: nothing into a product of that form.
+FMA, DOT = 0, 1
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages, dot) by :func:`shape_class` (tokens rounded up to 1/2/4/8, N class,
-#: K class); a class missing here takes :data:`DEFAULT_CONFIG` (dot ≥ 2 tokens). From ``bench/lab/skinny_gemm_bench.py``
-#: on an H200 (kernel vs cuBLAS µs summed over the class's shapes); one token: multiply-add configs only (dot 0),
-#: which take the folded prologues.
-CONFIGS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
-    (1, "mid", "long"): (32, 512, 4, 2, 0),  # 96.9 vs 104.6 µs
-    (1, "mid", "mid"): (8, 512, 4, 2, 0),  # 69.2 vs 73.9 µs
-    (1, "mid", "short"): (16, 256, 8, 4, 0),  # 19.3 vs 21.2 µs
-    (1, "narrow", "mid"): (8, 2048, 8, 2, 0),  # 16.4 vs 21.5 µs
-    (1, "narrow", "short"): (8, 1024, 8, 4, 0),  # 4.0 vs 7.0 µs
-    (1, "wide", "mid"): (16, 512, 4, 2, 0),  # 181.5 vs 198.4 µs
-    (2, "mid", "long"): (64, 256, 4, 4, 1),  # 95.2 vs 104.4 µs
-    (2, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.6 vs 74.8 µs
-    (2, "mid", "short"): (64, 256, 4, 4, 1),  # 20.6 vs 21.1 µs
-    (2, "narrow", "mid"): (8, 1024, 4, 2, 0),  # 21.8 vs 21.2 µs
-    (2, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.9 vs 6.6 µs
-    (2, "wide", "mid"): (32, 128, 4, 3, 1),  # 184.1 vs 200.1 µs
-    (4, "mid", "long"): (64, 256, 4, 4, 1),  # 95.5 vs 105.5 µs
-    (4, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.7 vs 75.1 µs
-    (4, "mid", "short"): (64, 256, 4, 4, 1),  # 20.4 vs 21.5 µs
-    (4, "narrow", "mid"): (16, 1024, 4, 3, 1),  # 24.7 vs 21.3 µs
-    (4, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.8 vs 6.3 µs
-    (4, "wide", "mid"): (64, 128, 4, 3, 1),  # 185.3 vs 200.8 µs
-    (8, "mid", "long"): (64, 256, 4, 4, 1),  # 95.7 vs 107.6 µs
-    (8, "mid", "mid"): (64, 256, 4, 4, 1),  # 66.9 vs 75.2 µs
-    (8, "mid", "short"): (64, 256, 4, 4, 1),  # 20.7 vs 21.0 µs
-    (8, "narrow", "mid"): (16, 1024, 4, 3, 1),  # 24.5 vs 21.4 µs
-    (8, "narrow", "short"): (16, 512, 4, 3, 1),  # 4.9 vs 5.5 µs
-    (8, "wide", "mid"): (64, 128, 4, 3, 1),  # 187.2 vs 200.6 µs
-}
-DEFAULT_CONFIG = {1: (16, 512, 4, 4, 0), 2: (16, 256, 4, 4, 1), 4: (16, 256, 4, 4, 1), 8: (16, 256, 4, 4, 1)}
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages, form) by :func:`shape_class` (N class, K class): one configuration for
+#: every token count 1 … :data:`MAX_TOKENS`, which is what makes a token's product the same bits alone and among
+#: others (the module docstring); None: the class stays with cuBLAS. A class missing here takes
+#: :data:`DEFAULT_CONFIG`. From ``bench/lab/skinny_gemm_bench.py`` on an H100.
+CONFIGS: dict[tuple[str, str], tuple[int, int, int, int, int] | None] = {}
+DEFAULT_CONFIG = (8, 256, 4, 2, FMA)
 
 #: N and K class edges: N ≤ 2560 "narrow" (fused_qkv_a, q_b_proj), ≤ 8192 "mid" (TP8's w13 / w2 / o_proj), else
 #: "wide"; K ≤ 2560 "short" (TP8's w2 / o_proj / q_b_proj), ≤ 8192 "mid" (hidden 7168), else "long".
@@ -87,89 +71,159 @@ N_EDGES = ((2560, "narrow"), (8192, "mid"))
 K_EDGES = ((2560, "short"), (8192, "mid"))
 
 
-def token_class(tokens: int) -> int:
-    """1, 2, 4 or 8: ``tokens`` (1 … :data:`MAX_TOKENS`) rounded up to a power of two."""
-    return 1 if tokens <= 1 else 2 if tokens <= 2 else 4 if tokens <= 4 else 8
-
-
 def _edge(v: int, edges: tuple[tuple[int, str], ...], last: str) -> str:
     return next((name for top, name in edges if v <= top), last)
 
 
-def shape_class(tokens: int, n: int, k: int) -> tuple[int, str, str]:
-    """The :data:`CONFIGS` key of a product of ``tokens`` tokens against W [n, k]."""
-    return token_class(tokens), _edge(n, N_EDGES, "wide"), _edge(k, K_EDGES, "long")
+def shape_class(n: int, k: int) -> tuple[str, str]:
+    """The :data:`CONFIGS` key of a product against W [n, k]."""
+    return _edge(n, N_EDGES, "wide"), _edge(k, K_EDGES, "long")
 
 
-def config_for(tokens: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, dot) for this product (:data:`CONFIGS`, else the default)."""
-    key = shape_class(tokens, n, k)
-    return CONFIGS.get(key, DEFAULT_CONFIG[key[0]])
+def config_for(n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, form) for products against W [n, k] (:data:`CONFIGS`, else the
+    default); None where cuBLAS serves the class."""
+    return CONFIGS.get(shape_class(n, k), DEFAULT_CONFIG)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the kernel serves x [T, K] · w [N, K]ᵀ in the engine: CUDA, 1 ≤ T ≤ :data:`MAX_TOKENS`, bf16 weight."""
+    """Whether the kernel serves x [T, K] · w [N, K]ᵀ in the engine: CUDA, 1 ≤ T ≤ :data:`MAX_TOKENS`, bf16 weight,
+    a shape class with a configuration."""
     return (triton is not None and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_TOKENS
-            and w.dim() == 2 and w.dtype == torch.bfloat16)
+            and w.dim() == 2 and w.dtype == torch.bfloat16 and config_for(*w.shape) is not None)
+
+
+def folds(w: torch.Tensor) -> bool:
+    """Whether prologues are folded into products against ``w`` [N, K]: its class multiplies by multiply-adds."""
+    cfg = config_for(*w.shape)
+    return cfg is not None and cfg[4] == FMA
 
 
 @jit
-def _skinny(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, T, N, K, stride_x, stride_r, stride_w, eps,
-            TP: tl.constexpr, RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr,
-            UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows [pid·BLOCK_N, +BLOCK_N) of y [T, N] (see the module docstring); TP ≥ T tokens (16 with DOT). UPCAST: the
-    dot's operands in float32 (the interpreter, whose bf16 ``tl.dot`` is wrong)."""
+def _prologue(xo, ro, ho, g, m, store_h, sq, K, RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr):
+    """x's tile at pointers ``xo`` after the prologues, float32, and ``sq`` plus its squares (NORM). ``ro``, ``ho``:
+    the residual's and the new residual's tile pointers (RESID; the new residual stored where ``store_h``); ``g``: the
+    norm weight's tile (float32, broadcast against the tile); ``m``: the tile's mask. Any tile shape ([BLOCK_K] or
+    [tokens, BLOCK_K])."""
+    if ACT:
+        gate = tl.load(xo, mask=m, other=0.0).to(tl.float32)
+        xv = gate * tl.sigmoid(gate) * tl.load(xo + K, mask=m, other=0.0).to(tl.float32)
+    else:
+        xv = tl.load(xo, mask=m, other=0.0)
+        if RESID:
+            xv = (xv.to(tl.float32) + tl.load(ro, mask=m, other=0.0).to(tl.float32)).to(ho.dtype.element_ty)
+            tl.store(ho, xv, mask=store_h)
+        xv = xv.to(tl.float32)
+        if NORM:
+            sq += xv * xv
+            xv = xv * g
+    return xv, sq
+
+
+@jit
+def _fma_token(acc, sq, w, w_ptr, i, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K,
+               RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr):
+    """Token i's multiply-adds over one K step: acc [BLOCK_N, BLOCK_K] += w (the tile in float32) · x_i (rounded to
+    the weight's dtype, as the product's operand)."""
+    xv, sq = _prologue(x_ptr + i * stride_x + k, r_ptr + i * stride_r + k, h_ptr + i * K + k, g, kmask, kmask & store_h,
+                       sq, K, RESID, NORM, ACT)
+    return acc + w * xv.to(w_ptr.dtype.element_ty).to(tl.float32)[None, :], sq
+
+
+@jit
+def _store_token(y_ptr, i, n, nmask, N, acc, sq, K, eps, NORM: tl.constexpr):
+    """Row i of y: the accumulator summed over its K lanes (× the token's rsqrt(mean square + eps) with NORM)."""
+    y = tl.sum(acc, axis=1)
+    if NORM:
+        y *= tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    tl.store(y_ptr + i * N + n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@jit
+def _skinny_fma(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, N, K, stride_x, stride_r, stride_w, eps, T: tl.constexpr,
+                RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [pid·BLOCK_N, +BLOCK_N) of y [T, N] by float32 multiply-adds: one accumulator per token (T ≤ 8), each
+    token's the same code whatever T, so a token's sums run in the same order alone and among others."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    t = tl.arange(0, TP)
+    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    s0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        store_h = (k // BLOCK_K) % nprog == pid  # each K step of the new residual stored by one program
+        g = tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32) if NORM else 0.0
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)  # read once: keep L2 for x
+        a0, s0 = _fma_token(a0, s0, w, w_ptr, 0, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 1:
+            a1, s1 = _fma_token(a1, s1, w, w_ptr, 1, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 2:
+            a2, s2 = _fma_token(a2, s2, w, w_ptr, 2, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 3:
+            a3, s3 = _fma_token(a3, s3, w, w_ptr, 3, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 4:
+            a4, s4 = _fma_token(a4, s4, w, w_ptr, 4, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 5:
+            a5, s5 = _fma_token(a5, s5, w, w_ptr, 5, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 6:
+            a6, s6 = _fma_token(a6, s6, w, w_ptr, 6, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+        if T > 7:
+            a7, s7 = _fma_token(a7, s7, w, w_ptr, 7, x_ptr, r_ptr, h_ptr, g, k, kmask, store_h, stride_x, stride_r, K, RESID, NORM, ACT)
+    _store_token(y_ptr, 0, n, nmask, N, a0, s0, K, eps, NORM)
+    if T > 1:
+        _store_token(y_ptr, 1, n, nmask, N, a1, s1, K, eps, NORM)
+    if T > 2:
+        _store_token(y_ptr, 2, n, nmask, N, a2, s2, K, eps, NORM)
+    if T > 3:
+        _store_token(y_ptr, 3, n, nmask, N, a3, s3, K, eps, NORM)
+    if T > 4:
+        _store_token(y_ptr, 4, n, nmask, N, a4, s4, K, eps, NORM)
+    if T > 5:
+        _store_token(y_ptr, 5, n, nmask, N, a5, s5, K, eps, NORM)
+    if T > 6:
+        _store_token(y_ptr, 6, n, nmask, N, a6, s6, K, eps, NORM)
+    if T > 7:
+        _store_token(y_ptr, 7, n, nmask, N, a7, s7, K, eps, NORM)
+
+
+@jit
+def _skinny_dot(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, T, N, K, stride_x, stride_r, stride_w, eps,
+                RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [pid·BLOCK_N, +BLOCK_N) of y [T, N] on the tensor cores, the T ≤ 16 tokens padded to 16 rows (the same
+    instructions whatever T; each output row of a dot depends on its own row only). UPCAST: the operands in float32
+    (the interpreter, whose bf16 ``tl.dot`` is wrong)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    t = tl.arange(0, 16)
     tmask = t < T
-    if DOT:
-        acc = tl.zeros([TP, BLOCK_N], dtype=tl.float32)
-    elif TP == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([TP, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([TP, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([16, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         m = tmask[:, None] & kmask[None, :]
-        xo = x_ptr + t[:, None] * stride_x + k[None, :]
-        if ACT:
-            gate = tl.load(xo, mask=m, other=0.0).to(tl.float32)
-            xv = gate * tl.sigmoid(gate) * tl.load(xo + K, mask=m, other=0.0).to(tl.float32)
-        else:
-            xv = tl.load(xo, mask=m, other=0.0)
-            if RESID:
-                xv = (xv.to(tl.float32) + tl.load(r_ptr + t[:, None] * stride_r + k[None, :], mask=m, other=0.0).to(tl.float32))
-                xv = xv.to(h_ptr.dtype.element_ty)
-                tl.store(h_ptr + t[:, None] * K + k[None, :], xv, mask=m & ((k // BLOCK_K) % nprog == pid)[None, :])
-            xv = xv.to(tl.float32)
-            if NORM:
-                sq += xv * xv
-                xv = xv * tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :] if NORM else 0.0
+        xv, sq = _prologue(x_ptr + t[:, None] * stride_x + k[None, :], r_ptr + t[:, None] * stride_r + k[None, :],
+                           h_ptr + t[:, None] * K + k[None, :], g, m, m & ((k // BLOCK_K) % nprog == pid)[None, :], sq, K,
+                           RESID, NORM, ACT)
         xv = xv.to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")  # read once: keep L2 for x and what follows
-        if DOT and UPCAST:
+                    eviction_policy="evict_first")
+        if UPCAST:
             acc = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        elif DOT:
-            acc = tl.dot(xv, tl.trans(w), acc)
-        elif TP == 1:  # one token: a 2-D accumulator
-            acc += w.to(tl.float32) * tl.sum(xv.to(tl.float32), axis=0)[None, :]
         else:
-            acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-    if DOT:
-        y = acc
-    elif TP == 1:
-        y = tl.sum(acc, axis=1)[None, :]
-    else:
-        y = tl.sum(acc, axis=2)
+            acc = tl.dot(xv, tl.trans(w), acc)
     if NORM:
-        y *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-    tl.store(y_ptr + t[:, None] * N + n[None, :], y.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+        acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    tl.store(y_ptr + t[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
@@ -177,19 +231,25 @@ def launch(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the kernel, outside any custom op (the ops below and the benchmark's sweep call it).
 
-    x: [T, K] (or [T, 2·K] with ``act``), unit column stride; w: [N, K]; residual: [T, K] or None; norm_weight: [K] or
-    None. config: (BLOCK_N, BLOCK_K, num_warps, num_stages, dot), default :func:`config_for`. Returns (y [T, N] in x's
-    dtype, the new residual x + residual [T, K] or None)."""
+    x: [T, K] (or [T, 2·K] with ``act``), T ≤ :data:`MAX_TOKENS`, unit column stride; w: [N, K] bf16; residual: [T, K]
+    or None; norm_weight: [K] or None. config: (BLOCK_N, BLOCK_K, num_warps, num_stages, form), default
+    :func:`config_for` (which must not be None). Returns (y [T, N] in x's dtype, the new residual x + residual [T, K]
+    or None)."""
     T = x.shape[0]
     N, K = w.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     if (x.shape[1] != 2 * K) if act else (x.shape[1] != K):
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} against weight {tuple(w.shape)}{' (act: x holds 2·K)' if act else ''}")
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"skinny_gemm: x has {T} tokens, expected 1 … {MAX_TOKENS}")
     if act and (residual is not None or norm_weight is not None):
         raise ValueError("skinny_gemm: act excludes residual and norm_weight")
-    block_n, block_k, warps, stages, dot = config or config_for(T, N, K)
-    if dot and block_n < 16:
+    config = config or config_for(N, K)
+    if config is None:
+        raise ValueError(f"skinny_gemm: no configuration for weight {tuple(w.shape)} (its class stays with cuBLAS)")
+    block_n, block_k, warps, stages, form = config
+    if form == DOT and block_n < 16:
         raise ValueError(f"skinny_gemm: config {config}: dot needs BLOCK_N ≥ 16")
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
@@ -197,12 +257,16 @@ def launch(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         h = torch.empty(T, K, dtype=x.dtype, device=x.device)
+    args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, w, y,
+            h if h is not None else y)
+    flags = dict(RESID=residual is not None, NORM=norm_weight is not None, ACT=act, BLOCK_N=block_n, BLOCK_K=block_k,
+                 num_warps=warps, num_stages=stages)
+    strides = (x.stride(0), residual.stride(0) if residual is not None else 0, w.stride(0), float(eps))
     with on_device(x):
-        _skinny[(triton.cdiv(N, block_n),)](
-            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, w, y,
-            h if h is not None else y, T, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, w.stride(0),
-            float(eps), TP=16 if dot else triton.next_power_of_2(T), RESID=residual is not None, NORM=norm_weight is not None,
-            ACT=act, DOT=bool(dot), UPCAST=INTERPRETED, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        if form == DOT:
+            _skinny_dot[(triton.cdiv(N, block_n),)](*args, T, N, K, *strides, UPCAST=INTERPRETED, **flags)
+        else:
+            _skinny_fma[(triton.cdiv(N, block_n),)](*args, N, K, *strides, T=T, **flags)
     return y, h
 
 

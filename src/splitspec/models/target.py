@@ -86,10 +86,14 @@ class TargetModel:
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
         weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
         skinny_gemm: bf16 linears of at most :data:`splitspec.models.skinny_gemm.MAX_TOKENS` CUDA tokens through the
-            skinny-GEMM kernel; at one token (:data:`splitspec.models.skinny_gemm.FOLD_TOKENS`) input_layernorm (and
-            its residual add) folded into ``attn.fused_qkv_a``, ``attn.q_a_layernorm`` into ``attn.q_b_proj``,
+            skinny-GEMM kernel, one configuration per shape for every token count; where a shape's configuration
+            multiplies by multiply-adds (:func:`splitspec.models.skinny_gemm.folds`) input_layernorm (and its
+            residual add) folded into ``attn.fused_qkv_a``, ``attn.q_a_layernorm`` into ``attn.q_b_proj``,
             post_attention_layernorm (and its add) into a dense layer's ``mlp.w13`` and SwiGLU's silu · up into
-            ``w2``; other linears, FP8 ones and more tokens as without it (``ServeConfig.skinny_gemm``).
+            ``w2``, alike for every token count. The MoE layer then keeps its shared expert out of the fused expert
+            kernels and gives gate/up one configuration for every token count too, so that a token's layer is the
+            same bits alone and inside a verify. Other linears, FP8 ones and more tokens as without it
+            (``ServeConfig.skinny_gemm``).
 
     Each decoder layer is two halves around its all-reduces: :meth:`attention_half` (residual add, norm + MLA)
     and :meth:`mlp_half` (residual add, norm + dense MLP or MoE), pure functions of the layer's weight dict. :meth:`compile`
@@ -159,8 +163,8 @@ class TargetModel:
 
     def fold(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> bool:
         """Whether a norm, residual add or silu · up before x · ``lw[name]``ᵀ is folded into the skinny-GEMM kernel:
-        :meth:`skinny`, for at most :data:`splitspec.models.skinny_gemm.FOLD_TOKENS` tokens."""
-        return x.shape[0] <= skinny_gemm.FOLD_TOKENS and self.skinny(x, lw, name)
+        :meth:`skinny`, in a multiply-add configuration (:func:`splitspec.models.skinny_gemm.folds`)."""
+        return self.skinny(x, lw, name) and skinny_gemm.folds(lw[name])
 
     def linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """x Wᵀ for weight ``name`` of ``lw``: float, or FP8 with ``name.scale_inv`` tiles, executed in FP8 on the GPU
@@ -226,12 +230,14 @@ class TargetModel:
         else:
             weights, local = fused_route.route(x, gate, bias, c.num_experts_per_tok, c.routed_scaling_factor,
                                                c.norm_topk_prob, self.expert_start)
-        # the kernels read the shared expert once per token: worth it for one token only
-        shared = ("mlp.shared.w13", "mlp.shared.w2") if c.n_shared_experts and x.shape[0] == 1 else ()
+        # the kernels read the shared expert once per token: worth it for one token only, and not where a token's
+        # layer must be the same bits alone and among others (skinny_gemm: one path and one gate/up config for all)
+        one = x.shape[0] == 1 and not self.skinny_gemm
+        shared = ("mlp.shared.w13", "mlp.shared.w2") if c.n_shared_experts and one else ()
         names = experts + shared
         scales = [lw.get(n + ".scale_inv") for n in names] + [None] * (4 - len(names))
-        y = fused_moe.fused_experts(x, local, weights, *(lw[n] for n in names), scales=scales,
-                                    fp8_block=self.fp8_block)
+        y = fused_moe.fused_experts(x, local, weights, *(lw[n] for n in names), scales=scales, fp8_block=self.fp8_block,
+                                    gate_up_config=fused_moe.GATE_UP_CONFIG if self.skinny_gemm and scales[0] is None else None)
         return y + self.mlp(x, lw, "mlp.shared.") if c.n_shared_experts and not shared else y
 
     def mlp_half(self, lw: dict[str, torch.Tensor], moe: bool, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
