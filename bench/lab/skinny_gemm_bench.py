@@ -41,6 +41,9 @@ ap.add_argument("--sweep-budget-s", type=float, default=150, help="start no new 
 ap.add_argument("--tokens", default="1,2,4,8", help="comma list: tokens of the sweep")
 ap.add_argument("--layer-k", default="0,1,3,5", help="comma list: k of the layer timings (k + 1 tokens of one sequence)")
 ap.add_argument("--no-layer", action="store_true", help="skip step 4 (the layers)")
+ap.add_argument("--default-config", action="store_true",
+                help="step 4 with every class on skinny_gemm.DEFAULT_CONFIG (the multiply-add form, which folds), "
+                     "not the sweep's choice")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, small shapes: checks the script")
 A = ap.parse_args()
 if A.dry_run:
@@ -69,11 +72,11 @@ def candidates() -> list[tuple[int, int, int, int, int]]:
     token: small tiles, or 8 tokens spill registers) and the tensor-core form."""
     if DRY:
         return [(16, 64, 4, 2, skinny_gemm.FMA), (16, 64, 4, 2, skinny_gemm.DOT)]
-    fma = [(bn, bk, w, s, skinny_gemm.FMA) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8), (1, 2))
-           if 512 <= bn * bk <= 8192]
+    fma = [(bn, bk, w, s, skinny_gemm.FMA) for bn, bk, w, s in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (1, 2))
+           if bn * bk <= 8192]
     # the dot form's loads are pipelined through shared memory (num_stages deep); past 227 KB a launch fails and the
     # configuration is dropped
-    dot = [(bn, bk, w, s, skinny_gemm.DOT) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
+    dot = [(bn, bk, 4, s, skinny_gemm.DOT) for bn, bk, s in itertools.product((16, 32, 64), (128, 256), (2, 3, 4))]
     return fma + dot
 
 
@@ -96,7 +99,7 @@ torch.cuda.synchronize()
 
 def precompile(configs: list[tuple[int, ...]], tokens: list[int]) -> None:
     """Compile every configuration for the sweep's token counts, in parallel processes (a Triton compile takes
-    seconds and the sweep has ~150 configurations; the multiply-add form compiles once per token count)."""
+    seconds and the sweep has ~50 configurations; the multiply-add form compiles once per token count)."""
     import subprocess
 
     workers = max(1, min(16, (os.cpu_count() or 2) - 1))
@@ -249,6 +252,8 @@ def main() -> None:
         print(f"    {key!r}: {cfg!r},  # {us:.1f} vs {cublas:.1f} µs: {', '.join(labels)}")
     res["winners"] = {repr(k): {"config": v[0], "kernel_us": v[1], "cublas_us": v[2], "shapes": v[3]} for k, v in winners.items()}
     skinny_gemm.CONFIGS.update({k: v[0] for k, v in winners.items()})
+    if A.default_config:
+        skinny_gemm.CONFIGS.clear()
     print(f"\n== prologues (µs; TP8 shard, CONFIGS), {time.time() - T0:.0f} s in", flush=True)
     res["prologues"] = prologue_costs([1, 4])
     (out / "skinny_gemm_bench.json").write_text(json.dumps(res, indent=1))

@@ -54,13 +54,17 @@ def test_plain_and_act(T, config):
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("residual", [False, True])
-def test_norm_prologue(residual, config):
+@pytest.mark.parametrize("eps", [EPS, 0.5])
+def test_norm_prologue(residual, config, eps):
+    """Residual and norm weight strided (rows of wider tensors, every second element); eps 0.5 against mean squares
+    of ~0.2 (scale 0.3), so that a dropped eps shows."""
     T = 5
-    w, g = rand(N, K, seed=4, scale=K ** -0.5), rand(K, seed=5) + 1
-    x, r = rand(T, K, seed=6, scale=3.0), rand(T, K, seed=7, scale=3.0) if residual else None
-    y, h = skinny_gemm.launch(x, w, r, g, EPS, config=config)
+    w, g = rand(N, K, seed=4, scale=K ** -0.5), (rand(2 * K, seed=5) + 1)[::2]
+    scale = 3.0 if eps == EPS else 0.3
+    x, r = rand(T, K, seed=6, scale=scale), rand(T, 2 * K, seed=7, scale=scale)[:, :K] if residual else None
+    y, h = skinny_gemm.launch(x, w, r, g, eps, config=config)
     s = x.double() + (r.double() if residual else 0)
-    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g.double()
     close(y, want @ w.double().T)
     if residual:  # the new residual, written once in all, as the engine's bf16 add
         same_add(h, x + r)
@@ -68,8 +72,9 @@ def test_norm_prologue(residual, config):
         assert h is None
 
 
-def test_custom_ops_and_bad_input():
+def test_custom_ops_and_bad_input(monkeypatch):
     """The ops the engine calls (and norm_linear without residual returns x itself), and one-line errors."""
+    monkeypatch.setattr(skinny_gemm, "CONFIGS", {})  # the default configuration for this small shape
     w, g = rand(N, K, seed=8, scale=K ** -0.5), rand(K, seed=9) + 1
     x, r = rand(2, K, seed=10), rand(2, K, seed=11)
     y, h = skinny_gemm.norm_linear(x, r, g, w, EPS)
@@ -78,12 +83,18 @@ def test_custom_ops_and_bad_input():
     y0, h0 = skinny_gemm.norm_linear(x, None, g, w, EPS)
     assert h0 is x and y0.shape == (2, N)
     close(skinny_gemm.linear(x, w), x.double() @ w.double().T)
-    with pytest.raises(ValueError, match="skinny_gemm: x"):
-        skinny_gemm.launch(rand(2, K + 1, seed=12), w)
-    with pytest.raises(ValueError, match="dot needs BLOCK_N"):
-        skinny_gemm.launch(x, w, config=(8, 32, 1, 1, 1))
-    with pytest.raises(ValueError, match="9 tokens, expected 1 … 8"):
-        skinny_gemm.launch(rand(9, K, seed=13), w)
+    bad = [(dict(x=rand(2, K + 1, seed=12)), r"x \(2, 101\) against weight \(40, 100\)"),
+           (dict(x=rand(9, K, seed=13)), "9 tokens, expected 1 … 8"),
+           (dict(x=rand(K, seed=13)), r"x \(100,\), weight \(40, 100\): expected \[T, K\] and \[N, K\]"),
+           (dict(residual=r[:1]), r"residual \(1, 100\), expected \(2, 100\)"),
+           (dict(residual=r, norm_weight=g[:90]), r"norm_weight \(90,\), expected \(100,\)"),
+           (dict(config=(8, 32, 1, 1, 1)), "both ≥ 16 for dot"), (dict(config=(16, 8, 1, 1, 1)), "both ≥ 16 for dot"),
+           (dict(config=(12, 32, 1, 1, 0)), "powers of two"), (dict(config=(16, 32, 1, 1, 2)), "form 0 or 1"),
+           (dict(config=(16, 32, 1, 1)), r"config \(16, 32, 1, 1\): expected")]
+    for kw, message in bad:
+        args = dict(x=x, w=w) | kw
+        with pytest.raises(ValueError, match=message):
+            skinny_gemm.launch(args.pop("x"), args.pop("w"), **args)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -145,6 +156,7 @@ def test_target_layers_with_the_kernel(monkeypatch, tokens, form):
     h, pending = rand(tokens, 96, seed=20), rand(tokens, 96, seed=21)
     calls = []
     launch = skinny_gemm.launch
+    monkeypatch.setattr(skinny_gemm, "CONFIGS", {})  # one form for the small shapes' classes
     if form == "dot":
         monkeypatch.setattr(skinny_gemm, "DEFAULT_CONFIG", CONFIGS["dot"])
     monkeypatch.setattr(skinny_gemm, "launch", lambda x, w, r=None, g=None, eps=0.0, act=False: calls.append(

@@ -61,8 +61,17 @@ FMA, DOT = 0, 1
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages, form) by :func:`shape_class` (N class, K class): one configuration for
 #: every token count 1 … :data:`MAX_TOKENS`, which is what makes a token's product the same bits alone and among
 #: others (the module docstring); None: the class stays with cuBLAS. A class missing here takes
-#: :data:`DEFAULT_CONFIG`. From ``bench/lab/skinny_gemm_bench.py`` on an H100.
-CONFIGS: dict[tuple[str, str], tuple[int, int, int, int, int] | None] = {}
+#: :data:`DEFAULT_CONFIG`. From ``bench/lab/skinny_gemm_bench.py`` on an H100 (summed over the class's shapes and
+#: 1 / 2 / 4 / 8 tokens, against cuBLAS; docs/lab/2026-12-06-h100-skinny-invariant): the multiply-add form, fastest at
+#: one token, costs 2–3× cuBLAS at eight, so no class chose it and nothing is folded with these.
+CONFIGS: dict[tuple[str, str], tuple[int, int, int, int, int] | None] = {
+    ("mid", "long"): (64, 256, 4, 4, DOT),  # 543.9 vs 597.9 µs: tp1.w2, tp2.w2
+    ("mid", "mid"): (64, 256, 4, 4, DOT),  # 362.9 vs 375.5 µs: tp1.o_proj, tp2.o_proj, tp8.w13
+    ("mid", "short"): (64, 256, 4, 3, DOT),  # 99.1 vs 103.2 µs: tp8.o_proj, tp8.shared.w2, tp8.w2
+    ("narrow", "mid"): None,  # cuBLAS 94.6 µs: tp8.qkv_a, tp8.shared.w13
+    ("narrow", "short"): None,  # cuBLAS 22.6 µs: tp8.q_b
+    ("wide", "mid"): (32, 128, 4, 3, DOT),  # 1073.7 vs 1134.4 µs: tp1.w13, tp2.w13
+}
 DEFAULT_CONFIG = (8, 256, 4, 2, FMA)
 
 #: N and K class edges: N ≤ 2560 "narrow" (fused_qkv_a, q_b_proj), ≤ 8192 "mid" (TP8's w13 / w2 / o_proj), else
@@ -235,6 +244,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     or None; norm_weight: [K] or None. config: (BLOCK_N, BLOCK_K, num_warps, num_stages, form), default
     :func:`config_for` (which must not be None). Returns (y [T, N] in x's dtype, the new residual x + residual [T, K]
     or None)."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"skinny_gemm: x {tuple(x.shape)}, weight {tuple(w.shape)}: expected [T, K] and [N, K]")
     T = x.shape[0]
     N, K = w.shape
     if x.stride(-1) != 1:
@@ -245,13 +256,21 @@ def launch(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
         raise ValueError(f"skinny_gemm: x has {T} tokens, expected 1 … {MAX_TOKENS}")
     if act and (residual is not None or norm_weight is not None):
         raise ValueError("skinny_gemm: act excludes residual and norm_weight")
+    if residual is not None and tuple(residual.shape) != (T, K):
+        raise ValueError(f"skinny_gemm: residual {tuple(residual.shape)}, expected {(T, K)}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"skinny_gemm: norm_weight {tuple(norm_weight.shape)}, expected ({K},)")
     config = config or config_for(N, K)
     if config is None:
         raise ValueError(f"skinny_gemm: no configuration for weight {tuple(w.shape)} (its class stays with cuBLAS)")
+    if (len(config) != 5 or config[4] not in (FMA, DOT) or any(b < 1 or b & (b - 1) for b in config[:2])
+            or config[4] == DOT and min(config[:2]) < 16):
+        raise ValueError(f"skinny_gemm: config {config}: expected (BLOCK_N, BLOCK_K, num_warps, num_stages, form) with "
+                         f"BLOCK_N and BLOCK_K powers of two, form {FMA} or {DOT}, and both ≥ 16 for dot")
     block_n, block_k, warps, stages, form = config
-    if form == DOT and block_n < 16:
-        raise ValueError(f"skinny_gemm: config {config}: dot needs BLOCK_N ≥ 16")
     w = w if w.stride(-1) == 1 else w.contiguous()
+    if norm_weight is not None:
+        norm_weight = norm_weight.contiguous()
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     h = None
     if residual is not None:
