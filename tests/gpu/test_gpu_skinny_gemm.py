@@ -62,12 +62,16 @@ def test_cublas_gives_a_token_the_same_bits_alone_and_among_eight(N, K):
     assert _alone_vs_among(lambda x, r, w: F.linear(x, w), N, K) == [0] * 7
 
 
+@pytest.mark.parametrize("configs", ["shipped", "multiply-add"])
 @pytest.mark.parametrize("N, K", SHAPES_TP8 + SHAPES_MORE)
-def test_skinny_kernel_gives_a_token_the_same_bits_alone_and_among_eight(N, K):
+def test_skinny_kernel_gives_a_token_the_same_bits_alone_and_among_eight(N, K, configs, monkeypatch):
     """What ``skinny_gemm`` needs to be lossless in bf16 (the cuBLAS test above), with the shipped configuration of
-    each shape and every prologue the target folds (norm, residual add + norm with the new residual, silu · up)."""
+    each shape, or every shape on the default multiply-add form, and every prologue the target folds (norm, residual
+    add + norm with the new residual, silu · up)."""
     from splitspec.models import skinny_gemm
 
+    if configs == "multiply-add":
+        monkeypatch.setattr(skinny_gemm, "CONFIGS", {})
     if skinny_gemm.config_for(N, K) is None:
         pytest.skip(f"{N} × {K}: its class stays with cuBLAS")
     g = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -154,23 +158,36 @@ def test_tp8_mlp_halves_give_a_token_the_same_bits_alone_and_among_others():
         assert differ == [0] * 7, (layer, differ)
 
 
+FMA_EVERYWHERE = pytest.param("multiply-add", marks=pytest.mark.xfail(strict=True, reason=(
+    "on an H100 greedy speculation left target-only greedy at k 1 with every class on the multiply-add form, its "
+    "products and MLP halves bit-invariant: something else in a decode and a verify rounds differently "
+    "(docs/lab/2026-12-06-h100-skinny-invariant)")))
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("skinny", [False, True])
-def test_bf16_greedy_speculation_equals_target_only(demo_models, tmp_path_factory, skinny):
-    """The demo pair built in bf16 (the skinny kernel's dtype), target TP1 with the TP1 drafter, ``skinny_gemm`` off
-    and on: greedy speculation at k 1, 3 and 5 gives exactly target-only greedy's tokens. One sequence at a time, so
-    that a verify's rows (k + 1 ≤ 8) stay where cuBLAS and the kernel are batch-invariant."""
+@pytest.mark.parametrize("skinny", ["off", "shipped", FMA_EVERYWHERE])
+def test_bf16_greedy_speculation_equals_target_only(demo_models, tmp_path_factory, monkeypatch, skinny):
+    """The demo pair built in bf16 (the skinny kernel's dtype), target TP1 with the TP1 drafter, ``skinny_gemm`` off,
+    on with the shipped configurations (at the demo's small shapes every class is cuBLAS's: what changes is the MoE
+    layer's form), and on with every class on the multiply-add form (folds): greedy speculation at k 1, 3 and 5 gives
+    exactly target-only greedy's tokens. One sequence at a time, so that a verify's rows (k + 1 ≤ 8) stay where
+    cuBLAS and the kernel are batch-invariant."""
     from splitspec.build.engines import build_pair
+    from splitspec.models import skinny_gemm
     from splitspec.runtime.scheduler import SpeculativeEngine
     from splitspec.runtime.types import Request
     from splitspec.settings import ServeConfig
 
+    if skinny == "multiply-add":
+        monkeypatch.setattr(skinny_gemm, "CONFIGS", {})
+        monkeypatch.setattr(skinny_gemm, "DEFAULT_CONFIG", (8, 256, 4, 2, skinny_gemm.FMA))
+    torch._dynamo.reset()
     engines = build_pair(demo_models, tmp_path_factory.mktemp("bf16"), max_seq_len=256, quiet=True, dtype="bfloat16")
     prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "x = [i * i for i in"]
     with SpeculativeEngine.load(ServeConfig(engines, target_device_ids=[0], draft_tp=1, max_batch_size=1,
-                                            skinny_gemm=skinny)) as eng:
+                                            skinny_gemm=skinny != "off")) as eng:
         ids = [eng.tokenizer.encode(p) for p in prompts]
         ref = [r.token_ids for r in eng.run([Request(i, 48, num_draft_tokens=0, stop_token_ids=set()) for i in ids])]
         for k in (1, 3, 5):
             got = [r.token_ids for r in eng.run([Request(i, 48, num_draft_tokens=k, stop_token_ids=set()) for i in ids])]
-            assert got == ref, f"skinny_gemm={skinny}, k={k}: speculative output differs from target-only greedy"
+            assert got == ref, f"skinny_gemm {skinny}, k={k}: speculative output differs from target-only greedy"
