@@ -107,8 +107,8 @@ class ServeConfig:
             (:mod:`splitspec.models.skinny_gemm`; where a shape's configuration multiplies by multiply-adds, the norms,
             residual adds and silu · up folded into the products they feed) instead of cuBLAS and separate kernels,
             one configuration per shape for every token count so that a verify rounds a token as a decode does; the
-            MoE layer's shared expert then stays out of the fused expert kernels. Off by default: invariant, it
-            measured no faster than cuBLAS (docs/architecture.md).
+            MoE layer's shared expert then stays out of the fused expert kernels. Off by default: invariant, the layers
+            measured no faster with it than with cuBLAS (docs/architecture.md).
         pdl: programmatic dependent launch (Hopper and later) for the compiled parts' Triton kernels (inductor's
             ``triton.enable_pdl``): each kernel may start while the one before it drains, and waits inside the GPU
             for that kernel's writes before its first read, so a CUDA graph's kernel boundaries cost less. Off by

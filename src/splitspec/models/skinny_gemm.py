@@ -63,7 +63,7 @@ FMA, DOT = 0, 1
 #: others (the module docstring); None: the class stays with cuBLAS. A class missing here takes
 #: :data:`DEFAULT_CONFIG`. From ``bench/lab/skinny_gemm_bench.py`` on an H100 (summed over the class's shapes and
 #: 1 / 2 / 4 / 8 tokens, against cuBLAS; docs/lab/2026-12-06-h100-skinny-invariant): the multiply-add form, fastest at
-#: one token, costs 2–3× cuBLAS at eight, so no class chose it and nothing is folded with these.
+#: one token, costs 1.9–3.4× cuBLAS at eight, so no class chose it and nothing is folded with these.
 CONFIGS: dict[tuple[str, str], tuple[int, int, int, int, int] | None] = {
     ("mid", "long"): (64, 256, 4, 4, DOT),  # 543.9 vs 597.9 µs: tp1.w2, tp2.w2
     ("mid", "mid"): (64, 256, 4, 4, DOT),  # 362.9 vs 375.5 µs: tp1.o_proj, tp2.o_proj, tp8.w13
