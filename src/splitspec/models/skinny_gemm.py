@@ -152,7 +152,8 @@ def _store_token(y_ptr, i, n, nmask, N, acc, sq, K, eps, NORM: tl.constexpr):
 def _skinny_fma(x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, h_ptr, N, K, stride_x, stride_r, stride_w, eps, T: tl.constexpr,
                 RESID: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows [pid·BLOCK_N, +BLOCK_N) of y [T, N] by float32 multiply-adds: one accumulator per token (T ≤ 8), each
-    token's the same code whatever T, so a token's sums run in the same order alone and among others."""
+    token's the same code whatever T, so a token's sums run in the same order alone and among others. The eight
+    accumulators are named and their steps written out, a line each: a Triton loop cannot carry a list of tensors."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
