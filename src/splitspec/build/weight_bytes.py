@@ -1,7 +1,7 @@
 """Bytes of one GPU's weights, by tensor kind, for a target rank and an EAGLE-3 drafter, from their configs
 (and, where the published shards are present, their safetensors headers), without reading a weight.
 
-The layout counted is the engine's runtime layout (:mod:`splitspec.build.engines`, docs/formats.md
+The layout counted is the engine's runtime layout (:mod:`splitspec.build.runtime_layout`, docs/formats.md
 "Engine files"): per target rank ``embed_tokens`` / ``lm_head`` [V/N, H]; per layer the fused
 ``q_a_proj`` + ``kv_a_proj_with_mqa`` (replicated), ``q_b_proj`` rows, ``kv_b_proj`` as ``w_uk`` / ``w_uv`` (its
 rows, always float), ``o_proj`` columns, dense / shared ``gate``+``up`` rows and ``down`` columns split N ways;

@@ -240,7 +240,7 @@ class Eagle3Drafter:
 
 class DrafterModel(Eagle3Drafter):
     """An EAGLE-3 drafter with Llama attention (``LlamaForCausalLMEagle3``): GQA with half-split rotary over the 2·H
-    input; weights in the runtime layout written by ``splitspec.build.engines`` (``qkv_proj`` fused, ``o_proj``),
+    input; weights in the runtime layout of ``splitspec.build.runtime_layout`` (``qkv_proj`` fused, ``o_proj``),
     a rank's from :func:`shard_drafter`. Padded batches attend through
     :func:`splitspec.models.paged_attention.attend_paged` (K/V rows read through the row table) where
     :attr:`paged_kernel` is set (bf16/fp16 on a GPU), else through :func:`splitspec.models.layers.attend_padded` over

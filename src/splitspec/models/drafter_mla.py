@@ -58,7 +58,7 @@ def shard_mla_drafter(w: dict[str, torch.Tensor], cfg: DrafterConfig, rank: int,
 
 class MLADrafterModel(Eagle3Drafter):
     """An MLA EAGLE-3 drafter (one rank of it when ``comm.size`` > 1: weights from :func:`shard_mla_drafter`), weights
-    in the runtime layout of ``splitspec.build.engines`` (the target layer's ``attn.*`` names)."""
+    in the runtime layout of ``splitspec.build.runtime_layout`` (the target layer's ``attn.*`` names)."""
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         super().__init__(cfg, weights, comm)

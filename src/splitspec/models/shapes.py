@@ -1,5 +1,6 @@
-"""Runtime-layout tensor names and shapes of one rank (what :mod:`splitspec.build.engines` writes to
-``rank{i}.safetensors``), and seeded random tensors of those shapes for synthetic engines.
+"""Runtime-layout tensor names and shapes of one rank (what :mod:`splitspec.build.runtime_layout` makes and
+:mod:`splitspec.build.engines` writes to ``rank{i}.safetensors``), and seeded random tensors of those shapes for
+synthetic engines.
 
 Shapes are per rank: the target's attention heads, vocabulary and dense MLP are split over ``tp_size``,
 its routed experts over ``ep_size`` (and their width over ``moe_tp_size``); the drafter is the TP1 whole.
@@ -29,7 +30,7 @@ def mla_shapes(cfg, heads: int, d_in: int, H: int, prefix: str = "") -> dict[str
 
 
 def target_shapes(cfg: TargetConfig, mapping: Mapping) -> dict[str, tuple[int, ...]]:
-    """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build.engines`)."""
+    """Runtime-layout tensor shapes of one target rank (see :mod:`splitspec.build.runtime_layout`)."""
     tp = mapping.tp_size
     H, h = cfg.hidden_size, cfg.num_attention_heads // tp
     s = {"embed_tokens": (cfg.vocab_size // tp, H), "lm_head": (cfg.vocab_size // tp, H), "norm": (H,)}

@@ -84,7 +84,7 @@ class TargetModel:
     Args:
         cfg: the target config.
         mapping: the TP/EP mapping; ``comm`` must be this rank's group.
-        weights: runtime-layout tensors of this rank (see :func:`splitspec.build.engines.target_runtime_layout`).
+        weights: runtime-layout tensors of this rank (see :func:`splitspec.build.runtime_layout.target_runtime_layout`).
         skinny_gemm: bf16 linears of at most :data:`splitspec.models.skinny_gemm.MAX_TOKENS` CUDA tokens through the
             skinny-GEMM kernel, one configuration per shape for every token count; where a shape's configuration
             multiplies by multiply-adds (:func:`splitspec.models.skinny_gemm.folds`) input_layernorm (and its
