@@ -93,6 +93,10 @@ class DraftAhead:
 
         (self.inputs,) = compile_parts(next_draft_inputs, pdl=pdl)
 
+    def drop(self) -> None:
+        """Forget the launch pending: a cycle that does not use it, or the graphs' pool holding its drafts released."""
+        self.pending = None
+
     def take(self, work, k: int, draft_tp: int) -> torch.Tensor | None:
         """The drafts launched ahead for a steady cycle of ``work`` (SeqWork list) with ``k`` drafts, placement
         ``draft_tp``, when it is the cycle they were launched for; else None. Either way nothing stays pending."""

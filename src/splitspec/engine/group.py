@@ -329,4 +329,4 @@ class Group:
             for graphs in {id(g): g for g in [runner.graphs] + [slot[2] for slot in runner.slots.values()] + ahead}.values():
                 graphs.clear()
             if runner.ahead is not None:
-                runner.ahead.pending = None  # its drafts live in the pool just released
+                runner.ahead.drop()  # its drafts live in the pool just released

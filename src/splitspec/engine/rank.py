@@ -332,7 +332,7 @@ class RankRunner:
             both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
             self.ahead.launch(self, plan, best, drafts, (rows, decided))
         elif self.ahead is not None:
-            self.ahead.pending = None
+            self.ahead.drop()
         if on_launched is not None:
             on_launched()
         if ready is not None:
@@ -350,7 +350,7 @@ class RankRunner:
         for sid in plan.finished:
             self.aux.pop(sid, None)
         if self.ahead is not None:
-            self.ahead.pending = None
+            self.ahead.drop()
         t0 = time.perf_counter()
         drafts = plan.drafts
         if drafts is None:
