@@ -170,6 +170,12 @@ def test_lone_surrogates_are_refused_naming_the_field(raw, param, at):
     ("in ensemble 'ensemble', spec_decode: server busy: 128 requests open, at most 64 decoding and 64 waiting", 503,
      "service_unavailable"),
     ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
+    # a request that failed alone (NaN logits) while the engine serves on: the server's fault, not unavailable
+    ("in ensemble 'ensemble', spec_decode: internal error in this request (the engine serves on): sampling: draw: "
+     "weights sum to 0, NaN or inf, expected a finite sum > 0 (NaN or inf in the logits?)", 500, "internal_error"),
+    # the engine stopped serving: 503, whatever the failure's own text says
+    ("in ensemble 'ensemble', spec_decode: generation failed: RuntimeError: CUDA error: an internal error", 503,
+     "service_unavailable"),
 ])
 def test_ensemble_errors_map_to_statuses(message, status, code):
     e = errors.ensemble_error(message)

@@ -113,6 +113,8 @@ def serve(conn: Connection) -> int:
                             raise EngineError("the server is shutting down: not admitting new requests")
                         rid = loop.submit(req, lambda ev, sid=sid: on_event(sid, ev))
                     except Exception as e:  # its one event: refused, or the engine stopped serving
+                        # (request id -1: it never ran; spec_decode tells such an "error" from a request that failed
+                        # alone while the engine serves on)
                         reason = "error" if isinstance(e, EngineError) else "rejected"
                         why = str(e) if isinstance(e, SplitspecError) else f"not a valid request: {type(e).__name__}: {e}"
                         refusal = ([pack_event(sid, RequestOutput(-1, [], "", True, reason, None, why), False)], None)

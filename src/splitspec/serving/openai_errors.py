@@ -42,12 +42,17 @@ def invalid(param: str | None, message: str, code: str | None = None) -> APIErro
 
 
 def ensemble_error(message: str) -> APIError:
-    """The API error for an error response of the ensemble (a gRPC stream carries its text only): the models'
-    internal errors → 500 ``server_error``; a failed or unloaded engine (``generation failed``, a model not ready or
-    unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; anything else is a bad request → 400
+    """The API error for an error response of the ensemble (a gRPC stream carries its text only, not its code): a
+    failed or unloaded engine (``spec_decode: generation failed``, whatever the failure's own text says; a model not
+    ready or unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; the models' internal errors,
+    among them a request that failed alone while the engine serves on (``spec_decode: internal error in this
+    request``, e.g. NaN logits) → 500 ``server_error``; anything else is a bad request → 400
     (``context_length_exceeded`` when the prompt and max_tokens do not fit the engine's max_seq_len), its ``param``
     filled in by :func:`with_param` once the request is known."""
     low = message.lower()
+    named = _NAMED.search(message)
+    if named is not None and message.startswith("generation failed", named.start(1)):
+        return APIError(503, message, "service_unavailable", None, "service_unavailable")
     if "internal error" in low:
         return APIError(500, message, "server_error", None, "internal_error")
     if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped",

@@ -40,7 +40,8 @@ Engine failure: when a target worker process (or the engine process) dies, every
 UNAVAILABLE error response (no request hangs) and the model unloads itself (``pb_utils.unload_model``, which needs
 ``--model-control-mode explicit``, as ``splitspec serve`` runs): ``/v2/models/spec_decode/ready`` and
 the ensemble's then answer not-ready. ``splitspec serve``'s supervisor (:mod:`splitspec.serving.supervisor`) notices
-the dead process and restarts the pipeline.
+the dead process and restarts the pipeline. A request that fails alone while the engine serves on (NaN or inf logits
+where its next token is decided) is answered with INTERNAL (HTTP 500), ``spec_decode: internal error in this request``.
 
 Deadlines: input ``timeout_ms``, capped by the parameter ``request_timeout_s`` (:func:`~splitspec.serving.requests.request_timeout`).
 
@@ -257,6 +258,13 @@ class TritonPythonModel:
         if ev.error is not None:
             self.collector.on_finished("error")
             down = self.failure or self.engine.error  # why the engine stopped serving, if it did
+            if not down and not self.stopping.is_set() and ev.request_id >= 0:
+                # this request failed alone (NaN or inf logits where its token is decided) and the engine serves on:
+                # an internal error of the request, not an unavailable server. A submit the engine refused as not
+                # serving (shutting down, or failed before the "failed" message reached us) has request id -1.
+                self._close(st, error=f"spec_decode: internal error in this request (the engine serves on): "
+                                      f"{ev.error}", code="INTERNAL")
+                return
             message = f"spec_decode: generation failed: {down or ev.error}"
             if down and not self.stopping.is_set():
                 message += RECOVERY_HINT
