@@ -60,6 +60,7 @@ BAD_CHAT = [
     ({**CHAT, "temperature": 2.5}, "temperature"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "seed": 2**63}, "seed"),  # past the engine's seeds (it refused them after the schema let them through)
     ({**CHAT, "max_tokens": 10**23}, "max_tokens"),  # past the ensemble's INT32: refused, not a 500
     ({**CHAT, "max_completion_tokens": 2**31}, "max_completion_tokens"),
     ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),  # which one? OpenAI does not say
@@ -90,6 +91,18 @@ def test_bad_chat_fields_are_refused_naming_the_field(body, param):
     err = e.value.body()["error"]
     assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
     assert param.split("[")[0] in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1, -1])
+def test_seed_beyond_the_engines_range_is_one_400_naming_it(seed):
+    """The engine seeds a request's generator with 0 ≤ seed < 2^63 (SamplingParams.check): the schema takes that range
+    and refuses the rest in one line naming the field and the range."""
+    with pytest.raises(errors.APIError) as e:
+        s.parse_completion({**COMP, "seed": seed})
+    err = e.value.body()["error"]
+    assert (e.value.status, err["param"]) == (400, "seed")
+    assert err["message"] == f"seed = {seed}: expected 0..{2**63 - 1}" and "\n" not in err["message"]
+    assert s.parse_completion({**COMP, "seed": 2**63 - 1}).seed == 2**63 - 1
 
 
 @pytest.mark.parametrize("body,param", [({**COMP, "prompt": ""}, "prompt"), ({**COMP, "prompt": [1, 2, 3]}, "prompt"),

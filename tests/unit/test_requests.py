@@ -254,6 +254,19 @@ def test_check_capacity(open_requests, refused):
         check_capacity(open_requests, 4, 2)
 
 
+@pytest.mark.parametrize("name", ["seed", "random_seed"])
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_a_seed_beyond_the_engines_is_refused_as_sent(name, value):
+    """seed (and random_seed) are UINT64, the engine's seeds 0..2^63 - 1: a larger one is refused here, in one line
+    naming the input, its value as sent (not wrapped negative) and the range, before it reaches the engine."""
+    with pytest.raises(ConfigError) as e:
+        parse_request(_inputs(**{name: np.array([[value]], dtype=np.uint64)}), LIMIT)
+    assert str(e.value) == f"{name} = {value}: expected 0..{2**63 - 1} (0 ≤ seed < 2^63)"
+    top = parse_request(_inputs(**{name: np.array([[2**63 - 1]], dtype=np.uint64)}), LIMIT)[0]
+    assert top.sampling.seed == 2**63 - 1
+    top.check()  # and the engine takes it
+
+
 def test_max_tokens_wrapped_by_triton_http_gets_a_hint():
     with pytest.raises(ConfigError, match=r"max_tokens = -2147483643: expected 1\.\.4096 \(an INT32 input.*modulo 2\^32"):
         parse_request(_inputs(max_tokens=np.array([2**31 + 5 - 2**32], dtype=np.int32)), LIMIT)

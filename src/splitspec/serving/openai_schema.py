@@ -10,7 +10,7 @@ Fields:
   ``max_tokens`` deprecated in favour of ``max_completion_tokens`` and says nothing of both, so two different values
   are refused), ``temperature`` (0..2; 0 = greedy, also when absent: the
   ensemble's default, where OpenAI's is 1), ``top_p`` (0 < p ≤ 1), ``seed``
-  (0..2^64−1), ``stop`` (a string or a list of up to :data:`~splitspec.serving.requests.MAX_STOP_STRINGS`),
+  (0..2^63−1, the engine's range), ``stop`` (a string or a list of up to :data:`~splitspec.serving.requests.MAX_STOP_STRINGS`),
   ``stream``, ``stream_options.include_usage``, ``user`` (accepted, unused); extensions as in vLLM's server:
   ``top_k`` and ``num_draft_tokens`` (draft tokens per cycle; 0 = no speculation).
 * known but not served (:data:`NEUTRAL`): accepted only at their neutral value (``n`` = 1, ``logprobs`` false,
@@ -129,6 +129,8 @@ def _type_name(v) -> str:
 
 #: Largest value of the ensemble's INT32 inputs (max_tokens, top_k, num_draft_tokens).
 INT32_MAX = 2**31 - 1
+#: The largest ``seed`` the engine takes (``SamplingParams.check``: 0 ≤ seed < 2^63, a signed 64-bit generator seed).
+SEED_MAX = 2**63 - 1
 
 
 def _int(body: dict, name: str, lo: int, hi: int = INT32_MAX) -> int | None:
@@ -212,7 +214,7 @@ def _common(body: dict, kind: str, allowed: frozenset) -> dict:
         raise invalid("user", f"user: expected a string, got {_type_name(user)}")
     return dict(kind=kind, model=model, max_tokens=_int(body, "max_tokens", 1),
                 temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
-                top_k=_int(body, "top_k", 0), seed=_int(body, "seed", 0, 2**64 - 1), stop=_stop(body),
+                top_k=_int(body, "top_k", 0), seed=_int(body, "seed", 0, SEED_MAX), stop=_stop(body),
                 stream=bool(stream), include_usage=include_usage, num_draft_tokens=_int(body, "num_draft_tokens", 0))
 
 

@@ -21,7 +21,8 @@ What only the JSON of an HTTP ``generate`` request shows is checked before trito
 :mod:`splitspec.serving.generate_json`.
 
 Sampling values are range-checked by the engine when it takes the request (``SamplingParams.check``); a
-request it refuses comes back as a ``"rejected"`` event.
+request it refuses comes back as a ``"rejected"`` event. ``seed`` is checked here already, naming the input it came
+in: a UINT64 seed of 2^63 or more (the engine's seeds are 0..2^63 - 1).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ CANCEL_INPUT = "cancel_stream_id"
 #: Added to an out-of-range INT32 value's error: what the client may have sent (docs/serving.md, "Integer inputs").
 INT32_HINT = (" (an INT32 input: Triton's HTTP front end wraps a JSON integer modulo 2^32, so 2^31..2^32-1 arrives "
               "negative)")
+#: The largest seed the engine takes (``SamplingParams.check``: 0 ≤ seed < 2^63); ``seed`` is UINT64.
+SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
@@ -237,13 +240,22 @@ def _fp32(v) -> float:
 
 
 def _seed(inputs: Inputs) -> int | None:
-    """``seed``, or its older name ``random_seed`` (the same value when both are given)."""
+    """``seed``, or its older name ``random_seed`` (the same value when both are given).
+
+    Raises:
+        ConfigError: two different values, or one beyond the engine's seeds, 0..2^63 - 1 (:data:`SEED_MAX`: the
+            inputs are UINT64, so 2^63..2^64 - 1 arrives as sent), naming the input.
+    """
     seed, old = scalar(inputs, "seed"), scalar(inputs, "random_seed")
     if seed is not None and old is not None and int(seed) != int(old):
         raise ConfigError(f"seed = {int(seed)} and random_seed = {int(old)}: two different seeds (random_seed is "
                           "the older name of seed: give one)")
-    v = seed if seed is not None else old
-    return None if v is None else int(v)
+    name, v = ("seed", seed) if seed is not None else ("random_seed", old)
+    if v is None:
+        return None
+    if not 0 <= int(v) <= SEED_MAX:
+        raise ConfigError(f"{name} = {int(v)}: expected 0..{SEED_MAX} (0 ≤ seed < 2^63)")
+    return int(v)
 
 
 #: Inputs that carry one token id (``pad_id`` has no effect here, but a client's id must still be a token).
