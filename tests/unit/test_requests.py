@@ -267,6 +267,34 @@ def test_a_seed_beyond_the_engines_is_refused_as_sent(name, value):
     top.check()  # and the engine takes it
 
 
+def test_top_k_beyond_int32_names_the_value_as_sent():
+    """``"top_k": 3000000000`` over HTTP generate reaches the model wrapped to INT32 (Triton's front end, modulo 2^32):
+    the message names the range and 3000000000, the value the client sent (before: the engine's ``top_k =
+    -1294967296, expected an integer ≥ 0``, the wrapped value only)."""
+    wrapped = np.array([[3_000_000_000]], dtype=np.int64).astype(np.int32)  # what Triton hands the model
+    assert int(wrapped[0, 0]) == 3_000_000_000 - 2**32
+    with pytest.raises(ConfigError) as e:
+        parse_request(_inputs(top_k=wrapped), LIMIT)
+    assert str(e.value) == (f"top_k = -1294967296: expected 0..{2**31 - 1} (0 = no limit){INT32_HINT[:-1]}: "
+                            "3000000000 sent as JSON arrives as -1294967296)")
+    with pytest.raises(ConfigError, match=r"^top_k = 3000000000: expected 0\.\.2147483647 \(0 = no limit\)$"):
+        parse_request(_inputs(top_k=np.array([[3_000_000_000]], dtype=np.int64)), LIMIT)  # not an INT32: no hint
+    assert parse_request(_inputs(top_k=np.array([[2**31 - 1]], dtype=np.int32)), LIMIT)[0].sampling.top_k == 2**31 - 1
+
+
+@pytest.mark.parametrize("name, value, dtype, bounds", [
+    ("top_k", 3_000_000_000, "INT32", f"{-2**31}..{2**31 - 1}"), ("max_tokens", -2**31 - 1, "INT32", f"{-2**31}..{2**31 - 1}"),
+    ("seed", 2**64, "UINT64", f"0..{2**64 - 1}"), ("seed", -1, "UINT64", f"0..{2**64 - 1}")])
+def test_the_grpc_client_refuses_an_integer_its_tensor_cannot_hold(name, value, dtype, bounds):
+    """splitspec's gRPC client names such a value as given instead of letting NumPy wrap it into the tensor."""
+    from splitspec.serving.client import grpc_inputs
+
+    kw = {"max_tokens": value} if name == "max_tokens" else {"max_tokens": 4, name: value}
+    with pytest.raises(ConfigError) as e:
+        grpc_inputs("x", **kw)
+    assert str(e.value) == f"{name} = {value}: beyond {dtype}, the input's type ({bounds})"
+
+
 def test_max_tokens_wrapped_by_triton_http_gets_a_hint():
     with pytest.raises(ConfigError, match=r"max_tokens = -2147483643: expected 1\.\.4096 \(an INT32 input.*modulo 2\^32"):
         parse_request(_inputs(max_tokens=np.array([2**31 + 5 - 2**32], dtype=np.int32)), LIMIT)

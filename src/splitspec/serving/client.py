@@ -195,7 +195,8 @@ def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
     value (``[1, 1]``) or the list's ``n`` strings.
 
     Raises:
-        ConfigError: an input name the ensemble does not have.
+        ConfigError: an input name the ensemble does not have, or an integer its type cannot hold (``top_k`` =
+            3000000000 for an INT32), named as given: NumPy 1.x would wrap it modulo 2^32 without a word.
     """
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -208,6 +209,11 @@ def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
         values = list(value) if is_list else [value]
         if dtype == "object":
             values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+        elif dtype.startswith(("int", "uint")):
+            bits = np.iinfo(dtype)
+            for v in values:
+                if isinstance(v, (int, np.integer)) and not bits.min <= int(v) <= bits.max:
+                    raise ConfigError(f"{name} = {int(v)}: beyond {ttype}, the input's type ({bits.min}..{bits.max})")
         arr = np.array(values, dtype=dtype).reshape(1, len(values))
         t = grpcclient.InferInput(name, list(arr.shape), ttype)
         t.set_data_from_numpy(arr)

@@ -21,8 +21,10 @@ What only the JSON of an HTTP ``generate`` request shows is checked before trito
 :mod:`splitspec.serving.generate_json`.
 
 Sampling values are range-checked by the engine when it takes the request (``SamplingParams.check``); a
-request it refuses comes back as a ``"rejected"`` event. ``seed`` is checked here already, naming the input it came
-in: a UINT64 seed of 2^63 or more (the engine's seeds are 0..2^63 - 1).
+request it refuses comes back as a ``"rejected"`` event. ``seed`` and ``top_k`` are checked here already, where the
+input's own name and its value as Triton delivered it are known: a UINT64 seed of 2^63 or more (the engine's seeds
+are 0..2^63 - 1), and an INT32 top_k that Triton's HTTP front end wrapped negative (``"top_k": 3000000000`` arrives
+as -1294967296: the message names both).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ CANCEL_INPUT = "cancel_stream_id"
 #: Added to an out-of-range INT32 value's error: what the client may have sent (docs/serving.md, "Integer inputs").
 INT32_HINT = (" (an INT32 input: Triton's HTTP front end wraps a JSON integer modulo 2^32, so 2^31..2^32-1 arrives "
               "negative)")
+#: The largest value of an INT32 input.
+INT32_MAX = 2**31 - 1
 #: The largest seed the engine takes (``SamplingParams.check``: 0 ≤ seed < 2^63); ``seed`` is UINT64.
 SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -258,6 +262,24 @@ def _seed(inputs: Inputs) -> int | None:
     return int(v)
 
 
+def _top_k(inputs: Inputs) -> int:
+    """``top_k`` (0 when absent: no limit).
+
+    Raises:
+        ConfigError: outside 0..2^31 - 1, naming the input; a negative value with the JSON integer that Triton's HTTP
+            front end wraps to it (``"top_k": 3000000000`` arrives as -1294967296).
+    """
+    v = scalar(inputs, "top_k")
+    if v is None:
+        return 0
+    v = int(v)
+    if not 0 <= v <= INT32_MAX:
+        wrapped = -2**31 <= v < 0  # what Triton's HTTP front end makes of a JSON integer 2^31..2^32 - 1
+        hint = f"{INT32_HINT[:-1]}: {v + 2**32} sent as JSON arrives as {v})" if wrapped else ""
+        raise ConfigError(f"top_k = {v}: expected 0..{INT32_MAX} (0 = no limit){hint}")
+    return v
+
+
 #: Inputs that carry one token id (``pad_id`` has no effect here, but a client's id must still be a token).
 TOKEN_ID_INPUTS = ("end_id", "pad_id")
 
@@ -337,7 +359,7 @@ def parse_request(inputs: Inputs, max_tokens_limit: int, timeout_cap_s: float | 
         return default if v is None else cast(v)
 
     sampling = SamplingParams(temperature=opt("temperature", 0.0, _fp32), top_p=opt("top_p", 1.0, _fp32),
-                              top_k=opt("top_k", 0, int), seed=_seed(inputs))
+                              top_k=_top_k(inputs), seed=_seed(inputs))
     k = opt("num_draft_tokens", None, int)
     stop = strings(inputs, "stop")
     check_stop(stop)
