@@ -16,11 +16,11 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("Triton's interpreter is off: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported", pytrace=False)
 
-from splitspec.build.synthetic import kimi_k2_drafter
+from splitspec.build.synthetic import kimi_k2_drafter, kimi_k2_target
 from splitspec.models import paged_attention
 from splitspec.models.batch import padded, single_blocks
 from splitspec.models.drafter import DrafterKVCache, DrafterModel
-from splitspec.models.layers import attend_padded
+from splitspec.models.layers import TPComm, attend_padded
 from splitspec.models.shapes import drafter_shapes, random_weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,3 +150,111 @@ def test_drafter_padded_forward_through_the_kernel(dtype):
     for (lk, hk), (lc, hc) in zip(results[True], results.get("compiled", ())):
         lr, hr = 3 * lk.shape[0] // 4, 3 * hk.shape[0] // 4
         assert (lc[:lr] - lk[:lr]).abs().max() < 0.06 and (hc[:hr].float() - hk[:hr].float()).abs().max() < 0.06
+
+
+def latent_problem(B, n, heads, S, latent, rope, dtype, seed=0, starts=None):
+    """q [B, n, heads, latent + rope], one latent cache [B·S + 7, latent + rope] (the K/V "head" of absorbed MLA),
+    table, positions: :func:`problem` with one cache head; the cache's K and V are then (row, row[:latent])."""
+    q, kc, _, table, pos = problem(B, n, heads, 1, S, latent + rope, dtype, seed, starts)
+    return q, kc[:, 0], table, pos
+
+
+def latent_reference(q, cache, table, pos, scale, latent):
+    """The float64 loop over (cache row, its first ``latent`` values) as K and V."""
+    return loop_reference(q, cache[:, None], cache[:, None], table, pos, scale)[..., :latent]
+
+
+# (B, n, heads, S, latent, rope, dtype, share keys): TP8 Kimi's 8 heads and n = 1 (one program, half its rows
+# padding), 2 tokens of 8 heads in one program, 3 programs per token, one share and several (16: shares of one
+# key block; 32: two blocks), bf16
+LATENT_CASES = [(1, 1, 8, 40, 32, 16, torch.float32, 256), (2, 3, 8, 50, 32, 16, torch.float32, 16),
+                (3, 2, 24, 64, 16, 16, torch.float32, 32), (2, 4, 8, 48, 32, 16, torch.bfloat16, 16),
+                (1, 6, 4, 30, 64, 32, torch.bfloat16, 256)]
+
+
+@pytest.mark.parametrize("B, n, heads, S, latent, rope, dtype, share", LATENT_CASES)
+def test_latent_kernel_equals_loop_and_attend_padded(B, n, heads, S, latent, rope, dtype, share, monkeypatch):
+    monkeypatch.setattr(paged_attention, "LATENT_SPLIT_KEYS", share)
+    q, cache, table, pos = latent_problem(B, n, heads, S, latent, rope, dtype)
+    scale = (latent + rope) ** -0.5
+    out = paged_attention.attend_latent(q, cache, table, pos, scale, latent, block_n=BLOCK_N)
+    assert out.shape == (B, n, heads, latent) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.cpu().double() - latent_reference(q, cache, table, pos, scale, latent)).abs().max() < tol
+    window = cache[table][:, :, None, :]  # mla_attention's gathered form
+    gathered = attend_padded(q, window, window[..., :latent], pos, scale)
+    assert (out.float() - gathered.float()).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(dtype, monkeypatch):
+    """A query decoded alone (B 1, n 1, the shortest window) and the same query as the 3rd token of a 4-token verify
+    of the 2nd of 3 sequences, in a window twice as long split into more shares: bit-equal output (the lossless
+    verify of speculative decoding needs it)."""
+    monkeypatch.setattr(paged_attention, "LATENT_SPLIT_KEYS", 16)
+    heads, latent, rope, S = 8, 32, 16, 32
+    q, cache, table, pos = latent_problem(3, 4, heads, 2 * S, latent, rope, dtype, starts=[5, 20, 0])
+    scale = (latent + rope) ** -0.5
+    among = paged_attention.attend_latent(q, cache, table, pos, scale, latent, block_n=BLOCK_N)
+    p = int(pos[1, 2])
+    assert p < S  # the query's visible keys all lie in the short window
+    alone = paged_attention.attend_latent(q[1:2, 2:3].contiguous(), cache, table[1:2, :S].contiguous(), pos[1:2, 2:3].contiguous(),
+                                          scale, latent, block_n=BLOCK_N)
+    assert torch.equal(alone[0, 0], among[1, 2])
+
+
+def test_latent_rows_past_the_last_query_are_never_read(monkeypatch):
+    monkeypatch.setattr(paged_attention, "LATENT_SPLIT_KEYS", 16)
+    q, cache, table, pos = latent_problem(3, 2, 8, 64, 32, 16, torch.float32, starts=[0, 1, 20])
+    visible = torch.zeros(cache.shape[0], dtype=torch.bool, device=DEVICE)
+    for b in range(3):
+        visible[table[b, : int(pos[b, -1]) + 1]] = True
+    clean = paged_attention.attend_latent(q, cache, table, pos, 48 ** -0.5, 32, block_n=BLOCK_N)
+    cache[~visible] = float("nan")
+    out = paged_attention.attend_latent(q, cache, table, pos, 48 ** -0.5, 32, block_n=BLOCK_N)
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
+
+
+def test_latent_bad_inputs_are_refused():
+    q, cache, table, pos = latent_problem(2, 2, 8, 16, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="power-of-two latent"):
+        paged_attention.attend_latent(q, cache, table, pos, 0.25, 24)
+    with pytest.raises(ValueError, match=r"cache \[.*expected \[rows, 48\]"):
+        paged_attention.attend_latent(q, cache[:, :40], table, pos, 0.25, 32)
+    with pytest.raises(ValueError, match="positions"):
+        paged_attention.attend_latent(q, cache, table, pos[:, :1], 0.25, 32)
+
+
+def test_target_layers_through_the_latent_kernel(monkeypatch):
+    """A tiny Kimi-shaped target's dense and MoE layers over a padded verify (2 sequences × 3 tokens plus a padding
+    sequence, windows in two key shares) give the same outputs and cache rows with ``paged_kernel`` on as through the
+    gathered window."""
+    from splitspec.config import Mapping
+    from splitspec.models.shapes import target_shapes
+    from splitspec.models.target import TargetKVCache, TargetModel
+
+    monkeypatch.setattr(paged_attention, "LATENT_SPLIT_KEYS", 32)
+    base = kimi_k2_target(2)
+    cfg = dataclasses.replace(base, vocab_size=64, hidden_size=96, intermediate_size=80, moe_intermediate_size=24,
+                              num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              rope=dataclasses.replace(base.rope, dim=8))
+    model = TargetModel(cfg, Mapping(1), 0, random_weights(target_shapes(cfg, Mapping(1)), torch.float32, DEVICE, seed=0), TPComm())
+    assert model.paged_kernel is False  # float32: the gathered window, unless switched on as here
+    cache = TargetKVCache(cfg, 4 * 64, torch.float32, DEVICE)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+    batch = padded([(single_blocks(s, 64), start, [1, 2, 3]) for s, start in zip(range(2), (7, 40))], 64, DEVICE,
+                   scratch_row=255, pad_to=3)
+    cos, sin = model.rotary.cos_sin(batch.positions)
+    g = torch.Generator().manual_seed(5)
+    h, pending = (torch.randn(9, 96, generator=g).to(DEVICE) for _ in range(2))
+    results = {}
+    for on in (False, True):
+        model.paged_kernel = on
+        kv0 = cache.kv.clone()
+        results[on] = ([model.block(layer, h, pending, batch, cache, cos, sin) for layer in (0, 1)], cache.kv.clone())
+        cache.kv.copy_(kv0)
+    (off, kv_off), (on, kv_on) = results[False], results[True]
+    assert torch.equal(kv_on[:200], kv_off[:200])  # the rows written (the scratch row aside)
+    for (h_off, out_off), (h_on, out_on) in zip(off, on):
+        assert (h_on[:6] - h_off[:6]).abs().max() < 1e-4 and (out_on[:6] - out_off[:6]).abs().max() < 1e-4

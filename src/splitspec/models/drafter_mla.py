@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.drafter_config import DrafterConfig
+from splitspec.models import paged_attention
 from splitspec.models.batch import ForwardBatch
 from splitspec.models.drafter import Eagle3Drafter, shard_common, spans, take
 from splitspec.models.layers import TPComm, mla_attention
@@ -63,8 +64,12 @@ class MLADrafterModel(Eagle3Drafter):
     def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], comm: TPComm | None = None):
         super().__init__(cfg, weights, comm)
         self.heads = cfg.num_attention_heads // self.comm.size
+        # padded batches attend through the latent paged kernel where it serves (bf16 / fp16 on a GPU)
+        self.paged_kernel = paged_attention.serves(self.device, self.dtype) and paged_attention.latent_fits(
+            cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: MLADrafterKVCache) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(batch.positions)
-        o = mla_attention(a, self.w, self.cfg, self.heads, self.rotary, cos, sin, batch, cache.kv, self._linear)
+        o = mla_attention(a, self.w, self.cfg, self.heads, self.rotary, cos, sin, batch, cache.kv, self._linear,
+                          paged=self.paged_kernel)
         return self._linear(o, "attn.o_proj")

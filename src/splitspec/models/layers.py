@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from splitspec.config import RopeConfig
+from splitspec.models import paged_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,7 +159,7 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
 
 def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads: int, rotary: Rotary, cos: torch.Tensor,
                   sin: torch.Tensor, batch, kv: torch.Tensor, linear, qkv_a: torch.Tensor | None = None,
-                  norm_linear=None) -> torch.Tensor:
+                  norm_linear=None, paged: bool = False) -> torch.Tensor:
     """Multi-head Latent Attention (DeepSeek-V2/V3) in absorbed form over one layer's latent cache, for the target's
     layers and an MLA EAGLE-3 drafter's single layer alike.
 
@@ -172,7 +173,9 @@ def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads:
     batch's tokens). linear(x, name): x Wᵀ for weight ``name`` of ``lw`` (float or FP8). qkv_a: ``linear(x,
     "attn.fused_qkv_a")`` [T, q_lora + kv_lora + rope] when the caller computed it (with the norm that makes x folded
     in, :mod:`splitspec.models.skinny_gemm`); x is then not read (None). norm_linear(x, norm, name): rms_norm(x,
-    lw[norm]) · W[name]ᵀ, for ``q_a_layernorm`` → ``q_b_proj`` (default: the norm, then ``linear``).
+    lw[norm]) · W[name]ᵀ, for ``q_a_layernorm`` → ``q_b_proj`` (default: the norm, then ``linear``). paged: a padded
+    batch attends through :func:`splitspec.models.paged_attention.attend_latent` (the cache rows read through the
+    table, no gathered window; a token's bits independent of its batch), else :func:`attend_padded` over ``kv[table]``.
     Returns [T, heads·v_head_dim], the input of ``o_proj``.
     """
     qkv_a = linear(x, "attn.fused_qkv_a") if qkv_a is None else qkv_a
@@ -193,7 +196,10 @@ def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads:
         kv[batch.write_rows] = new
     q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
     q_cat = torch.cat((q_lat, q_pe), -1)
-    if B is not None:
+    if B is not None and paged:
+        out = paged_attention.attend_latent(q_cat.view(B, -1, heads, q_cat.shape[-1]), kv, batch.table,
+                                            batch.positions.view(B, -1), c.softmax_scale, c.kv_lora_rank).reshape(T, heads, -1)
+    elif B is not None:
         k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
         out = attend_padded(q_cat.view(B, -1, heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
                             batch.positions.view(B, -1), c.softmax_scale).reshape(T, heads, -1)

@@ -29,9 +29,15 @@ of two ≥ 256 above it): 2W · (rows read / S), plus those rows' table entries 
 shares' float32 partials (B·hk·splits·rows·(BLOCK_D + 2)·4 bytes, written and read).
 
 The Llama drafter uses it (:class:`splitspec.models.drafter.DrafterModel`). The MLA caches (the target's and an MLA
-drafter's) keep :func:`splitspec.models.layers.attend_padded`: their one latent "head" has keys of 576 values and
-values of the first 512 (not one power-of-two D) and every query head reads it (g = heads, g·n rows per program
-against one cache row stream), which wants its own tiling (latent and rope parts apart, FlashMLA-style).
+drafter's) use its latent form, :func:`attend_latent`: one cache "head" whose rows are the latent (512 values for
+Kimi-K2) then the rope key (64), every query head reading it (g = heads), the value the row's latent part. The program
+loads a block of rows once and uses it for the scores (latent and rope parts as two products into one accumulator)
+and for the value product. Its rows per program and its key shares are fixed (:data:`LATENT_BLOCK_M`,
+:data:`LATENT_SPLIT_KEYS`), so a query's arithmetic is the same whatever the batch, the tokens per sequence and the
+window: the target's verify of k + 1 tokens gives each token the bits a one-token decode gives it. Against the
+gathered window (``kv[table]``, then two batched products and a softmax) it reads the window's rows once instead of
+writing and re-reading a copy of it, which at long windows outweighs the layer's weights (Kimi-K2 at TP8: a 4096-key
+window of 16 sequences is 75 MB per layer, the layer's weights ~150 MB).
 
 Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter, which the tests use; it
 takes bf16 tiles for raw integers in products, so there and for float32 inputs the products run in float32, the
@@ -54,6 +60,12 @@ CONFIG = (64, 4, 2)
 MAX_BLOCK_M = 64
 #: Keys per share at least, when the keys are split over programs.
 MIN_SPLIT_KEYS = 256
+#: (BLOCK_N keys per step, num_warps, num_stages) of :func:`attend_latent`: a starting point, not yet swept.
+LATENT_CONFIG = (32, 4, 2)
+#: Query rows per program of :func:`attend_latent`, whatever the batch (16: the smallest tensor-core tile).
+LATENT_BLOCK_M = 16
+#: Keys per share of :func:`attend_latent`, whatever the window (a multiple of every BLOCK_N used).
+LATENT_SPLIT_KEYS = 256
 #: Dtypes :func:`serves` takes the kernel for (float32 stays on the matmul path: tensor cores would round it to tf32).
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -67,7 +79,9 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
 def _attend(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
             sq_b, sq_n, sq_h, sk_r, sk_h, sv_r, sv_h, so_b, so_n, so_h, n, S, HK, chunk, qk_scale,
             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            SPLIT: tl.constexpr, F32: tl.constexpr):
+            SPLIT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr):
+    """R = 0: K and V rows of D values each. R > 0 (latent form, :func:`attend_latent`): a K row is D latent values
+    then R rope values, q's rows likewise, and V is the K row's first D values (read once, used twice)."""
     bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kh = bh // HK, bh % HK
     r = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query row: token r // G, head kh·G + r % G
@@ -78,8 +92,13 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, part_ptr, m_ptr, l
     pos = tl.load(pos_ptr + b * n + t, mask=rmask, other=0)
     q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_n + head[:, None] * sq_h + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if R > 0:
+        e = D + tl.arange(0, R)
+        qr = tl.load(q_ptr + b * sq_b + t[:, None] * sq_n + head[:, None] * sq_h + e[None, :], mask=rmask[:, None], other=0.0)
     if F32:
         q = q.to(tl.float32)
+        if R > 0:
+            qr = qr.to(tl.float32)
     lo = sp * chunk
     hi = tl.minimum(tl.minimum(tl.max(pos, axis=0) + 1, S), lo + chunk).to(tl.int32)  # no query sees keys ≥ hi
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -91,11 +110,19 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, part_ptr, m_ptr, l
         rows = tl.load(table_ptr + b * S + j, mask=jmask, other=0)
         kvmask = jmask[:, None] if BLOCK_D == D else jmask[:, None] & dmask[None, :]  # one mask per row: 16-byte loads
         k = tl.load(k_ptr + rows[:, None] * sk_r + kh * sk_h + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * sv_r + kh * sv_h + d[None, :], mask=kvmask, other=0.0)
+        if R > 0:
+            v = k
+            kr = tl.load(k_ptr + rows[:, None] * sk_r + kh * sk_h + e[None, :], mask=jmask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + rows[:, None] * sv_r + kh * sv_h + d[None, :], mask=kvmask, other=0.0)
         if F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if R > 0:
+                s = tl.dot(qr, tl.trans(kr.to(tl.float32)), s, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+            if R > 0:
+                s = tl.dot(qr, tl.trans(kr), s)
         s = tl.where((j[None, :] <= pos[:, None]) & jmask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p = 0, not NaN
@@ -157,34 +184,40 @@ def split_count(splits: int, programs: int, S: int, block_n: int, device: torch.
 
 @torch.library.custom_op("splitspec::paged_attention", mutates_args=())
 def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
-              scale: float, splits: int, block_n: int) -> torch.Tensor:
+              scale: float, splits: int, block_n: int, rope: int) -> torch.Tensor:
     with on_device(q):
         B, n, hq, D = q.shape
+        D -= rope
         S, hk = table.shape[1], k_cache.shape[1]
         G = hq // hk
         k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))
         q = q if q.stride(-1) == 1 else q.contiguous()
         table, positions = table.contiguous(), positions.contiguous()
         out = torch.empty(B, n, hq, D, dtype=q.dtype, device=q.device)
-        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(G * n)))
-        mblocks = triton.cdiv(G * n, block_m)
         block_d = max(16, triton.next_power_of_2(D))
-        splits = split_count(splits, B * hk * mblocks, S, block_n, q.device)
-        chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-        splits = triton.cdiv(S, chunk)  # no share left empty by the rounding
+        if rope:  # every query row's arithmetic independent of n, B and S: fixed rows per program, fixed key shares
+            block_m, chunk = LATENT_BLOCK_M, LATENT_SPLIT_KEYS
+            mblocks, splits = triton.cdiv(G * n, block_m), triton.cdiv(S, chunk)
+            _, warps, stages = LATENT_CONFIG
+        else:
+            block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(G * n)))
+            mblocks = triton.cdiv(G * n, block_m)
+            splits = split_count(splits, B * hk * mblocks, S, block_n, q.device)
+            chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+            splits = triton.cdiv(S, chunk)  # no share left empty by the rounding
+            _, warps, stages = CONFIG
         f32 = q.dtype == torch.float32 or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         if splits > 1:
             part = torch.empty(B * hk, splits, mblocks * block_m, block_d, dtype=torch.float32, device=q.device)
             m, l_sum = (torch.empty(B * hk, splits, mblocks * block_m, dtype=torch.float32, device=q.device) for _ in range(2))
         else:
             part = m = l_sum = out  # unused pointers
-        _, warps, stages = CONFIG
         _attend[(B * hk, mblocks, splits)](q, k_cache, v_cache, table, positions, out, part, m, l_sum,
                                            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
                                            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
                                            out.stride(2), n, S, hk, chunk, scale * 1.4426950408889634, G=G, D=D,
                                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=splits > 1, F32=f32,
-                                           num_warps=warps, num_stages=stages)
+                                           R=rope, num_warps=warps, num_stages=stages)
         if splits > 1:
             _combine[(B * hk, mblocks)](part, m, l_sum, out, out.stride(0), out.stride(1), out.stride(2), n, hk, splits,
                                         G=G, D=D, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
@@ -192,8 +225,8 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 @_paged_op.register_fake
-def _(q, k_cache, v_cache, table, positions, scale, splits, block_n):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _(q, k_cache, v_cache, table, positions, scale, splits, block_n, rope):
+    return q.new_empty(*q.shape[:-1], q.shape[-1] - rope)
 
 
 def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -217,4 +250,40 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if table.dim() != 2 or table.shape[0] != B or tuple(positions.shape) != (B, n):
         raise ValueError(f"attend_paged: table {list(table.shape)} and positions {list(positions.shape)}, "
                          f"expected [{B}, S] and [{B}, {n}] for q {list(q.shape)}")
-    return _paged_op(q, k_cache, v_cache, table, positions, float(scale), int(splits), int(block_n or CONFIG[0]))
+    return _paged_op(q, k_cache, v_cache, table, positions, float(scale), int(splits), int(block_n or CONFIG[0]), 0)
+
+
+def latent_fits(latent: int, rope: int) -> bool:
+    """Whether :func:`attend_latent` takes latent rows of ``latent`` values and rope keys of ``rope`` (powers of two,
+    latent ≥ 16, rope > 0)."""
+    return latent >= 16 and not latent & (latent - 1) and rope > 0 and not rope & (rope - 1)
+
+
+def attend_latent(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
+                  latent: int, block_n: int | None = None) -> torch.Tensor:
+    """Absorbed multi-head latent attention (DeepSeek-V2/V3 MLA decode form) of B sequences' n new queries each over
+    their latent cache rows, read through the row table:
+
+        out[b, i, h] = Σ_{j ≤ p(b, i)} softmax_j(scale · q[b, i, h] · c[table[b, j]]) · c[table[b, j], :latent]
+
+    q: [B, n, heads, latent + rope] (the absorbed q_nope · W_UK, then the rotated q_pe) in bf16, fp16 or float32;
+    cache: [rows, latent + rope] in q's dtype (the normalised latent, then the rotated rope key, per row); table [B, S]
+    int64, positions [B, n] int64 as for :func:`attend_paged`. Returns [B, n, heads, latent] in q's dtype, softmax in
+    float32; what :func:`splitspec.models.layers.attend_padded` computes from the gathered window with one K/V head
+    (K = the whole row, V its first ``latent`` values), without the gather: each cache row is read once per program,
+    for the scores and the value product both. ``latent`` must be a power of two ≥ 16 (Kimi-K2: 512; rope 64).
+
+    A query row's arithmetic does not depend on the batch: :data:`LATENT_BLOCK_M` rows per program and key shares of
+    :data:`LATENT_SPLIT_KEYS` whatever B, n and S, so a token verified among k others gets the bits it gets decoded
+    alone (the target's lossless speculation). Raises ValueError for mismatched shapes or dtypes."""
+    B, n, hq, width = q.shape
+    if not latent_fits(latent, width - latent):
+        raise ValueError(f"attend_latent: q rows of {width} = latent {latent} + rope, expected a power-of-two latent "
+                         "≥ 16 and a power-of-two rope > 0")
+    if cache.dim() != 2 or cache.shape[1] != width or cache.dtype != q.dtype:
+        raise ValueError(f"attend_latent: cache {list(cache.shape)} {cache.dtype}, expected [rows, {width}] {q.dtype}")
+    if table.dim() != 2 or table.shape[0] != B or tuple(positions.shape) != (B, n):
+        raise ValueError(f"attend_latent: table {list(table.shape)} and positions {list(positions.shape)}, "
+                         f"expected [{B}, S] and [{B}, {n}] for q {list(q.shape)}")
+    rows = cache[:, None, :]
+    return _paged_op(q, rows, rows, table, positions, float(scale), 0, int(block_n or LATENT_CONFIG[0]), width - latent)

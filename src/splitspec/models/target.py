@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from splitspec import quant
 
-from splitspec.models import fp8_grouped, fp8_linear, fused_moe, fused_route, int4_layer, int4_routed, skinny_gemm
+from splitspec.models import fp8_grouped, fp8_linear, fused_moe, fused_route, int4_layer, int4_routed, paged_attention, skinny_gemm
 from splitspec.models.grouped_moe import grouped_experts
 from splitspec.config import Mapping, TargetConfig
 from splitspec.models.layers import Rotary, TPComm, compile_parts, mla_attention, rms_norm
@@ -118,6 +118,9 @@ class TargetModel:
         prefixes = [f"layers.{i}." for i in range(cfg.num_hidden_layers)]
         self.layer_w = [{n[len(p):]: t for n, t in weights.items() if n.startswith(p)} for p in prefixes]
         self.fast = None  # compiled (attention_half, mlp_half), see compile()
+        # padded batches attend through the latent paged kernel where it serves (bf16 / fp16 on a GPU)
+        self.paged_kernel = (paged_attention.serves(self.device, weights["embed_tokens"].dtype)
+                             and paged_attention.latent_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def compile(self, pdl: bool = False) -> None:
         """Use ``torch.compile``d layer halves for padded batches (see the class docstring;
@@ -146,7 +149,7 @@ class TargetModel:
             h = h if pending is None else h + pending
             x = rms_norm(h, lw["input_layernorm"], self.cfg.rms_norm_eps)
         o = mla_attention(x, lw, self.cfg, self.local_heads, self.rotary, cos, sin, batch, kv, lambda t, n: self.linear(t, lw, n),
-                          qkv_a, lambda t, norm, n: self.norm_linear(t, lw, norm, n))
+                          qkv_a, lambda t, norm, n: self.norm_linear(t, lw, norm, n), self.paged_kernel)
         return h, self.linear(o, lw, "attn.o_proj")
 
     def norm_linear(self, x: torch.Tensor, lw: dict[str, torch.Tensor], norm: str, name: str) -> torch.Tensor:

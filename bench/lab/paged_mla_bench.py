@@ -1,0 +1,156 @@
+"""The target's layers with MLA attention through the gathered window and through the latent paged kernel
+(``TargetModel.paged_kernel``, :func:`splitspec.models.paged_attention.attend_latent`), one Kimi-K2-width rank on one
+GPU: TP-N shard shapes, random bf16 weights, compiled layer halves replayed from a CUDA graph (collectives excluded).
+
+Per (TP size, batch B, k, key window S): the dense and the MoE layer's µs with the kernel off and on, and each
+layer's bytes bound: its weights plus the latent cache rows its sequences' queries see (B · (position + 1) · (latent
++ rope) · 2 bytes), over the measured copy bandwidth. The sequences sit at 3/4 of the window (position 3S/4 + k), as
+a decode deep into a window of that size does. Also checks, once per TP size, that a token's layer output is the same
+bits decoded alone as verified among k others (B 1) with the kernel on.
+
+    python3 bench/lab/paged_mla_bench.py --out results/paged_mla --tp 8,1 --batches 1,16 --ks 0,3 --windows 256,4096
+    python3 bench/lab/paged_mla_bench.py --dry-run        # CPU, Triton's interpreter, tiny shapes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--out", default="results/paged_mla", help="folder for paged_mla_bench.json")
+ap.add_argument("--tp", default="8,1", help="comma list: TP sizes whose rank-0 shard shapes run")
+ap.add_argument("--batches", default="1,16", help="comma list of batch sizes")
+ap.add_argument("--ks", default="0,3", help="comma list of draft lengths (k + 1 tokens per sequence)")
+ap.add_argument("--windows", default="256,4096", help="comma list of key windows S")
+ap.add_argument("--budget-s", type=float, default=400, help="start no new row after this many seconds")
+ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the script")
+A = ap.parse_args()
+if A.dry_run:
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for lab.gpu_kernels
+
+import torch  # noqa: E402
+
+from splitspec.build.synthetic import kimi_k2_target  # noqa: E402
+from splitspec.config import Mapping  # noqa: E402
+from splitspec.measure.machine import git_commit  # noqa: E402
+from splitspec.models.batch import padded  # noqa: E402
+from splitspec.models.layers import TPComm  # noqa: E402
+from splitspec.models.shapes import random_weights, target_shapes  # noqa: E402
+from splitspec.models.target import TargetKVCache, TargetModel  # noqa: E402
+
+DEVICE = "cpu" if A.dry_run else "cuda"
+BLOCK = 16  # cache rows per block of the tables built here
+
+
+def config():
+    cfg = kimi_k2_target(2)
+    if A.dry_run:
+        cfg = dataclasses.replace(cfg, vocab_size=64, hidden_size=96, intermediate_size=80, moe_intermediate_size=24,
+                                  num_attention_heads=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=16, rope=dataclasses.replace(cfg.rope, dim=8))
+    return cfg
+
+
+def timed(fn) -> float:
+    """ms per call: CUDA-graph replays on a GPU, one eager call on the CPU (dry run)."""
+    if A.dry_run:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from lab.gpu_kernels import timed_graph
+
+    return timed_graph(fn)
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    tps, batches, ks, windows = ([int(v) for v in s.split(",")] for s in (A.tp, A.batches, A.ks, A.windows))
+    if A.dry_run:
+        windows, batches = [min(S, 64) for S in windows], [min(B, 2) for B in batches]
+    bw = 0.0
+    if not A.dry_run:
+        from lab.gpu_kernels import bandwidth
+
+        bw = bandwidth()["copy_GBps_read_plus_write"]
+    res = {"git": git_commit(), "device": torch.cuda.get_device_name() if not A.dry_run else "cpu (dry run)",
+           "bandwidth_GBps": bw, "rows": [], "invariant": {}}
+    cfg = config()
+    row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    dtype = torch.float32 if A.dry_run else torch.bfloat16
+    H = cfg.hidden_size
+    for tp in tps:
+        torch._dynamo.reset()
+        mapping = Mapping(tp)
+        w = random_weights(target_shapes(cfg, mapping), dtype, DEVICE, seed=0)
+        model = TargetModel(cfg, mapping, 0, w, TPComm())
+        if not A.dry_run:
+            model.compile()
+        cache = TargetKVCache(cfg, max(batches) * max(windows) + BLOCK, dtype, DEVICE)
+        cache.kv.copy_(torch.randn(cache.kv.shape, device=DEVICE).to(dtype))
+        nb = lambda names: sum(w[n].nbytes for n in names)  # noqa: E731
+        weights = {0: nb([n for n in w if n.startswith("layers.0.")]),
+                   1: nb([n for n in w if n.startswith("layers.1.") and "experts." not in n])
+                   + cfg.num_experts_per_tok * (w["layers.1.mlp.experts.w13"][0].nbytes + w["layers.1.mlp.experts.w2"][0].nbytes)}
+        for B in batches:
+            for k in ks:
+                for S in windows:
+                    if time.perf_counter() - t0 > A.budget_s:
+                        print(f"budget: row TP{tp} B{B} k{k} S{S} and later not run", flush=True)
+                        continue
+                    n, start = k + 1, 3 * S // 4
+                    batch = padded([(list(range(b * S // BLOCK, (b + 1) * S // BLOCK)), start, [1] * n) for b in range(B)],
+                                   S, DEVICE, BLOCK, scratch_row=max(batches) * max(windows), pad_to=B)
+                    cos, sin = model.rotary.cos_sin(batch.positions)
+                    h = torch.randn(B * n, H, device=DEVICE).to(dtype)
+                    pend = torch.randn_like(h)
+                    kv_bytes = B * (start + n) * row_bytes
+                    for layer, name in ((0, "dense"), (1, "moe")):
+                        us = {}
+                        for on in (False, True):
+                            model.paged_kernel = on
+                            us[on] = 1e3 * timed(lambda: model.block(layer, h, pend if layer else None, batch, cache, cos, sin))
+                        bound = (weights[layer] + kv_bytes) / (bw * 1e3) if bw else None  # µs
+                        row = {"tp": tp, "B": B, "k": k, "S": S, "layer": name, "gathered_us": round(us[False], 1),
+                               "paged_us": round(us[True], 1), "bound_us": bound and round(bound, 1),
+                               "kv_MB": round(kv_bytes / 1e6, 2), "weights_MB": round(weights[layer] / 1e6, 1)}
+                        res["rows"].append(row)
+                        ratio = f"  {us[False] / bound:.2f}× → {us[True] / bound:.2f}× bound" if bound else ""
+                        print(f"TP{tp} B{B:>2} k{k} S{S:>5} {name:5}: gathered {us[False]:8.1f} µs  paged "
+                              f"{us[True]:8.1f} µs{ratio}", flush=True)
+        res["invariant"][tp] = invariant(model, cache, cfg, dtype, max(windows), max(ks))
+        print(f"TP{tp}: a token's attention half alone == among {max(ks) + 1} tokens (paged kernel on): "
+              f"{res['invariant'][tp]}", flush=True)
+    out = Path(A.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "paged_mla_bench.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out / "paged_mla_bench.json")
+    print(f"wrote {out / 'paged_mla_bench.json'} in {time.perf_counter() - t0:.0f} s")
+
+
+def invariant(model, cache, cfg, dtype, S: int, k: int) -> bool:
+    """The attention half's output (before its all-reduce) for the last of k + 1 tokens of one sequence equals (bits)
+    that of the token alone, the earlier k tokens' cache rows written by the verify first: the whole half, its
+    products included, as the engine runs it with the kernel on."""
+    model.paged_kernel = True
+    attention = model.fast[0] if model.fast else TargetModel.attention_half
+    n, start = k + 1, 3 * S // 4
+    blocks = list(range(S // BLOCK))
+    h = torch.randn(n, cfg.hidden_size, device=DEVICE).to(dtype)
+    verify = padded([(blocks, start, [1] * n)], S, DEVICE, BLOCK, scratch_row=cache.kv.shape[0] - 1, pad_to=1)
+    alone = padded([(blocks, start + k, [1])], S, DEVICE, BLOCK, scratch_row=cache.kv.shape[0] - 1, pad_to=1)
+    _, many = attention(model, model.layer_w[0], h, None, verify, cache.kv[0], *model.rotary.cos_sin(verify.positions))
+    _, one = attention(model, model.layer_w[0], h[k:], None, alone, cache.kv[0], *model.rotary.cos_sin(alone.positions))
+    return bool(torch.equal(many[-1], one[0]))
+
+
+if __name__ == "__main__":
+    main()
