@@ -29,6 +29,9 @@ ap.add_argument("--batches", default="1,16", help="comma list of batch sizes")
 ap.add_argument("--ks", default="0,3", help="comma list of draft lengths (k + 1 tokens per sequence)")
 ap.add_argument("--windows", default="256,4096", help="comma list of key windows S")
 ap.add_argument("--budget-s", type=float, default=400, help="start no new row after this many seconds")
+ap.add_argument("--sweep", action="store_true", help="time the kernel alone over its configurations first "
+                "(LATENT_CONFIG, LATENT_SPLIT_KEYS) at Kimi's TP8 / TP1 shapes")
+ap.add_argument("--no-layers", action="store_true", help="skip the layer timings")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the script")
 A = ap.parse_args()
 if A.dry_run:
@@ -83,6 +86,10 @@ def main() -> None:
     res = {"git": git_commit(), "device": torch.cuda.get_device_name() if not A.dry_run else "cpu (dry run)",
            "bandwidth_GBps": bw, "rows": [], "invariant": {}}
     cfg = config()
+    if A.sweep:
+        res["sweep"] = sweep(cfg)
+    if A.no_layers:
+        tps = []
     row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
     dtype = torch.float32 if A.dry_run else torch.bfloat16
     H = cfg.hidden_size
@@ -134,6 +141,48 @@ def main() -> None:
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(out / "paged_mla_bench.json")
     print(f"wrote {out / 'paged_mla_bench.json'} in {time.perf_counter() - t0:.0f} s")
+
+
+def sweep(cfg) -> list[dict]:
+    """µs of :func:`attend_latent` alone (CUDA graph) per (BLOCK_N, warps, stages, share keys) at TP8 (8 heads) and TP1
+    (64 heads) shapes; prints each shape's best and the sum over shapes per configuration."""
+    import itertools
+    from unittest.mock import patch
+
+    from splitspec.models import paged_attention as pa
+
+    width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    shapes = [(8, 1, 1, 256), (8, 1, 4, 256), (8, 1, 1, 4096), (8, 16, 1, 4096), (8, 16, 4, 4096), (64, 1, 1, 256),
+              (64, 1, 4, 1024)]
+    configs = list(itertools.product((32, 64), (4, 8), (2,), (64, 128, 256)))
+    if A.dry_run:
+        shapes, configs = [(8, 1, 2, 64)], configs[:2]
+    rows = []
+    for heads, B, n, S in shapes:
+        cache = torch.randn(B * S + 16, width, device=DEVICE).to(torch.bfloat16 if not A.dry_run else torch.float32)
+        table = torch.arange(B * S, device=DEVICE).view(B, S)
+        pos = (3 * S // 4 + torch.arange(n, device=DEVICE)).expand(B, n).contiguous()
+        q = torch.randn(B, n, heads, width, device=DEVICE).to(cache.dtype)
+        for bn, warps, stages, share in configs:
+            with patch.multiple(pa, LATENT_CONFIG=(bn, warps, stages), LATENT_SPLIT_KEYS=share):
+                try:
+                    us = 1e3 * timed(lambda: pa.attend_latent(q, cache, table, pos, 0.07, latent))
+                except Exception as e:  # out of shared memory or registers: not a candidate
+                    us = None
+                    print(f"  {heads}h B{B} n{n} S{S} {(bn, warps, stages, share)}: {type(e).__name__}", flush=True)
+            rows.append({"heads": heads, "B": B, "n": n, "S": S, "config": [bn, warps, stages, share], "us": us})
+        ok = [r for r in rows if r["us"] is not None and (r["heads"], r["B"], r["n"], r["S"]) == (heads, B, n, S)]
+        best = min(ok, key=lambda r: r["us"])
+        now = next((r["us"] for r in ok if r["config"] == [*pa.LATENT_CONFIG, pa.LATENT_SPLIT_KEYS]), float("nan"))
+        print(f"sweep {heads}h B{B:>2} n{n} S{S:>5}: shipped {now:.1f} µs, best {best['us']:.1f} µs at {best['config']}", flush=True)
+    total = {}
+    for r in rows:
+        if r["us"] is not None:
+            total.setdefault(tuple(r["config"]), []).append(r["us"])
+    full = {c: sum(v) for c, v in total.items() if len(v) == len(shapes)}
+    for c in sorted(full, key=full.get)[:5]:
+        print(f"sweep sum over shapes {full[c]:.1f} µs at {list(c)}", flush=True)
+    return rows
 
 
 def invariant(model, cache, cfg, dtype, S: int, k: int) -> bool:

@@ -171,7 +171,8 @@ def test_bf16_greedy_speculation_equals_target_only(demo_models, tmp_path_factor
     on with the shipped configurations (at the demo's small shapes every class is cuBLAS's: what changes is the MoE
     layer's form), and on with every class on the multiply-add form (folds): greedy speculation at k 1, 3 and 5 gives
     exactly target-only greedy's tokens. One sequence at a time, so that a verify's rows (k + 1 ≤ 8) stay where
-    cuBLAS and the kernel are batch-invariant."""
+    cuBLAS and the kernel are batch-invariant. In bf16 on a GPU the demo target attends through the latent paged
+    kernel (`TargetModel.paged_kernel`), so "off" checks that path too."""
     from splitspec.build.engines import build_pair
     from splitspec.models import skinny_gemm
     from splitspec.runtime.scheduler import SpeculativeEngine
