@@ -217,12 +217,25 @@ def test_latent_rows_past_the_last_query_are_never_read(monkeypatch):
 
 def test_latent_bad_inputs_are_refused():
     q, cache, table, pos = latent_problem(2, 2, 8, 16, 32, 16, torch.float32)
-    with pytest.raises(ValueError, match="power-of-two latent"):
+    with pytest.raises(ValueError, match="latent 24 .* expected both powers of two"):
         paged_attention.attend_latent(q, cache, table, pos, 0.25, 24)
     with pytest.raises(ValueError, match=r"cache \[.*expected \[rows, 48\]"):
         paged_attention.attend_latent(q, cache[:, :40], table, pos, 0.25, 32)
     with pytest.raises(ValueError, match="positions"):
         paged_attention.attend_latent(q, cache, table, pos[:, :1], 0.25, 32)
+    with pytest.raises(ValueError, match=r"rope 8, expected both powers of two ≥ 16"):  # a tensor-core product's least K
+        paged_attention.attend_latent(q[..., :40].contiguous(), cache[:, :40].contiguous(), table, pos, 0.25, 32)
+    assert not paged_attention.latent_fits(512, 8) and paged_attention.latent_fits(512, 64)
+    with pytest.raises(ValueError, match=r"table \[2, 0\].*S ≥ 1"):  # an empty window: nothing to attend to
+        paged_attention.attend_latent(q, cache, table[:, :0], pos, 0.25, 32)
+    with pytest.raises(ValueError, match="integers"):
+        paged_attention.attend_latent(q, cache, table.float(), pos, 0.25, 32)
+    with pytest.raises(ValueError, match="bf16, fp16 or float32"):
+        paged_attention.attend_latent(q.long(), cache.long(), table, pos, 0.25, 32)
+    with pytest.raises(ValueError, match=r"expected \[B, n, heads"):
+        paged_attention.attend_latent(q[0], cache, table, pos, 0.25, 32)
+    with pytest.raises(ValueError, match="block_n 48"):
+        paged_attention.attend_latent(q, cache, table, pos, 0.25, 32, block_n=48)
 
 
 def test_target_layers_through_the_latent_kernel(monkeypatch):
@@ -237,8 +250,8 @@ def test_target_layers_through_the_latent_kernel(monkeypatch):
     base = kimi_k2_target(2)
     cfg = dataclasses.replace(base, vocab_size=64, hidden_size=96, intermediate_size=80, moe_intermediate_size=24,
                               num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                              rope=dataclasses.replace(base.rope, dim=8))
+                              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              rope=dataclasses.replace(base.rope, dim=16))
     model = TargetModel(cfg, Mapping(1), 0, random_weights(target_shapes(cfg, Mapping(1)), torch.float32, DEVICE, seed=0), TPComm())
     assert model.paged_kernel is False  # float32: the gathered window, unless switched on as here
     cache = TargetKVCache(cfg, 4 * 64, torch.float32, DEVICE)

@@ -295,6 +295,16 @@ def test_the_grpc_client_refuses_an_integer_its_tensor_cannot_hold(name, value, 
     assert str(e.value) == f"{name} = {value}: beyond {dtype}, the input's type ({bounds})"
 
 
+@pytest.mark.parametrize("name, value", [("top_k", 3e9), ("top_k", "3000000000"), ("seed", -1.0), ("seed", 1.5),
+                                         ("num_draft_tokens", True)])
+def test_the_grpc_client_refuses_a_non_integer_for_an_integer_input(name, value):
+    """A float, string or bool for an integer input is named as given, not cast (3e9 would wrap, 1.5 truncate)."""
+    from splitspec.serving.client import grpc_inputs
+
+    with pytest.raises(ConfigError, match=rf"^{name} = {value!r}: expected an integer"):
+        grpc_inputs("x", 4, **{name: value})
+
+
 def test_max_tokens_wrapped_by_triton_http_gets_a_hint():
     with pytest.raises(ConfigError, match=r"max_tokens = -2147483643: expected 1\.\.4096 \(an INT32 input.*modulo 2\^32"):
         parse_request(_inputs(max_tokens=np.array([2**31 + 5 - 2**32], dtype=np.int32)), LIMIT)

@@ -254,9 +254,9 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def latent_fits(latent: int, rope: int) -> bool:
-    """Whether :func:`attend_latent` takes latent rows of ``latent`` values and rope keys of ``rope`` (powers of two,
-    latent ≥ 16, rope > 0)."""
-    return latent >= 16 and not latent & (latent - 1) and rope > 0 and not rope & (rope - 1)
+    """Whether :func:`attend_latent` takes latent rows of ``latent`` values and rope keys of ``rope``: powers of two,
+    both ≥ 16 (each part is a tensor-core product over its values, which needs at least 16 of them)."""
+    return all(v >= 16 and not v & (v - 1) for v in (latent, rope))
 
 
 def attend_latent(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -271,19 +271,29 @@ def attend_latent(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, pos
     int64, positions [B, n] int64 as for :func:`attend_paged`. Returns [B, n, heads, latent] in q's dtype, softmax in
     float32; what :func:`splitspec.models.layers.attend_padded` computes from the gathered window with one K/V head
     (K = the whole row, V its first ``latent`` values), without the gather: each cache row is read once per program,
-    for the scores and the value product both. ``latent`` must be a power of two ≥ 16 (Kimi-K2: 512; rope 64).
+    for the scores and the value product both. ``latent`` and the rope width: powers of two ≥ 16 (:func:`latent_fits`;
+    Kimi-K2: 512 and 64).
 
     A query row's arithmetic does not depend on the batch: :data:`LATENT_BLOCK_M` rows per program and key shares of
     :data:`LATENT_SPLIT_KEYS` whatever B, n and S, so a token verified among k others gets the bits it gets decoded
-    alone (the target's lossless speculation). Raises ValueError for mismatched shapes or dtypes."""
+    alone (the target's lossless speculation). The caller keeps every table entry a row of ``cache`` and every
+    position in 0 … S − 1 (not checked here: that would wait for the device; the engine's row tables and positions
+    are built so). Raises ValueError for mismatched shapes, dtypes or block size."""
+    if q.dim() != 4 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"attend_latent: q {list(q.shape)} {q.dtype}, expected [B, n, heads, latent + rope] in "
+                         "bf16, fp16 or float32")
     B, n, hq, width = q.shape
     if not latent_fits(latent, width - latent):
-        raise ValueError(f"attend_latent: q rows of {width} = latent {latent} + rope, expected a power-of-two latent "
-                         "≥ 16 and a power-of-two rope > 0")
+        raise ValueError(f"attend_latent: q rows of {width} = latent {latent} + rope {width - latent}, expected "
+                         "both powers of two ≥ 16")
     if cache.dim() != 2 or cache.shape[1] != width or cache.dtype != q.dtype:
         raise ValueError(f"attend_latent: cache {list(cache.shape)} {cache.dtype}, expected [rows, {width}] {q.dtype}")
-    if table.dim() != 2 or table.shape[0] != B or tuple(positions.shape) != (B, n):
-        raise ValueError(f"attend_latent: table {list(table.shape)} and positions {list(positions.shape)}, "
-                         f"expected [{B}, S] and [{B}, {n}] for q {list(q.shape)}")
+    if (table.dim() != 2 or table.shape[0] != B or table.shape[1] == 0 or tuple(positions.shape) != (B, n)
+            or table.dtype not in (torch.int64, torch.int32) or positions.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"attend_latent: table {list(table.shape)} {table.dtype} and positions {list(positions.shape)} "
+                         f"{positions.dtype}, expected [{B}, S ≥ 1] and [{B}, {n}] integers for q {list(q.shape)}")
+    block_n = int(block_n or LATENT_CONFIG[0])
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"attend_latent: block_n {block_n}, expected a power of two ≥ 16")
     rows = cache[:, None, :]
-    return _paged_op(q, rows, rows, table, positions, float(scale), 0, int(block_n or LATENT_CONFIG[0]), width - latent)
+    return _paged_op(q, rows, rows, table, positions, float(scale), 0, block_n, width - latent)

@@ -212,7 +212,9 @@ def grpc_inputs(prompt: str, max_tokens: int, **params) -> list:
         elif dtype.startswith(("int", "uint")):
             bits = np.iinfo(dtype)
             for v in values:
-                if isinstance(v, (int, np.integer)) and not bits.min <= int(v) <= bits.max:
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ConfigError(f"{name} = {v!r}: expected an integer ({ttype})")
+                if not bits.min <= int(v) <= bits.max:
                     raise ConfigError(f"{name} = {int(v)}: beyond {ttype}, the input's type ({bits.min}..{bits.max})")
         arr = np.array(values, dtype=dtype).reshape(1, len(values))
         t = grpcclient.InferInput(name, list(arr.shape), ttype)
