@@ -58,7 +58,7 @@ def config():
         cfg = dataclasses.replace(cfg, vocab_size=64, hidden_size=96, intermediate_size=80, moe_intermediate_size=24,
                                   num_attention_heads=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                   topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=8, v_head_dim=16, rope=dataclasses.replace(cfg.rope, dim=8))
+                                  qk_rope_head_dim=16, v_head_dim=16, rope=dataclasses.replace(cfg.rope, dim=16))
     return cfg
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     t0 = time.perf_counter()
     tps, batches, ks, windows = ([int(v) for v in s.split(",")] for s in (A.tp, A.batches, A.ks, A.windows))
     if A.dry_run:
-        windows, batches = [min(S, 64) for S in windows], [min(B, 2) for B in batches]
+        windows, batches = sorted({min(S, 64) for S in windows}), sorted({min(B, 2) for B in batches})
     bw = 0.0
     if not A.dry_run:
         from lab.gpu_kernels import bandwidth
@@ -132,7 +132,8 @@ def main() -> None:
                         ratio = f"  {us[False] / bound:.2f}× → {us[True] / bound:.2f}× bound" if bound else ""
                         print(f"TP{tp} B{B:>2} k{k} S{S:>5} {name:5}: gathered {us[False]:8.1f} µs  paged "
                               f"{us[True]:8.1f} µs{ratio}", flush=True)
-        res["invariant"][tp] = invariant(model, cache, cfg, dtype, max(windows), max(ks))
+        # on the CPU (dry run) the products' own sums follow the row count, so only a GPU's answer means anything
+        res["invariant"][tp] = None if A.dry_run else invariant(model, cache, cfg, dtype, max(windows), max(ks))
         print(f"TP{tp}: a token's attention half alone == among {max(ks) + 1} tokens (paged kernel on): "
               f"{res['invariant'][tp]}", flush=True)
     out = Path(A.out)
@@ -156,7 +157,7 @@ def sweep(cfg) -> list[dict]:
               (64, 1, 4, 1024)]
     configs = list(itertools.product((32, 64), (4, 8), (2,), (64, 128, 256)))
     if A.dry_run:
-        shapes, configs = [(8, 1, 2, 64)], configs[:2]
+        shapes, configs = [(8, 1, 2, 64)], [(*pa.LATENT_CONFIG, pa.LATENT_SPLIT_KEYS), (64, 4, 2, 16)]
     rows = []
     for heads, B, n, S in shapes:
         cache = torch.randn(B * S + 16, width, device=DEVICE).to(torch.bfloat16 if not A.dry_run else torch.float32)
@@ -169,7 +170,7 @@ def sweep(cfg) -> list[dict]:
                     us = 1e3 * timed(lambda: pa.attend_latent(q, cache, table, pos, 0.07, latent))
                 except Exception as e:  # out of shared memory or registers: not a candidate
                     us = None
-                    print(f"  {heads}h B{B} n{n} S{S} {(bn, warps, stages, share)}: {type(e).__name__}", flush=True)
+                    print(f"  {heads}h B{B} n{n} S{S} {(bn, warps, stages, share)}: {type(e).__name__}: {e}", flush=True)
             rows.append({"heads": heads, "B": B, "n": n, "S": S, "config": [bn, warps, stages, share], "us": us})
         ok = [r for r in rows if r["us"] is not None and (r["heads"], r["B"], r["n"], r["S"]) == (heads, B, n, S)]
         best = min(ok, key=lambda r: r["us"])
