@@ -102,6 +102,8 @@ def test_bad_inputs_are_refused():
         paged_attention.attend_paged(q, kc.half(), vc.half(), table, pos, 0.25)
     with pytest.raises(ValueError, match="positions"):
         paged_attention.attend_paged(q, kc, vc, table, pos[:, :1], 0.25)
+    with pytest.raises(ValueError, match=r"table \[2, 0\].*S ≥ 1"):  # an empty window
+        paged_attention.attend_paged(q, kc, vc, table[:, :0], pos, 0.25)
 
 
 def tiny_drafter(dtype: torch.dtype) -> tuple[DrafterModel, DrafterKVCache]:

@@ -183,6 +183,7 @@ def test_lone_surrogates_are_refused_naming_the_field(raw, param, at):
     ("in ensemble 'ensemble', spec_decode: server busy: 128 requests open, at most 64 decoding and 64 waiting", 503,
      "service_unavailable"),
     ("postprocessing: internal error: KeyError: 3", 500, "internal_error"),
+    ("Stub process 'spec_decode_0_0' is not healthy.", 503, "service_unavailable"),  # Triton's, the stub died
     # a request that failed alone (NaN logits) while the engine serves on: the server's fault, not unavailable
     ("in ensemble 'ensemble', spec_decode: internal error in this request (the engine serves on): sampling: draw: "
      "weights sum to 0, NaN or inf, expected a finite sum > 0 (NaN or inf in the logits?)", 500, "internal_error"),

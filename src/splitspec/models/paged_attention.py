@@ -247,9 +247,9 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                          f"[rows, hk, {D}] with hk dividing {hq} query heads")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"attend_paged: q is {q.dtype}, K/V caches {k_cache.dtype} and {v_cache.dtype}, expected one dtype")
-    if table.dim() != 2 or table.shape[0] != B or tuple(positions.shape) != (B, n):
+    if table.dim() != 2 or table.shape[0] != B or table.shape[1] == 0 or tuple(positions.shape) != (B, n):
         raise ValueError(f"attend_paged: table {list(table.shape)} and positions {list(positions.shape)}, "
-                         f"expected [{B}, S] and [{B}, {n}] for q {list(q.shape)}")
+                         f"expected [{B}, S ≥ 1] and [{B}, {n}] for q {list(q.shape)}")
     return _paged_op(q, k_cache, v_cache, table, positions, float(scale), int(splits), int(block_n or CONFIG[0]), 0)
 
 

@@ -44,7 +44,7 @@ def invalid(param: str | None, message: str, code: str | None = None) -> APIErro
 def ensemble_error(message: str) -> APIError:
     """The API error for an error response of the ensemble (a gRPC stream carries its text only, not its code): a
     failed or unloaded engine (``spec_decode: generation failed``, whatever the failure's own text says; a model not
-    ready or unknown) or a full queue (``server busy``) → 503 ``service_unavailable``; the models' internal errors,
+    ready or unknown, a Python backend's stub process not healthy) or a full queue (``server busy``) → 503 ``service_unavailable``; the models' internal errors,
     among them a request that failed alone while the engine serves on (``spec_decode: internal error in this
     request``, e.g. NaN logits) → 500 ``server_error``; anything else is a bad request → 400
     (``context_length_exceeded`` when the prompt and max_tokens do not fit the engine's max_seq_len), its ``param``
@@ -56,7 +56,7 @@ def ensemble_error(message: str) -> APIError:
     if "internal error" in low:
         return APIError(500, message, "server_error", None, "internal_error")
     if any(s in low for s in ("generation failed", "not ready", "unknown model", "unavailable", "engine stopped",
-                              "server busy")):
+                              "server busy", "is not healthy")):  # the last: Triton's word for a dead Python stub
         return APIError(503, message, "service_unavailable", None, "service_unavailable")
     return invalid(None, message, "context_length_exceeded" if "max_seq_len" in message else None)
 
