@@ -10,6 +10,10 @@ from splitspec.errors import ConfigError
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows float32: ask for greedy (0) instead
 
 
+#: The largest request seed (a signed 64-bit generator seed: 0 ≤ seed < 2^63).
+SEED_MAX = 2**63 - 1
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters.
@@ -33,7 +37,7 @@ class SamplingParams:
             raise ConfigError(f"top_p = {self.top_p!r}, expected a number with 0 < top_p ≤ 1")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ConfigError(f"top_k = {self.top_k!r}, expected an integer ≥ 0 (0 = no limit)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX):
             raise ConfigError(f"seed = {self.seed!r}, expected an integer in [0, 2^63)")
 
     @property

@@ -37,7 +37,8 @@ import uuid
 from splitspec.errors import ConfigError
 from splitspec.serving.json_body import lone_surrogate, nesting_depth
 from splitspec.serving.openai_errors import invalid
-from splitspec.serving.requests import check_stop
+from splitspec.runtime.types import SEED_MAX
+from splitspec.serving.requests import INT32_MAX, check_stop
 
 #: Known OpenAI fields this server does not implement → the values that mean "not used" (accepted).
 NEUTRAL = {
@@ -125,12 +126,6 @@ def parse_json(raw: bytes) -> dict:
 def _type_name(v) -> str:
     return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
                                      dict: "object"}.get(type(v), type(v).__name__)
-
-
-#: Largest value of the ensemble's INT32 inputs (max_tokens, top_k, num_draft_tokens).
-INT32_MAX = 2**31 - 1
-#: The largest ``seed`` the engine takes (``SamplingParams.check``: 0 ≤ seed < 2^63, a signed 64-bit generator seed).
-SEED_MAX = 2**63 - 1
 
 
 def _int(body: dict, name: str, lo: int, hi: int = INT32_MAX) -> int | None:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from splitspec.errors import ConfigError, ServerBusy
+from splitspec.runtime.types import SEED_MAX
 
 if TYPE_CHECKING:  # imported where a request is built: the preprocessing stub reads prompts without loading torch
     from splitspec.runtime.types import Request
@@ -70,10 +71,8 @@ CANCEL_INPUT = "cancel_stream_id"
 #: Added to an out-of-range INT32 value's error: what the client may have sent (docs/serving.md, "Integer inputs").
 INT32_HINT = (" (an INT32 input: Triton's HTTP front end wraps a JSON integer modulo 2^32, so 2^31..2^32-1 arrives "
               "negative)")
-#: The largest value of an INT32 input.
+#: Largest value of the ensemble's INT32 inputs (max_tokens, top_k, num_draft_tokens).
 INT32_MAX = 2**31 - 1
-#: The largest seed the engine takes (``SamplingParams.check``: 0 ≤ seed < 2^63); ``seed`` is UINT64.
-SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
