@@ -65,8 +65,7 @@ class MLADrafterModel(Eagle3Drafter):
         super().__init__(cfg, weights, comm)
         self.heads = cfg.num_attention_heads // self.comm.size
         # padded batches attend through the latent paged kernel where it serves (bf16 / fp16 on a GPU)
-        self.paged_kernel = paged_attention.serves(self.device, self.dtype) and paged_attention.latent_fits(
-            cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.paged_kernel = paged_attention.latent_serves(self.device, self.dtype, cfg)
 
     def attention(self, a: torch.Tensor, batch: ForwardBatch, cache: MLADrafterKVCache) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(batch.positions)

@@ -196,13 +196,14 @@ def mla_attention(x: torch.Tensor | None, lw: dict[str, torch.Tensor], c, heads:
         kv[batch.write_rows] = new
     q_lat = torch.einsum("thn,hnc->thc", q_nope, lw["attn.w_uk"])  # [T, h, kv_lora]
     q_cat = torch.cat((q_lat, q_pe), -1)
-    if B is not None and paged:
-        out = paged_attention.attend_latent(q_cat.view(B, -1, heads, q_cat.shape[-1]), kv, batch.table,
-                                            batch.positions.view(B, -1), c.softmax_scale, c.kv_lora_rank).reshape(T, heads, -1)
-    elif B is not None:
-        k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
-        out = attend_padded(q_cat.view(B, -1, heads, q_cat.shape[-1]), k, k[..., : c.kv_lora_rank],
-                            batch.positions.view(B, -1), c.softmax_scale).reshape(T, heads, -1)
+    if B is not None:
+        qb, pos = q_cat.view(B, -1, heads, q_cat.shape[-1]), batch.positions.view(B, -1)
+        if paged:
+            out = paged_attention.attend_latent(qb, kv, batch.table, pos, c.softmax_scale, c.kv_lora_rank)
+        else:
+            k = kv[batch.table][:, :, None, :]  # [B, S, 1, kv_lora + rope]: one gather of the window
+            out = attend_padded(qb, k, k[..., : c.kv_lora_rank], pos, c.softmax_scale)
+        out = out.reshape(T, heads, -1)
     else:
         out = torch.empty(T, heads, c.kv_lora_rank, dtype=qkv_a.dtype, device=qkv_a.device)
         t = 0

@@ -259,6 +259,12 @@ def latent_fits(latent: int, rope: int) -> bool:
     return all(v >= 16 and not v & (v - 1) for v in (latent, rope))
 
 
+def latent_serves(device: torch.device, dtype: torch.dtype, cfg) -> bool:
+    """Whether an MLA model on ``device`` with activations of ``dtype`` and config ``cfg`` (kv_lora_rank,
+    qk_rope_head_dim) attends through :func:`attend_latent`: where :func:`serves` and :func:`latent_fits` say so."""
+    return serves(device, dtype) and latent_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
 def attend_latent(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
                   latent: int, block_n: int | None = None) -> torch.Tensor:
     """Absorbed multi-head latent attention (DeepSeek-V2/V3 MLA decode form) of B sequences' n new queries each over

@@ -119,8 +119,7 @@ class TargetModel:
         self.layer_w = [{n[len(p):]: t for n, t in weights.items() if n.startswith(p)} for p in prefixes]
         self.fast = None  # compiled (attention_half, mlp_half), see compile()
         # padded batches attend through the latent paged kernel where it serves (bf16 / fp16 on a GPU)
-        self.paged_kernel = (paged_attention.serves(self.device, weights["embed_tokens"].dtype)
-                             and paged_attention.latent_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+        self.paged_kernel = paged_attention.latent_serves(self.device, weights["embed_tokens"].dtype, cfg)
 
     def compile(self, pdl: bool = False) -> None:
         """Use ``torch.compile``d layer halves for padded batches (see the class docstring;
