@@ -22,6 +22,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_products_match_cublas(N, K):
     from splitspec.models import skinny_gemm
 
+    if skinny_gemm.config_for(N, K) is None:
+        pytest.skip(f"{N} × {K}: its class stays with cuBLAS")
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K ** -0.5
     norm = torch.rand(K, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
