@@ -19,6 +19,7 @@ at a few short depths of the same engine form (``bench/depth_fit.py``), carried 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,8 @@ import numpy as np
 KIMI_EXPERTS, KIMI_TOPK = 384, 8
 #: Bytes per routed-expert weight kept INT4 with a bf16 scale per group of 32 (Kimi-K2-Thinking / K2.5): ½ + 2/32.
 INT4_G32_BYTES = 0.5 + 2 / 32
+#: Bytes of one cached key in the target's MLA latent cache: kv_lora_rank 512 + qk_rope_head_dim 64 values, bf16.
+MLA_LATENT_ROW_BYTES = (512 + 64) * 2
 
 
 def distinct_experts(tokens: float, experts: int = KIMI_EXPERTS, top_k: int = KIMI_TOPK) -> float:
@@ -162,7 +165,11 @@ class KimiScale:
 
     per layer and rank, bytes read = attention (replicated MLA down-projections + this rank's heads) +
     E(T) experts' slices (``routed_expert_weight_bytes`` per weight: 2 in bf16, :data:`INT4_G32_BYTES` for the
-    INT4 experts of K2-Thinking / K2.5) + shared expert slice (bf16) + router; time = bytes / (hbm_GBps · efficiency) +
+    INT4 experts of K2-Thinking / K2.5) + shared expert slice (bf16) + router + the latent cache rows the verify's
+    attention reads, B · ``context_tokens`` · :data:`MLA_LATENT_ROW_BYTES` (the cache is whole on every rank and each
+    rank's heads read all of it, so this term does not shrink with ``tp``; each sequence's rows counted once per layer,
+    as the latent kernel's programs share them, ``splitspec.models.paged_attention.attend_latent``; the drafter's own
+    KV cache is not counted); time = bytes / (hbm_GBps · efficiency) +
     layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
     draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded. A cycle
     is fixed_cycle_ms (the host's part) + k draft steps + the verify, or with ``draft_ahead`` (a TP1 drafter with k > 0,
@@ -172,7 +179,10 @@ class KimiScale:
 
     With ``depth_fit`` (:meth:`from_depth_fit`) one rank's compute comes from measured lines instead (:meth:`fitted_ms`),
     the collectives from α and β as above: verify = fitted verify + (2·layers + 1) all-reduces of T rows; cycle =
-    fitted cycle (host, draft and verify together) + the verify's collectives + 3 per draft step when sharded.
+    fitted cycle (host, draft and verify together) + the verify's collectives + 3 per draft step when sharded. The
+    fitted lines hold the attention reads of the short windows they were measured at (``bench/full_depth_rank.py``:
+    16-token prompts) and the context they were measured at is not recorded with them, so this mode takes no
+    ``context_tokens`` (ValueError for a non-zero one).
 
     All inputs are explicit so each figure in docs/performance.md can be traced to a measurement.
     """
@@ -191,8 +201,19 @@ class KimiScale:
     draft_ahead: bool = False           # ServeConfig.draft_ahead: the TP1 drafter's phase overlaps the host's part
     routed_expert_weight_bytes: float = 2.0  # bf16; INT4_G32_BYTES for INT4 experts with group-32 bf16 scales
     depth_fit: tuple = ()               # fit_depth's rows (from_depth_fit); empty: the per-layer bytes model above
+    # mean cached keys per sequence a verify attends over (its latent rows read per layer, see above); 0: weights only,
+    # the model as calibrated at short windows (bench/gpu_bench.py's layer rows: ~100 keys), every figure unchanged
+    context_tokens: float = 0.0
 
     H: int = 7168
+
+    def __post_init__(self):
+        c = self.context_tokens
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"KimiScale.context_tokens: {c!r}, expected a finite number ≥ 0 (mean cached keys per sequence)")
+        if c and self.depth_fit:
+            raise ValueError(f"KimiScale.context_tokens {c}: the depth_fit model holds the context it was measured at; "
+                             "only 0 is taken")
 
     @classmethod
     def from_depth_fit(cls, fit: list[dict], **fields) -> "KimiScale":
@@ -234,9 +255,13 @@ class KimiScale:
     def allreduce_us(self, tokens: int) -> float:
         return self.allreduce_alpha_us + tokens * self.H * 2 / (self.allreduce_GBps * 1e3)
 
-    def layer_bytes(self, tokens: int, moe: bool) -> float:
+    def layer_bytes(self, tokens: int, moe: bool, sequences: int) -> float:
+        """Bytes one rank reads in one layer of a verify of ``tokens`` tokens (all sequences together) from
+        ``sequences`` sequences: the weights (dense MLP, or the MoE layer's experts for those tokens) and the
+        sequences' latent cache rows at :attr:`context_tokens` keys each (class docstring)."""
         H, tp = self.H, self.tp
-        attn = H * (1536 + 576) * 2 + (1536 * 64 * 192 + 64 * 128 * 512 * 2 + 64 * 128 * H) * 2 / tp
+        attn = (H * (1536 + 576) * 2 + (1536 * 64 * 192 + 64 * 128 * 512 * 2 + 64 * 128 * H) * 2 / tp
+                + sequences * self.context_tokens * MLA_LATENT_ROW_BYTES)
         if not moe:
             return attn + 3 * H * 18432 * 2 / tp
         expert = 3 * H * 2048 / tp  # weights of one expert's slice on this rank
@@ -247,7 +272,7 @@ class KimiScale:
         if self.depth_fit:
             return self.fitted_ms("verify_ms", B, k, None, layers) + (2 * layers + 1) * self.allreduce_us(T) / 1e3
         bw = self.hbm_GBps * self.efficiency * 1e6  # bytes per ms
-        per_layer = [self.layer_bytes(T, moe=i > 0) / bw + (self.layer_overhead_us + 2 * self.allreduce_us(T)) / 1e3
+        per_layer = [self.layer_bytes(T, moe=i > 0, sequences=B) / bw + (self.layer_overhead_us + 2 * self.allreduce_us(T)) / 1e3
                      for i in range(layers)]
         head = (self.lm_head_vocab * self.H * 2 / self.tp) / (self.hbm_GBps * self.head_efficiency * 1e6) + self.allreduce_us(T) / 1e3
         return sum(per_layer) + head
@@ -255,7 +280,7 @@ class KimiScale:
     def bandwidth_bound_ms(self, B: int, k: int, layers: int = 61) -> float:
         """Bytes read per verify / HBM bandwidth: the floor no engine beats at this batch."""
         T = B * (k + 1)
-        total = sum(self.layer_bytes(T, moe=i > 0) for i in range(layers)) + self.lm_head_vocab * self.H * 2 / self.tp
+        total = sum(self.layer_bytes(T, moe=i > 0, sequences=B) for i in range(layers)) + self.lm_head_vocab * self.H * 2 / self.tp
         return total / (self.hbm_GBps * 1e6)
 
     def draft_step_ms(self, B: int, placement: str) -> float:

@@ -1,0 +1,79 @@
+"""KimiScale's context term: each sequence's cached MLA latent rows (512 latent + 64 rope values, bf16: 1152 bytes a
+key), read per layer by every TP rank, on top of the weight bytes; checked against hand-computed bytes and times."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
+from splitspec.measure.cost_model import KimiScale, best_k, fit_depth
+
+ROW = (512 + 64) * 2  # bytes of one cached key's latent row, bf16
+# TP8 shard bytes by hand (H 7168): attention 7168·(1536 + 576)·2 + (1536·64·192 + 64·128·512·2 + 64·128·7168)·2/8
+ATTN = 30_277_632 + 21_495_808
+DENSE = ATTN + 99_090_432  # + the dense MLP 3·7168·18432·2/8
+MOE_T1 = ATTN + 8 * 5_505_024 * 2 + 5_505_024 * 2 + 384 * 7168 * 4  # 8 experts' slices + shared + router, one token
+HEAD = 163840 * 7168 * 2 // 8
+BW = 4200 * 0.7 * 1e6  # bytes per ms at the default efficiency
+
+
+def test_layer_bytes_add_each_sequences_latent_rows():
+    assert (DENSE, MOE_T1) == (150_863_872, 161_873_920)
+    m = KimiScale(context_tokens=4096)
+    # batch 16, k 3: 64 verified tokens; the dense layer's weights do not depend on them, the rows on B × context
+    assert m.layer_bytes(64, moe=False, sequences=16) == DENSE + 16 * 4096 * 1152 == 226_361_344
+    assert m.layer_bytes(1, moe=True, sequences=1) == pytest.approx(MOE_T1 + 4096 * ROW)
+    dense_tp4 = 30_277_632 + 2 * 21_495_808 + 2 * 99_090_432  # the sharded weights twice the TP8 slices
+    # the cache is replicated on every rank: its rows do not shrink with TP, the weights do
+    assert KimiScale(context_tokens=4096, tp=4).layer_bytes(64, moe=False, sequences=16) == dense_tp4 + 16 * 4096 * ROW
+    assert KimiScale().layer_bytes(64, moe=False, sequences=16) == DENSE
+
+
+def test_context_zero_is_the_weights_only_model():
+    """The default (context 0) gives the figures of the weights-only formula, here from its constants by hand."""
+    m = KimiScale()
+    assert m.context_tokens == 0
+    ar1 = 13 + 7168 * 2 / 150e3  # µs, one all-reduce of one token's row
+    verify = (DENSE + 60 * MOE_T1) / BW + 61 * (10 + 2 * ar1) / 1e3 + HEAD / (4200 * 0.87 * 1e6) + ar1 / 1e3
+    assert m.verify_ms(1, 0) == pytest.approx(verify, rel=1e-12)
+    assert m.bandwidth_bound_ms(1, 0) == pytest.approx((DENSE + 60 * MOE_T1 + HEAD) / 4.2e9, rel=1e-12)
+
+
+def test_verify_and_bound_grow_by_the_rows_read():
+    base, long = KimiScale(), KimiScale(context_tokens=4096)
+    rows = 61 * 16 * 4096 * ROW  # every layer, 16 sequences
+    assert long.verify_ms(16, 3) - base.verify_ms(16, 3) == pytest.approx(rows / BW)
+    assert long.bandwidth_bound_ms(16, 3) - base.bandwidth_bound_ms(16, 3) == pytest.approx(rows / 4.2e9)
+    assert long.verify_ms(16, 3) > KimiScale(context_tokens=1024).verify_ms(16, 3) > base.verify_ms(16, 3)
+    # the rows are read once per sequence whatever k: the cost of a verify of 4 tokens grows by the same amount as 1's
+    assert long.verify_ms(16, 0) - base.verify_ms(16, 0) == pytest.approx(rows / BW)
+    assert long.cycle_ms(16, 3, "tp1") - base.cycle_ms(16, 3, "tp1") == pytest.approx(rows / BW)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf")])
+def test_a_context_that_is_not_a_finite_non_negative_count_is_refused(bad):
+    with pytest.raises(ValueError, match="context_tokens") as e:
+        KimiScale(context_tokens=bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="context_tokens"):
+        dataclasses.replace(KimiScale(), context_tokens=bad)
+
+
+def test_depth_fit_mode_refuses_a_context():
+    """The fitted lines hold the short windows they were measured at; no context is added to them."""
+    rows = [{"layers": L, "batch": 1, "k": 0, "draft_tp": None, "cycle_ms": 2.0 + 0.2 * L, "draft_ms": 0.0,
+             "verify_ms": 1.5 + 0.2 * L} for L in (2, 8)]
+    fit = fit_depth(rows)
+    with pytest.raises(ValueError, match="context_tokens 4096.*depth_fit") as e:
+        KimiScale.from_depth_fit(fit, context_tokens=4096)
+    assert "\n" not in str(e.value)
+    assert KimiScale.from_depth_fit(fit).verify_ms(1, 0) > 0  # context 0 (the default) is taken
+
+
+def test_a_long_context_moves_the_best_k_up():
+    """The rows are a per-cycle cost that does not grow with k, so at a long context more drafts pay: batch 4's best k
+    with the drafter on one GPU goes from 2 to 3 at 32768 keys per sequence."""
+    ks = [best_k(KimiScale(context_tokens=c), 4, "tp1", KIMI_DRAFTER_PROFILE)[0] for c in (0, 32768)]
+    assert ks == [2, 3]
