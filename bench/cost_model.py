@@ -7,17 +7,20 @@ Kimi-K2 (61 layers, TP8); prints markdown (the tables of docs/performance.md).
     .venv/bin/python bench/cost_model.py --png results/ docs/lab/2026-12-01-h200-tp1-cost-model-tuner/h200-2026-12-01-tp1-compiled-sweep-loads4.json   # + plots
 
     .venv/bin/python bench/cost_model.py results/depth-fit/depth_fit.json   # the full-depth model of a bench/depth_fit.py fit
+    .venv/bin/python bench/cost_model.py --context 4096 docs/lab/2026-11-30-fused-moe-kernels/h200x2-2026-11-30-fused-moe.json
 
 Each file is a ``bench/gpu_bench.py`` result. Engine sweeps are fitted per (target TP, draft placement),
 over every depth the file holds; the per-layer rows give the bound comparison and calibrate the
 full-depth model (overhead + bytes / (bandwidth · efficiency), fitted at the TP8 shard shape). A
 ``bench/depth_fit.py`` result instead calibrates it with the full-depth rank's own form fitted at short depths
-(``KimiScale.from_depth_fit``).
+(``KimiScale.from_depth_fit``). ``--context N`` also gives the bytes model's best k by batch with each sequence's
+N cached keys read per layer (``KimiScale.context_tokens``); the depth-fit model takes none.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -172,7 +175,9 @@ def calibrated_models(d: dict) -> dict | None:
             "efficiency": eff, "fit_error": err, "bw_GBps": bw}
 
 
-def kimi_report(d: dict) -> None:
+def kimi_report(d: dict, context: float = 0) -> None:
+    """The full-depth models of :func:`calibrated_models` by batch; with ``context`` > 0 (cached keys per sequence)
+    also each one's verify and best k there beside context 0."""
     cal = calibrated_models(d)
     if cal is None:
         print("\n(compiled TP8-shape MoE rows at fewer than the 3 token counts a fit of overhead and efficiency needs in "
@@ -198,6 +203,16 @@ def kimi_report(d: dict) -> None:
             k8, r8 = best_k(m, B, "tp8", prof)
             print(f"| {name} | {B} | {m.bandwidth_bound_ms(B, 0):.2f} | {m.verify_ms(B, 0):.2f} | {k0:.0f} | "
                   f"k={k1}: {r1:.0f} (×{r1 / k0:.2f}) | k={k8}: {r8:.0f} (×{r8 / k0:.2f}) |")
+    if context:
+        print(f"\nThe same models with each sequence's {context:g} cached keys read per layer (1152 B each, every rank) "
+              "against none:\n\n| machine and engine | batch | model ms/verify (k=0), 0 → context | best k, drafter TP1, 0 → context | "
+              "best k, drafter TP8, 0 → context |\n|---|---|---|---|---|")
+        for name, m in (("this engine's layer costs", ours), ("production-grade engine", ideal), ("PCIe, production-grade", pcie)):
+            long = dataclasses.replace(m, context_tokens=context)
+            for B in (1, 4, 16):
+                cells = [f"k={k0}: {r0:.0f} → k={k1}: {r1:.0f}" for (k0, r0), (k1, r1) in
+                         ((best_k(m, B, p, prof), best_k(long, B, p, prof)) for p in ("tp1", "tp8"))]
+                print(f"| {name} | {B} | {m.verify_ms(B, 0):.2f} → {long.verify_ms(B, 0):.2f} | {cells[0]} | {cells[1]} |")
     acc5 = expected_acceptance_length(prof, 5)
     step = (acc5 / 71.0 * 1e3 - pcie.fixed_cycle_ms - pcie.verify_ms(1, 5)) / 5
     print(f"\nThe PCIe deployment's 71 tok/s at k = 5 with a TP8 drafter implies, with this verify model and profile, "
@@ -240,13 +255,15 @@ def tune_report(t: dict) -> None:
               f"(×{e['chosen_over_no_speculation']:.2f}) | {v['chosen_over_best']:.3f} ({ve['chosen_over_best']:.3f}) |")
 
 
-def main(paths: list[str], png: Path | None = None) -> None:
+def main(paths: list[str], png: Path | None = None, context: float = 0) -> None:
     for path in paths:
         try:
             d = json.loads(open(path, encoding="utf-8").read())
             if "fit" in d and "depths" in d:  # a bench/depth_fit.py result
                 print(f"## {path} ({d.get('machine', {}).get('gpus')}, {d['label']})")
                 depth_fit_report(d)
+                if context:
+                    print(f"\n(--context {context:g}: the depth-fit model holds the context it was measured at; not modelled)")
                 continue
             print(f"## {path} ({d['machine']['gpus']}, torch {d['machine']['torch']})")
             rows = sweep_rows(d)
@@ -256,7 +273,7 @@ def main(paths: list[str], png: Path | None = None) -> None:
             fit_report(path.rsplit("/", 1)[-1], rows, png)
         if "rows" in d.get("layers", {}):
             layer_report(d)
-            kimi_report(d)
+            kimi_report(d, context)
         if "verification" in d.get("tune", {}):
             tune_report(d["tune"])
             if all("cycle_ms_by_load" in r for r in d["tune"]["tuner_rows"]):  # each row over several engine loads
@@ -273,7 +290,11 @@ if __name__ == "__main__":
     ap.add_argument("paths", nargs="*", default=["docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-eager.json", "docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-compiled.json"],
                     help="bench/gpu_bench.py result files")
     ap.add_argument("--png", type=Path, help="folder: also plot each engine sweep's fit there (cycle ms and tokens/s against k)")
+    ap.add_argument("--context", type=float, default=0.0,
+                    help="cached keys per sequence a verify attends over, for the full-depth bytes model (default 0: weights only)")
     a = ap.parse_args()
+    if not (a.context >= 0 and a.context != float("inf")):
+        ap.error(f"--context {a.context:g}: expected a finite number of keys ≥ 0")
     if a.png is not None:
         try:
             a.png.mkdir(parents=True, exist_ok=True)
@@ -281,4 +302,4 @@ if __name__ == "__main__":
                 raise PermissionError("not writable")
         except OSError as e:
             ap.error(f"--png {a.png}: not a folder the plots can be written to ({e.strerror or e})")
-    main(a.paths, a.png)
+    main(a.paths, a.png, a.context)

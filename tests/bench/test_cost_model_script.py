@@ -21,3 +21,20 @@ def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
     (tmp_path / "f").write_text("")
     refused = subprocess.run(script + ["--png", str(tmp_path / "f"), str(data)], capture_output=True, text=True, cwd=repo)
     assert refused.returncode == 2 and "not a folder" in refused.stderr
+
+
+def test_context_option_prints_the_best_k_at_both_contexts(capsys):
+    """--context N: the full-depth bytes models' verify and best k by batch at 0 and at N keys per sequence; without it
+    no such table. The production-grade engine's batch-16 verify (k = 0) grows by 61 layers × 16 × 4096 keys × 1152 B
+    at 70% of the file's 4.27 TB/s: 28.20 → 29.74 ms."""
+    from pathlib import Path
+
+    import cost_model
+
+    data = Path(__file__).resolve().parents[2] / "docs" / "lab" / "2026-11-30-fused-moe-kernels" / "h200x2-2026-11-30-fused-moe.json"
+    cost_model.main([str(data)])
+    assert "cached keys read per layer" not in capsys.readouterr().out
+    cost_model.main([str(data)], context=4096)
+    out = capsys.readouterr().out
+    assert "each sequence's 4096 cached keys read per layer" in out
+    assert "| production-grade engine | 16 | 28.20 → 29.74 | k=5: 767 → k=5: 753 | k=6: 811 → k=6: 796 |" in out
