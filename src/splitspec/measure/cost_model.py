@@ -1,6 +1,6 @@
 """Cost model of a speculative-decoding cycle, fitted from measurements and carried to Kimi-K2 scale.
 
-Cycle time (docs/architecture.md):
+Cycle time (its errors against measured cycles: docs/performance.md, "How close is the cost model?"):
 
     t_cycle(B, k, L) = f0 + f1·B + f_token·T + t_draft(placement, B, k) + L · (m0 + m_expert·E(T) + m_token·T)
     t_draft = [k > 0]·(e0 + e1·B) + (k − 1)⁺·(s0 + s1·B)      (one extend forward, then k − 1 steps)
