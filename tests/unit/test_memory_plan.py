@@ -213,6 +213,30 @@ def test_mla_drafter_planned_with_its_latent_cache_and_mla_layer(capsys, tmp_pat
     assert items["drafter lm_head + draft→target map"] == V * H * 2 + V * 8
 
 
+def test_a_drafter_declaring_no_aux_convention_is_planned_as_one_that_declares_either(capsys, tmp_path):
+    """The K2.5 MLA drafter's config names aux ids [2, 30, 58] but no convention (convert needs --aux-convention): plan
+    takes it as it is, and its bytes are those of the same config declaring 'input' or 'output' (three aux states
+    of the target's width whichever layers they come from), so plan has no --aux-convention."""
+    mla = FIXTURES / "drafter-k-l-lambda-kimi-k2.5-eagle3-mla"
+    assert "aux_layer_id_convention" not in read_json(mla / "config.json")["eagle_config"]
+    docs = {}
+    for convention in (None, "input", "output"):
+        folder = mla
+        if convention is not None:
+            folder = tmp_path / convention
+            folder.mkdir()
+            cfg = read_json(mla / "config.json")
+            cfg["eagle_config"]["aux_layer_id_convention"] = convention
+            write_json(cfg, folder / "config.json")
+        out = tmp_path / f"{convention}.json"
+        rc, _, err = plan(capsys, K25, "--drafter", str(folder), "--tp", "8", "--gpu-memory-gib", "141", *LIMITS,
+                          "--json", str(out))
+        assert rc == 0, (convention, err)
+        docs[convention] = read_json(out)
+    assert docs[None] == docs["input"] == docs["output"]
+    assert any(i["label"] == "drafter layer (fc, attention, MLP)" for i in docs[None]["gpus"][0]["items"])
+
+
 @pytest.mark.parametrize("args, expect", [(["--headroom-gib", "nan"], "argument --headroom-gib: expected a number ≥ 0 and ≤ 1e+09, got 'nan'"),
                                           (["--gpu-memory-gib", "1e308"], "argument --gpu-memory-gib: expected a number > 0 and ≤ 1e+09")])
 def test_non_finite_sizes_are_refused_by_the_parser(capsys, args, expect):

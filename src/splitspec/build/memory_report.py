@@ -61,7 +61,8 @@ def open_target(folder: Path, dtype: str | None) -> tuple[TargetConfig, WeightFo
 
 def open_drafter(folder: Path, drafter_dtype: str = "float") -> tuple[DrafterConfig, tuple[int, int] | None]:
     """The EAGLE-3 drafter config of a published drafter folder, and the FP8 tile of the drafter ``splitspec build
-    --drafter-dtype`` makes from it (fp8: the checkpoint's tile when it is FP8, else 128×128; float: None)."""
+    --drafter-dtype`` makes from it (fp8: the checkpoint's tile when it is FP8, else 128×128; float: None). The
+    aux-id convention may stay unknown: no byte of the plan depends on it."""
     folder = Path(folder)
     _published(folder)
     raw = read_json(folder / "config.json")
