@@ -71,17 +71,19 @@ def test_compiled_next_draft_inputs_match_eager():
     assert counters["stats"]["unique_graphs"] > before, "next_draft_inputs was not compiled (ran eagerly)"
 
 
-@pytest.mark.parametrize("handoff", [False, True])
-def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff):
+@pytest.mark.parametrize("handoff, base", [(False, 20), (True, 20), (False, 232)])
+def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff, base):
     """After a steady verify of 3 sequences (bucket 4), the draft launched ahead — greedy acceptance on the device, and
     forced — equals, bit for bit, the draft a second runner with the same history makes from the plan the scheduler
     would build once it has accepted on the host. ``handoff``: the verify's aux states read where its graph leaves
-    them (the CUDA-graph path's buffer, forced on for the CPU's eager runs), not from the kept batch."""
+    them (the CUDA-graph path's buffer, forced on for the CPU's eager runs), not from the kept batch. The launch
+    fills no row table of its own where the verify's window (256) holds its last step: it copies the verify's; from
+    ``base`` 232 (last start 250, k 3) its steps reach past 256, and it fills one of 512."""
     from splitspec.build.synthetic import write_synthetic_engines
     from splitspec.engine.rank import RankRunner
     from splitspec.models.layers import TPComm
 
-    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=256, tiny=True)
+    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=512, tiny=True)
     g = torch.Generator().manual_seed(7)
     k, sids = 3, [7, 2, 5]
     with torch.inference_mode():
@@ -92,13 +94,15 @@ def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff
             read = []
             run = runners[0].ahead.graphs.run
             monkeypatch.setattr(runners[0].ahead.graphs, "run", lambda key, fn, *x: (read.append(x[-1]), run(key, fn, *x))[1])
+        fills, table = [], runners[0].fill.table  # the row tables runner 0 fills: their shapes [B_pad, S]
+        monkeypatch.setattr(runners[0].fill, "table", lambda out, blocks: (fills.append(out.shape), table(out, blocks))[1])
         states = {sid: torch.randn(k + 1, 3 * runners[0].drafter.cfg.target_hidden_size, generator=g) for sid in sids}
         for forced in (None, [0, 3, 1]):
             for r in runners:
                 for sid, t in states.items():
                     r.aux[sid] = t.clone()
-            plan = CyclePlan([SeqWork(sid, single_blocks(b, 256), "decode", 20 + 9 * b, [11 + b], k=k,
-                                      extend_start=18 + 9 * b, extend_tokens=[3 + b, 11 + b], keep_aux=2,
+            plan = CyclePlan([SeqWork(sid, single_blocks(b, 512), "decode", base + 9 * b, [11 + b], k=k,
+                                      extend_start=base - 2 + 9 * b, extend_tokens=[3 + b, 11 + b], keep_aux=2,
                                       accept=None if forced is None else forced[b])
                               for b, sid in enumerate(sids)], padded_k=k, ahead=True)
             outs = []
@@ -108,7 +112,10 @@ def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff
                 outs.append((logits.argmax(-1), verified))
             best, verified = outs[0]
             assert torch.equal(best, outs[1][0]) and torch.equal(verified, outs[1][1])
-            runners[0].ahead.launch(runners[0], plan, best, verified, ([], None))
+            assert fills[-1] == (4, 256), "the verify's window"
+            fills.clear()
+            runners[0].ahead.launch(runners[0], plan, best, verified, ([], None), runners[0].verify_fill)
+            assert fills == ([] if base == 20 else [(4, 512)]), "the verify's row table filled once, copied ahead"
             # the host's side: accept (greedy or forced), then the next plan as the scheduler builds it
             nxt, host_best = [], best.view(len(sids), k + 1).tolist()
             for b, w in enumerate(plan.work):

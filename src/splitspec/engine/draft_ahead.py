@@ -8,10 +8,11 @@ events, the next plan and the draft's own input fill. Here the acceptance is als
 :func:`~splitspec.engine.acceptance.accepted`, sampled by the leader's decision on the device
 (:func:`~splitspec.engine.acceptance.sampled_rows`, the one its host reads too), synthetic as drawn before the
 cycle — and the next draft's token ids, logits rows and step positions follow from it in the draft's graph
-(:func:`next_draft_inputs`); the rest of its inputs (row tables, the extend's positions) do not depend on the
-acceptance. Its forwards are the host-filled draft's, over a key window wide enough for any acceptance (every
-start + 2k): the same drafts, bit for bit where attention's sum order does not follow the window (the CPU; on a GPU
-the paged-attention kernel splits keys by window size, so a last bit may differ). The next cycle uses those drafts
+(:func:`next_draft_inputs`); the rest of its inputs (the row table, the extend's positions and write rows) do not
+depend on the acceptance: they are the verify's, which the host filled for it, copied. Its forwards are the
+host-filled draft's, over a key window wide enough for any acceptance (every start + 2k): the same drafts, bit for
+bit where attention's sum order does not follow the window (the CPU; on a GPU the paged-attention kernel splits
+keys by window size, so a last bit may differ). The next cycle uses those drafts
 when its plan is the one predicted (:meth:`DraftAhead.take`: the same sequences in the same order, extending where
 this cycle verified); otherwise they are dropped. Either way the verify
 decides every token, so output does not depend on this; a dropped draft only wrote drafter K/V rows at or past each
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitspec.engine.acceptance import accepted, to_device
@@ -113,12 +115,16 @@ class DraftAhead:
         leader expects the same batch next), k > 0, and the drafter drafting is the TP1 one, on this rank."""
         return bool(plan.ahead and plan.padded_k and runner.draft_tp == 1 and runner.drafter is not None)
 
-    def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor, sampled: tuple[list[int], torch.Tensor | None]) -> None:
+    def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor, sampled: tuple[list[int], torch.Tensor | None],
+               filled: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Launch on ``runner`` (a RankRunner) the draft phase of the steady cycle expected after ``plan`` — the same
         sequences, each extending over what this cycle accepts — queued behind this cycle's verify. ``best`` [B·(k+1)]
         int64: the verify's argmax per row (real sequences); ``verified`` [B_pad, k]: the drafts it verified;
         ``sampled``: the indices of the works that sample and their decisions [S, 3] on the target's device
-        (:func:`~splitspec.engine.acceptance.sampled_rows`). The acceptance is decided on the device (a sampled
+        (:func:`~splitspec.engine.acceptance.sampled_rows`); ``filled``: the verify's positions [B_pad, k+1], row
+        table [B_pad, S_v] and write rows [B_pad, k+1] as the host filled them (:attr:`RankRunner.verify_fill`), which
+        the extend reuses: copied, not filled again (the table too where S_v is this draft's window; a wider one, for
+        a last step past S_v, gets a table filled). The acceptance is decided on the device (a sampled
         decision, ``SeqWork.accept`` where drawn already, else greedy); the drafts wait in :attr:`pending` for
         :meth:`take`. One CUDA graph per (batch bucket, k, window), the window wide enough for the next draft's last
         step (every start + 2k); the drafter's forwards are the host-filled draft's (``runner._draft_steps``)."""
@@ -131,7 +137,15 @@ class DraftAhead:
         key = ("ahead", runner.draft_tp, Bp, k, S)
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,), (Bp,))  # positions, row table, write rows; starts, forced, every
         flat, (pos, table, rows, starts, forced, every) = self.graphs.staging(key, shapes)
-        runner.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])  # the extend at the verify's rows
+        vpos, vtable, vrows = filled  # the extend at the verify's positions and rows, over the same blocks
+        if vpos.shape != pos.shape:
+            raise ValueError(f"draft-ahead: filled positions {vpos.shape}, expected this plan's {pos.shape}")
+        np.copyto(pos, vpos)
+        np.copyto(rows, vrows)
+        if vtable.shape == table.shape:
+            np.copyto(table, vtable)
+        else:  # a wider window than the verify's: its last step reaches past the verify's table
+            runner.fill.table(table, [w.blocks for w in ws])
         starts[:B] = [w.start for w in ws]
         forced[:B] = [-1 if w.accept is None else w.accept for w in ws]
         if Bp > B:

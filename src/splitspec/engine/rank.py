@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from splitspec.config import Mapping, TargetConfig
@@ -83,6 +84,9 @@ class RankRunner:
         self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
         self.aux = AuxStates()
+        # the last verify's positions [B_pad, n], row table [B_pad, S] and write rows [B_pad, n]: numpy views of its
+        # staging buffer, as the host filled them; a draft launched ahead behind it copies them (DraftAhead.launch)
+        self.verify_fill: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # {(Bp, n): the aux states that handoff holds a copy of}, for the latest writer only (older states are never
         # handed to a draft again: it gets the last verify's or a fresh concatenation)
         self.handed: dict[tuple[int, int], torch.Tensor] = {}
@@ -278,6 +282,7 @@ class RankRunner:
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,))
         flat, (pos, table, rows, first, real) = self.graphs.staging(key, shapes)
         self.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])
+        self.verify_fill = (pos, table, rows)
         first[:B] = [w.tokens[0] for w in ws]
         real[:B] = 1
         if Bp > B:
@@ -330,7 +335,7 @@ class RankRunner:
         ready = None
         if self.ahead is not None and self.ahead.wanted(self, plan):
             both, ready = self.ahead.to_host(both)  # queued before the next draft: the host need not wait for it
-            self.ahead.launch(self, plan, best, drafts, (rows, decided))
+            self.ahead.launch(self, plan, best, drafts, (rows, decided), self.verify_fill)
         elif self.ahead is not None:
             self.ahead.drop()
         if on_launched is not None:
