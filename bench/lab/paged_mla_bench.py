@@ -10,6 +10,10 @@ bits decoded alone as verified among k others (B 1) with the kernel on.
 
     python3 bench/lab/paged_mla_bench.py --out results/paged_mla --tp 8,1 --batches 1,16 --ks 0,3 --windows 256,4096
     python3 bench/lab/paged_mla_bench.py --dry-run        # CPU, Triton's interpreter, tiny shapes: checks the script
+    python3 bench/lab/paged_mla_bench.py --replot results/paged_mla/paged_mla_bench.json   # the plot again
+
+Writes OUT/paged_mla_bench.json and OUT/paged_mla_bench.png (µs per layer against the key window, both paths, one
+panel per TP size and batch; without matplotlib no plot, and ``--replot`` draws it later).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ ap.add_argument("--sweep", action="store_true", help="time the kernel alone over
                 "(LATENT_CONFIG, LATENT_SPLIT_KEYS) at Kimi's TP8 / TP1 shapes")
 ap.add_argument("--no-layers", action="store_true", help="skip the layer timings")
 ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the script")
+ap.add_argument("--replot", metavar="JSON", help="draw the plot of a written paged_mla_bench.json beside it; nothing else")
 A = ap.parse_args()
 if A.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -141,7 +146,44 @@ def main() -> None:
     tmp = out / "paged_mla_bench.json.tmp"
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(out / "paged_mla_bench.json")
+    plot(res, out / "paged_mla_bench.png")
     print(f"wrote {out / 'paged_mla_bench.json'} in {time.perf_counter() - t0:.0f} s")
+
+
+def plot(res: dict, path: Path) -> Path | None:
+    """µs per layer against the key window S (log scale), gathered (dashed) and paged (solid) per layer and k, one panel
+    per (TP size, batch) of ``res["rows"]``. Returns None (and says why) without rows or matplotlib."""
+    panels = sorted({(r["tp"], r["B"]) for r in res["rows"]}, key=lambda p: (-p[0], p[1]))
+    if not panels:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print(f"no matplotlib here: no plot (--replot {path.with_suffix('.json')} draws it)")
+        return None
+    from splitspec.files import write_png
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (tp, B) in zip(axes[0], panels):
+        rows = [r for r in res["rows"] if (r["tp"], r["B"]) == (tp, B)]
+        for i, (layer, k) in enumerate(sorted({(r["layer"], r["k"]) for r in rows})):
+            pts = sorted((r["S"], r["gathered_us"], r["paged_us"]) for r in rows if (r["layer"], r["k"]) == (layer, k))
+            S = [p[0] for p in pts]
+            ax.plot(S, [p[2] for p in pts], "o-", color=f"C{i}", label=f"{layer}, k {k}: paged")
+            ax.plot(S, [p[1] for p in pts], "x--", color=f"C{i}", label=f"{layer}, k {k}: gathered")
+        ax.set(xscale="log", yscale="log", xlabel="key window S", ylabel="µs per layer", title=f"TP{tp} shard, batch {B}")
+        windows = sorted({r["S"] for r in rows})
+        ax.set_xticks(windows, [str(S) for S in windows])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"MLA attention: gathered window vs latent paged kernel ({res['device']})", fontsize=9)
+    fig.tight_layout()
+    return write_png(fig, path)
 
 
 def sweep(cfg) -> list[dict]:
@@ -203,4 +245,13 @@ def invariant(model, cache, cfg, dtype, S: int, k: int) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    if A.replot:
+        src = Path(A.replot)
+        try:
+            written = json.loads(src.read_text())
+            rows = written["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"--replot {src}: expected a paged_mla_bench.json with 'rows' ({type(e).__name__}: {e})")
+        print(f"wrote {plot(written, src.with_suffix('.png'))}" if rows else f"--replot {src}: no layer rows to plot")
+    else:
+        main()
