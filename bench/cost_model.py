@@ -274,6 +274,8 @@ def main(paths: list[str], png: Path | None = None, context: float = 0) -> None:
         if "rows" in d.get("layers", {}):
             layer_report(d)
             kimi_report(d, context)
+        elif context:
+            print(f"\n(--context {context:g}: this file has no per-layer rows, so no full-depth model to carry it)")
         if "verification" in d.get("tune", {}):
             tune_report(d["tune"])
             if all("cycle_ms_by_load" in r for r in d["tune"]["tuner_rows"]):  # each row over several engine loads
@@ -286,7 +288,7 @@ def main(paths: list[str], png: Path | None = None, context: float = 0) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("paths", nargs="*", default=["docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-eager.json", "docs/lab/2026-11-30-grouped-gemm-engine/h200x2-2026-11-30-compiled.json"],
                     help="bench/gpu_bench.py result files")
     ap.add_argument("--png", type=Path, help="folder: also plot each engine sweep's fit there (cycle ms and tokens/s against k)")

@@ -38,3 +38,14 @@ def test_context_option_prints_the_best_k_at_both_contexts(capsys):
     out = capsys.readouterr().out
     assert "each sequence's 4096 cached keys read per layer" in out
     assert "| production-grade engine | 16 | 28.20 → 29.74 | k=5: 767 → k=5: 753 | k=6: 811 → k=6: 796 |" in out
+
+
+def test_context_option_says_when_a_file_has_no_layer_rows_to_carry_it(capsys):
+    """A result file without per-layer rows has no full-depth model: --context says so instead of printing nothing."""
+    from pathlib import Path
+
+    import cost_model
+
+    data = Path(__file__).resolve().parents[2] / "docs" / "lab" / "2026-12-03-h200-b16-depth-old-new" / "gpu_bench_tune_8f4dcff.json"
+    cost_model.main([str(data)], context=4096)
+    assert "(--context 4096: this file has no per-layer rows, so no full-depth model to carry it)" in capsys.readouterr().out

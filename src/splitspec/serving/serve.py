@@ -125,6 +125,7 @@ def _ask(srv: TritonServer, ask: str, max_tokens: int) -> None:
     print(f"acceptance length: {float(h['acceptance_length']):.2f} tokens per target forward")
     if not h["text_output"] == s["text_output"] == g["text_output"]:
         raise SplitspecError("HTTP, HTTP-stream and gRPC-stream answers differ for the same greedy request")
+    print("HTTP, HTTP stream and gRPC stream: the same text")
 
 
 def _serve(sup: Supervisor, ask: str | None, max_tokens: int, openai_port: int | None = None,
