@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from splitspec.files import write_png
-from splitspec.measure.cost_model import (FEATURES, INT4_G32_BYTES, KimiScale, best_k, expected_acceptance_length, fit_cycle_model,
-                                         fit_layer_costs)
+from splitspec.measure.cost_model import (FEATURES, INT4_G32_BYTES, MAX_CONTEXT_TOKENS, KimiScale, best_k,
+                                         expected_acceptance_length, fit_cycle_model, fit_layer_costs)
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 
 
@@ -295,8 +295,8 @@ if __name__ == "__main__":
     ap.add_argument("--context", type=float, default=0.0,
                     help="cached keys per sequence a verify attends over, for the full-depth bytes model (default 0: weights only)")
     a = ap.parse_args()
-    if not (a.context >= 0 and a.context != float("inf")):
-        ap.error(f"--context {a.context:g}: expected a finite number of keys ≥ 0")
+    if not 0 <= a.context <= MAX_CONTEXT_TOKENS:  # nan fails too
+        ap.error(f"--context {a.context:g}: expected a number of keys ≥ 0 and ≤ {MAX_CONTEXT_TOKENS:g}")
     if a.png is not None:
         try:
             a.png.mkdir(parents=True, exist_ok=True)

@@ -49,3 +49,19 @@ def test_context_option_says_when_a_file_has_no_layer_rows_to_carry_it(capsys):
     data = Path(__file__).resolve().parents[2] / "docs" / "lab" / "2026-12-03-h200-b16-depth-old-new" / "gpu_bench_tune_8f4dcff.json"
     cost_model.main([str(data)], context=4096)
     assert "(--context 4096: this file has no per-layer rows, so no full-depth model to carry it)" in capsys.readouterr().out
+
+
+def test_a_context_out_of_range_is_refused_in_one_line(tmp_path):
+    """--context past 1e9 keys (every figure inf, best k 0 tokens/s), negative or not a number: one parser line, rc 2,
+    before any file is read."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    for bad in ("1e308", "1e400", "nan", "-1", "--context=-inf"):
+        args = [bad] if bad.startswith("--") else ["--context", bad]
+        done = subprocess.run([sys.executable, str(repo / "bench" / "cost_model.py"), *args, str(tmp_path / "absent.json")],
+                              capture_output=True, text=True, cwd=repo)
+        assert done.returncode == 2 and "expected a number of keys ≥ 0 and ≤ 1e+09" in done.stderr, (bad, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # usage + the error

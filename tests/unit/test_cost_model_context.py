@@ -4,7 +4,10 @@ key), read per layer by every TP rank, on top of the weight bytes; checked again
 from __future__ import annotations
 
 import dataclasses
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
@@ -77,3 +80,24 @@ def test_a_long_context_moves_the_best_k_up():
     with the drafter on one GPU goes from 2 to 3 at 32768 keys per sequence."""
     ks = [best_k(KimiScale(context_tokens=c), 4, "tp1", KIMI_DRAFTER_PROFILE)[0] for c in (0, 32768)]
     assert ks == [2, 3]
+
+
+@pytest.mark.parametrize("good, want", [(np.int64(4096), 4096.0), (np.float32(512.5), 512.5), (Fraction(1, 2), 0.5),
+                                        (10 ** 9, 1e9)])
+def test_a_numpy_or_rational_count_is_taken_as_a_float(good, want):
+    m = KimiScale(context_tokens=good)
+    assert type(m.context_tokens) is float and m.context_tokens == want
+
+
+@pytest.mark.parametrize("bad", [10 ** 400, 1e308, 1e9 + 1, "4096", Decimal(3), np.float64("nan"), True, Fraction(-1, 2)])
+def test_a_huge_or_non_real_context_is_refused_in_one_line(bad):
+    """A context past 1e9 keys would take every figure to inf (and best k to 0 tokens/s); 10**400 is no float."""
+    with pytest.raises(ValueError, match=r"context_tokens: .*≤ 1e\+09") as e:
+        KimiScale(context_tokens=bad)
+    assert "\n" not in str(e.value)
+
+
+def test_a_huge_integer_context_is_shown_short():
+    with pytest.raises(ValueError, match=r"context_tokens: a number past 1e\+308, expected") as e:
+        KimiScale(context_tokens=10 ** 5000)  # its repr would pass Python's 4300-digit limit
+    assert len(str(e.value)) < 200

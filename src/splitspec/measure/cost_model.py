@@ -19,7 +19,7 @@ at a few short depths of the same engine form (``bench/depth_fit.py``), carried 
 
 from __future__ import annotations
 
-import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,9 @@ KIMI_EXPERTS, KIMI_TOPK = 384, 8
 INT4_G32_BYTES = 0.5 + 2 / 32
 #: Bytes of one cached key in the target's MLA latent cache: kv_lora_rank 512 + qk_rope_head_dim 64 values, bf16.
 MLA_LATENT_ROW_BYTES = (512 + 64) * 2
+#: The most cached keys per sequence :attr:`KimiScale.context_tokens` takes (far past any model's context; above it
+#: the figures overflow to inf and best k to 0 tokens/s).
+MAX_CONTEXT_TOKENS = 1e9
 
 
 def distinct_experts(tokens: float, experts: int = KIMI_EXPERTS, top_k: int = KIMI_TOPK) -> float:
@@ -209,10 +212,16 @@ class KimiScale:
 
     def __post_init__(self):
         c = self.context_tokens
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-            raise ValueError(f"KimiScale.context_tokens: {c!r}, expected a finite number ≥ 0 (mean cached keys per sequence)")
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 <= c <= MAX_CONTEXT_TOKENS:  # nan fails too
+            try:
+                shown = f"{float(c):.3g}" if isinstance(c, numbers.Real) and not isinstance(c, bool) else repr(c)[:40]
+            except OverflowError:  # an integer past a float (whose repr may pass Python's 4300-digit limit)
+                shown = "a number past 1e+308"
+            raise ValueError(f"KimiScale.context_tokens: {shown}, expected a number of keys ≥ 0 and ≤ "
+                             f"{MAX_CONTEXT_TOKENS:g} (mean cached keys per sequence)")
+        self.context_tokens = c = float(c)  # numpy scalars and integers as a plain float
         if c and self.depth_fit:
-            raise ValueError(f"KimiScale.context_tokens {c}: the depth_fit model holds the context it was measured at; "
+            raise ValueError(f"KimiScale.context_tokens {c:g}: the depth_fit model holds the context it was measured at; "
                              "only 0 is taken")
 
     @classmethod
