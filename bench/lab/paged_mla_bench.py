@@ -146,8 +146,38 @@ def main() -> None:
     tmp = out / "paged_mla_bench.json.tmp"
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(out / "paged_mla_bench.json")
-    plot(res, out / "paged_mla_bench.png")
+    try:
+        plot(res, out / "paged_mla_bench.png")
+    except OSError as e:  # the JSON is written: --replot draws the plot later
+        print(f"no plot: {out / 'paged_mla_bench.png'} could not be written ({e.strerror or e})")
     print(f"wrote {out / 'paged_mla_bench.json'} in {time.perf_counter() - t0:.0f} s")
+
+
+PLOT_KEYS = {"tp": int, "B": int, "k": int, "S": int, "layer": str, "gathered_us": float, "paged_us": float}
+
+
+def plot_problem(res) -> str | None:
+    """Why :func:`plot` cannot draw ``res`` (a paged_mla_bench.json read back), or None: a dict whose "rows" is a list
+    of objects with :data:`PLOT_KEYS` (tp, B, S > 0 and k ≥ 0 integers, a layer name, µs > 0 on a log scale)."""
+    rows = res.get("rows") if isinstance(res, dict) else None
+    if not isinstance(rows, list):
+        return "expected a paged_mla_bench.json with 'rows' (a list of row objects)"
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            return f"row {i}: {type(r).__name__}, expected an object"
+        for key, kind in PLOT_KEYS.items():
+            v = r.get(key)
+            if kind is str:
+                ok = isinstance(v, str)
+            elif kind is int:
+                ok = isinstance(v, int) and not isinstance(v, bool) and v >= (0 if key == "k" else 1)
+            else:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+            if not ok:
+                want = {str: "a name", int: "an integer ≥ 0" if key == "k" else "an integer ≥ 1"}.get(kind, "µs > 0")
+                got = "missing" if key not in r else f"= {json.dumps(v)[:40]}"
+                return f"row {i}: {key} {got}, expected {want}"
+    return None
 
 
 def plot(res: dict, path: Path) -> Path | None:
@@ -181,7 +211,7 @@ def plot(res: dict, path: Path) -> Path | None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"MLA attention: gathered window vs latent paged kernel ({res['device']})", fontsize=9)
+    fig.suptitle(f"MLA attention: gathered window vs latent paged kernel ({res.get('device', '?')})", fontsize=9)
     fig.tight_layout()
     return write_png(fig, path)
 
@@ -247,11 +277,25 @@ def invariant(model, cache, cfg, dtype, S: int, k: int) -> bool:
 if __name__ == "__main__":
     if A.replot:
         src = Path(A.replot)
+        if src.suffix == ".png":
+            sys.exit(f"--replot {src}: expected the .json (the plot is written beside it, as .png)")
         try:
             written = json.loads(src.read_text())
-            rows = written["rows"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             sys.exit(f"--replot {src}: expected a paged_mla_bench.json with 'rows' ({type(e).__name__}: {e})")
-        print(f"wrote {plot(written, src.with_suffix('.png'))}" if rows else f"--replot {src}: no layer rows to plot")
+        problem = plot_problem(written)
+        if problem:
+            sys.exit(f"--replot {src}: {problem}")
+        if not written["rows"]:
+            print(f"--replot {src}: no layer rows to plot")
+            sys.exit(0)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit(f"--replot {src}: no matplotlib here to draw it with")
+        try:
+            print(f"wrote {plot(written, src.with_suffix('.png'))}")
+        except OSError as e:
+            sys.exit(f"--replot {src}: {src.with_suffix('.png')} could not be written ({e.strerror or e})")
     else:
         main()
