@@ -136,6 +136,43 @@ def test_ahead_drafts_equal_the_host_filled_draft(tmp_path, monkeypatch, handoff
             assert len(read) == 2 and all(x is graphs.buffers[("aux", 4, k + 1)] for x in read)
 
 
+def test_a_launch_refuses_another_verifys_fill(tmp_path):
+    """The launch copies the verify's positions and write rows: given those of another verify (here one at positions
+    300.., window 512, where this plan verified at 20.., window 256: the same [4, 4] positions) it would extend the
+    drafter at the wrong rows and hand its drafts to the next cycle, whose take() checks the plan's starts only.
+    So it takes the fill of its own plan's verify and nothing else."""
+    from splitspec.build.synthetic import write_synthetic_engines
+    from splitspec.engine.rank import RankRunner
+    from splitspec.models.layers import TPComm
+
+    eng = write_synthetic_engines(tmp_path, num_layers=1, tp_size=1, max_batch_size=4, max_seq_len=512, tiny=True)
+    k, sids = 3, [7, 2, 5]
+
+    def plan(base):
+        return CyclePlan([SeqWork(sid, single_blocks(b, 512), "decode", base + 9 * b, [11 + b], k=k,
+                                  extend_start=base - 2 + 9 * b, extend_tokens=[3 + b, 11 + b], keep_aux=2)
+                          for b, sid in enumerate(sids)], padded_k=k, ahead=True)
+
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        r = RankRunner(eng, 0, 1, TPComm(), "cpu", placements=(1,), compile=False)
+        states = {sid: torch.randn(k + 1, 3 * r.drafter.cfg.target_hidden_size, generator=g) for sid in sids}
+        fills = []
+        for base in (300, 20):
+            for sid, t in states.items():
+                r.aux[sid] = t.clone()
+            here = plan(base)
+            logits, _, verified = r.verify_padded(here, r.draft_padded(here))
+            fills.append(r.verify_fill)
+        assert fills[0][1].shape == fills[1][1].shape and fills[0][1][0, 0] == 300
+        best = logits.argmax(-1)
+        with pytest.raises(ValueError, match="another verify's"):
+            r.ahead.launch(r, here, best, verified, ([], None), fills[0])
+        assert r.ahead.pending is None
+        r.ahead.launch(r, here, best, verified, ([], None), fills[1])
+        assert r.ahead.pending is not None and r.ahead.pending.starts == (20, 29, 38)
+
+
 @pytest.fixture(scope="module")
 def tok(demo_models):
     return ChatTokenizer.from_dir(demo_models / "target")

@@ -28,6 +28,7 @@ import torch
 
 from splitspec.engine.acceptance import accepted, to_device
 from splitspec.engine.graphs import GraphCache
+from splitspec.engine.plan import CyclePlan
 from splitspec.models.batch import bucket, field_views, padded_fields
 
 
@@ -116,13 +117,14 @@ class DraftAhead:
         return bool(plan.ahead and plan.padded_k and runner.draft_tp == 1 and runner.drafter is not None)
 
     def launch(self, runner, plan, best: torch.Tensor, verified: torch.Tensor, sampled: tuple[list[int], torch.Tensor | None],
-               filled: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+               filled: tuple[CyclePlan, np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Launch on ``runner`` (a RankRunner) the draft phase of the steady cycle expected after ``plan`` — the same
         sequences, each extending over what this cycle accepts — queued behind this cycle's verify. ``best`` [B·(k+1)]
         int64: the verify's argmax per row (real sequences); ``verified`` [B_pad, k]: the drafts it verified;
         ``sampled``: the indices of the works that sample and their decisions [S, 3] on the target's device
-        (:func:`~splitspec.engine.acceptance.sampled_rows`); ``filled``: the verify's positions [B_pad, k+1], row
-        table [B_pad, S_v] and write rows [B_pad, k+1] as the host filled them (:attr:`RankRunner.verify_fill`), which
+        (:func:`~splitspec.engine.acceptance.sampled_rows`); ``filled``: the verify's plan (``plan`` itself, else
+        ValueError: another verify's rows would be copied), positions [B_pad, k+1], row table [B_pad, S_v] and write
+        rows [B_pad, k+1] as the host filled them (:attr:`RankRunner.verify_fill`), which
         the extend reuses: copied, not filled again (the table too where S_v is this draft's window; a wider one, for
         a last step past S_v, gets a table filled). The acceptance is decided on the device (a sampled
         decision, ``SeqWork.accept`` where drawn already, else greedy); the drafts wait in :attr:`pending` for
@@ -137,7 +139,9 @@ class DraftAhead:
         key = ("ahead", runner.draft_tp, Bp, k, S)
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,), (Bp,))  # positions, row table, write rows; starts, forced, every
         flat, (pos, table, rows, starts, forced, every) = self.graphs.staging(key, shapes)
-        vpos, vtable, vrows = filled  # the extend at the verify's positions and rows, over the same blocks
+        vplan, vpos, vtable, vrows = filled  # the extend at the verify's positions and rows, over the same blocks
+        if vplan is not plan:  # another verify's fill: its positions and rows are not this plan's (same shapes or not)
+            raise ValueError("draft-ahead: the filled positions and rows are another verify's, not this plan's")
         if vpos.shape != pos.shape:
             raise ValueError(f"draft-ahead: filled positions {vpos.shape}, expected this plan's {pos.shape}")
         np.copyto(pos, vpos)

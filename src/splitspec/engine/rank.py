@@ -84,9 +84,10 @@ class RankRunner:
         self.rank, self.world = rank, world
         self.capture: tuple[int, ...] = ()
         self.aux = AuxStates()
-        # the last verify's positions [B_pad, n], row table [B_pad, S] and write rows [B_pad, n]: numpy views of its
-        # staging buffer, as the host filled them; a draft launched ahead behind it copies them (DraftAhead.launch)
-        self.verify_fill: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # the last verify's plan, then its positions [B_pad, n], row table [B_pad, S] and write rows [B_pad, n]: numpy
+        # views of its staging buffer, as the host filled them; a draft launched ahead behind that verify (of that plan
+        # only) copies them (DraftAhead.launch)
+        self.verify_fill: tuple[CyclePlan, np.ndarray, np.ndarray, np.ndarray] | None = None
         # {(Bp, n): the aux states that handoff holds a copy of}, for the latest writer only (older states are never
         # handed to a draft again: it gets the last verify's or a fresh concatenation)
         self.handed: dict[tuple[int, int], torch.Tensor] = {}
@@ -282,7 +283,7 @@ class RankRunner:
         shapes = (*padded_fields(Bp, n, S), (Bp,), (Bp,))
         flat, (pos, table, rows, first, real) = self.graphs.staging(key, shapes)
         self.fill(pos, table, rows, [w.blocks for w in ws], [w.start for w in ws])
-        self.verify_fill = (pos, table, rows)
+        self.verify_fill = (plan, pos, table, rows)
         first[:B] = [w.tokens[0] for w in ws]
         real[:B] = 1
         if Bp > B:
