@@ -204,7 +204,7 @@ def kimi_report(d: dict, context: float = 0) -> None:
             print(f"| {name} | {B} | {m.bandwidth_bound_ms(B, 0):.2f} | {m.verify_ms(B, 0):.2f} | {k0:.0f} | "
                   f"k={k1}: {r1:.0f} (×{r1 / k0:.2f}) | k={k8}: {r8:.0f} (×{r8 / k0:.2f}) |")
     if context:
-        print(f"\nThe same models with each sequence's {context:g} cached keys read per layer (1152 B each, every rank) "
+        print(f"\nThe same models with each sequence's {context:g} cached keys read per layer (1152 B each, every rank, once per block of 16 query rows) "
               "against none:\n\n| machine and engine | batch | model ms/verify (k=0), 0 → context | best k, drafter TP1, 0 → context | "
               "best k, drafter TP8, 0 → context |\n|---|---|---|---|---|")
         for name, m in (("this engine's layer costs", ours), ("production-grade engine", ideal), ("PCIe, production-grade", pcie)):

@@ -26,7 +26,8 @@ def test_cost_model_script_fits_a_committed_sweep_and_plots_it(tmp_path):
 def test_context_option_prints_the_best_k_at_both_contexts(capsys):
     """--context N: the full-depth bytes models' verify and best k by batch at 0 and at N keys per sequence; without it
     no such table. The production-grade engine's batch-16 verify (k = 0) grows by 61 layers × 16 × 4096 keys × 1152 B
-    at 70% of the file's 4.27 TB/s: 28.20 → 29.74 ms."""
+    at 70% of the file's 4.27 TB/s: 28.20 → 29.74 ms (a TP8 rank's 8 heads × 1 token: one block of query rows). At
+    k 5 (6 tokens: 3 blocks) the rows cost three times that, and the drafter-TP8 best k falls from 6 to 5."""
     from pathlib import Path
 
     import cost_model
@@ -37,7 +38,7 @@ def test_context_option_prints_the_best_k_at_both_contexts(capsys):
     cost_model.main([str(data)], context=4096)
     out = capsys.readouterr().out
     assert "each sequence's 4096 cached keys read per layer" in out
-    assert "| production-grade engine | 16 | 28.20 → 29.74 | k=5: 767 → k=5: 753 | k=6: 811 → k=6: 796 |" in out
+    assert "| production-grade engine | 16 | 28.20 → 29.74 | k=5: 767 → k=5: 727 | k=6: 811 → k=5: 763 |" in out
 
 
 def test_context_option_says_when_a_file_has_no_layer_rows_to_carry_it(capsys):

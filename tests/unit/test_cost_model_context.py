@@ -1,5 +1,6 @@
 """KimiScale's context term: each sequence's cached MLA latent rows (512 latent + 64 rope values, bf16: 1152 bytes a
-key), read per layer by every TP rank, on top of the weight bytes; checked against hand-computed bytes and times."""
+key), read per layer by every TP rank once per block of 16 head × token query rows (the latent kernel's programs), on
+top of the weight bytes; checked against hand-computed bytes and times."""
 
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ BW = 4200 * 0.7 * 1e6  # bytes per ms at the default efficiency
 def test_layer_bytes_add_each_sequences_latent_rows():
     assert (DENSE, MOE_T1) == (150_863_872, 161_873_920)
     m = KimiScale(context_tokens=4096)
-    # batch 16, k 3: 64 verified tokens; the dense layer's weights do not depend on them, the rows on B × context
-    assert m.layer_bytes(64, moe=False, sequences=16) == DENSE + 16 * 4096 * 1152 == 226_361_344
+    # batch 16, k 3: 64 verified tokens; the dense layer's weights do not depend on them, the rows on B × context,
+    # read twice: a TP8 rank's 8 heads × 4 tokens of a sequence are two blocks of 16 query rows
+    assert m.layer_bytes(64, moe=False, sequences=16) == DENSE + 2 * 16 * 4096 * 1152 == 301_858_816
+    assert m.layer_bytes(16, moe=False, sequences=16) == DENSE + 16 * 4096 * 1152  # k 0: 8 rows, one block
     assert m.layer_bytes(1, moe=True, sequences=1) == pytest.approx(MOE_T1 + 4096 * ROW)
     dense_tp4 = 30_277_632 + 2 * 21_495_808 + 2 * 99_090_432  # the sharded weights twice the TP8 slices
-    # the cache is replicated on every rank: its rows do not shrink with TP, the weights do
-    assert KimiScale(context_tokens=4096, tp=4).layer_bytes(64, moe=False, sequences=16) == dense_tp4 + 16 * 4096 * ROW
+    # the cache is replicated on every rank: its rows do not shrink with TP, the weights do; 16 heads × 4 tokens: 4 blocks
+    assert KimiScale(context_tokens=4096, tp=4).layer_bytes(64, moe=False, sequences=16) == dense_tp4 + 4 * 16 * 4096 * ROW
+    assert KimiScale(context_tokens=4096, tp=1).layer_bytes(6, moe=False, sequences=1) > 24 * 4096 * ROW  # 64 × 6 / 16
     assert KimiScale().layer_bytes(64, moe=False, sequences=16) == DENSE
 
 
@@ -47,12 +51,13 @@ def test_context_zero_is_the_weights_only_model():
 def test_verify_and_bound_grow_by_the_rows_read():
     base, long = KimiScale(), KimiScale(context_tokens=4096)
     rows = 61 * 16 * 4096 * ROW  # every layer, 16 sequences
-    assert long.verify_ms(16, 3) - base.verify_ms(16, 3) == pytest.approx(rows / BW)
-    assert long.bandwidth_bound_ms(16, 3) - base.bandwidth_bound_ms(16, 3) == pytest.approx(rows / 4.2e9)
+    assert long.bandwidth_bound_ms(16, 3) - base.bandwidth_bound_ms(16, 3) == pytest.approx(2 * rows / 4.2e9)
     assert long.verify_ms(16, 3) > KimiScale(context_tokens=1024).verify_ms(16, 3) > base.verify_ms(16, 3)
-    # the rows are read once per sequence whatever k: the cost of a verify of 4 tokens grows by the same amount as 1's
+    # k 3 at TP8 reads them twice (two blocks of 16 query rows), k 0 and 1 once
+    assert long.verify_ms(16, 3) - base.verify_ms(16, 3) == pytest.approx(2 * rows / BW)
     assert long.verify_ms(16, 0) - base.verify_ms(16, 0) == pytest.approx(rows / BW)
-    assert long.cycle_ms(16, 3, "tp1") - base.cycle_ms(16, 3, "tp1") == pytest.approx(rows / BW)
+    assert long.verify_ms(16, 1) - base.verify_ms(16, 1) == pytest.approx(rows / BW)
+    assert long.cycle_ms(16, 3, "tp1") - base.cycle_ms(16, 3, "tp1") == pytest.approx(2 * rows / BW)
 
 
 @pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf")])
@@ -75,11 +80,12 @@ def test_depth_fit_mode_refuses_a_context():
     assert KimiScale.from_depth_fit(fit).verify_ms(1, 0) > 0  # context 0 (the default) is taken
 
 
-def test_a_long_context_moves_the_best_k_up():
-    """The rows are a per-cycle cost that does not grow with k, so at a long context more drafts pay: batch 4's best k
-    with the drafter on one GPU goes from 2 to 3 at 32768 keys per sequence."""
-    ks = [best_k(KimiScale(context_tokens=c), 4, "tp1", KIMI_DRAFTER_PROFILE)[0] for c in (0, 32768)]
-    assert ks == [2, 3]
+def test_a_long_context_moves_the_best_k_down():
+    """A verify of more tokens per sequence reads the rows in more blocks (TP8: 2 blocks from k 2, 3 from k 4), so at a
+    long context fewer drafts pay: with the drafter on one GPU batch 4's best k goes from 2 to 1 and batch 16's from 5
+    to 3 at 32768 keys per sequence; at batch 1 the rows are a small share and k stays 3."""
+    for B, want in ((1, [3, 3]), (4, [2, 1]), (16, [5, 3])):
+        assert [best_k(KimiScale(context_tokens=c), B, "tp1", KIMI_DRAFTER_PROFILE)[0] for c in (0, 32768)] == want, B
 
 
 @pytest.mark.parametrize("good, want", [(np.int64(4096), 4096.0), (np.float32(512.5), 512.5), (Fraction(1, 2), 0.5),
@@ -101,3 +107,11 @@ def test_a_huge_integer_context_is_shown_short():
     with pytest.raises(ValueError, match=r"context_tokens: a number past 1e\+308, expected") as e:
         KimiScale(context_tokens=10 ** 5000)  # its repr would pass Python's 4300-digit limit
     assert len(str(e.value)) < 200
+
+
+def test_the_models_block_of_query_rows_is_the_kernels():
+    """The cost model counts the rows once per block of the latent kernel's query rows: the same 16 as the kernel's."""
+    from splitspec.measure import cost_model
+    from splitspec.models import paged_attention
+
+    assert cost_model.LATENT_BLOCK_M == paged_attention.LATENT_BLOCK_M

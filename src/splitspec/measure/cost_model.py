@@ -19,6 +19,7 @@ at a few short depths of the same engine form (``bench/depth_fit.py``), carried 
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ KIMI_EXPERTS, KIMI_TOPK = 384, 8
 INT4_G32_BYTES = 0.5 + 2 / 32
 #: Bytes of one cached key in the target's MLA latent cache: kv_lora_rank 512 + qk_rope_head_dim 64 values, bf16.
 MLA_LATENT_ROW_BYTES = (512 + 64) * 2
+#: Kimi-K2's attention heads, and the query rows (head × token of one sequence) per program of the latent kernel
+#: (``splitspec.models.paged_attention.LATENT_BLOCK_M``): each block of them reads the sequence's latent rows anew.
+KIMI_HEADS, LATENT_BLOCK_M = 64, 16
 #: The most cached keys per sequence :attr:`KimiScale.context_tokens` takes (far past any model's context; above it
 #: the figures overflow to inf and best k to 0 tokens/s).
 MAX_CONTEXT_TOKENS = 1e9
@@ -169,10 +173,14 @@ class KimiScale:
     per layer and rank, bytes read = attention (replicated MLA down-projections + this rank's heads) +
     E(T) experts' slices (``routed_expert_weight_bytes`` per weight: 2 in bf16, :data:`INT4_G32_BYTES` for the
     INT4 experts of K2-Thinking / K2.5) + shared expert slice (bf16) + router + the latent cache rows the verify's
-    attention reads, B · ``context_tokens`` · :data:`MLA_LATENT_ROW_BYTES` (the cache is whole on every rank and each
-    rank's heads read all of it, so this term does not shrink with ``tp``; each sequence's rows counted once per layer,
-    as the latent kernel's programs share them, ``splitspec.models.paged_attention.attend_latent``; the drafter's own
-    KV cache is not counted); time = bytes / (hbm_GBps · efficiency) +
+    attention reads, B · ``context_tokens`` · :data:`MLA_LATENT_ROW_BYTES` · ⌈(64 / tp) · (k + 1) / 16⌉ (the cache is
+    whole on every rank and each rank's heads read all of it, so this term does not shrink with ``tp``; the latent
+    kernel, ``splitspec.models.paged_attention.attend_latent``, gives each program 16 of a sequence's head × token
+    query rows and each program reads the rows again: on one H100 a TP8 rank's dense layer at 16 sequences grew by
+    28 µs from 256 to 4096 keys at k 0 (one block) and by 56 µs at k 3 (two), against 25 and 50 µs for these bytes at
+    70 % of the copy bandwidth, docs/lab/2026-12-06-h100-latent-window-sweep; at batch 1 the growth, 15 µs, is the
+    kernel's serial walk, not bytes, and this term undercounts it; the drafter's own KV cache is not counted); time =
+    bytes / (hbm_GBps · efficiency) +
     layer_overhead_us + 2 all-reduces of T·7168 bf16 (α + bytes/β). The drafter's step costs
     draft_step_tp1_ms at TP1, or draft_step_shard_ms + 3 collectives (2 all-reduces, 1 all-gather) sharded. A cycle
     is fixed_cycle_ms (the host's part) + k draft steps + the verify, or with ``draft_ahead`` (a TP1 drafter with k > 0,
@@ -267,10 +275,12 @@ class KimiScale:
     def layer_bytes(self, tokens: int, moe: bool, sequences: int) -> float:
         """Bytes one rank reads in one layer of a verify of ``tokens`` tokens (all sequences together) from
         ``sequences`` sequences: the weights (dense MLP, or the MoE layer's experts for those tokens) and the
-        sequences' latent cache rows at :attr:`context_tokens` keys each (class docstring)."""
+        sequences' latent cache rows at :attr:`context_tokens` keys each, once per block of query rows (class
+        docstring; ``tokens`` / ``sequences`` tokens per sequence)."""
         H, tp = self.H, self.tp
+        blocks = math.ceil(KIMI_HEADS / tp * tokens / sequences / LATENT_BLOCK_M)
         attn = (H * (1536 + 576) * 2 + (1536 * 64 * 192 + 64 * 128 * 512 * 2 + 64 * 128 * H) * 2 / tp
-                + sequences * self.context_tokens * MLA_LATENT_ROW_BYTES)
+                + sequences * self.context_tokens * MLA_LATENT_ROW_BYTES * blocks)
         if not moe:
             return attn + 3 * H * 18432 * 2 / tp
         expert = 3 * H * 2048 / tp  # weights of one expert's slice on this rank
