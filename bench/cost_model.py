@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from splitspec.files import write_png
-from splitspec.measure.cost_model import (FEATURES, INT4_G32_BYTES, MAX_CONTEXT_TOKENS, KimiScale, best_k,
+from splitspec.measure.cost_model import (FEATURES, INT4_G32_BYTES, LATENT_BLOCK_M, MLA_LATENT_ROW_BYTES, KimiScale, best_k,
                                          expected_acceptance_length, fit_cycle_model, fit_layer_costs)
 from splitspec.build.synthetic import KIMI_DRAFTER_PROFILE
 
@@ -204,7 +204,7 @@ def kimi_report(d: dict, context: float = 0) -> None:
             print(f"| {name} | {B} | {m.bandwidth_bound_ms(B, 0):.2f} | {m.verify_ms(B, 0):.2f} | {k0:.0f} | "
                   f"k={k1}: {r1:.0f} (×{r1 / k0:.2f}) | k={k8}: {r8:.0f} (×{r8 / k0:.2f}) |")
     if context:
-        print(f"\nThe same models with each sequence's {context:g} cached keys read per layer (1152 B each, every rank, once per block of 16 query rows) "
+        print(f"\nThe same models with each sequence's {context:g} cached keys read per layer ({MLA_LATENT_ROW_BYTES} B each, every rank, once per block of {LATENT_BLOCK_M} query rows) "
               "against none:\n\n| machine and engine | batch | model ms/verify (k=0), 0 → context | best k, drafter TP1, 0 → context | "
               "best k, drafter TP8, 0 → context |\n|---|---|---|---|---|")
         for name, m in (("this engine's layer costs", ours), ("production-grade engine", ideal), ("PCIe, production-grade", pcie)):
@@ -295,8 +295,10 @@ if __name__ == "__main__":
     ap.add_argument("--context", type=float, default=0.0,
                     help="cached keys per sequence a verify attends over, for the full-depth bytes model (default 0: weights only)")
     a = ap.parse_args()
-    if not 0 <= a.context <= MAX_CONTEXT_TOKENS:  # nan fails too
-        ap.error(f"--context {a.context:g}: expected a number of keys ≥ 0 and ≤ {MAX_CONTEXT_TOKENS:g}")
+    try:  # the model's own check, before any file is read
+        KimiScale(context_tokens=a.context)
+    except ValueError as e:
+        ap.error(f"--context {a.context:g}: {str(e).split(', ', 1)[-1]}")
     if a.png is not None:
         try:
             a.png.mkdir(parents=True, exist_ok=True)
